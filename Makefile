@@ -1,0 +1,28 @@
+# Every target does its own set-up: a fresh machine needs nothing but Python 3.11.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo plan test bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+setup: $(BIN)/python
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+
+# The main job on an embedded default: plan a GPT for a 2x4 mesh of H100s and print the plan.
+demo: setup
+	$(BIN)/python -m partitioner plan partitioner.models:gpt_demo --mesh 2x4 --cluster h100 --budget 80GiB --json out/plan.json
+
+test: setup
+	$(BIN)/python -m pytest tests
+
+bench: setup
+	$(BIN)/python benchmarks/plan_time.py
+	$(BIN)/python benchmarks/plan_quality.py
+
+clean:
+	rm -rf $(VENV) out
