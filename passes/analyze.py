@@ -1,0 +1,98 @@
+"""Analysis pass: what each node is, its shapes, FLOPs and bytes, and its module path.
+
+Writes ``node.meta["partita.info"]`` (a :class:`NodeInfo`) on every node of a captured graph:
+the node's kind (parameter, buffer, input, op, output, or an ignored assertion), the
+parameter / buffer / argument name, the innermost module path from ``nn_module_stack`` (so
+plans read in the user's terms), output shapes and dtype, forward FLOPs from the op's rule,
+whether a gradient flows through it, and whether backward keeps it alive.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from passes.capture import CapturedGraph
+from passes.rules import IGNORED_OPS, op_view, rule_for
+
+__all__ = ["NodeInfo", "analyze", "info"]
+
+META_KEY = "partita.info"
+
+
+@dataclass
+class NodeInfo:
+    kind: str
+    """``param``, ``buffer``, ``input``, ``op``, ``output`` or ``ignored``."""
+    name: str
+    """Parameter / buffer FQN, the user's argument name, or the node name."""
+    module_path: str
+    """Innermost module that produced the node ("" for the top level)."""
+    out_shapes: tuple
+    dtype: object
+    flops: float = 0.0
+    requires_grad: bool = False
+    saved: bool = False
+    """Some consumer needs this value in backward (it counts as activation memory)."""
+
+    @property
+    def shape(self):
+        return self.out_shapes[0] if self.out_shapes else None
+
+
+def info(node: fx.Node) -> NodeInfo:
+    return node.meta[META_KEY]
+
+
+def _shapes(val):
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    return tuple(tuple(int(s) for s in v.shape) if isinstance(v, torch.Tensor) else None for v in vals)
+
+
+def _dtype(val):
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    for v in vals:
+        if isinstance(v, torch.Tensor):
+            return v.dtype
+    return None
+
+
+def module_path_of(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path if isinstance(path, str) else str(path)
+
+
+def analyze(cap: CapturedGraph) -> None:
+    """Annotate every node of ``cap.graph`` in place."""
+    for node in cap.graph.nodes:
+        val = node.meta.get("val")
+        shapes, dtype = _shapes(val), _dtype(val)
+        if node.op == "placeholder":
+            if node.name in cap.params:
+                fqn = cap.params[node.name]
+                node.meta[META_KEY] = NodeInfo("param", fqn, fqn.rpartition(".")[0], shapes, dtype,
+                                               requires_grad=True)
+            elif node.name in cap.buffers:
+                fqn = cap.buffers[node.name]
+                node.meta[META_KEY] = NodeInfo("buffer", fqn, fqn.rpartition(".")[0], shapes, dtype)
+            else:
+                name = cap.input_names.get(node.name, node.name)
+                node.meta[META_KEY] = NodeInfo("input", name, "", shapes, dtype)
+        elif node.op == "output":
+            node.meta[META_KEY] = NodeInfo("output", "output", "", (), None)
+        elif node.op == "call_function" and (node.target in IGNORED_OPS or val is None):
+            node.meta[META_KEY] = NodeInfo("ignored", node.name, module_path_of(node), (), None)
+        else:
+            rule = rule_for(node)
+            grads = any(isinstance(a, fx.Node) and info(a).requires_grad for a in node.all_input_nodes)
+            floating = dtype is not None and dtype.is_floating_point
+            node.meta[META_KEY] = NodeInfo("op", node.name, module_path_of(node), shapes, dtype,
+                                           flops=rule.flops(op_view(node)), requires_grad=grads and floating)
+    for node in cap.graph.nodes:
+        if node.op == "call_function" and info(node).kind == "op" and rule_for(node).saves_inputs:
+            for a in node.all_input_nodes:
+                a.meta[META_KEY].saved = True

@@ -1,0 +1,110 @@
+"""Capture: ``nn.Module`` + example inputs -> an aten-level ``torch.fx`` graph.
+
+Decision 1 of DESIGN.md: ``torch.export.export(strict=False)``. Parameters and buffers come
+out as placeholders (the graph signature maps them to their fully qualified names); every
+node carries ``meta["val"]`` (a FakeTensor: shape and dtype) and ``meta["nn_module_stack"]``.
+Models built on the ``meta`` device capture without memory: example inputs are moved to
+``meta`` too. A failure is re-raised as :class:`CaptureError` naming the construct that export
+could not handle and what to try.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+__all__ = ["CaptureError", "CapturedGraph", "capture", "describe_captured"]
+
+
+class CaptureError(RuntimeError):
+    """The model could not be captured as a graph."""
+
+
+@dataclass
+class CapturedGraph:
+    """The captured program and what each placeholder stands for."""
+
+    graph_module: fx.GraphModule
+    exported: object
+    """The ``torch.export.ExportedProgram``."""
+    params: dict
+    """placeholder name -> parameter FQN."""
+    buffers: dict
+    """placeholder name -> buffer / constant FQN."""
+    user_inputs: list
+    """placeholder names of the user's inputs, in call order."""
+    input_names: dict
+    """placeholder name -> the user's argument name (``input_ids``, ``args[0]``, ...)."""
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.graph_module.graph
+
+
+def _split_inputs(example_inputs):
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise TypeError(
+        f"example_inputs must be a tuple of positional arguments or a dict of keyword arguments, "
+        f"got {type(example_inputs).__name__}")
+
+
+def _on_meta(model: torch.nn.Module) -> bool:
+    tensors = list(model.parameters()) + list(model.buffers())
+    return bool(tensors) and all(t.is_meta for t in tensors)
+
+
+def _hint_for(message: str) -> str:
+    if "data-dependent" in message or "GuardOnDataDependentSymNode" in message:
+        return ("the model branches on tensor values; replace the Python `if`/`.item()` on a tensor "
+                "with torch.where / torch.cond, or pass inputs that avoid that branch")
+    if "Unsupported" in message or "not supported" in message:
+        return "rewrite that construct with plain torch ops, or capture a submodule that avoids it"
+    return "check that the model runs eagerly on these example inputs; then simplify the construct named above"
+
+
+def capture(model: torch.nn.Module, example_inputs) -> CapturedGraph:
+    """Export ``model`` on ``example_inputs`` (a tuple of positional args or a dict of kwargs)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    args, kwargs = _split_inputs(example_inputs)
+    if _on_meta(model):
+        to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
+        args = torch.utils._pytree.tree_map(to_meta, args)
+        kwargs = torch.utils._pytree.tree_map(to_meta, kwargs)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            exported = torch.export.export(model, args, kwargs, strict=False)
+    except Exception as exc:  # export raises many types; all become one clear error
+        message = str(exc).strip()
+        first = next((line for line in message.splitlines() if line.strip()), type(exc).__name__)
+        where = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', message)
+        site = f" (at {where[-1][0]}:{where[-1][1]} in {where[-1][2]})" if where else ""
+        raise CaptureError(
+            f"could not capture {type(model).__name__} with torch.export: {type(exc).__name__}: "
+            f"{first[:400]}{site}. What to do: {_hint_for(message)}.") from exc
+
+    signature = exported.graph_signature
+    params = dict(signature.inputs_to_parameters)
+    buffers = dict(signature.inputs_to_buffers)
+    buffers.update(getattr(signature, "inputs_to_lifted_tensor_constants", {}) or {})
+    user_inputs = list(signature.user_inputs)
+    names = [f"args[{i}]" for i in range(len(args))] + list(kwargs)
+    input_names = dict(zip(user_inputs, names)) if len(names) == len(user_inputs) else {n: n for n in user_inputs}
+    gm = exported.graph_module
+    return CapturedGraph(graph_module=gm, exported=exported, params=params, buffers=buffers,
+                         user_inputs=user_inputs, input_names=input_names)
+
+
+def describe_captured(cap: CapturedGraph) -> str:
+    n = sum(1 for node in cap.graph.nodes if node.op == "call_function")
+    return f"{n} ops, {len(cap.params)} parameters, {len(cap.user_inputs)} inputs"
+

@@ -1,0 +1,138 @@
+"""The cost model: seconds and bytes for compute, collectives, resharding and memory.
+
+Pure functions of shapes, placements, the mesh shape and a cluster description (decision 4).
+
+Collectives on a mesh axis of n devices, ring algorithms, ``payload`` the buffer named below:
+
+================  ==========================  ==================  ============
+kind              payload                      bytes on the wire   ring steps
+================  ==========================  ==================  ============
+all_reduce        the buffer                   2 (n-1)/n payload   2 (n-1)
+all_gather        the gathered (output) buffer (n-1)/n payload     n-1
+reduce_scatter    the full (input) buffer      (n-1)/n payload     n-1
+all_to_all        the local buffer             (n-1)/n payload     n-1
+================  ==========================  ==================  ============
+
+time = ``collective_overhead_s + steps * latency_s + wire_bytes / bandwidth``. Reported
+communication volumes (``comm_bytes``) are payloads: the Megatron formula's "2 all-reduces
+of b*s*h elements" reads directly off them, and the runtime counts the same buffers.
+
+Resharding ``src -> dst`` walks the mesh axes in order; on each axis that changes:
+``S->R`` all-gather, ``S->S'`` all-to-all, ``P->R`` all-reduce, ``P->S`` reduce-scatter,
+``S->P`` all-gather, ``R->S`` and ``R->P`` are local (slice, or keep one rank's share).
+
+Backward mirrors forward: the gradient flowing back along an edge goes from the placement
+the consumer produces for it (``AxisStrategy.grad_placement``) to the dual of the producer's
+output placement (``Shard`` stays, ``Replicate`` and ``Partial`` need ``Replicate``). This
+one rule yields Megatron's backward all-reduce (replicated input, column-sharded weight) and
+data-parallel gradient synchronisation (replicated parameter, batch-sharded compute).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from passes.placements import R, Partial, Shard, shard_degree
+
+__all__ = ["Collective", "collective_time", "reshard", "reshard_time", "dual_spec",
+           "dtype_bytes", "local_bytes", "compute_time", "param_state_bytes"]
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    axis: int
+    payload_bytes: float
+
+
+def dtype_bytes(dtype) -> int:
+    if dtype is None:
+        return 4
+    try:
+        return torch.empty((), dtype=dtype).element_size()
+    except (TypeError, RuntimeError):
+        return 4
+
+
+def local_bytes(shape, spec, mesh_shape, elem: int) -> float:
+    numel = math.prod(shape) if shape else 1
+    for dim in range(len(shape or ())):
+        numel /= shard_degree(spec, mesh_shape, dim)
+    return numel * elem
+
+
+_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
+          "reduce_scatter": lambda n: n - 1, "all_to_all": lambda n: n - 1}
+_WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+         "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
+
+
+def collective_time(c: Collective, mesh_shape, cluster) -> float:
+    n = mesh_shape[c.axis]
+    if n <= 1 or c.payload_bytes <= 0:
+        return 0.0
+    link = cluster.link_for_axis(mesh_shape, c.axis)
+    return (cluster.collective_overhead_s + _STEPS[c.kind](n) * link.latency_s
+            + _WIRE[c.kind](n) * c.payload_bytes / link.bandwidth)
+
+
+def reshard(src, dst, shape, mesh_shape, elem: int) -> list:
+    """The collectives that turn a tensor placed ``src`` into ``dst`` (both full specs)."""
+    if src == dst or src is None or dst is None:
+        return []
+    shape = tuple(shape or ())
+    current = list(src)
+    out = []
+    for axis, (p, q) in enumerate(zip(src, dst)):
+        if p == q:
+            continue
+        here = local_bytes(shape, tuple(current), mesh_shape, elem)
+        n = mesh_shape[axis]
+        if isinstance(p, Shard):
+            if isinstance(q, Shard):
+                out.append(Collective("all_to_all", axis, here))
+            else:
+                out.append(Collective("all_gather", axis, here * n))
+        elif isinstance(p, Partial):
+            if isinstance(q, Shard):
+                out.append(Collective("reduce_scatter", axis, here))
+            else:
+                out.append(Collective("all_reduce", axis, here))
+        current[axis] = q
+    return [c for c in out if mesh_shape[c.axis] > 1]
+
+
+def reshard_time(src, dst, shape, mesh_shape, elem: int, cluster) -> float:
+    return sum(collective_time(c, mesh_shape, cluster) for c in reshard(src, dst, shape, mesh_shape, elem))
+
+
+def dual_spec(spec):
+    """The placement a tensor's gradient must reach: Shard stays, R and P need R."""
+    if spec is None:
+        return None
+    return tuple(p if isinstance(p, Shard) else R for p in spec)
+
+
+def compute_time(flops: float, mem_bytes: float, dtype, contraction: bool, cluster) -> float:
+    """Roofline: the slower of math and memory traffic."""
+    name = str(dtype).replace("torch.", "") if dtype is not None else "float32"
+    peak = cluster.flops_for(name) if contraction else cluster.flops_for("float32")
+    return max(flops / (peak * cluster.matmul_efficiency), mem_bytes / cluster.memory_bandwidth)
+
+
+def param_state_bytes(numel: float, elem: int, optimizer: str | None) -> float:
+    """Parameter + gradient + optimizer state per parameter.
+
+    fp32 Adam: 4 + 4 + 8 = 16 bytes. Low-precision parameters keep an fp32 master copy and
+    fp32 moments: 2 + 2 + 4 + 8. SGD keeps no state; ``None`` counts the parameter only.
+    """
+    if optimizer is None:
+        return numel * elem
+    grad = elem
+    if optimizer == "sgd":
+        return numel * (elem + grad)
+    state = 8 if elem >= 4 else 12
+    return numel * (elem + grad + state)
+

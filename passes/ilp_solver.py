@@ -1,0 +1,96 @@
+"""The intra-op ILP (decision 5 of DESIGN.md), solved by HiGHS through ``scipy.optimize.milp``.
+
+Given groups ``g`` with options ``i`` (node cost ``c[g,i]`` seconds, memory ``m[g,i]`` bytes)
+and edges ``e = (g, h)`` whose cost depends only on the class ``o = cls_g(i)`` of the
+producer's option and the class ``s = cls_h(j)`` of the consumer's option (``C_e[o, s]``):
+
+    minimise    sum_{g,i} c[g,i] x[g,i]  +  sum_e sum_{o,s} C_e[o,s] f[e,o,s]
+    subject to  sum_i x[g,i] = 1                                   (one option per group)
+                sum_s f[e,o,s] = sum_{i: cls_g(i)=o} x[g,i]         (flow leaves the producer's class)
+                sum_o f[e,o,s] = sum_{j: cls_h(j)=s} x[h,j]         (and arrives at the consumer's)
+                sum_{g,i} m[g,i] x[g,i] <= budget                  (memory per device)
+                x binary, f >= 0
+
+The two flow families are the transportation form of the product ``x[g,i] x[h,j]``: at an
+integer ``x`` the only feasible ``f`` is the product, and the relaxation is much tighter than
+``f >= x + x' - 1``. Classes (distinct placements on the edge) keep ``f`` small. With
+``objective="memory"`` the memory sum is minimised instead, with time as a tie-break.
+"""
+from __future__ import annotations
+
+import numpy as np
+from scipy.optimize import LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+__all__ = ["IlpResult", "solve_ilp", "min_memory"]
+
+
+class IlpResult:
+    def __init__(self, choice, objective, status, message):
+        self.choice = choice
+        self.objective = objective
+        self.status = status
+        self.message = message
+
+
+def min_memory(costs_memory: list) -> float:
+    """The least memory any assignment needs (memory has no edge terms, so it separates)."""
+    return float(sum(np.min(m) for m in costs_memory))
+
+
+def solve_ilp(node_costs: list, memories: list, edges: list, *, budget: float | None = None,
+              objective: str = "time", time_limit: float = 60.0, gap: float = 1e-6) -> IlpResult:
+    """``edges``: list of (g, h, cls_g, cls_h, matrix) as numpy arrays."""
+    offsets = np.cumsum([0] + [len(c) for c in node_costs])
+    n_x = int(offsets[-1])
+    flow_offsets = [n_x]
+    for (_, _, _, _, m) in edges:
+        flow_offsets.append(flow_offsets[-1] + m.size)
+    n = flow_offsets[-1]
+
+    c = np.zeros(n)
+    x_cost = np.concatenate(node_costs) if node_costs else np.zeros(0)
+    x_mem = np.concatenate(memories) if memories else np.zeros(0)
+    if objective == "memory":
+        scale = max(1.0, float(np.abs(x_mem).max(initial=1.0)))
+        c[:n_x] = x_mem / scale + 1e-9 * x_cost
+    else:
+        c[:n_x] = x_cost
+    rows, cols, vals, lo, hi = [], [], [], [], []
+    n_groups = len(node_costs)
+    sizes = np.diff(offsets)
+    rows.append(np.repeat(np.arange(n_groups), sizes)), cols.append(np.arange(n_x)), vals.append(np.ones(n_x))
+    lo.append(np.ones(n_groups)), hi.append(np.ones(n_groups))
+    r = n_groups
+    for e, (g, h, cls_g, cls_h, m) in enumerate(edges):
+        base = flow_offsets[e]
+        n_src, n_dst = m.shape
+        c[base:base + m.size] = m.ravel() if objective != "memory" else 1e-9 * m.ravel()
+        flows = base + np.arange(m.size)
+        # producer side: one row per source class
+        rows.append(r + np.repeat(np.arange(n_src), n_dst)), cols.append(flows), vals.append(np.ones(m.size))
+        rows.append(r + np.asarray(cls_g)), cols.append(offsets[g] + np.arange(len(cls_g))), vals.append(-np.ones(len(cls_g)))
+        r += n_src
+        # consumer side: one row per destination class
+        rows.append(r + np.tile(np.arange(n_dst), n_src)), cols.append(flows), vals.append(np.ones(m.size))
+        rows.append(r + np.asarray(cls_h)), cols.append(offsets[h] + np.arange(len(cls_h))), vals.append(-np.ones(len(cls_h)))
+        r += n_dst
+        lo.append(np.zeros(n_src + n_dst)), hi.append(np.zeros(n_src + n_dst))
+    rows, cols, vals = np.concatenate(rows), np.concatenate(cols), np.concatenate(vals)
+    lo, hi = np.concatenate(lo), np.concatenate(hi)
+    constraints = [LinearConstraint(coo_matrix((vals, (rows, cols)), shape=(r, n)).tocsr(), lo, hi)]
+    if budget is not None:
+        mem_row = np.zeros(n)
+        mem_row[:n_x] = x_mem
+        constraints.append(LinearConstraint(mem_row.reshape(1, -1), -np.inf, budget))
+    integrality = np.zeros(n)
+    integrality[:n_x] = 1
+    res = milp(c, constraints=constraints, integrality=integrality, bounds=(0, 1),
+               options={"time_limit": time_limit, "mip_rel_gap": gap, "disp": False})
+    if res.x is None:
+        return IlpResult(None, None, res.status, res.message)
+    choice = [int(np.argmax(res.x[offsets[g]:offsets[g + 1]])) for g in range(len(node_costs))]
+    total = float(sum(node_costs[g][i] for g, i in enumerate(choice)))
+    for (g, h, cls_g, cls_h, m) in edges:
+        total += float(m[cls_g[choice[g]], cls_h[choice[h]]])
+    return IlpResult(choice, total, res.status, res.message)

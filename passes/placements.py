@@ -1,0 +1,92 @@
+"""Placement specs: one DTensor placement per mesh axis, and what they imply for a tensor.
+
+A *spec* is a tuple with one ``Shard(dim)`` / ``Replicate()`` / ``Partial()`` per mesh axis
+(DTensor's vocabulary, decision 2 of DESIGN.md). A dim sharded on several axes is split by
+the product of their sizes, outer axis first. This module holds the pure helpers: text form
+(``"S(0)"``, ``"R"``, ``"P"``), local shapes and the divisibility test that decides whether a
+spec is admissible for a shape (Partita shards evenly, so lowering never pads).
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Sequence
+
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+__all__ = [
+    "Shard", "Replicate", "Partial", "Placement", "R", "P", "Spec",
+    "format_placement", "parse_placement", "format_spec", "parse_spec",
+    "local_shape", "shard_degree", "spec_fits", "replicated",
+]
+
+R = Replicate()
+P = Partial()
+Spec = tuple  # tuple[Placement, ...], one per mesh axis
+
+
+def format_placement(p: Placement) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Partial):
+        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
+    return "R"
+
+
+_PLACEMENT_RE = re.compile(r"^\s*(?:(S|Shard)\((-?\d+)\)|(R|Replicate)(?:\(\))?|(P|Partial)(?:\((\w*)\))?)\s*$")
+
+
+def parse_placement(text) -> Placement:
+    """``"S(0)"``, ``"Shard(0)"``, ``"R"``, ``"P"``, ``"P(max)"`` or a Placement object."""
+    if isinstance(text, Placement):
+        return text
+    m = _PLACEMENT_RE.match(str(text))
+    if not m:
+        raise ValueError(f"cannot read placement {text!r}: use 'S(dim)', 'R' or 'P'")
+    if m.group(1):
+        return Shard(int(m.group(2)))
+    if m.group(3):
+        return R
+    return Partial(m.group(5) or "sum")
+
+
+def format_spec(spec: Sequence[Placement]) -> str:
+    return "[" + ", ".join(format_placement(p) for p in spec) + "]"
+
+
+def parse_spec(value, ndim: int) -> Spec:
+    """A spec from a list of placements/strings, or a string like ``"[S(0), R]"``."""
+    if isinstance(value, str):
+        body = value.strip().strip("[]()")
+        items = [s for s in re.split(r",\s*(?![^()]*\))", body) if s.strip()]
+    else:
+        items = list(value)
+    spec = tuple(parse_placement(v) for v in items)
+    if len(spec) != ndim:
+        raise ValueError(f"placement {value!r} has {len(spec)} entries; the mesh has {ndim} axes")
+    return spec
+
+
+def replicated(ndim: int) -> Spec:
+    return (R,) * ndim
+
+
+def shard_degree(spec: Spec, mesh_shape: Sequence[int], dim: int) -> int:
+    """How many pieces tensor dim ``dim`` is cut into under ``spec``."""
+    return math.prod(n for p, n in zip(spec, mesh_shape) if isinstance(p, Shard) and p.dim == dim)
+
+
+def spec_fits(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> bool:
+    """True when every sharded dim exists and divides evenly by its shard degree."""
+    for p in spec:
+        if isinstance(p, Shard) and not (0 <= p.dim < len(shape)):
+            return False
+    for dim, size in enumerate(shape):
+        k = shard_degree(spec, mesh_shape, dim)
+        if k > 1 and size % k:
+            return False
+    return True
+
+
+def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> tuple:
+    return tuple(size // shard_degree(spec, mesh_shape, dim) for dim, size in enumerate(shape))

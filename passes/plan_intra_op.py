@@ -1,0 +1,214 @@
+"""Intra-op planning: build the space, solve the ILP, write the decision on every node.
+
+``plan_intra_op`` runs blocks -> strategy space -> ILP and returns an :class:`IntraOpResult`
+whose ``records`` describe every node of the real graph (its placements, local shapes,
+compute time, the collectives on its incoming edges in both directions, memory) as plain
+JSON-ready dicts, together with the solver's alternatives for each decision (for
+``explain``). Each node also gets ``node.meta["partita.choice"]`` (its NodeChoice).
+
+The per-record costs add up to the ILP objective exactly: the plan's estimate is the same
+arithmetic the solver optimised.
+"""
+from __future__ import annotations
+
+import operator
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch.fx as fx
+
+from passes.analyze import info
+from passes.blocks import find_blocks
+from passes.cost_model import Collective, collective_time, dtype_bytes
+from passes.ilp_solver import min_memory, solve_ilp
+from passes.placements import format_spec, local_shape
+from passes.rules import op_name, tensor_input_nodes
+from passes.strategy_space import build_space, edge_collectives
+
+__all__ = ["InfeasibleBudgetError", "IntraOpResult", "plan_intra_op"]
+
+CHOICE_KEY = "partita.choice"
+
+
+class InfeasibleBudgetError(ValueError):
+    """No plan fits the memory budget."""
+
+
+@dataclass
+class IntraOpResult:
+    records: list
+    alternatives: dict
+    blocks: list
+    stats: dict = field(default_factory=dict)
+
+
+def _fmt_specs(specs):
+    return [None if s is None else format_spec(s) for s in specs]
+
+
+def _collective_dicts(collectives, phase, input_index, mesh_shape, cluster, axis_names):
+    return [{"kind": c.kind, "axis": axis_names[c.axis], "bytes": float(c.payload_bytes), "phase": phase,
+             "input": input_index, "time_s": collective_time(c, mesh_shape, cluster)} for c in collectives]
+
+
+def _node_record(node, choice, space, axis_names, rep_node):
+    i = info(node)
+    mesh = space.mesh_shape
+    cluster = space.cluster
+    rec = {
+        "name": node.name, "kind": i.kind, "module": i.module_path,
+        "target": op_name(node.target) if node.op == "call_function" else node.op,
+        "fqn": i.name if i.kind in ("param", "buffer", "input") else None,
+        "shapes": [list(s) if s is not None else None for s in i.out_shapes],
+        "dtype": str(i.dtype).replace("torch.", "") if i.dtype is not None else None,
+        "inputs": [a.name for a in tensor_input_nodes(node)],
+        "rep": rep_node.name,
+    }
+    if choice is None:
+        rec.update(out=[], ins=[], local_shapes=[], comm=[], compute_s=0.0, memory=0.0)
+        return rec
+    rec["out"] = _fmt_specs(choice.out)
+    rec["ins"] = _fmt_specs(choice.ins)
+    rec["local_shapes"] = [list(local_shape(s, sp, mesh)) if s is not None and sp is not None else None
+                           for s, sp in zip(i.out_shapes, choice.out)]
+    rec["compute_s"] = float(choice.compute_s)
+    rec["memory"] = float(choice.memory)
+    comm = []
+    strategy = choice.strategy
+    if strategy is not None:
+        split = strategy.compute_split(mesh)
+        for ax, a in enumerate(strategy.axes):
+            if a.note:
+                rec["note"] = a.note
+            for kind, phase, elements in a.extra:
+                payload = elements * dtype_bytes(i.dtype) * mesh[ax] / split
+                comm += _collective_dicts([Collective(kind, ax, payload)], phase, None, mesh, cluster, axis_names)
+    rec["comm"] = comm
+    return rec
+
+
+def _edge_comm(node, choices, space, axis_names):
+    """Collectives on the edges into ``node`` (forward and backward)."""
+    mesh = space.mesh_shape
+    out = []
+    mine = choices.get(node)
+    for k, u in enumerate(tensor_input_nodes(node)):
+        if info(u).kind == "ignored" or choices.get(u) is None:
+            continue
+        if node.op == "call_function" and node.target is operator.getitem:
+            continue
+        if node.op == "output":
+            from passes.placements import replicated
+            dst, grad = replicated(len(mesh)), None
+        else:
+            if mine is None or mine.ins[k] is None:
+                continue
+            dst = mine.ins[k]
+            grad = mine.strategy.grad_spec(k) if mine.strategy is not None else None
+        ui = info(u)
+        fwd, bwd = edge_collectives(choices[u].out[0], dst, grad, ui.shape or (), dtype_bytes(ui.dtype),
+                                    mesh, ui.requires_grad)
+        out += _collective_dicts(fwd, "fwd", k, mesh, space.cluster, axis_names)
+        out += _collective_dicts(bwd, "bwd", k, mesh, space.cluster, axis_names)
+    return out
+
+
+def plan_intra_op(cap, mesh_shape, axis_names, cluster, *, budget=None, pins=None, objective="time",
+                  optimizer="adam", share_blocks=True, time_limit=60.0, log=None) -> IntraOpResult:
+    log = log or (lambda msg: None)
+    graph: fx.Graph = cap.graph
+    t0 = time.perf_counter()
+    blocks = find_blocks(graph, enabled=share_blocks)
+    rep_pins = {}
+    for node, spec in (pins or {}).items():
+        r = blocks.represent(node)
+        if r in rep_pins and rep_pins[r] != spec:
+            raise ValueError(f"conflicting pins for {info(node).name}: {format_spec(rep_pins[r])} and "
+                             f"{format_spec(spec)} (repeated blocks share one decision; pin all layers alike)")
+        rep_pins[r] = spec
+    space = build_space(graph, blocks, mesh_shape, cluster, pins=rep_pins, optimizer=optimizer)
+    t1 = time.perf_counter()
+    n_opts = sum(len(g.options) for g in space.groups)
+    log(f"strategy space: {len(space.groups)} decisions, {n_opts} options, {len(space.edges)} edges, "
+        f"{len(blocks.groups)} repeated block kind(s) ({t1 - t0:.2f} s)")
+
+    memories = [g.memory for g in space.groups]
+    least = min_memory(memories)
+    if budget is not None and least > budget:
+        raise InfeasibleBudgetError(
+            f"no plan fits {budget / 2**30:.3f} GiB per device on mesh {tuple(mesh_shape)}: the least memory any "
+            f"plan needs is {least / 2**30:.3f} GiB ({least:.0f} bytes). Raise the budget, use a larger mesh, "
+            f"or a lighter optimizer (optimizer='sgd').")
+    result = solve_ilp([g.cost for g in space.groups], memories,
+                       [(e.src, e.dst, e.src_class, e.dst_class, e.matrix) for e in space.edges],
+                       budget=budget, objective=objective, time_limit=time_limit)
+    t2 = time.perf_counter()
+    if result.choice is None:
+        raise InfeasibleBudgetError(f"the solver found no plan within the budget ({result.message}); the least memory "
+                                    f"any plan needs is {least / 2**30:.3f} GiB")
+    log(f"solve: {t2 - t1:.2f} s, estimated step {result.objective * 1e3:.3f} ms")
+
+    rep_choice = {}
+    for g, i in zip(space.groups, result.choice):
+        for m in g.members:
+            rep_choice[m] = g.options[i][m]
+    choices = {}
+    for node in graph.nodes:
+        c = rep_choice.get(blocks.represent(node))
+        if c is not None:
+            choices[node] = c
+            node.meta[CHOICE_KEY] = c
+    records = []
+    block_label = {}
+    for grp in blocks.groups:
+        for k, members in enumerate(grp.members):
+            for n in members:
+                block_label[n] = (grp.label, grp.indices[k])
+    leaders = {g.leader for g in space.groups}
+    for node in graph.nodes:
+        if info(node).kind == "ignored":
+            continue
+        rep = blocks.represent(node)
+        rec = _node_record(node, choices.get(node), space, axis_names, rep)
+        rec["comm"] = rec["comm"] + _edge_comm(node, choices, space, axis_names)
+        rec["decision"] = "leader" if rep in leaders else ("output" if node.op == "output" else "follower")
+        if node in block_label:
+            rec["block"], rec["block_index"] = block_label[node]
+        records.append(rec)
+
+    alternatives = _alternatives(space, result.choice, axis_names)
+    t3 = time.perf_counter()
+    stats = {"build_s": t1 - t0, "solve_s": t2 - t1, "decode_s": t3 - t2, "decisions": len(space.groups),
+             "options": n_opts, "edges": len(space.edges), "objective_s": result.objective,
+             "least_memory": least}
+    return IntraOpResult(records=records, alternatives=alternatives,
+                         blocks=[{"label": g.label, "count": len(g.indices), "prefix": g.prefix} for g in blocks.groups],
+                         stats=stats)
+
+
+def _alternatives(space, choice, axis_names, keep=6) -> dict:
+    """For each decision: its options' cost given its neighbours' chosen options."""
+    local = [g.cost.astype(float).copy() for g in space.groups]
+    for e in space.edges:
+        local[e.src] += e.matrix[e.src_class, e.dst_class[choice[e.dst]]]
+        local[e.dst] += e.matrix[e.src_class[choice[e.src]], e.dst_class]
+    out = {}
+    for gi, g in enumerate(space.groups):
+        if len(g.options) < 2:
+            continue
+        order = list(np.argsort(local[gi], kind="stable"))
+        picked = order[:keep]
+        if choice[gi] not in picked:
+            picked.append(choice[gi])
+        leader = g.leader
+        options = []
+        for i in picked:
+            c = g.options[i][leader]
+            options.append({"out": _fmt_specs(c.out), "ins": _fmt_specs(c.ins), "time_s": float(local[gi][i]),
+                            "memory": float(g.memory[i]), "chosen": bool(i == choice[gi])})
+        out[leader.name] = {"count": g.count, "members": [m.name for m in g.members], "options": options}
+    return out
+
+
+

@@ -1,0 +1,259 @@
+"""The shape of a rule: what it sees of a node, what it returns, and the registry.
+
+A rule describes one aten op family (decision 3 of DESIGN.md). For one mesh axis it lists
+the :class:`AxisStrategy` candidates: the placement each tensor input must have and the
+placement of each output (``Shard(d)``, ``Replicate()``, ``Partial()``), plus any collective
+the op needs inside itself (vocab-parallel softmax statistics, SyncBN). Candidates for an
+N-D mesh are the per-axis candidates combined over axes (``expand_to_mesh``), kept only where
+every sharded dim divides evenly.
+
+``None`` as an input placement means the op reads only that input's metadata (``new_ones``,
+``type_as``): no data moves on that edge.
+
+An op with no rule gets :data:`REPLICATE_FALLBACK`: everything replicated, one warning per op.
+"""
+from __future__ import annotations
+
+import itertools
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from passes.placements import P, R, Partial, Replicate, Shard, spec_fits
+
+__all__ = ["OpView", "AxisStrategy", "Strategy", "OpRule", "register", "rule_for", "expand_to_mesh",
+           "op_view", "tensor_input_nodes", "IGNORED_OPS", "REPLICATE_FALLBACK", "op_name", "has_rule"]
+
+
+def op_name(target) -> str:
+    return str(getattr(target, "_name", None) or getattr(target, "__name__", None) or target).replace("::", ".")
+
+
+def tensor_input_nodes(node: fx.Node) -> list:
+    """Every fx.Node occurrence among ``node``'s args and kwargs, in order, duplicates kept."""
+    found = []
+    for leaf in pytree.tree_leaves((node.args, node.kwargs)):
+        if isinstance(leaf, fx.Node):
+            found.append(leaf)
+    return found
+
+
+def _shape_of(val):
+    if isinstance(val, torch.Tensor):
+        return tuple(int(s) for s in val.shape)
+    return None
+
+
+@dataclass(frozen=True)
+class OpView:
+    """What a rule sees of one node: its inputs' and outputs' global shapes and its args."""
+
+    node: fx.Node
+    in_shapes: tuple
+    """One global shape per tensor-input occurrence (None for a non-tensor node input)."""
+    out_shapes: tuple
+    """One global shape per output (a single-output op has one)."""
+    in_dtypes: tuple
+    out_dtypes: tuple
+
+    @property
+    def args(self):
+        return self.node.args
+
+    @property
+    def kwargs(self):
+        return self.node.kwargs
+
+    def arg(self, index: int, name: str, default=None):
+        if len(self.node.args) > index:
+            return self.node.args[index]
+        return self.node.kwargs.get(name, default)
+
+    @property
+    def out_shape(self) -> tuple:
+        return self.out_shapes[0]
+
+    @property
+    def out_rank(self) -> int:
+        return len(self.out_shapes[0])
+
+
+def _val_list(val):
+    if isinstance(val, (list, tuple)):
+        return list(val)
+    return [val]
+
+
+def op_view(node: fx.Node) -> OpView:
+    ins = tensor_input_nodes(node)
+    in_vals = [n.meta.get("val") for n in ins]
+    outs = _val_list(node.meta.get("val"))
+    return OpView(
+        node=node,
+        in_shapes=tuple(_shape_of(v) for v in in_vals),
+        out_shapes=tuple(_shape_of(v) for v in outs),
+        in_dtypes=tuple(getattr(v, "dtype", None) for v in in_vals),
+        out_dtypes=tuple(getattr(v, "dtype", None) for v in outs),
+    )
+
+
+@dataclass(frozen=True)
+class AxisStrategy:
+    """One candidate on one mesh axis."""
+
+    out: tuple
+    """Placement of each output."""
+    ins: tuple
+    """Placement each tensor input must arrive in (None: metadata only)."""
+    extra: tuple = ()
+    """Collectives inside the op: ``(kind, phase, global_elements)`` with phase fwd/bwd."""
+    note: str = ""
+    """Lowering hint, e.g. ``"strided"`` for a split of a sharded dim."""
+
+    @property
+    def splits_work(self) -> bool:
+        return any(isinstance(p, Shard) for p in self.out + self.ins)
+
+    def grad_placement(self, index: int):
+        """The placement of the gradient this op sends back to input ``index``.
+
+        A sharded input gets a sharded gradient; a partial input a replicated one (the
+        gradient of a sum is broadcast); a replicated input whose consumer does different
+        work per rank on this axis gets a partial gradient (each rank's share must be summed).
+        """
+        p = self.ins[index]
+        if p is None or isinstance(p, Shard):
+            return p
+        if isinstance(p, Partial):
+            return R
+        others = self.out + self.ins[:index] + self.ins[index + 1:]
+        return P if any(q is not None and not isinstance(q, Replicate) for q in others) else R
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A candidate on the whole mesh: one AxisStrategy per axis."""
+
+    axes: tuple
+    out: tuple = field(compare=False)
+    """Per output: a spec (one placement per mesh axis)."""
+    ins: tuple = field(compare=False)
+    """Per tensor input: a spec, or None (metadata only)."""
+
+    @classmethod
+    def from_axes(cls, axes) -> "Strategy":
+        axes = tuple(axes)
+        n_out, n_in = len(axes[0].out), len(axes[0].ins)
+        out = tuple(tuple(a.out[i] for a in axes) for i in range(n_out))
+        ins = tuple(None if axes[0].ins[i] is None else tuple(a.ins[i] for a in axes) for i in range(n_in))
+        return cls(axes=axes, out=out, ins=ins)
+
+    def grad_spec(self, index: int):
+        if self.ins[index] is None:
+            return None
+        return tuple(a.grad_placement(index) for a in self.axes)
+
+    def compute_split(self, mesh_shape) -> int:
+        split = 1
+        for a, n in zip(self.axes, mesh_shape):
+            if a.splits_work:
+                split *= n
+        return split
+
+
+class OpRule:
+    """Base class: subclasses override ``axis_strategies`` and, for contractions, ``flops``."""
+
+    linear: bool = False
+    """The output is linear in the (single) data input, so Partial passes through."""
+    saves_inputs: bool = False
+    """Backward needs this op's inputs (they stay alive as activations)."""
+    follower: bool = True
+    """May merge into its producer's decision when all its data inputs come from one group."""
+    contraction: bool = False
+    """Compute-bound (FLOPs run at matmul speed) and costs 2x forward in backward."""
+
+    def axis_strategies(self, op: OpView) -> list:
+        raise NotImplementedError(f"{type(self).__name__} must list strategies")  # pragma: no cover
+
+    def flops(self, op: OpView) -> float:
+        shape = op.out_shapes[0] or ()
+        n = 1
+        for s in shape:
+            n *= s
+        return float(n)
+
+    # helpers shared by rules -------------------------------------------------
+    @staticmethod
+    def replicate_all(op: OpView) -> AxisStrategy:
+        return AxisStrategy(out=(R,) * len(op.out_shapes),
+                            ins=tuple(None if s is None else R for s in op.in_shapes))
+
+
+class _ReplicateFallback(OpRule):
+    follower = False
+    saves_inputs = True
+
+    def __init__(self):
+        self.warned = set()
+
+    def axis_strategies(self, op: OpView) -> list:
+        name = op_name(op.node.target)
+        if name not in self.warned:
+            self.warned.add(name)
+            warnings.warn(f"partita: no sharding rule for op {name} (node {op.node.name}); "
+                          f"it runs replicated. Register a rule in passes/rules to shard it.",
+                          stacklevel=2)
+        return [self.replicate_all(op)]
+
+
+REPLICATE_FALLBACK = _ReplicateFallback()
+_REGISTRY: dict = {}
+
+IGNORED_OPS = {
+    torch.ops.aten._assert_tensor_metadata.default,
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+}
+
+
+def register(*targets):
+    """Class decorator-ish: ``register(aten.add.Tensor, ...)(RuleInstance)``."""
+    def bind(rule: OpRule) -> OpRule:
+        for t in targets:
+            _REGISTRY[t] = rule
+        return rule
+    return bind
+
+
+def rule_for(node: fx.Node) -> OpRule:
+    target = node.target
+    rule = _REGISTRY.get(target)
+    if rule is None and hasattr(target, "overloadpacket"):
+        rule = _REGISTRY.get(target.overloadpacket)
+    return rule if rule is not None else REPLICATE_FALLBACK
+
+
+def has_rule(node: fx.Node) -> bool:
+    return rule_for(node) is not REPLICATE_FALLBACK
+
+
+def expand_to_mesh(axis_candidates: list, op: OpView, mesh_shape) -> list:
+    """All per-axis combinations whose specs divide every tensor evenly (deduplicated)."""
+    out, seen = [], set()
+    for combo in itertools.product(axis_candidates, repeat=len(mesh_shape)):
+        strat = Strategy.from_axes(combo)
+        if strat.axes in seen:
+            continue
+        ok = all(shape is None or spec_fits(shape, spec, mesh_shape)
+                 for shape, spec in zip(op.out_shapes, strat.out))
+        ok = ok and all(spec is None or shape is None or spec_fits(shape, spec, mesh_shape)
+                        for shape, spec in zip(op.in_shapes, strat.ins))
+        if ok:
+            seen.add(strat.axes)
+            out.append(strat)
+    return out
+

@@ -1,0 +1,105 @@
+"""Normalisations and softmax: layer_norm, rms_norm, batch_norm, softmax, log_softmax.
+
+The normalised dims must be whole on a rank, so only the other dims may be sharded; the
+weight and bias stay replicated (their gradients come back partial and are summed, which is
+how data- and sequence-parallel runs keep LayerNorm weights in sync). Two exceptions carry
+their own collectives:
+
+* softmax / log_softmax over a sharded dim: all-reduce the row max and the row sum of
+  exponentials forward (vocab-parallel softmax), all-reduce one row sum backward;
+* batch_norm with the batch dim sharded: all-reduce the per-channel sum and sum of squares
+  forward and the two gradient sums backward (SyncBatchNorm), so results match one device.
+"""
+from __future__ import annotations
+
+import torch
+
+from passes.placements import R, Shard
+from passes.rules.base import AxisStrategy, OpRule, OpView, register
+
+aten = torch.ops.aten
+
+__all__ = ["LayerNormRule", "SoftmaxRule", "BatchNormRule"]
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class LayerNormRule(OpRule):
+    """layer_norm(x, normalized_shape, w, b, eps) and rms_norm(x, normalized_shape, w, eps)."""
+
+    saves_inputs = True
+    follower = False
+
+    def axis_strategies(self, op: OpView) -> list:
+        x = op.in_shapes[0]
+        k = len(op.arg(1, "normalized_shape"))
+        params = tuple(R if s is not None else None for s in op.in_shapes[1:])
+        strategies = [AxisStrategy(out=(R,), ins=(R,) + params)]
+        for d in range(len(x) - k):
+            if x[d] > 1:
+                strategies.append(AxisStrategy(out=(Shard(d),), ins=(Shard(d),) + params))
+        return strategies
+
+    def flops(self, op: OpView) -> float:
+        return 8.0 * _numel(op.out_shape)
+
+
+class SoftmaxRule(OpRule):
+    """softmax / log_softmax(x, dim, ...)."""
+
+    saves_inputs = True
+
+    def axis_strategies(self, op: OpView) -> list:
+        x = op.in_shapes[0]
+        dim = op.arg(1, "dim")
+        dim = dim + len(x) if dim < 0 else dim
+        rest = tuple(None for _ in op.in_shapes[1:])
+        strategies = [AxisStrategy(out=(R,), ins=(R,) + rest)]
+        for d in range(len(x)):
+            if x[d] <= 1:
+                continue
+            if d != dim:
+                strategies.append(AxisStrategy(out=(Shard(d),), ins=(Shard(d),) + rest))
+            else:
+                rows = _numel(x) // x[d]
+                extra = (("all_reduce", "fwd", rows), ("all_reduce", "fwd", rows), ("all_reduce", "bwd", rows))
+                strategies.append(AxisStrategy(out=(Shard(d),), ins=(Shard(d),) + rest, extra=extra))
+        return strategies
+
+    def flops(self, op: OpView) -> float:
+        return 5.0 * _numel(op.out_shape)
+
+
+class BatchNormRule(OpRule):
+    """batch_norm(x, w, b, running_mean, running_var, training, momentum, eps, cudnn)."""
+
+    saves_inputs = True
+    follower = False
+
+    def axis_strategies(self, op: OpView) -> list:
+        x = op.in_shapes[0]
+        n_out = len(op.out_shapes)
+        channel_inputs = tuple(R if s is not None else None for s in op.in_shapes[1:])
+        strategies = [AxisStrategy(out=(R,) * n_out, ins=(R,) + channel_inputs)]
+        if x[1] > 1:
+            sharded = tuple(Shard(0) if s is not None else None for s in op.in_shapes[1:])
+            strategies.append(AxisStrategy(out=(Shard(1),) + (Shard(0),) * (n_out - 1), ins=(Shard(1),) + sharded))
+        if x[0] > 1 and n_out == 1:
+            c = x[1]
+            extra = (("all_reduce", "fwd", 2 * c), ("all_reduce", "bwd", 2 * c))
+            strategies.append(AxisStrategy(out=(Shard(0),), ins=(Shard(0),) + channel_inputs, extra=extra))
+        return strategies
+
+    def flops(self, op: OpView) -> float:
+        return 8.0 * _numel(op.out_shapes[0])
+
+
+register(aten.layer_norm.default, aten.rms_norm.default)(LayerNormRule())
+register(aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default,
+         aten._safe_softmax.default)(SoftmaxRule())
+register(aten.batch_norm.default)(BatchNormRule())

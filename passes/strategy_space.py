@@ -1,0 +1,381 @@
+"""The search space of the intra-op solver: decision groups, their options and their costs.
+
+Built from an analysed graph, a mesh and a cluster:
+
+1. **Leaders and followers.** Each node that decides its own placement is a *leader*: a
+   placeholder (parameter, buffer, input), an op whose rule is not a follower (contractions,
+   norms, embedding, loss, factories), an op with data inputs from several groups, and every
+   pinned node. A node whose data inputs all come from one group in the same block instance,
+   and whose rule allows it, *follows*: for each option of the group it takes its best
+   response (per mesh axis, the rule's candidate that matches the incoming placements, else
+   the one cheapest to reshard into), so it adds no variable (decision 5).
+2. **Options.** A leader's options are its rule's candidates combined over mesh axes (and
+   placeholders: every ``Shard(d)``/``Replicate`` combination that divides evenly), filtered by
+   pins. A follower's choice is recorded per option of its group.
+3. **Costs** in seconds: per group and option, the compute of every member (forward and
+   backward) plus the resharding inside the group; per pair of groups, a matrix over
+   (producer output placement, consumer input placement) classes with the forward reshard and
+   its backward mirror (:mod:`passes.cost_model`). Memory per option: parameter state and
+   saved activations.
+4. **Repeated blocks** are built once: only representatives (:mod:`passes.blocks`) get groups;
+   every real node and edge adds its representative's cost, weighted by how often it occurs.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch.fx as fx
+
+from passes.analyze import info
+from passes.blocks import Blocks
+from passes.cost_model import (Collective, collective_time, compute_time, dtype_bytes, dual_spec,
+                               local_bytes, param_state_bytes, reshard)
+from passes.placements import R, Shard, replicated, spec_fits
+from passes.rules import Strategy, expand_to_mesh, op_view, rule_for, tensor_input_nodes
+
+__all__ = ["NodeChoice", "Group", "EdgeCost", "StrategySpace", "build_space", "edge_collectives"]
+
+
+@dataclass(frozen=True)
+class NodeChoice:
+    """One node's placements under one option of its group."""
+
+    strategy: object
+    """The Strategy (None for placeholders, getitem and outputs)."""
+    out: tuple
+    """A spec per output."""
+    ins: tuple
+    """The spec each tensor input must arrive in (None: metadata only / no data)."""
+    compute_s: float = 0.0
+    """Forward + backward compute, and the op's own collectives (vocab-parallel softmax)."""
+    inbound_s: float = 0.0
+    """Resharding into this node inside its group (followers only)."""
+    memory: float = 0.0
+
+
+@dataclass
+class Group:
+    leader: fx.Node
+    members: list
+    options: list
+    """options[i][node] -> NodeChoice for each member."""
+    cost: np.ndarray = None
+    memory: np.ndarray = None
+    count: int = 1
+
+    def choice(self, i: int, node) -> NodeChoice:
+        return self.options[i][node]
+
+
+@dataclass
+class EdgeCost:
+    """Cost between two groups, factored through placement classes."""
+
+    src: int
+    dst: int
+    src_class: np.ndarray
+    """option of src -> class index."""
+    dst_class: np.ndarray
+    matrix: np.ndarray
+    """[src classes, dst classes] seconds (already multiplied by occurrence counts)."""
+
+    def full(self) -> np.ndarray:
+        return self.matrix[np.ix_(self.src_class, self.dst_class)]
+
+
+@dataclass
+class StrategySpace:
+    groups: list
+    edges: list
+    group_of: dict
+    """representative node -> group index."""
+    blocks: Blocks
+    mesh_shape: tuple
+    cluster: object
+    unary: dict = field(default_factory=dict)
+
+
+def _options_for_placeholder(shape, mesh_shape) -> list:
+    per_axis = [R] + [Shard(d) for d, s in enumerate(shape or ()) if s > 1]
+    specs = []
+    for combo in itertools.product(per_axis, repeat=len(mesh_shape)):
+        if spec_fits(shape or (), combo, mesh_shape):
+            specs.append(tuple(combo))
+    return specs
+
+
+def edge_collectives(src_spec, dst_spec, grad_spec, shape, elem, mesh_shape, requires_grad):
+    """(forward collectives, backward collectives) for a tensor moving along one edge."""
+    fwd = reshard(src_spec, dst_spec, shape, mesh_shape, elem)
+    bwd = reshard(grad_spec, dual_spec(src_spec), shape, mesh_shape, elem) if requires_grad and grad_spec is not None else []
+    return fwd, bwd
+
+
+class _Builder:
+    def __init__(self, graph, blocks, mesh_shape, cluster, pins, optimizer):
+        self.graph = graph
+        self.blocks = blocks
+        self.mesh = tuple(mesh_shape)
+        self.cluster = cluster
+        self.pins = pins            # node -> spec (output placement)
+        self.optimizer = optimizer
+        self._axis_cache = {}
+
+    # -- costs of one node ------------------------------------------------------------
+    def time_of(self, collectives) -> float:
+        return sum(collective_time(c, self.mesh, self.cluster) for c in collectives)
+
+    def edge_time(self, src_spec, dst_spec, grad_spec, producer: fx.Node, out_index=0) -> float:
+        i = info(producer)
+        shape = i.out_shapes[out_index] if i.out_shapes else ()
+        fwd, bwd = edge_collectives(src_spec, dst_spec, grad_spec, shape, dtype_bytes(i.dtype),
+                                    self.mesh, i.requires_grad)
+        return self.time_of(fwd) + self.time_of(bwd)
+
+    def op_cost(self, node, strategy: Strategy):
+        """(compute seconds fwd+bwd, activation bytes) for an op node under a strategy."""
+        rule = rule_for(node)
+        i = info(node)
+        op = op_view(node)
+        split = strategy.compute_split(self.mesh)
+        mem_bytes = 0.0
+        if not getattr(rule, "is_view", False):
+            for shape, dt, spec in zip(op.in_shapes, op.in_dtypes, strategy.ins):
+                if shape is not None and spec is not None:
+                    mem_bytes += local_bytes(shape, spec, self.mesh, dtype_bytes(dt))
+            for shape, spec in zip(op.out_shapes, strategy.out):
+                if shape is not None:
+                    mem_bytes += local_bytes(shape, spec, self.mesh, dtype_bytes(i.dtype))
+        fwd = compute_time(i.flops / split, mem_bytes, i.dtype, rule.contraction, self.cluster)
+        extra_fwd = extra_bwd = 0.0
+        for ax, a in enumerate(strategy.axes):
+            for kind, phase, elements in a.extra:
+                payload = elements * dtype_bytes(i.dtype) * self.mesh[ax] / split
+                t = collective_time(Collective(kind, ax, payload), self.mesh, self.cluster)
+                if phase == "fwd":
+                    extra_fwd += t
+                else:
+                    extra_bwd += t
+        bwd = 0.0
+        if i.requires_grad:
+            grads_in = sum(1 for a in tensor_input_nodes(node) if info(a).requires_grad)
+            factor = min(2, grads_in) if rule.contraction else 1
+            bwd = factor * fwd + extra_bwd
+        act = 0.0
+        if i.saved:
+            act = sum(local_bytes(s, spec, self.mesh, dtype_bytes(i.dtype))
+                      for s, spec in zip(i.out_shapes, strategy.out) if s is not None)
+        return fwd + extra_fwd + bwd, act
+
+    # -- followers --------------------------------------------------------------------
+    def axis_candidates(self, node):
+        if node not in self._axis_cache:
+            self._axis_cache[node] = rule_for(node).axis_strategies(op_view(node))
+        return self._axis_cache[node]
+
+    def follow(self, node, given: list) -> NodeChoice:
+        """Best response of ``node`` to its inputs arriving with specs ``given``."""
+        candidates = self.axis_candidates(node)
+        chosen = []
+        for ax in range(len(self.mesh)):
+            want = tuple(None if g is None else g[ax] for g in given)
+            exact = next((c for c in candidates
+                          if all(w is None or p is None or w == p for w, p in zip(want, c.ins))), None)
+            if exact is None:
+                best, best_t = None, None
+                for c in candidates:
+                    t = 0.0
+                    for k, (g, p) in enumerate(zip(given, c.ins)):
+                        if g is None or p is None:
+                            continue
+                        target = g[:ax] + (p,) + g[ax + 1:]
+                        prod = tensor_input_nodes(node)[k]
+                        t += self.edge_time(g, target, None, prod)
+                    if best_t is None or t < best_t:
+                        best, best_t = c, t
+                exact = best
+            chosen.append(exact)
+        strategy = Strategy.from_axes(chosen)
+        op = op_view(node)
+        fits = all(s is None or spec_fits(s, sp, self.mesh) for s, sp in zip(op.out_shapes, strategy.out)) and \
+            all(sp is None or s is None or spec_fits(s, sp, self.mesh) for s, sp in zip(op.in_shapes, strategy.ins))
+        if not fits:
+            strategy = Strategy.from_axes([candidates[0]] * len(self.mesh))
+        return self.choice_for(node, strategy, given)
+
+    def choice_for(self, node, strategy: Strategy, given=None) -> NodeChoice:
+        compute, act = self.op_cost(node, strategy)
+        inbound = 0.0
+        if given is not None:  # resharding inside the group, on the way into this node
+            for k, (g, want) in enumerate(zip(given, strategy.ins)):
+                if g is not None and want is not None:
+                    inbound += self.edge_time(g, want, strategy.grad_spec(k), tensor_input_nodes(node)[k])
+        return NodeChoice(strategy=strategy, out=strategy.out, ins=strategy.ins, compute_s=compute,
+                          inbound_s=inbound, memory=act)
+
+    # -- leaders ----------------------------------------------------------------------
+    def leader_options(self, node) -> list:
+        i = info(node)
+        pin = self.pins.get(node)
+        if node.op == "placeholder":
+            specs = _options_for_placeholder(i.shape, self.mesh)
+            if pin is not None:
+                specs = [s for s in specs if s == pin] or [pin]
+            choices = []
+            for spec in specs:
+                elem = dtype_bytes(i.dtype)
+                if i.kind == "param":
+                    numel = local_bytes(i.shape, spec, self.mesh, 1)
+                    mem = param_state_bytes(numel, elem, self.optimizer)
+                else:
+                    mem = local_bytes(i.shape, spec, self.mesh, elem)
+                choices.append(NodeChoice(strategy=None, out=(spec,), ins=(), memory=mem))
+            return choices
+        op = op_view(node)
+        strategies = expand_to_mesh(self.axis_candidates(node), op, self.mesh)
+        if pin is not None:
+            strategies = [s for s in strategies if s.out[0] == pin]
+            if not strategies:
+                raise ValueError(f"pinned placement {pin} is not reachable for node {node.name} "
+                                 f"({i.module_path or 'top level'}, op {node.target}) with shape {i.shape}")
+        return [self.choice_for(node, s) for s in strategies]
+
+
+def _is_getitem(node):
+    import operator
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def build_space(graph: fx.Graph, blocks: Blocks, mesh_shape, cluster, *, pins=None, optimizer="adam") -> StrategySpace:
+    b = _Builder(graph, blocks, mesh_shape, cluster, pins or {}, optimizer)
+    rep = blocks.represent
+    group_of: dict = {}
+    groups: list = []
+
+    def same_instance(a, c):
+        return blocks.block_of.get(a, (None, None)) == blocks.block_of.get(c, (None, None))
+
+    for node in graph.nodes:
+        if rep(node) is not node:
+            continue
+        i = info(node)
+        if i.kind in ("ignored", "output"):
+            continue
+        data_inputs = [a for a in tensor_input_nodes(node) if info(a).kind not in ("ignored",)]
+        rule = rule_for(node) if node.op == "call_function" else None
+        source_groups = {group_of.get(rep(a)) for a in data_inputs}
+        leader_here = None
+        if node.op == "call_function" and node not in b.pins and data_inputs and len(source_groups) == 1 \
+                and None not in source_groups:
+            g = groups[source_groups.pop()]
+            if (_is_getitem(node) or rule.follower) and all(same_instance(a, node) for a in data_inputs) \
+                    and same_instance(g.leader, node):
+                leader_here = g
+        if leader_here is not None:
+            g = leader_here
+            for opt in g.options:
+                if _is_getitem(node):
+                    src = opt[node.args[0]]
+                    opt[node] = NodeChoice(strategy=None, out=(src.out[node.args[1]],), ins=(None,))
+                else:
+                    given = []
+                    for a in tensor_input_nodes(node):
+                        c = opt[a]
+                        given.append(c.out[0])
+                    opt[node] = b.follow(node, given)
+            g.members.append(node)
+            group_of[node] = groups.index(g)
+            continue
+        options = b.leader_options(node)
+        groups.append(Group(leader=node, members=[node], options=[{node: c} for c in options]))
+        group_of[node] = len(groups) - 1
+
+    for g in groups:
+        g.count = blocks.count.get(g.leader, 1)
+        g.cost = np.array([sum(opt[m].compute_s + opt[m].inbound_s for m in g.members) for opt in g.options]) * g.count
+        g.memory = np.array([sum(opt[m].memory for m in g.members) for opt in g.options]) * g.count
+
+    edges = _build_edges(graph, b, groups, group_of)
+    return StrategySpace(groups=groups, edges=edges, group_of=group_of, blocks=blocks,
+                         mesh_shape=tuple(mesh_shape), cluster=cluster)
+
+
+def _classes(values):
+    index, classes = {}, []
+    for v in values:
+        if v not in index:
+            index[v] = len(index)
+        classes.append(index[v])
+    return list(index), np.array(classes, dtype=np.int64)
+
+
+def _build_edges(graph, b: _Builder, groups, group_of) -> list:
+    rep = b.blocks.represent
+    pending: dict = {}   # (rep_u, rep_v, k) -> occurrences
+    for node in graph.nodes:
+        i = info(node)
+        if i.kind in ("ignored",) or node.op == "placeholder":
+            continue
+        rv = rep(node)
+        if node.op != "output" and group_of.get(rv) is not None and groups[group_of[rv]].leader is not rv:
+            continue  # follower: its input edges are inside its group
+        inputs = tensor_input_nodes(node)
+        for k, u in enumerate(inputs):
+            if info(u).kind == "ignored" or group_of.get(rep(u)) is None:
+                continue
+            key = (rep(u), rv, k)
+            pending[key] = pending.get(key, 0) + 1
+
+    by_pair: dict = {}
+    for (u, v, k), occurrences in pending.items():
+        gu = group_of[u]
+        src_specs = [opt[u].out[0] for opt in groups[gu].options]
+        if v.op == "output":
+            wanted = replicated(len(b.mesh))
+            costs = np.array([b.edge_time(s, wanted, None, u) for s in src_specs]) * occurrences
+            groups[gu].cost = groups[gu].cost + costs
+            continue
+        gv = group_of[v]
+        dst = [(opt[v].ins[k], opt[v].strategy.grad_spec(k) if opt[v].strategy is not None else None)
+               for opt in groups[gv].options]
+        if all(d[0] is None for d in dst):
+            continue
+        src_vals, src_cls = _classes(src_specs)
+        dst_vals, dst_cls = _classes(dst)
+        m = np.array([[0.0 if d is None else b.edge_time(s, d, gspec, u) for (d, gspec) in dst_vals]
+                      for s in src_vals]) * occurrences
+        if gu == gv:
+            full = m[np.ix_(src_cls, dst_cls)]
+            groups[gu].cost = groups[gu].cost + np.diag(full)
+            continue
+        key = (gu, gv)
+        if key in by_pair:
+            prev = by_pair[key]
+            combined = prev.full() + m[np.ix_(src_cls, dst_cls)]
+            by_pair[key] = _factor(gu, gv, combined)
+        else:
+            by_pair[key] = EdgeCost(gu, gv, src_cls, dst_cls, m)
+    edges = []
+    for e in by_pair.values():
+        if not np.any(e.matrix):
+            continue
+        full = e.full()
+        # A cost that depends on one side only is a node cost, not an edge.
+        if np.allclose(full, full[:, :1]):
+            groups[e.src].cost = groups[e.src].cost + full[:, 0]
+        elif np.allclose(full, full[:1, :]):
+            groups[e.dst].cost = groups[e.dst].cost + full[0, :]
+        else:
+            edges.append(e)
+    return edges
+
+
+def _factor(src, dst, full) -> EdgeCost:
+    rows, row_cls = _classes([tuple(r) for r in full])
+    cols, col_cls = _classes([tuple(c) for c in full.T])
+    matrix = full[np.ix_([list(row_cls).index(i) for i in range(len(rows))],
+                         [list(col_cls).index(j) for j in range(len(cols))])]
+    return EdgeCost(src, dst, row_cls, col_cls, matrix)
+
