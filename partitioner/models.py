@@ -135,7 +135,7 @@ def gpt_block(batch=8, seq=128, n_embd=1024, n_head=16, n_layer=1, vocab=1024, d
     with torch.device(device):
         model = GPT(cfg)
     ids = _tokens(batch, seq, vocab, device)
-    return model, (ids, ids)
+    return model, (ids, torch.roll(ids, -1, dims=1) if device != "meta" else torch.zeros_like(ids))
 
 
 def hf_gpt2(batch=2, seq=16, n_layer=2, n_embd=64, n_head=4, vocab=128, attn="sdpa"):
@@ -145,7 +145,7 @@ def hf_gpt2(batch=2, seq=16, n_layer=2, n_embd=64, n_head=4, vocab=128, attn="sd
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
     ids = _tokens(batch, seq, vocab)
-    return GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
+    return GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids.clone()}
 
 
 def hf_bert(batch=2, seq=16, n_layer=2, hidden=64, heads=4, vocab=128):
@@ -156,7 +156,7 @@ def hf_bert(batch=2, seq=16, n_layer=2, hidden=64, heads=4, vocab=128):
     torch.manual_seed(0)
     ids = _tokens(batch, seq, vocab)
     return BertForMaskedLM(cfg), {"input_ids": ids, "attention_mask": torch.ones(batch, seq, dtype=torch.long),
-                                  "labels": ids}
+                                  "labels": ids.clone()}
 
 
 def hf_llama(batch=2, seq=16, n_layer=2, hidden=64, heads=4, kv_heads=2, vocab=128, device=None):
@@ -171,7 +171,7 @@ def hf_llama(batch=2, seq=16, n_layer=2, hidden=64, heads=4, kv_heads=2, vocab=1
     else:
         model = LlamaForCausalLM(cfg)
     ids = _tokens(batch, seq, vocab, device)
-    return model, {"input_ids": ids, "labels": ids}
+    return model, {"input_ids": ids, "labels": ids.clone()}
 
 
 def hf_vit(batch=2, image=32, patch=8, n_layer=2, hidden=64, heads=4, labels=10):
@@ -195,7 +195,7 @@ def llama_meta(n_layer=32, hidden=4096, heads=32, kv_heads=32, intermediate=1100
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg).to(dtype)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    return model, {"input_ids": ids, "labels": ids}
+    return model, {"input_ids": ids, "labels": torch.zeros_like(ids)}
 
 
 def llama_7b_meta():

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-__all__ = ["CaptureError", "CapturedGraph", "capture", "describe_captured"]
+__all__ = ["CaptureError", "CapturedGraph", "capture", "describe_captured", "graph_fingerprint"]
 
 
 class CaptureError(RuntimeError):
@@ -37,7 +37,7 @@ class CapturedGraph:
     user_inputs: list
     """placeholder names of the user's inputs, in call order."""
     input_names: dict
-    """placeholder name -> the user's argument name (``input_ids``, ``args[0]``, ...)."""
+    """placeholder name -> the user's argument name (``input_ids``, ``idx``, ...)."""
 
     @property
     def graph(self) -> fx.Graph:
@@ -97,8 +97,8 @@ def capture(model: torch.nn.Module, example_inputs) -> CapturedGraph:
     buffers = dict(signature.inputs_to_buffers)
     buffers.update(getattr(signature, "inputs_to_lifted_tensor_constants", {}) or {})
     user_inputs = list(signature.user_inputs)
-    names = [f"args[{i}]" for i in range(len(args))] + list(kwargs)
-    input_names = dict(zip(user_inputs, names)) if len(names) == len(user_inputs) else {n: n for n in user_inputs}
+    # Export names user-input placeholders after the forward's parameters (or the kwargs).
+    input_names = {name: name for name in user_inputs}
     gm = exported.graph_module
     return CapturedGraph(graph_module=gm, exported=exported, params=params, buffers=buffers,
                          user_inputs=user_inputs, input_names=input_names)
@@ -108,3 +108,24 @@ def describe_captured(cap: CapturedGraph) -> str:
     n = sum(1 for node in cap.graph.nodes if node.op == "call_function")
     return f"{n} ops, {len(cap.params)} parameters, {len(cap.user_inputs)} inputs"
 
+
+
+def graph_fingerprint(cap: CapturedGraph) -> str:
+    """A hash of the program: ops, shapes, dtypes, wiring and parameter names.
+
+    Two captures of the same model on inputs of the same shapes agree; a different model,
+    or the same model at another batch or sequence size, disagrees.
+    """
+    import hashlib
+
+    index = {}
+    h = hashlib.sha256()
+    for i, node in enumerate(cap.graph.nodes):
+        index[node] = i
+        val = node.meta.get("val")
+        vals = val if isinstance(val, (list, tuple)) else [val]
+        shapes = [(tuple(v.shape), str(v.dtype)) for v in vals if isinstance(v, torch.Tensor)]
+        args = [index.get(a, "?") for a in node.all_input_nodes]
+        name = cap.params.get(node.name) or cap.buffers.get(node.name) or ""
+        h.update(repr((node.op, str(node.target), shapes, args, name)).encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,24 @@
+"""Partita: an automatic parallelizer for PyTorch.
+
+Capture a model as a graph, choose data / tensor / sequence splits for every node with a
+cost model and an ILP, and show the plan::
+
+    import partitioner
+    plan = partitioner.plan(model, example_inputs, mesh_shape=(8, 8), cluster="h100",
+                            memory_budget="80GiB")
+    print(plan.summary())
+    plan.save("plan.json"); partitioner.ShardingPlan.load("plan.json")
+    est = plan.estimate()        # step_time_s, memory_bytes, comm_bytes[kind][axis]
+    print(plan.explain("model.layers.0.mlp.down_proj"))
+    print(plan.diff(other_plan))
+"""
+from partitioner.api import plan, resolve_pins
+from partitioner.cluster import PRESETS, ClusterSpec, LinkSpec, calibrate_cpu, get_cluster
+from partitioner.mesh import MeshSpec
+from partitioner.sharding_plan import Estimate, PlanDiff, PlanMismatchError, ShardingPlan
+from passes.capture import CaptureError
+from passes.plan_intra_op import InfeasibleBudgetError
+
+__all__ = ["plan", "resolve_pins", "ShardingPlan", "Estimate", "PlanDiff", "PlanMismatchError",
+           "ClusterSpec", "LinkSpec", "MeshSpec", "PRESETS", "get_cluster", "calibrate_cpu",
+           "CaptureError", "InfeasibleBudgetError"]

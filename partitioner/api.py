@@ -1,0 +1,133 @@
+"""``partitioner.plan``: capture -> analyse -> intra-op plan -> :class:`ShardingPlan`.
+
+This module orchestrates the passes and turns user-facing arguments (mesh, cluster, budget,
+pins) into what the passes take. It never starts processes and needs no devices: models on
+the ``meta`` device plan for any mesh size.
+"""
+from __future__ import annotations
+
+import fnmatch
+import sys
+import time
+
+import torch
+
+from partitioner.cluster import get_cluster, parse_bytes
+from partitioner.mesh import MeshSpec
+from partitioner.sharding_plan import PLAN_FORMAT, PLAN_VERSION, ShardingPlan
+from passes.analyze import analyze, info
+from passes.capture import capture, describe_captured, graph_fingerprint
+from passes.placements import format_spec, parse_spec
+from passes.plan_intra_op import plan_intra_op
+
+__all__ = ["plan", "resolve_pins"]
+
+_OBJECTIVES = ("time", "memory")
+
+
+def _logger(verbose):
+    if not verbose:
+        return lambda msg: None
+    start = time.perf_counter()
+    return lambda msg: print(f"[partita {time.perf_counter() - start:6.2f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _in_module(node, path: str) -> bool:
+    stack = node.meta.get("nn_module_stack") or {}
+    return any(p == path for p, _ in stack.values())
+
+
+def resolve_pins(cap, pins: dict, ndim: int) -> dict:
+    """Map user pins to graph nodes.
+
+    Keys, tried in this order: an input's argument name (``input_ids``), a parameter or
+    buffer FQN (``transformer.h.0.mlp.c_fc.weight``), a node name, a module path (pins that
+    module's output: the last op inside it); FQNs and module paths may use ``*`` globs.
+    Values: one placement per mesh axis, as ``["S(0)", "R"]``, ``"[S(0), R]"`` or Placements.
+    """
+    resolved = {}
+    placeholders = [n for n in cap.graph.nodes if n.op == "placeholder"]
+    ops = [n for n in cap.graph.nodes if n.op == "call_function" and info(n).kind == "op"]
+    module_paths = sorted({p for n in ops for p, _ in (n.meta.get("nn_module_stack") or {}).values()})
+    for key, value in (pins or {}).items():
+        spec = parse_spec(value, ndim)
+        targets = [n for n in placeholders if info(n).name == key or n.name == key]
+        if not targets:
+            targets = [n for n in placeholders if info(n).kind in ("param", "buffer") and fnmatch.fnmatchcase(info(n).name, key)]
+        if not targets:
+            targets = [n for n in ops if n.name == key]
+        if not targets:
+            for path in module_paths:
+                if fnmatch.fnmatchcase(path, key):
+                    inside = [n for n in ops if _in_module(n, path)]
+                    if inside:
+                        targets.append(inside[-1])
+        if not targets:
+            raise ValueError(f"pin {key!r} matches no input, parameter, node or module of this model; inputs are "
+                             f"{[info(n).name for n in placeholders if info(n).kind == 'input']}, and module paths "
+                             f"look like {module_paths[:3]}")
+        for node in targets:
+            resolved[node] = spec
+    return resolved
+
+
+def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), mesh_axis_names=None, cluster="h100",
+         memory_budget=None, pins: dict | None = None, objective: str = "time", optimizer: str | None = "adam",
+         share_blocks: bool = True, time_limit: float = 60.0, verbose: bool = False) -> ShardingPlan:
+    """Choose data / tensor / sequence splits for every node of ``model`` on a device mesh.
+
+    Args:
+        model: any ``nn.Module``; it may live on the ``meta`` device (nothing is allocated).
+        example_inputs: a tuple of positional arguments or a dict of keyword arguments
+            (HuggingFace style: ``input_ids``, ``attention_mask``, ``labels``, ``pixel_values``).
+        mesh_shape: devices per mesh axis, e.g. ``(8, 8)`` or ``"8x8"``.
+        mesh_axis_names: names for the axes (default ``a0, a1, ...``).
+        cluster: ``"h100"``, ``"h200"``, ``"a100"``, ``"cpu"`` (measured here) or a ClusterSpec.
+        memory_budget: bytes per device (``"80GiB"``); default: the cluster's device memory.
+        pins: fixed placements, e.g. ``{"input_ids": ["S(0)", "R"], "lm_head.weight": ["R", "S(0)"]}``
+            (see :func:`resolve_pins`).
+        objective: ``"time"`` (estimated step time) or ``"memory"`` (peak memory per device).
+        optimizer: ``"adam"`` (16 bytes per fp32 parameter), ``"sgd"`` or ``None`` (weights only).
+        share_blocks: decide once for identical repeated blocks (transformer layers).
+        verbose: print progress (capture, analysis, solve) to stderr.
+
+    Example::
+
+        plan = partitioner.plan(model, {"input_ids": ids, "labels": ids}, mesh_shape=(8, 8),
+                                cluster="h100", memory_budget="80GiB")
+        print(plan.summary()); plan.save("plan.json")
+        plan.estimate().comm_bytes["all_reduce"]     # bytes per mesh axis
+        print(plan.explain("model.layers.0.mlp.down_proj"))
+    """
+    if objective not in _OBJECTIVES:
+        raise ValueError(f"objective must be one of {_OBJECTIVES}, got {objective!r}")
+    if optimizer not in ("adam", "sgd", None):
+        raise ValueError(f"optimizer must be 'adam', 'sgd' or None, got {optimizer!r}")
+    log = _logger(verbose)
+    mesh = MeshSpec.build(mesh_shape, mesh_axis_names)
+    spec = get_cluster(cluster)
+    budget = parse_bytes(memory_budget) if memory_budget is not None else spec.memory_bytes
+    t0 = time.perf_counter()
+    log(f"capturing {type(model).__name__} with torch.export ...")
+    cap = capture(model, example_inputs)
+    t1 = time.perf_counter()
+    log(f"capture: {t1 - t0:.2f} s ({describe_captured(cap)})")
+    analyze(cap)
+    t2 = time.perf_counter()
+    log(f"analysis: {t2 - t1:.2f} s")
+    pinned = resolve_pins(cap, pins or {}, mesh.ndim)
+    result = plan_intra_op(cap, mesh.shape, mesh.axis_names, spec, budget=budget, pins=pinned, objective=objective,
+                           optimizer=optimizer, share_blocks=share_blocks, time_limit=time_limit, log=log)
+    t3 = time.perf_counter()
+    stats = dict(result.stats, capture_s=t1 - t0, analysis_s=t2 - t1, plan_s=t3 - t2, total_s=t3 - t0)
+    inputs = {info(n).name: list(info(n).shape or ()) for n in cap.graph.nodes
+              if n.op == "placeholder" and info(n).kind == "input"}
+    data = {
+        "format": PLAN_FORMAT, "version": PLAN_VERSION, "fingerprint": graph_fingerprint(cap),
+        "model": type(model).__name__, "inputs": inputs, "mesh": mesh.to_dict(), "cluster": spec.to_dict(),
+        "budget": budget, "objective": objective, "optimizer": optimizer,
+        "pins": {n.name: format_spec(s) for n, s in pinned.items()},
+        "records": result.records, "alternatives": result.alternatives, "blocks": result.blocks, "stats": stats,
+    }
+    log(f"plan ready: {t3 - t0:.2f} s in all")
+    return ShardingPlan(data)

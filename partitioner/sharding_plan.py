@@ -1,0 +1,304 @@
+"""``ShardingPlan``: the planner's answer as a value you can read, save, compare and replay.
+
+A plan holds one record per graph node (placements per mesh axis, global and local shapes,
+compute time, the collectives on its incoming edges forward and backward, memory), the
+solver's alternatives for each decision, the mesh and cluster it was made for, and a
+fingerprint of the captured graph. It is plain data: JSON in, JSON out (no pickle), so a
+plan saved today loads anywhere and is refused, with a message saying why, by a model whose
+graph differs.
+
+Communication volumes are payloads (the buffer a collective reduces or gathers), per device
+per training step, keyed by collective kind and mesh axis name.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["ShardingPlan", "Estimate", "PlanDiff", "PlanMismatchError", "PLAN_FORMAT", "PLAN_VERSION"]
+
+PLAN_FORMAT = "partita.sharding_plan"
+PLAN_VERSION = 1
+
+
+class PlanMismatchError(ValueError):
+    """A saved plan does not belong to this model (or these input shapes)."""
+
+
+def _fmt_bytes(n: float) -> str:
+    n = float(n)
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _fmt_time(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+_SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
+
+
+@dataclass
+class Estimate:
+    """What the cost model predicts for one training step on each device."""
+
+    step_time_s: float
+    compute_s: float
+    comm_s: float
+    memory_bytes: float
+    """Peak per device: parameter + gradient + optimizer state, and saved activations."""
+    comm_bytes: dict
+    """``comm_bytes[kind][axis_name]``: payload bytes per device per step (forward + backward)."""
+    comm_bytes_by_phase: dict = field(default_factory=dict)
+    """``comm_bytes_by_phase[phase][kind][axis_name]`` with phase ``fwd`` / ``bwd``."""
+
+    def total_comm_bytes(self) -> float:
+        return sum(v for per_axis in self.comm_bytes.values() for v in per_axis.values())
+
+    def __str__(self) -> str:
+        comm = ", ".join(f"{_SHORT.get(k, k)}@{a} {_fmt_bytes(v)}" for k, axes in sorted(self.comm_bytes.items())
+                         for a, v in sorted(axes.items())) or "none"
+        return (f"step {_fmt_time(self.step_time_s)} (compute {_fmt_time(self.compute_s)}, communication "
+                f"{_fmt_time(self.comm_s)}); memory {_fmt_bytes(self.memory_bytes)} per device; "
+                f"communication per device: {comm}")
+
+
+@dataclass
+class PlanDiff:
+    changed: list
+    """(node, module, this plan's placements, the other plan's placements)."""
+    only_here: list
+    only_there: list
+    estimate_here: Estimate
+    estimate_there: Estimate
+    same_graph: bool
+
+    def __bool__(self) -> bool:
+        return bool(self.changed or self.only_here or self.only_there)
+
+    def __str__(self) -> str:
+        lines = []
+        if not self.same_graph:
+            lines.append("note: the plans were made for different graphs; nodes are matched by name")
+        a, b = self.estimate_here, self.estimate_there
+        lines.append(f"step time {_fmt_time(a.step_time_s)} -> {_fmt_time(b.step_time_s)}; memory "
+                     f"{_fmt_bytes(a.memory_bytes)} -> {_fmt_bytes(b.memory_bytes)}; communication "
+                     f"{_fmt_bytes(a.total_comm_bytes())} -> {_fmt_bytes(b.total_comm_bytes())}")
+        if not self:
+            lines.append("placements: identical")
+        for name, module, here, there in self.changed:
+            lines.append(f"  {name:<32} {module:<40} {here} -> {there}")
+        for name in self.only_here:
+            lines.append(f"  {name}: only in this plan")
+        for name in self.only_there:
+            lines.append(f"  {name}: only in the other plan")
+        return "\n".join(lines)
+
+
+class ShardingPlan:
+    """A complete intra-op plan for one captured model on one mesh."""
+
+    def __init__(self, data: dict):
+        self.data = data
+        self._by_name = {r["name"]: r for r in data["records"]}
+
+    # -- identity ------------------------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        return self.data["fingerprint"]
+
+    @property
+    def mesh_shape(self) -> tuple:
+        return tuple(self.data["mesh"]["shape"])
+
+    @property
+    def axis_names(self) -> tuple:
+        return tuple(self.data["mesh"]["axis_names"])
+
+    @property
+    def records(self) -> list:
+        return self.data["records"]
+
+    def record(self, name: str) -> dict:
+        if name not in self._by_name:
+            raise KeyError(f"no node named {name!r} in this plan")
+        return self._by_name[name]
+
+    def placement_of(self, target: str) -> list:
+        """Output placements of a parameter (FQN), input (argument name) or node (name)."""
+        for r in self.records:
+            if r["name"] == target or (r.get("fqn") == target and r["kind"] in ("param", "buffer", "input")):
+                return r["out"][0] if r["out"] else None
+        raise KeyError(f"no parameter, input or node named {target!r} in this plan")
+
+    def check_fingerprint(self, fingerprint: str, what: str = "this model") -> None:
+        if fingerprint != self.fingerprint:
+            raise PlanMismatchError(
+                f"this plan was made for a different graph (plan fingerprint {self.fingerprint}, {what} has "
+                f"{fingerprint}; the plan is for {self.data.get('model', '?')} with inputs "
+                f"{self.data.get('inputs', {})}). Plan again for this model, or capture it with the same "
+                f"example input shapes the plan was made with.")
+
+    # -- estimate ------------------------------------------------------------------------
+    def estimate(self) -> Estimate:
+        compute = comm_t = memory = 0.0
+        comm = defaultdict(lambda: defaultdict(float))
+        phases = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
+        for r in self.records:
+            compute += r.get("compute_s", 0.0)
+            memory += r.get("memory", 0.0)
+            for c in r.get("comm", []):
+                comm_t += c["time_s"]
+                comm[c["kind"]][c["axis"]] += c["bytes"]
+                phases[c["phase"]][c["kind"]][c["axis"]] += c["bytes"]
+        as_dict = lambda d: {k: dict(v) for k, v in d.items()}  # noqa: E731
+        return Estimate(step_time_s=compute + comm_t, compute_s=compute, comm_s=comm_t, memory_bytes=memory,
+                        comm_bytes=as_dict(comm), comm_bytes_by_phase={p: as_dict(v) for p, v in phases.items()})
+
+    # -- presentation ----------------------------------------------------------------------
+    def summary(self, *, verbose: bool = False) -> str:
+        """A table of the plan; repeated blocks are shown once with their count."""
+        names = self.axis_names
+        header = ["node", "module", "op", "shape", "placement " + "×".join(names), "local shape", "communication",
+                  "time", "memory"]
+        rows, shown_blocks = [], set()
+        block_counts = {b["label"]: b["count"] for b in self.data.get("blocks", [])}
+        for r in self.records:
+            if r["kind"] == "output":
+                continue
+            block = r.get("block")
+            if block is not None:
+                if r.get("block_index") != int(block.split("[")[1].split("-")[0]):
+                    continue
+                if block not in shown_blocks:
+                    shown_blocks.add(block)
+                    rows.append([f"── {block}  ×{block_counts.get(block, '?')} identical blocks, shown once; "
+                                 f"times and bytes are per block"])
+            if not verbose and r["target"] in ("getitem",) :
+                continue
+            if not verbose and r.get("decision") == "follower" and not r["comm"] and r["target"].split(".")[0] in (
+                    "aten.view", "aten.reshape", "aten.transpose", "aten.permute", "aten.unsqueeze",
+                    "aten.contiguous", "aten.expand", "aten.alias", "aten.to", "aten._to_copy", "aten.slice",
+                    "aten.select", "aten.squeeze", "aten.flatten", "aten.split", "aten.chunk"):
+                continue
+            comm = "; ".join(f"{_SHORT.get(c['kind'], c['kind'])}@{c['axis']} {c['phase']} {_fmt_bytes(c['bytes'])}"
+                             for c in r["comm"])
+            placement = " ".join(p.strip("[]").replace(", ", " ") for p in r["out"][:1]) if r["out"] else ""
+            shape = "x".join(map(str, r["shapes"][0])) if r["shapes"] and r["shapes"][0] is not None else ""
+            local = "x".join(map(str, r["local_shapes"][0])) if r.get("local_shapes") and r["local_shapes"][0] is not None else ""
+            t = r.get("compute_s", 0.0) + sum(c["time_s"] for c in r["comm"])
+            rows.append([r["fqn"] if r["kind"] in ("param", "input", "buffer") else r["name"], r["module"] or "",
+                         r["target"].replace("aten.", "").replace(".default", ""), shape, placement, local, comm,
+                         _fmt_time(t) if t else "", _fmt_bytes(r.get("memory", 0.0)) if r.get("memory") else ""])
+        widths = [len(h) for h in header]
+        for row in rows:
+            if len(row) == len(header):
+                widths = [min(max(w, len(c)), 48) for w, c in zip(widths, row)]
+        fmt_row = lambda row: "  ".join(c[:w].ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
+        lines = [f"Sharding plan for {self.data.get('model', '?')} on mesh {self.mesh_shape} "
+                 f"({', '.join(names)}), cluster {self.data['cluster']['name']}, budget "
+                 f"{_fmt_bytes(self.data['budget']) if self.data.get('budget') else 'none'}",
+                 fmt_row(header), fmt_row(["-" * w for w in widths])]
+        for row in rows:
+            lines.append(row[0] if len(row) == 1 else fmt_row(row))
+        lines.append("")
+        lines.append("estimate: " + str(self.estimate()))
+        stats = self.data.get("stats", {})
+        if stats:
+            lines.append(f"solver: {stats.get('decisions')} decisions, {stats.get('options')} options, "
+                         f"{stats.get('edges')} edges; solved in {stats.get('solve_s', 0):.2f} s")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def __repr__(self) -> str:
+        e = self.estimate()
+        return (f"ShardingPlan(model={self.data.get('model')}, mesh={self.mesh_shape}, "
+                f"step={_fmt_time(e.step_time_s)}, memory={_fmt_bytes(e.memory_bytes)})")
+
+    def explain(self, target: str) -> str:
+        """Why the node(s) of ``target`` (module path, parameter FQN or node name) are placed so."""
+        hits = [r for r in self.records
+                if r["name"] == target or r.get("fqn") == target or r["module"] == target
+                or r["module"].startswith(target + ".")]
+        if not hits:
+            raise KeyError(f"nothing in this plan is named {target!r}: give a module path, a parameter FQN or a "
+                           f"node name (see plan.summary(verbose=True))")
+        alts = self.data.get("alternatives", {})
+        leader_of = {m: leader for leader, a in alts.items() for m in a["members"]}
+        lines, seen = [], set()
+        for r in hits:
+            leader = leader_of.get(r["rep"], None)
+            label = r["fqn"] if r["kind"] in ("param", "input") else r["name"]
+            if leader is None:
+                lines.append(f"{label} ({r['target']}): {r['out'][0] if r['out'] else '-'} — the only option")
+                continue
+            if leader != r["rep"]:
+                lines.append(f"{label} ({r['target']}): {r['out'][0] if r['out'] else '-'} — follows {leader}")
+                continue
+            if leader in seen:
+                continue
+            seen.add(leader)
+            a = alts[leader]
+            shared = f", decided once for {a['count']} identical nodes" if a["count"] > 1 else ""
+            lines.append(f"{label} ({r['target']}, module {r['module'] or 'top'}){shared}: options by cost given "
+                         f"its neighbours' choices (time includes its compute and the resharding on its edges):")
+            for o in a["options"]:
+                mark = "->" if o["chosen"] else "  "
+                ins = ", ".join("-" if s is None else s for s in o["ins"]) or "-"
+                lines.append(f"  {mark} out {o['out'][0]:<18} in {ins:<40} {_fmt_time(o['time_s']):>12}  "
+                             f"{_fmt_bytes(o['memory']):>10}")
+        return "\n".join(lines)
+
+    def diff(self, other: "ShardingPlan") -> PlanDiff:
+        changed, only_here = [], []
+        for r in self.records:
+            o = other._by_name.get(r["name"])
+            if o is None:
+                only_here.append(r["name"])
+            elif r["out"] != o["out"] or r["ins"] != o["ins"]:
+                changed.append((r["name"], r["module"], " ".join(r["out"]), " ".join(o["out"])))
+        only_there = [n for n in other._by_name if n not in self._by_name]
+        return PlanDiff(changed, only_here, only_there, self.estimate(), other.estimate(),
+                        self.fingerprint == other.fingerprint)
+
+    # -- serialisation -----------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return self.data
+
+    def to_json(self) -> str:
+        return json.dumps(self.data, indent=1, sort_keys=False)
+
+    def save(self, path) -> Path:
+        path = Path(path)
+        if path.parent and not path.parent.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json())
+        return path
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ShardingPlan":
+        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+            raise ValueError("not a Partita sharding plan (missing format marker 'partita.sharding_plan')")
+        version = data.get("version")
+        if version != PLAN_VERSION:
+            raise ValueError(f"sharding plan version {version} is not supported by this Partita "
+                             f"(reads version {PLAN_VERSION}); plan again with this version")
+        return cls(data)
+
+    @classmethod
+    def load(cls, path) -> "ShardingPlan":
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON: {exc}") from None
+        return cls.from_dict(data)
