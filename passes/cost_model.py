@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from passes.placements import R, Partial, Shard, shard_degree
+from passes.placements import R, Partial, is_shard, total_shard_degree
 
 __all__ = ["Collective", "collective_time", "reshard", "reshard_time", "dual_spec",
            "dtype_bytes", "local_bytes", "compute_time", "param_state_bytes"]
@@ -51,16 +51,14 @@ def dtype_bytes(dtype) -> int:
     if dtype is None:
         return 4
     try:
-        return torch.empty((), dtype=dtype).element_size()
-    except (TypeError, RuntimeError):
+        return dtype.itemsize
+    except AttributeError:
         return 4
 
 
 def local_bytes(shape, spec, mesh_shape, elem: int) -> float:
     numel = math.prod(shape) if shape else 1
-    for dim in range(len(shape or ())):
-        numel /= shard_degree(spec, mesh_shape, dim)
-    return numel * elem
+    return numel * elem / total_shard_degree(spec, mesh_shape)
 
 
 _STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
@@ -90,13 +88,13 @@ def reshard(src, dst, shape, mesh_shape, elem: int) -> list:
             continue
         here = local_bytes(shape, tuple(current), mesh_shape, elem)
         n = mesh_shape[axis]
-        if isinstance(p, Shard):
-            if isinstance(q, Shard):
+        if is_shard(p):
+            if is_shard(q):
                 out.append(Collective("all_to_all", axis, here))
             else:
                 out.append(Collective("all_gather", axis, here * n))
         elif isinstance(p, Partial):
-            if isinstance(q, Shard):
+            if is_shard(q):
                 out.append(Collective("reduce_scatter", axis, here))
             else:
                 out.append(Collective("all_reduce", axis, here))
@@ -112,7 +110,7 @@ def dual_spec(spec):
     """The placement a tensor's gradient must reach: Shard stays, R and P need R."""
     if spec is None:
         return None
-    return tuple(p if isinstance(p, Shard) else R for p in spec)
+    return tuple(p if is_shard(p) else R for p in spec)
 
 
 def compute_time(flops: float, mem_bytes: float, dtype, contraction: bool, cluster) -> float:

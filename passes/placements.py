@@ -17,7 +17,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 __all__ = [
     "Shard", "Replicate", "Partial", "Placement", "R", "P", "Spec",
     "format_placement", "parse_placement", "format_spec", "parse_spec",
-    "local_shape", "shard_degree", "spec_fits", "replicated",
+    "local_shape", "shard_degree", "total_shard_degree", "spec_fits", "replicated", "is_shard",
 ]
 
 R = Replicate()
@@ -71,21 +71,41 @@ def replicated(ndim: int) -> Spec:
     return (R,) * ndim
 
 
+def is_shard(p) -> bool:
+    """``isinstance(p, Shard)``, fast (placement classes have a slow metaclass check)."""
+    return type(p) in _SHARD_TYPES
+
+
+_SHARD_TYPES = {Shard} | {cls for cls in Shard.__subclasses__()}
+
+
 def shard_degree(spec: Spec, mesh_shape: Sequence[int], dim: int) -> int:
     """How many pieces tensor dim ``dim`` is cut into under ``spec``."""
-    return math.prod(n for p, n in zip(spec, mesh_shape) if isinstance(p, Shard) and p.dim == dim)
+    k = 1
+    for p, n in zip(spec, mesh_shape):
+        if type(p) in _SHARD_TYPES and p.dim == dim:
+            k *= n
+    return k
 
 
 def spec_fits(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> bool:
     """True when every sharded dim exists and divides evenly by its shard degree."""
-    for p in spec:
-        if isinstance(p, Shard) and not (0 <= p.dim < len(shape)):
-            return False
-    for dim, size in enumerate(shape):
-        k = shard_degree(spec, mesh_shape, dim)
-        if k > 1 and size % k:
-            return False
-    return True
+    degrees = {}
+    for p, n in zip(spec, mesh_shape):
+        if type(p) in _SHARD_TYPES:
+            if not (0 <= p.dim < len(shape)):
+                return False
+            degrees[p.dim] = degrees.get(p.dim, 1) * n
+    return all(shape[d] % k == 0 for d, k in degrees.items())
+
+
+def total_shard_degree(spec: Spec, mesh_shape: Sequence[int]) -> int:
+    """By how much sharding shrinks the tensor (the product over sharded axes)."""
+    k = 1
+    for p, n in zip(spec, mesh_shape):
+        if type(p) in _SHARD_TYPES:
+            k *= n
+    return k
 
 
 def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> tuple:

@@ -122,6 +122,19 @@ class _Builder:
         self.pins = pins            # node -> spec (output placement)
         self.optimizer = optimizer
         self._axis_cache = {}
+        self._edge_cache = {}
+        self._inputs = {}
+        self._views = {}
+
+    def inputs_of(self, node):
+        if node not in self._inputs:
+            self._inputs[node] = tensor_input_nodes(node)
+        return self._inputs[node]
+
+    def view_of(self, node):
+        if node not in self._views:
+            self._views[node] = op_view(node)
+        return self._views[node]
 
     # -- costs of one node ------------------------------------------------------------
     def time_of(self, collectives) -> float:
@@ -130,15 +143,19 @@ class _Builder:
     def edge_time(self, src_spec, dst_spec, grad_spec, producer: fx.Node, out_index=0) -> float:
         i = info(producer)
         shape = i.out_shapes[out_index] if i.out_shapes else ()
-        fwd, bwd = edge_collectives(src_spec, dst_spec, grad_spec, shape, dtype_bytes(i.dtype),
-                                    self.mesh, i.requires_grad)
-        return self.time_of(fwd) + self.time_of(bwd)
+        key = (src_spec, dst_spec, grad_spec, shape, i.dtype, i.requires_grad)
+        t = self._edge_cache.get(key)
+        if t is None:
+            fwd, bwd = edge_collectives(src_spec, dst_spec, grad_spec, shape, dtype_bytes(i.dtype),
+                                        self.mesh, i.requires_grad)
+            t = self._edge_cache[key] = self.time_of(fwd) + self.time_of(bwd)
+        return t
 
     def op_cost(self, node, strategy: Strategy):
         """(compute seconds fwd+bwd, activation bytes) for an op node under a strategy."""
         rule = rule_for(node)
         i = info(node)
-        op = op_view(node)
+        op = self.view_of(node)
         split = strategy.compute_split(self.mesh)
         mem_bytes = 0.0
         if not getattr(rule, "is_view", False):
@@ -160,7 +177,7 @@ class _Builder:
                     extra_bwd += t
         bwd = 0.0
         if i.requires_grad:
-            grads_in = sum(1 for a in tensor_input_nodes(node) if info(a).requires_grad)
+            grads_in = sum(1 for a in self.inputs_of(node) if info(a).requires_grad)
             factor = min(2, grads_in) if rule.contraction else 1
             bwd = factor * fwd + extra_bwd
         act = 0.0
@@ -172,7 +189,7 @@ class _Builder:
     # -- followers --------------------------------------------------------------------
     def axis_candidates(self, node):
         if node not in self._axis_cache:
-            self._axis_cache[node] = rule_for(node).axis_strategies(op_view(node))
+            self._axis_cache[node] = rule_for(node).axis_strategies(self.view_of(node))
         return self._axis_cache[node]
 
     def follow(self, node, given: list) -> NodeChoice:
@@ -191,14 +208,14 @@ class _Builder:
                         if g is None or p is None:
                             continue
                         target = g[:ax] + (p,) + g[ax + 1:]
-                        prod = tensor_input_nodes(node)[k]
+                        prod = self.inputs_of(node)[k]
                         t += self.edge_time(g, target, None, prod)
                     if best_t is None or t < best_t:
                         best, best_t = c, t
                 exact = best
             chosen.append(exact)
         strategy = Strategy.from_axes(chosen)
-        op = op_view(node)
+        op = self.view_of(node)
         fits = all(s is None or spec_fits(s, sp, self.mesh) for s, sp in zip(op.out_shapes, strategy.out)) and \
             all(sp is None or s is None or spec_fits(s, sp, self.mesh) for s, sp in zip(op.in_shapes, strategy.ins))
         if not fits:
@@ -211,7 +228,7 @@ class _Builder:
         if given is not None:  # resharding inside the group, on the way into this node
             for k, (g, want) in enumerate(zip(given, strategy.ins)):
                 if g is not None and want is not None:
-                    inbound += self.edge_time(g, want, strategy.grad_spec(k), tensor_input_nodes(node)[k])
+                    inbound += self.edge_time(g, want, strategy.grad_spec(k), self.inputs_of(node)[k])
         return NodeChoice(strategy=strategy, out=strategy.out, ins=strategy.ins, compute_s=compute,
                           inbound_s=inbound, memory=act)
 
@@ -233,7 +250,7 @@ class _Builder:
                     mem = local_bytes(i.shape, spec, self.mesh, elem)
                 choices.append(NodeChoice(strategy=None, out=(spec,), ins=(), memory=mem))
             return choices
-        op = op_view(node)
+        op = self.view_of(node)
         strategies = expand_to_mesh(self.axis_candidates(node), op, self.mesh)
         if pin is not None:
             strategies = [s for s in strategies if s.out[0] == pin]

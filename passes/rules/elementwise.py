@@ -80,7 +80,7 @@ register(aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.defa
          aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.softplus.default,
          aten.hardtanh.default, aten.leaky_relu.default, aten.elu.default, aten.gelu_.default,
          aten.relu_.default, aten.silu_.default, aten.maximum.default, aten.minimum.default,
-         aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
+         aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
          aten.square.default, aten.log1p.default, aten.expm1.default, aten.sign.default,
          aten.floor.default, aten.ceil.default, aten.round.default, aten.trunc.default)(_nonlinear)
 _compare = Elementwise(None)

@@ -1,0 +1,384 @@
+"""``python -m partitioner`` (also installed as ``partita``): plan from the command line.
+
+Plan a model built by a factory, print the plan table and the estimate, save the plan::
+
+    python -m partitioner plan partitioner.models:gpt_demo --mesh 8x8 --cluster h100 \\
+        --budget 80GiB --json plan.json
+    python -m partitioner plan my_models.py:build --kwargs '{"n_layer": 4}' --mesh 2x4 \\
+        --axis-names dp,tp --pin 'input_ids=[S(0), R]' --explain model.layers.0.mlp
+
+``FACTORY`` is a callable in ``MODULE`` (a dotted module name, or a path to a ``.py`` file)
+returning ``(model, example_inputs)`` or a dict with the keys ``model`` and
+``example_inputs``. Saved plans are read without the model::
+
+    python -m partitioner show plan.json
+    python -m partitioner explain plan.json h.0.mlp.c_fc
+    python -m partitioner diff a.json b.json
+
+Results go to stdout, progress to stderr. Bad input (an unknown factory, an unreadable mesh
+or budget, a file that is not a plan, a budget no plan fits, a model export cannot capture)
+ends with one ``partita: error: ...`` line on stderr and exit status 2; ``--debug`` shows the
+traceback instead.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+_EXIT_USAGE = 2
+_FACTORY_FORM = ("expected MODULE:FACTORY, e.g. partitioner.models:gpt_demo, where FACTORY returns "
+                 "(model, example_inputs)")
+
+
+class CLIError(Exception):
+    """Bad input: reported as one line on stderr, exit status 2."""
+
+
+def _status(args, message: str) -> None:
+    if not getattr(args, "quiet", False):
+        print(f"[partita] {message}", file=sys.stderr, flush=True)
+
+
+# -- reading the command line ------------------------------------------------------------------
+
+def _load_module(name: str):
+    if name.endswith(".py") or os.sep in name or "/" in name:
+        path = Path(name)
+        if not path.is_file():
+            raise CLIError(f"no Python file {name!r} ({_FACTORY_FORM})")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            raise CLIError(f"importing {name} failed: {type(exc).__name__}: {exc}") from exc
+        return module
+    # `python -m` puts the working directory on sys.path; the `partita` script does not.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
+            raise CLIError(f"no module named {exc.name!r} ({_FACTORY_FORM})") from exc
+        raise CLIError(f"importing module {name!r} failed: {exc}") from exc
+    except Exception as exc:
+        raise CLIError(f"importing module {name!r} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _load_factory(spec: str):
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise CLIError(f"cannot read model factory {spec!r}: {_FACTORY_FORM}")
+    module = obj = _load_module(module_name)
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            public = sorted(n for n, v in vars(module).items() if inspect.isfunction(v)
+                            and v.__module__ == module.__name__ and not n.startswith("_"))
+            shown = ", ".join(public[:12]) + (", ..." if len(public) > 12 else "")
+            raise CLIError(f"module {module_name!r} has no factory {attr!r} ({_FACTORY_FORM}); the functions "
+                           f"it defines are: {shown or 'none'}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise CLIError(f"{spec} is a {type(obj).__name__}, not a callable ({_FACTORY_FORM})")
+    return obj
+
+
+def _parse_kwargs(text: str | None) -> dict:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CLIError(f"--kwargs is not valid JSON ({exc}): write it like '{{\"n_layer\": 4}}'") from None
+    if not isinstance(value, dict):
+        raise CLIError(f"--kwargs must be a JSON object like '{{\"n_layer\": 4}}', got {type(value).__name__}")
+    return value
+
+
+def _build_model(spec: str, kwargs: dict):
+    import torch
+
+    factory = _load_factory(spec)
+    try:
+        built = factory(**kwargs)
+    except Exception as exc:
+        raise CLIError(f"factory {spec} raised {type(exc).__name__}: {exc}") from exc
+    if isinstance(built, dict):
+        missing = [k for k in ("model", "example_inputs") if k not in built]
+        if missing:
+            raise CLIError(f"factory {spec} returned a dict without {missing}; it must have the keys "
+                           f"'model' and 'example_inputs'")
+        model, example_inputs = built["model"], built["example_inputs"]
+    elif isinstance(built, (tuple, list)) and len(built) == 2:
+        model, example_inputs = built
+    else:
+        raise CLIError(f"factory {spec} returned {type(built).__name__}; it must return (model, example_inputs) "
+                       f"or a dict with the keys 'model' and 'example_inputs'")
+    if not isinstance(model, torch.nn.Module):
+        raise CLIError(f"factory {spec} returned a {type(model).__name__} as the model; expected a torch.nn.Module")
+    return model, example_inputs
+
+
+def _parse_pins(items: list[str], ndim: int) -> dict:
+    from passes.placements import parse_spec
+
+    pins = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value:
+            raise CLIError(f"cannot read --pin {item!r}: write it like 'input_ids=[S(0), R]' (one placement per "
+                           f"mesh axis)")
+        try:
+            parse_spec(value, ndim)
+        except ValueError as exc:
+            raise CLIError(f"--pin {item!r}: {exc}") from None
+        pins[key] = value
+    return pins
+
+
+def _parse_cluster(value: str):
+    from partitioner.cluster import ClusterSpec, get_cluster
+
+    if value.endswith(".json"):
+        try:
+            return ClusterSpec.from_dict(json.loads(Path(value).read_text()))
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise CLIError(f"cannot read cluster file {value}: {type(exc).__name__}: {exc}") from None
+    try:
+        return get_cluster(value)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _load_plan(path: str):
+    from partitioner.sharding_plan import ShardingPlan
+
+    try:
+        return ShardingPlan.load(path)
+    except OSError as exc:
+        raise CLIError(f"cannot read plan file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise CLIError(f"{path}: not a Partita sharding plan (not a text file)") from None
+    except ValueError as exc:
+        message = str(exc)
+        raise CLIError(message if message.startswith(str(path)) else f"{path}: {message}") from None
+    except (KeyError, TypeError) as exc:
+        raise CLIError(f"{path}: a damaged sharding plan ({type(exc).__name__}: {exc})") from None
+
+
+# -- printing ----------------------------------------------------------------------------------
+
+def _format_estimate(plan) -> str:
+    """The estimate, one quantity a line, with communication split by phase."""
+    from partitioner.sharding_plan import _fmt_bytes, _fmt_time
+
+    est = plan.estimate()
+    data = plan.data
+    lines = ["estimate per device per training step:",
+             f"  step time      {_fmt_time(est.step_time_s)} (compute {_fmt_time(est.compute_s)}, "
+             f"communication {_fmt_time(est.comm_s)})"]
+    budget = data.get("budget")
+    share = f" of {_fmt_bytes(budget)} budget ({100 * est.memory_bytes / budget:.1f}%)" if budget else ""
+    lines.append(f"  memory         {_fmt_bytes(est.memory_bytes)}{share}")
+    if not est.comm_bytes:
+        lines.append("  communication  none")
+    for i, (kind, per_axis) in enumerate(sorted(est.comm_bytes.items())):
+        for j, (axis, total) in enumerate(sorted(per_axis.items())):
+            phases = ", ".join(f"{phase} {_fmt_bytes(by_kind[kind][axis])}"
+                               for phase, by_kind in sorted(est.comm_bytes_by_phase.items(), reverse=True)
+                               if by_kind.get(kind, {}).get(axis))
+            label = "communication" if i == 0 and j == 0 else ""
+            lines.append(f"  {label:<14} {kind + ' on ' + axis:<28} {_fmt_bytes(total):>12}  ({phases})")
+    inputs = ", ".join(f"{name} {'x'.join(map(str, shape)) or 'scalar'}" for name, shape in data.get("inputs", {}).items())
+    lines.append(f"  planned for    inputs {inputs or '-'}; objective {data.get('objective')}, "
+                 f"optimizer {data.get('optimizer')}")
+    return "\n".join(lines)
+
+
+def _print_plan(plan, *, verbose_table: bool) -> None:
+    print(plan.summary(verbose=verbose_table))
+    print()
+    print(_format_estimate(plan))
+
+
+def _print_explanations(plan, targets: list[str]) -> None:
+    for target in targets or []:
+        try:
+            text = plan.explain(target)
+        except KeyError as exc:
+            raise CLIError(exc.args[0] if exc.args else f"nothing in this plan is named {target!r}") from None
+        print()
+        print(f"explain {target}:")
+        print(text)
+
+
+# -- subcommands -------------------------------------------------------------------------------
+
+def _cmd_plan(args) -> int:
+    import partitioner
+    from partitioner.cluster import parse_bytes
+    from partitioner.mesh import MeshSpec
+
+    # Check every cheap argument before building the model: a typo fails in a second.
+    axis_names = [s.strip() for s in args.axis_names.split(",")] if args.axis_names else None
+    try:
+        mesh = MeshSpec.build(args.mesh, axis_names)
+    except ValueError as exc:
+        raise CLIError(f"--mesh/--axis-names: {exc}") from None
+    budget = None
+    if args.budget is not None:
+        try:
+            budget = parse_bytes(args.budget)
+        except ValueError as exc:
+            raise CLIError(f"--budget: {exc}") from None
+        if budget <= 0:
+            raise CLIError(f"--budget must be positive, got {args.budget!r}")
+    cluster = _parse_cluster(args.cluster)
+    pins = _parse_pins(args.pin, mesh.ndim)
+    kwargs = _parse_kwargs(args.kwargs)
+    if args.json is not None and Path(args.json).is_dir():
+        raise CLIError(f"--json {args.json} is a directory; give a file name such as plan.json")
+    if args.time_limit <= 0:
+        raise CLIError(f"--time-limit must be positive, got {args.time_limit}")
+
+    _status(args, f"building the model: {args.factory}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})")
+    model, example_inputs = _build_model(args.factory, kwargs)
+    try:
+        plan = partitioner.plan(
+            model, example_inputs, mesh_shape=mesh.shape, mesh_axis_names=mesh.axis_names, cluster=cluster,
+            memory_budget=budget, pins=pins, objective=args.objective,
+            optimizer=None if args.optimizer == "none" else args.optimizer,
+            share_blocks=not args.no_share_blocks, time_limit=args.time_limit, verbose=not args.quiet)
+    except (partitioner.CaptureError, partitioner.InfeasibleBudgetError) as exc:
+        raise CLIError(str(exc)) from exc
+    except ValueError as exc:  # a pin that matches nothing
+        raise CLIError(str(exc)) from exc
+    except TypeError as exc:  # example inputs of the wrong kind
+        raise CLIError(f"{type(exc).__name__}: {exc} (--debug shows where)") from exc
+
+    if args.json is not None:
+        try:
+            plan.save(args.json)
+        except OSError as exc:
+            raise CLIError(f"cannot write the plan to {args.json}: {exc.strerror or exc}") from None
+        _status(args, f"plan written to {args.json}")
+    _print_plan(plan, verbose_table=args.verbose_table)
+    _print_explanations(plan, args.explain)
+    return 0
+
+
+def _cmd_show(args) -> int:
+    plan = _load_plan(args.plan)
+    _print_plan(plan, verbose_table=args.verbose_table)
+    _print_explanations(plan, args.explain)
+    return 0
+
+
+def _cmd_explain(args) -> int:
+    plan = _load_plan(args.plan)
+    for i, target in enumerate(args.target):
+        try:
+            text = plan.explain(target)
+        except KeyError as exc:
+            raise CLIError(exc.args[0] if exc.args else f"nothing in this plan is named {target!r}") from None
+        if i:
+            print()
+        print(text)
+    return 0
+
+
+def _cmd_diff(args) -> int:
+    first, second = _load_plan(args.first), _load_plan(args.second)
+    diff = first.diff(second)
+    print(f"{args.first} -> {args.second}")
+    print(diff)
+    return 1 if args.exit_code and diff else 0
+
+
+# -- the parser --------------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="partita", description="Partita: plan data / tensor / sequence parallelism for a PyTorch model.",
+        epilog="Example: partita plan partitioner.models:gpt_demo --mesh 2x4 --budget 80GiB --json plan.json")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("plan", help="plan a model built by a factory",
+                       description="Build a model with FACTORY, plan it on a mesh, print the plan and its estimate.")
+    p.add_argument("factory", metavar="MODULE:FACTORY",
+                   help="a callable returning (model, example_inputs), e.g. partitioner.models:gpt_demo; "
+                        "MODULE may also be a path to a .py file")
+    p.add_argument("--kwargs", metavar="JSON", help="keyword arguments for the factory, e.g. '{\"n_layer\": 4}'")
+    p.add_argument("--mesh", required=True, help="devices per mesh axis, e.g. 8x8 or 4")
+    p.add_argument("--axis-names", metavar="NAMES", help="comma-separated mesh axis names, e.g. dp,tp")
+    p.add_argument("--cluster", default="h100",
+                   help="h100, h200, a100, cpu (measured here) or a ClusterSpec JSON file (default: h100)")
+    p.add_argument("--budget", metavar="BYTES", help="memory per device, e.g. 80GiB (default: the device memory)")
+    p.add_argument("--objective", choices=("time", "memory"), default="time", help="what to minimise")
+    p.add_argument("--optimizer", choices=("adam", "sgd", "none"), default="adam",
+                   help="optimizer state to budget for (default: adam)")
+    p.add_argument("--pin", action="append", default=[], metavar="KEY=PLACEMENTS",
+                   help="fix a placement, one per mesh axis, e.g. 'input_ids=[S(0), R]'; KEY is an input, a "
+                        "parameter FQN, a node name or a module path (globs allowed); repeatable")
+    p.add_argument("--json", metavar="PATH", help="save the plan as JSON here")
+    p.add_argument("--explain", action="append", default=[], metavar="TARGET",
+                   help="also explain the choice for a module path, parameter FQN or node; repeatable")
+    p.add_argument("--verbose-table", action="store_true", help="show every node, views and getitems included")
+    p.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS", help="solver time limit")
+    p.add_argument("--no-share-blocks", action="store_true",
+                   help="decide each repeated block (transformer layer) on its own")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
+    p.set_defaults(run=_cmd_plan)
+
+    p = sub.add_parser("show", help="print a saved plan and its estimate")
+    p.add_argument("plan", metavar="PLAN.json")
+    p.add_argument("--explain", action="append", default=[], metavar="TARGET", help="also explain TARGET")
+    p.add_argument("--verbose-table", action="store_true", help="show every node")
+    p.set_defaults(run=_cmd_show)
+
+    p = sub.add_parser("explain", help="why a saved plan places a module, parameter or node as it does")
+    p.add_argument("plan", metavar="PLAN.json")
+    p.add_argument("target", nargs="+", metavar="TARGET", help="a module path, parameter FQN or node name")
+    p.set_defaults(run=_cmd_explain)
+
+    p = sub.add_parser("diff", help="compare two saved plans")
+    p.add_argument("first", metavar="A.json")
+    p.add_argument("second", metavar="B.json")
+    p.add_argument("--exit-code", action="store_true", help="exit with status 1 when the placements differ")
+    p.set_defaults(run=_cmd_diff)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit status."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse has printed its usage message
+        return exc.code if isinstance(exc.code, int) else _EXIT_USAGE
+    try:
+        return args.run(args)
+    except CLIError as exc:
+        if args.debug:
+            raise
+        message = " ".join(str(exc).split())  # one line, whatever the underlying message held
+        print(f"partita: error: {message}", file=sys.stderr)
+        return _EXIT_USAGE
+    except KeyboardInterrupt:
+        print("partita: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
