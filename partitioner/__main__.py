@@ -54,11 +54,18 @@ def _load_module(name: str):
         path = Path(name)
         if not path.is_file():
             raise CLIError(f"no Python file {name!r} ({_FACTORY_FORM})")
+        # Import it as `python path.py` would run it: its folder on sys.path (for its sibling
+        # imports) and itself in sys.modules (dataclasses and pickle look classes up there).
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:
+            sys.path.append(folder)
         spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
         try:
             spec.loader.exec_module(module)
         except Exception as exc:
+            del sys.modules[spec.name]
             raise CLIError(f"importing {name} failed: {type(exc).__name__}: {exc}") from exc
         return module
     # `python -m` puts the working directory on sys.path; the `partita` script does not.
@@ -104,10 +111,11 @@ def _parse_kwargs(text: str | None) -> dict:
     return value
 
 
-def _build_model(spec: str, kwargs: dict):
+def _build_model(spec: str, kwargs: dict, args):
     import torch
 
     factory = _load_factory(spec)
+    _status(args, f"building the model: {spec}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})")
     try:
         built = factory(**kwargs)
     except Exception as exc:
@@ -199,7 +207,8 @@ def _format_estimate(plan) -> str:
                                if by_kind.get(kind, {}).get(axis))
             label = "communication" if i == 0 and j == 0 else ""
             lines.append(f"  {label:<14} {kind + ' on ' + axis:<28} {_fmt_bytes(total):>12}  ({phases})")
-    inputs = ", ".join(f"{name} {'x'.join(map(str, shape)) or 'scalar'}" for name, shape in data.get("inputs", {}).items())
+    inputs = ", ".join(f"{name} {'x'.join(map(str, shape)) or 'scalar'}"
+                       for name, shape in data.get("inputs", {}).items())
     lines.append(f"  planned for    inputs {inputs or '-'}; objective {data.get('objective')}, "
                  f"optimizer {data.get('optimizer')}")
     return "\n".join(lines)
@@ -251,8 +260,7 @@ def _cmd_plan(args) -> int:
     if args.time_limit <= 0:
         raise CLIError(f"--time-limit must be positive, got {args.time_limit}")
 
-    _status(args, f"building the model: {args.factory}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})")
-    model, example_inputs = _build_model(args.factory, kwargs)
+    model, example_inputs = _build_model(args.factory, kwargs, args)
     try:
         plan = partitioner.plan(
             model, example_inputs, mesh_shape=mesh.shape, mesh_axis_names=mesh.axis_names, cluster=cluster,

@@ -13,7 +13,8 @@ reduce_scatter    the full (input) buffer      (n-1)/n payload     n-1
 all_to_all        the local buffer             (n-1)/n payload     n-1
 ================  ==========================  ==================  ============
 
-time = ``collective_overhead_s + steps * latency_s + wire_bytes / bandwidth``. Reported
+time = ``collective_overhead_s + steps * latency_s + wire_bytes / bandwidth``; parameter
+gradient synchronisations are bucketed (fused, as DDP does) and pay the bandwidth term only. Reported
 communication volumes (``comm_bytes``) are payloads: the Megatron formula's "2 all-reduces
 of b*s*h elements" reads directly off them, and the runtime counts the same buffers.
 
@@ -45,6 +46,9 @@ class Collective:
     kind: str
     axis: int
     payload_bytes: float
+    bucketed: bool = False
+    """A parameter-gradient synchronisation: fused with others into buckets (as DDP does),
+    so it pays bandwidth only, not a launch and ring latency of its own."""
 
 
 def dtype_bytes(dtype) -> int:
@@ -72,8 +76,8 @@ def collective_time(c: Collective, mesh_shape, cluster) -> float:
     if n <= 1 or c.payload_bytes <= 0:
         return 0.0
     link = cluster.link_for_axis(mesh_shape, c.axis)
-    return (cluster.collective_overhead_s + _STEPS[c.kind](n) * link.latency_s
-            + _WIRE[c.kind](n) * c.payload_bytes / link.bandwidth)
+    fixed = 0.0 if c.bucketed else cluster.collective_overhead_s + _STEPS[c.kind](n) * link.latency_s
+    return fixed + _WIRE[c.kind](n) * c.payload_bytes / link.bandwidth
 
 
 def reshard(src, dst, shape, mesh_shape, elem: int) -> list:

@@ -22,9 +22,9 @@ from passes.analyze import info
 from passes.blocks import find_blocks
 from passes.cost_model import Collective, collective_time, dtype_bytes
 from passes.ilp_solver import min_memory, solve_ilp
-from passes.placements import format_spec, local_shape
+from passes.placements import format_spec, local_shape, replicated
 from passes.rules import op_name, tensor_input_nodes
-from passes.strategy_space import build_space, edge_collectives
+from passes.strategy_space import build_space, edge_collectives, replicated_outputs
 
 __all__ = ["InfeasibleBudgetError", "IntraOpResult", "plan_intra_op"]
 
@@ -49,7 +49,8 @@ def _fmt_specs(specs):
 
 def _collective_dicts(collectives, phase, input_index, mesh_shape, cluster, axis_names):
     return [{"kind": c.kind, "axis": axis_names[c.axis], "bytes": float(c.payload_bytes), "phase": phase,
-             "input": input_index, "time_s": collective_time(c, mesh_shape, cluster)} for c in collectives]
+             "input": input_index, "time_s": collective_time(c, mesh_shape, cluster),
+             **({"bucketed": True} if c.bucketed else {})} for c in collectives]
 
 
 def _node_record(node, choice, space, axis_names, rep_node):
@@ -93,13 +94,15 @@ def _edge_comm(node, choices, space, axis_names):
     mesh = space.mesh_shape
     out = []
     mine = choices.get(node)
+    wanted_outputs = replicated_outputs(node.graph) if node.op == "output" else ()
     for k, u in enumerate(tensor_input_nodes(node)):
         if info(u).kind == "ignored" or choices.get(u) is None:
             continue
         if node.op == "call_function" and node.target is operator.getitem:
             continue
         if node.op == "output":
-            from passes.placements import replicated
+            if k not in wanted_outputs:
+                continue
             dst, grad = replicated(len(mesh)), None
         else:
             if mine is None or mine.ins[k] is None:
@@ -108,7 +111,7 @@ def _edge_comm(node, choices, space, axis_names):
             grad = mine.strategy.grad_spec(k) if mine.strategy is not None else None
         ui = info(u)
         fwd, bwd = edge_collectives(choices[u].out[0], dst, grad, ui.shape or (), dtype_bytes(ui.dtype),
-                                    mesh, ui.requires_grad)
+                                    mesh, ui.requires_grad, from_param=ui.kind == "param")
         out += _collective_dicts(fwd, "fwd", k, mesh, space.cluster, axis_names)
         out += _collective_dicts(bwd, "bwd", k, mesh, space.cluster, axis_names)
     return out

@@ -22,6 +22,7 @@ Built from an analysed graph, a mesh and a cluster:
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -35,7 +36,8 @@ from passes.cost_model import (Collective, collective_time, compute_time, dtype_
 from passes.placements import R, Shard, replicated, spec_fits
 from passes.rules import Strategy, expand_to_mesh, op_view, rule_for, tensor_input_nodes
 
-__all__ = ["NodeChoice", "Group", "EdgeCost", "StrategySpace", "build_space", "edge_collectives"]
+__all__ = ["NodeChoice", "Group", "EdgeCost", "StrategySpace", "build_space", "edge_collectives",
+           "replicated_outputs"]
 
 
 @dataclass(frozen=True)
@@ -106,16 +108,23 @@ def _options_for_placeholder(shape, mesh_shape) -> list:
     return specs
 
 
-def edge_collectives(src_spec, dst_spec, grad_spec, shape, elem, mesh_shape, requires_grad):
-    """(forward collectives, backward collectives) for a tensor moving along one edge."""
+def edge_collectives(src_spec, dst_spec, grad_spec, shape, elem, mesh_shape, requires_grad, from_param=False):
+    """(forward collectives, backward collectives) for a tensor moving along one edge.
+
+    Backward collectives on an edge leaving a parameter are its gradient synchronisation,
+    marked ``bucketed``.
+    """
     fwd = reshard(src_spec, dst_spec, shape, mesh_shape, elem)
     bwd = reshard(grad_spec, dual_spec(src_spec), shape, mesh_shape, elem) if requires_grad and grad_spec is not None else []
+    if from_param:
+        bwd = [dataclasses.replace(c, bucketed=True) for c in bwd]
     return fwd, bwd
 
 
 class _Builder:
     def __init__(self, graph, blocks, mesh_shape, cluster, pins, optimizer):
         self.graph = graph
+        self.replicated_outputs = replicated_outputs(graph)
         self.blocks = blocks
         self.mesh = tuple(mesh_shape)
         self.cluster = cluster
@@ -143,11 +152,11 @@ class _Builder:
     def edge_time(self, src_spec, dst_spec, grad_spec, producer: fx.Node, out_index=0) -> float:
         i = info(producer)
         shape = i.out_shapes[out_index] if i.out_shapes else ()
-        key = (src_spec, dst_spec, grad_spec, shape, i.dtype, i.requires_grad)
+        key = (src_spec, dst_spec, grad_spec, shape, i.dtype, i.requires_grad, i.kind == "param")
         t = self._edge_cache.get(key)
         if t is None:
             fwd, bwd = edge_collectives(src_spec, dst_spec, grad_spec, shape, dtype_bytes(i.dtype),
-                                        self.mesh, i.requires_grad)
+                                        self.mesh, i.requires_grad, from_param=i.kind == "param")
             t = self._edge_cache[key] = self.time_of(fwd) + self.time_of(bwd)
         return t
 
@@ -260,6 +269,23 @@ class _Builder:
         return [self.choice_for(node, s) for s in strategies]
 
 
+def replicated_outputs(graph: fx.Graph, *, replicate_all: bool = False) -> set:
+    """Indices (among the output node's tensor inputs) that must come back replicated.
+
+    Every rank must see the same loss, so scalar outputs are always replicated. When the
+    model returns a scalar (a training loss), its other outputs (logits, hidden states) are
+    left where the plan puts them, as Megatron leaves vocab-parallel logits: gathering them
+    every step would cost more than the rest of the step. A model with no scalar output has
+    all its outputs replicated.
+    """
+    out = next(n for n in graph.nodes if n.op == "output")
+    values = tensor_input_nodes(out)
+    scalars = {k for k, n in enumerate(values) if info(n).shape == ()}
+    if replicate_all or not scalars:
+        return set(range(len(values)))
+    return scalars
+
+
 def _is_getitem(node):
     import operator
     return node.op == "call_function" and node.target is operator.getitem
@@ -350,6 +376,8 @@ def _build_edges(graph, b: _Builder, groups, group_of) -> list:
         gu = group_of[u]
         src_specs = [opt[u].out[0] for opt in groups[gu].options]
         if v.op == "output":
+            if k not in b.replicated_outputs:
+                continue
             wanted = replicated(len(b.mesh))
             costs = np.array([b.edge_time(s, wanted, None, u) for s in src_specs]) * occurrences
             groups[gu].cost = groups[gu].cost + costs

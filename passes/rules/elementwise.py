@@ -69,7 +69,19 @@ register(aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar, ate
          aten.rsub.Tensor)(Elementwise("sum"))
 register(aten.mul.Tensor, aten.mul.Scalar)(Elementwise("one", saves_inputs=True))
 register(aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode)(Elementwise("first", saves_inputs=True))
-register(aten.neg.default, aten.dropout.default, aten.clone.default, aten.alias.default,
+class Dropout(Elementwise):
+    """Linear in its input given the mask, so Partial passes; a decision of its own (not a
+    follower) because where it runs decides the size of the mask kept for backward and
+    whether the region after a row-parallel matmul is sharded (Megatron-SP)."""
+
+    follower = False
+
+    def __init__(self):
+        super().__init__("unary", saves_inputs=False)  # it keeps a 1-byte mask, not its input
+
+
+register(aten.dropout.default)(Dropout())
+register(aten.neg.default, aten.clone.default, aten.alias.default,
          aten.contiguous.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
          aten._to_copy.default, aten.lift_fresh_copy.default, aten.detach.default)(Elementwise("unary"))
 _nonlinear = Elementwise(None, saves_inputs=True)
@@ -80,7 +92,8 @@ register(aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.defa
          aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.softplus.default,
          aten.hardtanh.default, aten.leaky_relu.default, aten.elu.default, aten.gelu_.default,
          aten.relu_.default, aten.silu_.default, aten.maximum.default, aten.minimum.default,
-         aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
+         aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar,
+         aten.masked_fill.Scalar, aten.masked_fill.Tensor,
          aten.square.default, aten.log1p.default, aten.expm1.default, aten.sign.default,
          aten.floor.default, aten.ceil.default, aten.round.default, aten.trunc.default)(_nonlinear)
 _compare = Elementwise(None)
