@@ -11,14 +11,29 @@ cost model and an ILP, and show the plan::
     est = plan.estimate()        # step_time_s, memory_bytes, comm_bytes[kind][axis]
     print(plan.explain("model.layers.0.mlp.down_proj"))
     print(plan.diff(other_plan))
+
+Reading, showing and comparing saved plans needs no torch import; the names that capture
+or plan (``plan``, ``CaptureError``, ...) load torch on first use.
 """
-from partitioner.api import plan, resolve_pins
+from importlib import import_module
+
 from partitioner.cluster import PRESETS, ClusterSpec, LinkSpec, calibrate_cpu, get_cluster
 from partitioner.mesh import MeshSpec
 from partitioner.sharding_plan import Estimate, PlanDiff, PlanMismatchError, ShardingPlan
-from passes.capture import CaptureError
-from passes.plan_intra_op import InfeasibleBudgetError
+
+_LAZY = {
+    "plan": "partitioner.api", "resolve_pins": "partitioner.api",
+    "CaptureError": "passes.capture", "InfeasibleBudgetError": "passes.plan_intra_op",
+}
 
 __all__ = ["plan", "resolve_pins", "ShardingPlan", "Estimate", "PlanDiff", "PlanMismatchError",
            "ClusterSpec", "LinkSpec", "MeshSpec", "PRESETS", "get_cluster", "calibrate_cpu",
            "CaptureError", "InfeasibleBudgetError"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'partitioner' has no attribute {name!r}")

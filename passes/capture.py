@@ -9,6 +9,9 @@ could not handle and what to try.
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import re
 import warnings
 from dataclasses import dataclass
@@ -21,7 +24,9 @@ __all__ = ["CaptureError", "CapturedGraph", "capture", "describe_captured", "gra
 
 
 class CaptureError(RuntimeError):
-    """The model could not be captured as a graph."""
+    """The model could not be captured as a graph (``partial_graph``: what export got to)."""
+
+    partial_graph: str = ""
 
 
 @dataclass
@@ -87,8 +92,14 @@ def capture(model: torch.nn.Module, example_inputs, *, stack_traces: bool = Fals
         kwargs = torch.utils._pytree.tree_map(to_meta, kwargs)
     saved_flag = fx.config.do_not_emit_stack_traces
     fx.config.do_not_emit_stack_traces = not stack_traces
+    # A failing export logs partial graphs from several torch loggers; our error says it once.
+    torch_logs = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+                  if name == "torch" or name.startswith("torch.")]
+    saved_levels = [log.level for log in torch_logs]
+    for log in torch_logs:
+        log.setLevel(logging.CRITICAL)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
             exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # export raises many types; all become one clear error
@@ -96,11 +107,15 @@ def capture(model: torch.nn.Module, example_inputs, *, stack_traces: bool = Fals
         first = next((line for line in message.splitlines() if line.strip()), type(exc).__name__)
         where = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', message)
         site = f" (at {where[-1][0]}:{where[-1][1]} in {where[-1][2]})" if where else ""
-        raise CaptureError(
+        error = CaptureError(
             f"could not capture {type(model).__name__} with torch.export: {type(exc).__name__}: "
-            f"{first[:400]}{site}. What to do: {_hint_for(message)}.") from exc
+            f"{first[:400]}{site}. What to do: {_hint_for(message)}.")
+        error.partial_graph = str(getattr(exc, "partial_fx_graph", "") or "")
+        raise error from exc
     finally:
         fx.config.do_not_emit_stack_traces = saved_flag
+        for log, level in zip(torch_logs, saved_levels):
+            log.setLevel(level)
 
     signature = exported.graph_signature
     params = dict(signature.inputs_to_parameters)

@@ -118,7 +118,8 @@ def _edge_comm(node, choices, space, axis_names):
 
 
 def plan_intra_op(cap, mesh_shape, axis_names, cluster, *, budget=None, pins=None, objective="time",
-                  optimizer="adam", share_blocks=True, time_limit=60.0, log=None) -> IntraOpResult:
+                  optimizer="adam", share_blocks=True, time_limit=60.0, max_options="auto",
+                  log=None) -> IntraOpResult:
     log = log or (lambda msg: None)
     graph: fx.Graph = cap.graph
     t0 = time.perf_counter()
@@ -130,11 +131,13 @@ def plan_intra_op(cap, mesh_shape, axis_names, cluster, *, budget=None, pins=Non
             raise ValueError(f"conflicting pins for {info(node).name}: {format_spec(rep_pins[r])} and "
                              f"{format_spec(spec)} (repeated blocks share one decision; pin all layers alike)")
         rep_pins[r] = spec
-    space = build_space(graph, blocks, mesh_shape, cluster, pins=rep_pins, optimizer=optimizer)
+    space = build_space(graph, blocks, mesh_shape, cluster, pins=rep_pins, optimizer=optimizer,
+                        max_options=max_options)
     t1 = time.perf_counter()
     n_opts = sum(len(g.options) for g in space.groups)
     log(f"strategy space: {len(space.groups)} decisions, {n_opts} options, {len(space.edges)} edges, "
-        f"{len(blocks.groups)} repeated block kind(s) ({t1 - t0:.2f} s)")
+        f"{len(blocks.groups)} repeated block kind(s) ({t1 - t0:.2f} s)"
+        + (f"; {space.pruned} high-compute options pruned" if space.pruned else ""))
 
     memories = [g.memory for g in space.groups]
     least = min_memory(memories)
@@ -184,6 +187,7 @@ def plan_intra_op(cap, mesh_shape, axis_names, cluster, *, budget=None, pins=Non
     t3 = time.perf_counter()
     stats = {"build_s": t1 - t0, "solve_s": t2 - t1, "decode_s": t3 - t2, "decisions": len(space.groups),
              "options": n_opts, "edges": len(space.edges), "objective_s": result.objective,
+             "pruned_options": space.pruned,
              "least_memory": least}
     return IntraOpResult(records=records, alternatives=alternatives,
                          blocks=[{"label": g.label, "count": len(g.indices), "prefix": g.prefix} for g in blocks.groups],

@@ -96,7 +96,8 @@ class StrategySpace:
     blocks: Blocks
     mesh_shape: tuple
     cluster: object
-    unary: dict = field(default_factory=dict)
+    pruned: int = 0
+    """Options dropped by the ``max_options`` cap (0: the space is complete)."""
 
 
 def _options_for_placeholder(shape, mesh_shape) -> list:
@@ -122,8 +123,10 @@ def edge_collectives(src_spec, dst_spec, grad_spec, shape, elem, mesh_shape, req
 
 
 class _Builder:
-    def __init__(self, graph, blocks, mesh_shape, cluster, pins, optimizer):
+    def __init__(self, graph, blocks, mesh_shape, cluster, pins, optimizer, max_options=None):
         self.graph = graph
+        self.max_options = max_options
+        self.pruned = 0
         self.replicated_outputs = replicated_outputs(graph)
         self.blocks = blocks
         self.mesh = tuple(mesh_shape)
@@ -266,7 +269,15 @@ class _Builder:
             if not strategies:
                 raise ValueError(f"pinned placement {pin} is not reachable for node {node.name} "
                                  f"({i.module_path or 'top level'}, op {node.target}) with shape {i.shape}")
-        return [self.choice_for(node, s) for s in strategies]
+        choices = [self.choice_for(node, s) for s in strategies]
+        if self.max_options and len(choices) > self.max_options:
+            # Keep the options that split the most work (stable: rules list R first, so ties
+            # keep the simpler ones). Only 3-D and larger meshes get here by default.
+            order = sorted(range(len(choices)), key=lambda k: (choices[k].compute_s, choices[k].memory))
+            keep = sorted(order[: self.max_options])
+            self.pruned += len(choices) - len(keep)
+            choices = [choices[k] for k in keep]
+        return choices
 
 
 def replicated_outputs(graph: fx.Graph, *, replicate_all: bool = False) -> set:
@@ -291,8 +302,14 @@ def _is_getitem(node):
     return node.op == "call_function" and node.target is operator.getitem
 
 
-def build_space(graph: fx.Graph, blocks: Blocks, mesh_shape, cluster, *, pins=None, optimizer="adam") -> StrategySpace:
-    b = _Builder(graph, blocks, mesh_shape, cluster, pins or {}, optimizer)
+def build_space(graph: fx.Graph, blocks: Blocks, mesh_shape, cluster, *, pins=None, optimizer="adam",
+                max_options="auto") -> StrategySpace:
+    """``max_options``: cap on an op leader's options (lowest compute kept); ``"auto"`` caps at
+    24 on meshes of 3 or more axes, where an op can have over 200 combinations, and not
+    below that; ``None`` never caps (the solve is then exact over the whole space)."""
+    if max_options == "auto":
+        max_options = 24 if len(mesh_shape) >= 3 else None
+    b = _Builder(graph, blocks, mesh_shape, cluster, pins or {}, optimizer, max_options)
     rep = blocks.represent
     group_of: dict = {}
     groups: list = []
@@ -342,7 +359,7 @@ def build_space(graph: fx.Graph, blocks: Blocks, mesh_shape, cluster, *, pins=No
 
     edges = _build_edges(graph, b, groups, group_of)
     return StrategySpace(groups=groups, edges=edges, group_of=group_of, blocks=blocks,
-                         mesh_shape=tuple(mesh_shape), cluster=cluster)
+                         mesh_shape=tuple(mesh_shape), cluster=cluster, pruned=b.pruned)
 
 
 def _classes(values):
