@@ -57,7 +57,9 @@ def format_spec(spec: Sequence[Placement]) -> str:
 def parse_spec(value, ndim: int) -> Spec:
     """A spec from a list of placements/strings, or a string like ``"[S(0), R]"``."""
     if isinstance(value, str):
-        body = value.strip().strip("[]()")
+        body = value.strip()
+        if body[:1] + body[-1:] in ("[]", "()"):
+            body = body[1:-1]
         items = [s for s in re.split(r",\s*(?![^()]*\))", body) if s.strip()]
     else:
         items = list(value)

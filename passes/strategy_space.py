@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch.fx as fx
@@ -425,9 +425,9 @@ def _build_edges(graph, b: _Builder, groups, group_of) -> list:
             continue
         full = e.full()
         # A cost that depends on one side only is a node cost, not an edge.
-        if np.allclose(full, full[:, :1]):
+        if (full == full[:, :1]).all():
             groups[e.src].cost = groups[e.src].cost + full[:, 0]
-        elif np.allclose(full, full[:1, :]):
+        elif (full == full[:1, :]).all():
             groups[e.dst].cost = groups[e.dst].cost + full[0, :]
         else:
             edges.append(e)

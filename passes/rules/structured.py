@@ -134,7 +134,9 @@ register(aten.arange.default, aten.arange.start, aten.arange.start_step, aten.fu
          aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
          aten.rand.default, aten.randn.default)(FactoryRule())
 register(aten.index.Tensor, aten.index_select.default, aten.nonzero.default, aten.sort.default,
-         aten.topk.default)(ReplicatedRule())
+         aten.topk.default,
+         # in-place buffer updates (BatchNorm's num_batches_tracked += 1): every rank keeps the same copy
+         aten.add_.Tensor, aten.add_.Scalar, aten.copy_.default, aten.fill_.Scalar)(ReplicatedRule())
 register(aten.max_pool2d.default, aten.max_pool2d_with_indices.default,
          aten.adaptive_max_pool2d.default)(PoolRule(linear=False))
 register(aten.avg_pool2d.default, aten.adaptive_avg_pool2d.default)(PoolRule(linear=True))

@@ -1,0 +1,142 @@
+"""The ShardingPlan value: summary, JSON round trip, fingerprint refusal, explain, diff, pins."""
+import json
+
+import pytest
+import torch
+
+import partitioner
+from partitioner import models
+from passes.analyze import analyze
+from passes.capture import capture, graph_fingerprint
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return models.gpt_block(batch=8, seq=128, n_embd=256, n_head=8, n_layer=3, vocab=512)
+
+
+@pytest.fixture(scope="module")
+def plan(gpt):
+    model, inputs = gpt
+    return partitioner.plan(model, inputs, mesh_shape=(2, 4), mesh_axis_names=("dp", "tp"), cluster="h100",
+                            memory_budget="80GiB")
+
+
+def test_summary_collapses_repeated_blocks(plan):
+    text = plan.summary()
+    assert "h.[0-2]  ×3 identical blocks" in text
+    assert "placement dp×tp" in text
+    # block 0 is shown, blocks 1 and 2 are not
+    assert "h.0.mlp.c_fc.weight" in text and "h.1.mlp.c_fc.weight" not in text
+    assert "estimate: step" in text
+
+
+def test_json_round_trip_is_exact_and_pickle_free(plan, tmp_path):
+    path = plan.save(tmp_path / "plan.json")
+    raw = json.loads(path.read_text())
+    assert raw["format"] == "partita.sharding_plan" and raw["version"] == 1
+    loaded = partitioner.ShardingPlan.load(path)
+    assert loaded.to_dict() == plan.to_dict()
+    assert loaded.estimate() == plan.estimate()
+    assert not plan.diff(loaded)
+    assert loaded.axis_names == ("dp", "tp") and loaded.mesh_shape == (2, 4)
+
+
+def test_load_refuses_other_files_and_versions(plan, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="not a Partita sharding plan"):
+        partitioner.ShardingPlan.load(bad)
+    data = dict(plan.to_dict(), version=99)
+    bad.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="version 99 is not supported"):
+        partitioner.ShardingPlan.load(bad)
+
+
+def test_fingerprint_refuses_a_plan_for_another_model(plan, gpt):
+    model, inputs = gpt
+    cap = capture(model, inputs)
+    plan.check_fingerprint(graph_fingerprint(cap))           # same model, same shapes: accepted
+    other_model, other_inputs = models.gpt_block(batch=8, seq=128, n_embd=256, n_head=8, n_layer=2, vocab=512)
+    other = graph_fingerprint(capture(other_model, other_inputs))
+    with pytest.raises(partitioner.PlanMismatchError, match="different graph.*Plan again"):
+        plan.check_fingerprint(other)
+
+
+def test_estimate_adds_up(plan):
+    est = plan.estimate()
+    assert est.step_time_s == pytest.approx(est.compute_s + est.comm_s)
+    assert est.step_time_s == pytest.approx(plan.data["stats"]["objective_s"], rel=1e-9)
+    comm = sum(c["bytes"] for r in plan.records for c in r["comm"])
+    assert est.total_comm_bytes() == pytest.approx(comm)
+    assert est.memory_bytes <= plan.data["budget"]
+    assert set(a for kinds in est.comm_bytes.values() for a in kinds) <= {"dp", "tp"}
+
+
+def test_explain_lists_alternatives_with_the_choice_marked(plan):
+    text = plan.explain("h.1.mlp.c_fc")                       # a later block explains through block 0
+    assert "decided once for 3 identical nodes" in text
+    chosen = [line for line in text.splitlines() if line.strip().startswith("->")]
+    assert chosen and plan.placement_of("h.0.mlp.c_fc.weight") in "\n".join(chosen)
+    assert text.count("out [") >= 3                           # alternatives are listed
+    with pytest.raises(KeyError, match="nothing in this plan is named"):
+        plan.explain("no.such.module")
+
+
+def test_diff_reports_changed_placements(gpt, plan):
+    model, inputs = gpt
+    pinned = partitioner.plan(model, inputs, mesh_shape=(2, 4), mesh_axis_names=("dp", "tp"), cluster="h100",
+                              pins={"h.*.mlp.c_fc.weight": ["R", "S(0)"]})
+    assert plan.placement_of("h.0.mlp.c_fc.weight") != "[R, S(0)]"
+    d = plan.diff(pinned)
+    assert d
+    names = [c[0] for c in d.changed]
+    assert "p_h_0_mlp_c_fc_weight" in names
+    assert pinned.placement_of("h.2.mlp.c_fc.weight") == "[R, S(0)]"
+    assert "->" in str(d) and d.same_graph
+    assert pinned.estimate().step_time_s >= plan.estimate().step_time_s - 1e-12   # the solver's plan is optimal
+
+
+def test_pins_by_input_module_and_errors(gpt):
+    model, inputs = gpt
+    p = partitioner.plan(model, inputs, mesh_shape=(4,), cluster="h100",
+                         pins={"idx": "[S(0)]", "h.*.ln_1": ["S(1)"]})
+    assert p.placement_of("idx") == "[S(0)]"
+    norms = [r for r in p.records if r["target"] == "aten.layer_norm" and r["module"].endswith("ln_1")]
+    assert len(norms) == 3 and all(r["out"] == ["[S(1)]"] for r in norms)
+    with pytest.raises(ValueError, match="matches no input, parameter, node or module"):
+        partitioner.plan(model, inputs, mesh_shape=(4,), pins={"nope.weight": ["R"]})
+    with pytest.raises(ValueError, match="has 2 entries; the mesh has 1 axes"):
+        partitioner.plan(model, inputs, mesh_shape=(4,), pins={"idx": ["R", "R"]})
+    with pytest.raises(ValueError, match="not reachable"):
+        partitioner.plan(model, inputs, mesh_shape=(4,), pins={"h.*.ln_1": ["S(2)"]})
+
+
+def test_memory_objective_uses_less_memory(gpt, plan):
+    model, inputs = gpt
+    lean = partitioner.plan(model, inputs, mesh_shape=(2, 4), cluster="h100", objective="memory")
+    assert lean.estimate().memory_bytes < plan.estimate().memory_bytes
+    assert lean.estimate().memory_bytes == pytest.approx(lean.data["stats"]["least_memory"], rel=1e-6)
+
+
+def test_repeated_blocks_make_depth_nearly_free():
+    sizes = {}
+    for layers in (2, 8):
+        model, inputs = models.gpt_block(batch=8, seq=64, n_embd=128, n_head=4, n_layer=layers, vocab=256)
+        p = partitioner.plan(model, inputs, mesh_shape=(2, 2), cluster="h100")
+        sizes[layers] = (p.data["stats"]["decisions"], p.data["stats"]["options"])
+    assert sizes[2] == sizes[8]
+
+
+def test_bad_arguments_are_named():
+    model, inputs = models.mlp_demo()
+    with pytest.raises(ValueError, match="objective"):
+        partitioner.plan(model, inputs, objective="speed")
+    with pytest.raises(ValueError, match="unknown cluster 'tpu'"):
+        partitioner.plan(model, inputs, cluster="tpu")
+    with pytest.raises(ValueError, match="cannot read memory size"):
+        partitioner.plan(model, inputs, memory_budget="lots")
+    with pytest.raises(ValueError, match="cannot read mesh"):
+        partitioner.plan(model, inputs, mesh_shape="8by8")
+    with pytest.raises(TypeError, match="example_inputs must be"):
+        partitioner.plan(model, 3.0)
