@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
-from passes.placements import R, Partial, is_shard, total_shard_degree
+from passes.placements import R, Partial, is_shard, total_shard_degree, transition_steps
 
-__all__ = ["Collective", "collective_time", "reshard", "reshard_time", "dual_spec",
-           "dtype_bytes", "local_bytes", "compute_time", "param_state_bytes"]
+__all__ = ["Collective", "collective_time", "reshard", "reshard_time", "dual_spec", "collective_kind",
+           "dtype_bytes", "local_bytes", "compute_time", "param_state_bytes", "extra_payload"]
 
 
 @dataclass(frozen=True)
@@ -81,29 +81,35 @@ def collective_time(c: Collective, mesh_shape, cluster) -> float:
 
 
 def reshard(src, dst, shape, mesh_shape, elem: int) -> list:
-    """The collectives that turn a tensor placed ``src`` into ``dst`` (both full specs)."""
+    """The collectives that turn a tensor placed ``src`` into ``dst`` (both full specs).
+
+    Walks :func:`passes.placements.transition_steps`; local moves (``R->S`` slice,
+    ``R->P``) cost nothing and are not listed.
+    """
     if src == dst or src is None or dst is None:
         return []
     shape = tuple(shape or ())
-    current = list(src)
     out = []
-    for axis, (p, q) in enumerate(zip(src, dst)):
-        if p == q:
-            continue
+    current = list(src)
+    for axis, p, q in transition_steps(tuple(src), tuple(dst)):
         here = local_bytes(shape, tuple(current), mesh_shape, elem)
         n = mesh_shape[axis]
-        if is_shard(p):
-            if is_shard(q):
-                out.append(Collective("all_to_all", axis, here))
-            else:
-                out.append(Collective("all_gather", axis, here * n))
-        elif isinstance(p, Partial):
-            if is_shard(q):
-                out.append(Collective("reduce_scatter", axis, here))
-            else:
-                out.append(Collective("all_reduce", axis, here))
+        kind = collective_kind(p, q)
+        if kind == "all_gather":
+            out.append(Collective(kind, axis, here * n))
+        elif kind is not None:
+            out.append(Collective(kind, axis, here))
         current[axis] = q
     return [c for c in out if mesh_shape[c.axis] > 1]
+
+
+def collective_kind(p, q):
+    """The collective one move on one axis needs (None: a local move)."""
+    if is_shard(p):
+        return "all_to_all" if is_shard(q) else "all_gather"
+    if isinstance(p, Partial):
+        return "reduce_scatter" if is_shard(q) else "all_reduce"
+    return None
 
 
 def reshard_time(src, dst, shape, mesh_shape, elem: int, cluster) -> float:
@@ -122,6 +128,13 @@ def compute_time(flops: float, mem_bytes: float, dtype, contraction: bool, clust
     name = str(dtype).replace("torch.", "") if dtype is not None else "float32"
     peak = cluster.flops_for(name) if contraction else cluster.flops_for("float32")
     return max(flops / (peak * cluster.matmul_efficiency), mem_bytes / cluster.memory_bandwidth)
+
+
+def extra_payload(elements, scaling, itemsize, n_axis, split) -> float:
+    """Payload of a collective inside an op (see ``AxisStrategy.extra``)."""
+    if scaling == "work":
+        return elements * itemsize * n_axis / split
+    return float(elements * itemsize)
 
 
 def param_state_bytes(numel: float, elem: int, optimizer: str | None) -> float:

@@ -18,6 +18,7 @@ __all__ = [
     "Shard", "Replicate", "Partial", "Placement", "R", "P", "Spec",
     "format_placement", "parse_placement", "format_spec", "parse_spec",
     "local_shape", "shard_degree", "total_shard_degree", "spec_fits", "replicated", "is_shard",
+    "is_partial", "transition_steps",
 ]
 
 R = Replicate()
@@ -112,3 +113,60 @@ def total_shard_degree(spec: Spec, mesh_shape: Sequence[int]) -> int:
 
 def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> tuple:
     return tuple(size // shard_degree(spec, mesh_shape, dim) for dim, size in enumerate(shape))
+
+
+def is_partial(p) -> bool:
+    return isinstance(p, Partial)
+
+
+def transition_steps(src: Spec, dst: Spec) -> list:
+    """The per-axis moves that turn a tensor placed ``src`` into ``dst``: ``(axis, from, to)``.
+
+    Layout convention: a dim sharded on several axes is cut outer axis first, so a rank's
+    block index along it is the mixed-radix number of its coordinates on those axes (outer
+    digit most significant). A move that adds or removes ``Shard(d)`` on axis ``a`` is only
+    contiguous when no inner axis ``b > a`` currently shards ``d``; such inner shards are
+    gathered first and cut again afterwards. Order:
+
+    1. inner to outer: every shard that changes is gathered (``S->R``) or exchanged (``S->S'``);
+    2. outer to inner: partials are reduced (``P->R`` / ``P->S``) and new shards cut (``R->S``),
+       ``R->P`` keeps one rank's share.
+
+    The cost model prices exactly these moves and the runtime performs exactly these moves,
+    so estimated and counted communication agree.
+    """
+    n = len(src)
+    cur = list(src)
+    steps = []
+
+    def move(axis, to):
+        steps.append((axis, cur[axis], to))
+        cur[axis] = to
+
+    def clear_inner(axis, dim):
+        for b in reversed(range(axis + 1, n)):
+            if is_shard(cur[b]) and cur[b].dim == dim:
+                clear_inner(b, dim)
+                move(b, R)
+
+    for a in reversed(range(n)):
+        p, q = cur[a], dst[a]
+        if is_shard(p) and p != q:
+            clear_inner(a, p.dim)
+            if is_shard(q):
+                clear_inner(a, q.dim)
+                move(a, q)
+            else:
+                move(a, R)
+    for _ in range(2):  # a second sweep re-cuts inner shards that an outer move cleared
+        for a in range(n):
+            p, q = cur[a], dst[a]
+            if p == q:
+                continue
+            if is_shard(q):
+                clear_inner(a, q.dim)
+            if is_partial(p) and is_partial(q):
+                move(a, R)
+            move(a, q)
+    assert tuple(cur) == tuple(dst), (src, dst, cur)
+    return steps

@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from passes.analyze import info
 from passes.blocks import find_blocks
-from passes.cost_model import Collective, collective_time, dtype_bytes
+from passes.cost_model import Collective, collective_time, dtype_bytes, extra_payload
 from passes.ilp_solver import min_memory, solve_ilp
 from passes.placements import format_spec, local_shape, replicated
 from passes.rules import op_name, tensor_input_nodes
@@ -71,6 +71,8 @@ def _node_record(node, choice, space, axis_names, rep_node):
         return rec
     rec["out"] = _fmt_specs(choice.out)
     rec["ins"] = _fmt_specs(choice.ins)
+    if choice.strategy is not None:
+        rec["grads"] = _fmt_specs([choice.strategy.grad_spec(k) for k in range(len(choice.ins))])
     rec["local_shapes"] = [list(local_shape(s, sp, mesh)) if s is not None and sp is not None else None
                            for s, sp in zip(i.out_shapes, choice.out)]
     rec["compute_s"] = float(choice.compute_s)
@@ -81,9 +83,9 @@ def _node_record(node, choice, space, axis_names, rep_node):
         split = strategy.compute_split(mesh)
         for ax, a in enumerate(strategy.axes):
             if a.note:
-                rec["note"] = a.note
-            for kind, phase, elements in a.extra:
-                payload = elements * dtype_bytes(i.dtype) * mesh[ax] / split
+                rec.setdefault("notes", {})[axis_names[ax]] = a.note
+            for kind, phase, elements, scaling in a.extra:
+                payload = extra_payload(elements, scaling, dtype_bytes(i.dtype), mesh[ax], split)
                 comm += _collective_dicts([Collective(kind, ax, payload)], phase, None, mesh, cluster, axis_names)
     rec["comm"] = comm
     return rec

@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from passes.analyze import info
 from passes.blocks import Blocks
-from passes.cost_model import (Collective, collective_time, compute_time, dtype_bytes, dual_spec,
+from passes.cost_model import (Collective, collective_time, compute_time, dtype_bytes, dual_spec, extra_payload,
                                local_bytes, param_state_bytes, reshard)
 from passes.placements import R, Shard, replicated, spec_fits
 from passes.rules import Strategy, expand_to_mesh, op_view, rule_for, tensor_input_nodes
@@ -180,8 +180,8 @@ class _Builder:
         fwd = compute_time(i.flops / split, mem_bytes, i.dtype, rule.contraction, self.cluster)
         extra_fwd = extra_bwd = 0.0
         for ax, a in enumerate(strategy.axes):
-            for kind, phase, elements in a.extra:
-                payload = elements * dtype_bytes(i.dtype) * self.mesh[ax] / split
+            for kind, phase, elements, scaling in a.extra:
+                payload = extra_payload(elements, scaling, dtype_bytes(i.dtype), self.mesh[ax], split)
                 t = collective_time(Collective(kind, ax, payload), self.mesh, self.cluster)
                 if phase == "fwd":
                     extra_fwd += t

@@ -164,9 +164,9 @@ def test_softmax_over_sharded_dim_has_collectives():
     by_in = {s.ins[0]: s for s in strategies_of(node)}
     reduced = by_in[Shard(1)]
     assert reduced.out == (Shard(1),)
-    assert [k for k, _, _ in reduced.extra] == ["all_reduce"] * 3
-    assert {phase for _, phase, _ in reduced.extra} == {"fwd", "bwd"}
-    assert all(n == 4 for _, _, n in reduced.extra), "one value per row"
+    assert [k for k, _, _, _ in reduced.extra] == ["all_reduce"] * 3
+    assert {phase for _, phase, _, _ in reduced.extra} == {"fwd", "bwd"}
+    assert all(n == 4 for _, _, n, _ in reduced.extra), "one value per row"
     assert by_in[Shard(0)].extra == (), "sharding a row dim needs no collective"
 
 
@@ -183,7 +183,7 @@ def test_batch_norm_sync_and_channel_sharding():
     by_in = {s.ins[0]: s for s in strategies_of(node)}
     batch = by_in[Shard(0)]
     assert batch.out == (Shard(0),) and all(p == R for p in batch.ins[1:])
-    assert {k for k, _, _ in batch.extra} == {"all_reduce"}, "SyncBatchNorm statistics"
+    assert {k for k, _, _, _ in batch.extra} == {"all_reduce"}, "SyncBatchNorm statistics"
     channel = by_in[Shard(1)]
     assert channel.out == (Shard(1),) and all(p == Shard(0) for p in channel.ins[1:])
     assert channel.extra == ()

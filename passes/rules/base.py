@@ -109,7 +109,10 @@ class AxisStrategy:
     ins: tuple
     """Placement each tensor input must arrive in (None: metadata only)."""
     extra: tuple = ()
-    """Collectives inside the op: ``(kind, phase, global_elements)`` with phase fwd/bwd."""
+    """Collectives inside the op: ``(kind, phase, elements, scaling)``; phase ``fwd``/``bwd``;
+    ``scaling="work"``: the buffer shrinks with the op's work split on the other axes (row
+    statistics), so its payload is ``elements * itemsize * n_axis / split``; ``"none"``: the
+    payload is ``elements * itemsize`` (a count, per-channel sums)."""
     note: str = ""
     """Lowering hint, e.g. ``"strided"`` for a split of a sharded dim."""
 

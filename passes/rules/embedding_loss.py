@@ -5,8 +5,9 @@ weight sharded on hidden (output sharded on its last dim), weight sharded on voc
 (vocab-parallel: each rank looks up the ids in its range, output ``Partial``), replicated.
 
 cross_entropy(logits[N, C, ...], target[N, ...]) and nll_loss(logp[N, C], target[N]):
-batch-sharded (the reduced loss comes back ``Partial``; lowering divides by the global
-count of counted targets so ``ignore_index`` and means stay exact), class-sharded
+batch-sharded (a mean all-reduces the local loss sum and the local count of counted targets
+together, so ``ignore_index`` stays exact and the loss comes out replicated; a sum comes out
+``Partial``), class-sharded
 (vocab-parallel loss: all-reduce the row max, the row sum of exponentials and the target
 logit, each N elements, forward), replicated. With ``reduction="none"`` the per-sample loss
 keeps the batch sharding.
@@ -60,14 +61,20 @@ class ClassificationLossRule(OpRule):
         outs = lambda p: (p,) + (R,) * (n_out - 1)  # noqa: E731
         strategies = [AxisStrategy(out=outs(R), ins=(R, R) + rest)]
         if x[0] > 1:
-            strategies.append(AxisStrategy(out=outs(reduced_out), ins=(Shard(0), Shard(0)) + rest))
+            if reduction == 1:
+                # mean over the batch: all-reduce (sum of losses, count of counted targets) in
+                # one collective, so ignore_index is exact and the loss comes out replicated
+                strategies.append(AxisStrategy(out=outs(R), ins=(Shard(0), Shard(0)) + rest,
+                                               extra=(("all_reduce", "fwd", 2, "none"),)))
+            else:
+                strategies.append(AxisStrategy(out=outs(reduced_out), ins=(Shard(0), Shard(0)) + rest))
         smoothing = op.arg(5, "label_smoothing", 0.0)
         if len(x) >= 2 and x[1] > 1 and reduction != 0 and not smoothing and (len(op.in_shapes) < 3 or op.in_shapes[2] is None):
             rows = 1
             for d, s in enumerate(x):
                 if d != 1:
                     rows *= s
-            extra = (("all_reduce", "fwd", rows),) * 3 if self.fused_softmax else ()
+            extra = (("all_reduce", "fwd", rows, "work"),) * 3 if self.fused_softmax else ()
             strategies.append(AxisStrategy(out=outs(P), ins=(Shard(1), R) + rest, extra=extra))
         return strategies
 

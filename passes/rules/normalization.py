@@ -67,7 +67,8 @@ class SoftmaxRule(OpRule):
                 strategies.append(AxisStrategy(out=(Shard(d),), ins=(Shard(d),) + rest))
             else:
                 rows = _numel(x) // x[d]
-                extra = (("all_reduce", "fwd", rows), ("all_reduce", "fwd", rows), ("all_reduce", "bwd", rows))
+                extra = (("all_reduce", "fwd", rows, "work"), ("all_reduce", "fwd", rows, "work"),
+                         ("all_reduce", "bwd", rows, "work"))
                 strategies.append(AxisStrategy(out=(Shard(d),), ins=(Shard(d),) + rest, extra=extra))
         return strategies
 
@@ -91,7 +92,7 @@ class BatchNormRule(OpRule):
             strategies.append(AxisStrategy(out=(Shard(1),) + (Shard(0),) * (n_out - 1), ins=(Shard(1),) + sharded))
         if x[0] > 1 and n_out == 1:
             c = x[1]
-            extra = (("all_reduce", "fwd", 2 * c), ("all_reduce", "bwd", 2 * c))
+            extra = (("all_reduce", "fwd", 2 * c, "none"), ("all_reduce", "bwd", 2 * c, "none"))
             strategies.append(AxisStrategy(out=(Shard(0),), ins=(Shard(0),) + channel_inputs, extra=extra))
         return strategies
 

@@ -1,0 +1,195 @@
+"""Collectives on local tensors, with autograd, and a counter of what they send.
+
+:class:`MeshComm` is this rank's view of the device mesh: one process group per mesh axis
+and its coordinate on each. :func:`run_steps` performs the per-axis moves of
+:func:`passes.placements.transition_steps` on a local tensor:
+
+=========  ====================================================  =======================
+move       what happens                                          collective
+=========  ====================================================  =======================
+S(d)->R    gather the pieces along d in coordinate order          all_gather
+S(d)->S(e) cut along e, swap pieces, join along d                  all_to_all
+P->R       sum (or max) the partial values                         all_reduce
+P->S(d)    sum, each rank keeps its piece along d                  reduce_scatter
+R->S(d)    keep this rank's piece along d                          (local)
+R->P       coordinate 0 keeps the value, the others hold zeros     (local)
+=========  ====================================================  =======================
+
+:class:`Reshard` (an ``nn.Module``, so the lowered program prints it readably) moves a
+tensor from its producer's placement to the placement its consumer needs; its backward
+moves the gradient from the placement the consumer produces to the dual of the producer's
+placement, exactly the moves the cost model priced. Every collective reports its kind, mesh
+axis, payload bytes and phase to the active :class:`CommCounter` objects, so tests can check
+that the runtime sends what the plan says.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from passes.cost_model import dual_spec
+from passes.placements import format_spec, is_partial, is_shard, transition_steps
+
+__all__ = ["MeshComm", "CommCounter", "run_steps", "Reshard", "record_collective", "all_reduce_"]
+
+_COUNTERS: list = []
+
+
+class CommCounter(contextlib.AbstractContextManager):
+    """Counts payload bytes per (kind, axis name) and per phase while active."""
+
+    def __init__(self):
+        self.bytes = defaultdict(lambda: defaultdict(float))
+        self.by_phase = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
+        self.calls = 0
+
+    def __enter__(self):
+        _COUNTERS.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _COUNTERS.remove(self)
+        return False
+
+    def record(self, kind, axis, nbytes, phase):
+        self.bytes[kind][axis] += nbytes
+        self.by_phase[phase][kind][axis] += nbytes
+        self.calls += 1
+
+    def as_dict(self) -> dict:
+        return {k: dict(v) for k, v in self.bytes.items()}
+
+    def phase_dict(self) -> dict:
+        return {p: {k: dict(v) for k, v in kinds.items()} for p, kinds in self.by_phase.items()}
+
+
+def record_collective(kind, axis_name, nbytes, phase):
+    for counter in _COUNTERS:
+        counter.record(kind, axis_name, float(nbytes), phase)
+
+
+class MeshComm:
+    """Process groups and coordinates of this rank on a DeviceMesh (or a trivial 1-device mesh)."""
+
+    def __init__(self, device_mesh=None, *, shape=None, axis_names=None):
+        if device_mesh is None:
+            self.shape = tuple(shape or (1,))
+            self.axis_names = tuple(axis_names or [f"a{i}" for i in range(len(self.shape))])
+            if any(n != 1 for n in self.shape):
+                raise ValueError(f"a mesh of shape {self.shape} needs a DeviceMesh (process groups)")
+            self.groups = [None] * len(self.shape)
+            self.coords = [0] * len(self.shape)
+            self.device_mesh = None
+        else:
+            self.device_mesh = device_mesh
+            self.shape = tuple(int(n) for n in device_mesh.mesh.shape)
+            self.axis_names = tuple(device_mesh.mesh_dim_names or [f"a{i}" for i in range(len(self.shape))])
+            self.groups = [device_mesh.get_group(i) for i in range(len(self.shape))]
+            self.coords = list(device_mesh.get_coordinate())
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+
+def _reduce_op(p):
+    op = getattr(p, "reduce_op", "sum")
+    return {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce_(x: torch.Tensor, comm: MeshComm, axis: int, phase: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce on one mesh axis (counted)."""
+    if comm.shape[axis] > 1:
+        record_collective("all_reduce", comm.axis_names[axis], _nbytes(x), phase)
+        dist.all_reduce(x, op=op, group=comm.groups[axis])
+    return x
+
+
+def _move(x, axis, p, q, comm: MeshComm, phase):
+    n = comm.shape[axis]
+    if n == 1:
+        return x
+    group, coord, name = comm.groups[axis], comm.coords[axis], comm.axis_names[axis]
+    if is_shard(p) and is_shard(q):                       # all_to_all: cut along q.dim, join along p.dim
+        record_collective("all_to_all", name, _nbytes(x), phase)
+        pieces = torch.stack(x.chunk(n, dim=q.dim), 0).contiguous()
+        received = torch.empty_like(pieces)
+        dist.all_to_all_single(received, pieces, group=group)
+        return torch.cat(list(received.unbind(0)), dim=p.dim)
+    if is_shard(p):                                        # all_gather along p.dim
+        inp = x.movedim(p.dim, 0).contiguous()
+        out = inp.new_empty((n * inp.shape[0],) + tuple(inp.shape[1:]))
+        record_collective("all_gather", name, _nbytes(out), phase)
+        dist.all_gather_into_tensor(out, inp, group=group)
+        return out.movedim(0, p.dim)
+    if is_partial(p) and is_shard(q):                      # reduce_scatter along q.dim
+        record_collective("reduce_scatter", name, _nbytes(x), phase)
+        inp = x.movedim(q.dim, 0).contiguous()
+        out = inp.new_empty((inp.shape[0] // n,) + tuple(inp.shape[1:]))
+        dist.reduce_scatter_tensor(out, inp, op=_reduce_op(p), group=group)
+        return out.movedim(0, q.dim)
+    if is_partial(p):                                      # all_reduce
+        record_collective("all_reduce", name, _nbytes(x), phase)
+        out = x.contiguous().clone()
+        dist.all_reduce(out, op=_reduce_op(p), group=group)
+        return out
+    if is_shard(q):                                        # local slice
+        size = x.shape[q.dim] // n
+        return x.narrow(q.dim, coord * size, size)
+    if is_partial(q):                                      # keep one rank's share
+        return x if coord == 0 or q.reduce_op != "sum" else torch.zeros_like(x)
+    raise AssertionError(f"no move from {p} to {q}")
+
+
+def run_steps(x: torch.Tensor, steps, comm: MeshComm, phase: str) -> torch.Tensor:
+    for axis, p, q in steps:
+        x = _move(x, axis, p, q, comm, phase)
+    return x
+
+
+class _ReshardFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, module):
+        ctx.module = module
+        return run_steps(x, module.forward_steps, module.comm, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        module = ctx.module
+        if module.backward_steps is None:
+            return None, None
+        return run_steps(grad, module.backward_steps, module.comm, "bwd"), None
+
+
+class Reshard(torch.nn.Module):
+    """Move a tensor from ``src`` to ``dst``; its gradient from ``grad`` to the dual of ``src``."""
+
+    def __init__(self, comm: MeshComm, src, dst, grad=None):
+        super().__init__()
+        self.comm = comm
+        self.src, self.dst, self.grad = tuple(src), tuple(dst), (tuple(grad) if grad is not None else None)
+        self.forward_steps = transition_steps(self.src, self.dst)
+        self.backward_steps = (transition_steps(self.grad, dual_spec(self.src)) if self.grad is not None else None)
+
+    @property
+    def is_noop(self) -> bool:
+        moves = lambda steps: [s for s in steps or () if self.comm.shape[s[0]] > 1]  # noqa: E731
+        return not moves(self.forward_steps) and not moves(self.backward_steps)
+
+    def forward(self, x):
+        if not torch.is_grad_enabled() or not x.requires_grad:
+            return run_steps(x, self.forward_steps, self.comm, "fwd")
+        return _ReshardFn.apply(x, self)
+
+    def extra_repr(self) -> str:
+        text = f"{format_spec(self.src)} -> {format_spec(self.dst)}"
+        if self.grad is not None:
+            text += f"; grad {format_spec(self.grad)} -> {format_spec(dual_spec(self.src))}"
+        return text
