@@ -85,6 +85,8 @@ def _node_record(node, choice, space, axis_names, rep_node):
             if a.note:
                 rec.setdefault("notes", {})[axis_names[ax]] = a.note
             for kind, phase, elements, scaling in a.extra:
+                if phase == "bwd" and not i.requires_grad:
+                    continue
                 payload = extra_payload(elements, scaling, dtype_bytes(i.dtype), mesh[ax], split)
                 comm += _collective_dicts([Collective(kind, ax, payload)], phase, None, mesh, cluster, axis_names)
     rec["comm"] = comm

@@ -51,7 +51,9 @@ class NodeChoice:
     ins: tuple
     """The spec each tensor input must arrive in (None: metadata only / no data)."""
     compute_s: float = 0.0
-    """Forward + backward compute, and the op's own collectives (vocab-parallel softmax)."""
+    """Forward + backward compute."""
+    extra_s: float = 0.0
+    """The op's own collectives (``AxisStrategy.extra``), forward and backward."""
     inbound_s: float = 0.0
     """Resharding into this node inside its group (followers only)."""
     memory: float = 0.0
@@ -191,12 +193,13 @@ class _Builder:
         if i.requires_grad:
             grads_in = sum(1 for a in self.inputs_of(node) if info(a).requires_grad)
             factor = min(2, grads_in) if rule.contraction else 1
-            bwd = factor * fwd + extra_bwd
+            bwd = factor * fwd
         act = 0.0
         if i.saved:
             act = sum(local_bytes(s, spec, self.mesh, dtype_bytes(i.dtype))
                       for s, spec in zip(i.out_shapes, strategy.out) if s is not None)
-        return fwd + extra_fwd + bwd, act
+        extra = extra_fwd + (extra_bwd if i.requires_grad else 0.0)
+        return fwd + bwd, extra, act
 
     # -- followers --------------------------------------------------------------------
     def axis_candidates(self, node):
@@ -235,13 +238,13 @@ class _Builder:
         return self.choice_for(node, strategy, given)
 
     def choice_for(self, node, strategy: Strategy, given=None) -> NodeChoice:
-        compute, act = self.op_cost(node, strategy)
+        compute, extra, act = self.op_cost(node, strategy)
         inbound = 0.0
         if given is not None:  # resharding inside the group, on the way into this node
             for k, (g, want) in enumerate(zip(given, strategy.ins)):
                 if g is not None and want is not None:
                     inbound += self.edge_time(g, want, strategy.grad_spec(k), self.inputs_of(node)[k])
-        return NodeChoice(strategy=strategy, out=strategy.out, ins=strategy.ins, compute_s=compute,
+        return NodeChoice(strategy=strategy, out=strategy.out, ins=strategy.ins, compute_s=compute, extra_s=extra,
                           inbound_s=inbound, memory=act)
 
     # -- leaders ----------------------------------------------------------------------
@@ -354,7 +357,7 @@ def build_space(graph: fx.Graph, blocks: Blocks, mesh_shape, cluster, *, pins=No
 
     for g in groups:
         g.count = blocks.count.get(g.leader, 1)
-        g.cost = np.array([sum(opt[m].compute_s + opt[m].inbound_s for m in g.members) for opt in g.options]) * g.count
+        g.cost = np.array([sum(opt[m].compute_s + opt[m].extra_s + opt[m].inbound_s for m in g.members) for opt in g.options]) * g.count
         g.memory = np.array([sum(opt[m].memory for m in g.members) for opt in g.options]) * g.count
 
     edges = _build_edges(graph, b, groups, group_of)
