@@ -22,11 +22,12 @@ from partitioner.mesh import MeshSpec
 from partitioner.sharding_plan import Estimate, PlanDiff, PlanMismatchError, ShardingPlan
 
 _LAZY = {
-    "plan": "partitioner.api", "resolve_pins": "partitioner.api",
+    "plan": "partitioner.api", "resolve_pins": "partitioner.api", "plan_captured": "partitioner.api",
+    "auto_parallelize": "partitioner.parallelize", "shard_batch": "partitioner.parallelize",
     "CaptureError": "passes.capture", "InfeasibleBudgetError": "passes.plan_intra_op",
 }
 
-__all__ = ["plan", "resolve_pins", "ShardingPlan", "Estimate", "PlanDiff", "PlanMismatchError",
+__all__ = ["plan", "plan_captured", "resolve_pins", "auto_parallelize", "shard_batch", "ShardingPlan", "Estimate", "PlanDiff", "PlanMismatchError",
            "ClusterSpec", "LinkSpec", "MeshSpec", "PRESETS", "get_cluster", "calibrate_cpu",
            "CaptureError", "InfeasibleBudgetError"]
 

@@ -20,7 +20,7 @@ from passes.capture import capture, describe_captured, graph_fingerprint
 from passes.placements import format_spec, parse_spec
 from passes.plan_intra_op import plan_intra_op
 
-__all__ = ["plan", "resolve_pins"]
+__all__ = ["plan", "plan_captured", "resolve_pins"]
 
 _OBJECTIVES = ("time", "memory")
 
@@ -99,14 +99,7 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), mesh_axis_n
         plan.estimate().comm_bytes["all_reduce"]     # bytes per mesh axis
         print(plan.explain("model.layers.0.mlp.down_proj"))
     """
-    if objective not in _OBJECTIVES:
-        raise ValueError(f"objective must be one of {_OBJECTIVES}, got {objective!r}")
-    if optimizer not in ("adam", "sgd", None):
-        raise ValueError(f"optimizer must be 'adam', 'sgd' or None, got {optimizer!r}")
     log = _logger(verbose)
-    mesh = MeshSpec.build(mesh_shape, mesh_axis_names)
-    spec = get_cluster(cluster)
-    budget = parse_bytes(memory_budget) if memory_budget is not None else spec.memory_bytes
     t0 = time.perf_counter()
     log(f"capturing {type(model).__name__} with torch.export ...")
     cap = capture(model, example_inputs)
@@ -115,16 +108,38 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), mesh_axis_n
     analyze(cap)
     t2 = time.perf_counter()
     log(f"analysis: {t2 - t1:.2f} s")
+    return plan_captured(cap, model_name=type(model).__name__, mesh_shape=mesh_shape, mesh_axis_names=mesh_axis_names,
+                         cluster=cluster, memory_budget=memory_budget, pins=pins, objective=objective,
+                         optimizer=optimizer, share_blocks=share_blocks, time_limit=time_limit, log=log,
+                         timings={"capture_s": t1 - t0, "analysis_s": t2 - t1, "start": t0})
+
+
+def plan_captured(cap, *, model_name: str, mesh_shape=(1,), mesh_axis_names=None, cluster="h100",
+                  memory_budget=None, pins=None, objective="time", optimizer="adam", share_blocks=True,
+                  time_limit=60.0, log=None, timings=None) -> ShardingPlan:
+    """:func:`plan` for a graph already captured and analysed (``passes.capture`` +
+    ``passes.analyze``); ``auto_parallelize`` uses it so the model is captured once."""
+    if objective not in _OBJECTIVES:
+        raise ValueError(f"objective must be one of {_OBJECTIVES}, got {objective!r}")
+    if optimizer not in ("adam", "sgd", None):
+        raise ValueError(f"optimizer must be 'adam', 'sgd' or None, got {optimizer!r}")
+    log = log or (lambda msg: None)
+    timings = dict(timings or {})
+    t0 = timings.pop("start", time.perf_counter())
+    mesh = MeshSpec.build(mesh_shape, mesh_axis_names)
+    spec = get_cluster(cluster)
+    budget = parse_bytes(memory_budget) if memory_budget is not None else spec.memory_bytes
+    t2 = time.perf_counter()
     pinned = resolve_pins(cap, pins or {}, mesh.ndim)
     result = plan_intra_op(cap, mesh.shape, mesh.axis_names, spec, budget=budget, pins=pinned, objective=objective,
                            optimizer=optimizer, share_blocks=share_blocks, time_limit=time_limit, log=log)
     t3 = time.perf_counter()
-    stats = dict(result.stats, capture_s=t1 - t0, analysis_s=t2 - t1, plan_s=t3 - t2, total_s=t3 - t0)
+    stats = dict(result.stats, **timings, plan_s=t3 - t2, total_s=t3 - t0)
     inputs = {info(n).name: list(info(n).shape or ()) for n in cap.graph.nodes
               if n.op == "placeholder" and info(n).kind == "input"}
     data = {
         "format": PLAN_FORMAT, "version": PLAN_VERSION, "fingerprint": graph_fingerprint(cap),
-        "model": type(model).__name__, "inputs": inputs, "mesh": mesh.to_dict(), "cluster": spec.to_dict(),
+        "model": model_name, "inputs": inputs, "mesh": mesh.to_dict(), "cluster": spec.to_dict(),
         "budget": budget, "objective": objective, "optimizer": optimizer,
         "pins": {n.name: format_spec(s) for n, s in pinned.items()},
         "records": result.records, "alternatives": result.alternatives, "blocks": result.blocks, "stats": stats,

@@ -182,6 +182,11 @@ class OpRule:
     def axis_strategies(self, op: OpView) -> list:
         raise NotImplementedError(f"{type(self).__name__} must list strategies")  # pragma: no cover
 
+    def lower(self, call):
+        """Emit this op for one rank (``passes.lower_to_local.LowerCall``); default: the same
+        op on local tensors. Rules whose sharded form differs override this."""
+        return call.emit()
+
     def flops(self, op: OpView) -> float:
         shape = op.out_shapes[0] or ()
         n = 1

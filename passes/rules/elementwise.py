@@ -79,6 +79,16 @@ class Dropout(Elementwise):
     def __init__(self):
         super().__init__("unary", saves_inputs=False)  # it keeps a 1-byte mask, not its input
 
+    def lower(self, call):
+        p, train = call.view.arg(1, "p", 0.5), call.view.arg(2, "train", True)
+        if not train or p == 0.0:
+            return call.args[0]
+        from runtime.local_ops import RankDropout
+        sharded = [a for a, pl in enumerate(call.out_spec) if getattr(pl, "dim", None) is not None
+                   and call.comm.shape[a] > 1]
+        index = list(call.node.graph.nodes).index(call.node)
+        return call.call_module(RankDropout(call.comm, p, sharded, index), (call.args[0],))
+
 
 register(aten.dropout.default)(Dropout())
 register(aten.neg.default, aten.clone.default, aten.alias.default,

@@ -9,7 +9,8 @@ batch-sharded (a mean all-reduces the local loss sum and the local count of coun
 together, so ``ignore_index`` stays exact and the loss comes out replicated; a sum comes out
 ``Partial``), class-sharded
 (vocab-parallel loss: all-reduce the row max, the row sum of exponentials and the target
-logit, each N elements, forward), replicated. With ``reduction="none"`` the per-sample loss
+logit, each N elements, forward; the loss comes out replicated; nll_loss over class-split
+log-probabilities comes out ``Partial``), replicated. With ``reduction="none"`` the per-sample loss
 keeps the batch sharding.
 """
 from __future__ import annotations
@@ -41,6 +42,14 @@ class EmbeddingRule(OpRule):
 
     def flops(self, op: OpView) -> float:
         return 0.0
+
+    def lower(self, call):
+        weight_spec = call.in_specs[0]
+        if not call.sharded_axes(weight_spec, 0):
+            return call.emit()
+        from runtime.local_ops import VocabParallelEmbedding
+        padding_idx = call.view.arg(2, "padding_idx", -1)
+        return call.call_module(VocabParallelEmbedding(call.comm, weight_spec, padding_idx), call.args[:2])
 
 
 class ClassificationLossRule(OpRule):
@@ -74,9 +83,25 @@ class ClassificationLossRule(OpRule):
             for d, s in enumerate(x):
                 if d != 1:
                     rows *= s
-            extra = (("all_reduce", "fwd", rows, "work"),) * 3 if self.fused_softmax else ()
-            strategies.append(AxisStrategy(out=outs(P), ins=(Shard(1), R) + rest, extra=extra))
+            if self.fused_softmax:   # the three row all-reduces leave every rank the full loss
+                extra = (("all_reduce", "fwd", rows, "work"),) * 3
+                strategies.append(AxisStrategy(out=outs(R), ins=(Shard(1), R) + rest, extra=extra))
+            else:                    # each rank picks the targets in its class range
+                strategies.append(AxisStrategy(out=outs(P), ins=(Shard(1), R) + rest))
         return strategies
+
+    def lower(self, call):
+        spec = call.in_specs[0]
+        class_axes, batch_axes = call.sharded_axes(spec, 1), call.sharded_axes(spec, 0)
+        if not class_axes and not batch_axes:
+            return call.emit()
+        from runtime.local_ops import ShardedCrossEntropy
+        module = ShardedCrossEntropy(
+            call.comm, class_axes=class_axes, batch_axes=batch_axes, class_spec=spec,
+            reduction=call.view.arg(3, "reduction", 1), ignore_index=call.view.arg(4, "ignore_index", -100),
+            label_smoothing=call.view.arg(5, "label_smoothing", 0.0) if self.fused_softmax else 0.0,
+            from_log_probs=not self.fused_softmax)
+        return call.call_module(module, call.args[:2])
 
     def flops(self, op: OpView) -> float:
         n = 1
@@ -87,4 +112,4 @@ class ClassificationLossRule(OpRule):
 
 register(aten.embedding.default)(EmbeddingRule())
 register(aten.cross_entropy_loss.default)(ClassificationLossRule(fused_softmax=True))
-register(aten.nll_loss.default, aten.nll_loss_nd.default, aten.nll_loss_forward.default)(ClassificationLossRule(fused_softmax=False))
+register(aten.nll_loss.default, aten.nll_loss_nd.default)(ClassificationLossRule(fused_softmax=False))

@@ -72,6 +72,16 @@ class SoftmaxRule(OpRule):
                 strategies.append(AxisStrategy(out=(Shard(d),), ins=(Shard(d),) + rest, extra=extra))
         return strategies
 
+    def lower(self, call):
+        x = call.view.in_shapes[0]
+        dim = call.node.args[1] + len(x) if call.node.args[1] < 0 else call.node.args[1]
+        axes = call.sharded_axes(call.in_specs[0], dim)
+        if not axes:
+            return call.emit()
+        from runtime.local_ops import ShardedSoftmax
+        log = call.node.target in (aten.log_softmax.int, aten._log_softmax.default)
+        return call.call_module(ShardedSoftmax(call.comm, dim, axes, log), (call.args[0],))
+
     def flops(self, op: OpView) -> float:
         return 5.0 * _numel(op.out_shape)
 
@@ -90,11 +100,23 @@ class BatchNormRule(OpRule):
         if x[1] > 1:
             sharded = tuple(Shard(0) if s is not None else None for s in op.in_shapes[1:])
             strategies.append(AxisStrategy(out=(Shard(1),) + (Shard(0),) * (n_out - 1), ins=(Shard(1),) + sharded))
-        if x[0] > 1 and n_out == 1:
+        if x[0] > 1 and n_out == 1 and op.arg(5, "training", False):
             c = x[1]
             extra = (("all_reduce", "fwd", 2 * c, "none"), ("all_reduce", "bwd", 2 * c, "none"))
             strategies.append(AxisStrategy(out=(Shard(0),), ins=(Shard(0),) + channel_inputs, extra=extra))
+        if x[0] > 1 and n_out == 1 and not op.arg(5, "training", False):
+            strategies.append(AxisStrategy(out=(Shard(0),), ins=(Shard(0),) + channel_inputs))  # eval: per sample
         return strategies
+
+    def lower(self, call):
+        training = call.view.arg(5, "training", False)
+        axes = call.sharded_axes(call.in_specs[0], 0)
+        if not (training and axes):
+            return call.emit()
+        from runtime.local_ops import SyncBatchNorm
+        a = call.args
+        module = SyncBatchNorm(call.comm, axes, momentum=a[6], eps=a[7])
+        return call.call_module(module, (a[0], a[1], a[2], a[3], a[4]))
 
     def flops(self, op: OpView) -> float:
         return 8.0 * _numel(op.out_shapes[0])

@@ -52,6 +52,19 @@ class ReductionRule(OpRule):
                 strategies.append(AxisStrategy(out=(Shard(d_out),) * n_out, ins=(Shard(d),)))
         return strategies
 
+    def lower(self, call):
+        """A mean over a sharded dim: each rank's mean counts 1/n of the whole."""
+        out = call.emit()
+        if call.node.target in (aten.mean.dim, aten.mean.default):
+            reduced = _reduced_dims(call.view)
+            degree = 1
+            for d in reduced:
+                for axis in call.sharded_axes(call.in_specs[0], d):
+                    degree *= call.comm.shape[axis]
+            if degree > 1:
+                out = call.emit(aten.div.Tensor, (out, degree), {})
+        return out
+
     def flops(self, op: OpView) -> float:
         n = 1
         for s in op.in_shapes[0]:

@@ -81,6 +81,25 @@ class FactoryRule(OpRule):
     def flops(self, op: OpView) -> float:
         return 0.0
 
+    def lower(self, call):
+        """Make the whole (small) tensor, then keep this rank's piece."""
+        from passes.placements import replicated
+        target = call.node.target
+        if target in _LIKE_FILL:
+            like = call.args[0]
+            fill = call.args[1] if target is aten.full_like.default else _LIKE_FILL[target]
+            dtype = call.kwargs.get("dtype") or call.view.out_dtypes[0]
+            whole = call.emit(aten.full.default, (list(call.view.out_shape), fill),
+                              {"dtype": dtype, "device": call.builder.device})
+            del like
+        else:
+            whole = call.emit()
+        return call.reshard(whole, replicated(call.comm.ndim), call.out_spec)
+
+
+_LIKE_FILL = {aten.zeros_like.default: 0, aten.ones_like.default: 1, aten.empty_like.default: 0,
+              aten.full_like.default: None}
+
 
 class ReplicatedRule(OpRule):
     """Deliberately replicated (its semantics need every element everywhere)."""
@@ -134,7 +153,7 @@ register(aten.arange.default, aten.arange.start, aten.arange.start_step, aten.fu
          aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
          aten.rand.default, aten.randn.default)(FactoryRule())
 register(aten.index.Tensor, aten.index_select.default, aten.nonzero.default, aten.sort.default,
-         aten.topk.default,
+         aten.topk.default, aten.nll_loss_forward.default,
          # in-place buffer updates (BatchNorm's num_batches_tracked += 1): every rank keeps the same copy
          aten.add_.Tensor, aten.add_.Scalar, aten.copy_.default, aten.fill_.Scalar)(ReplicatedRule())
 register(aten.max_pool2d.default, aten.max_pool2d_with_indices.default,

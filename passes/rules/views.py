@@ -64,6 +64,23 @@ class DimMapRule(OpRule):
     def flops(self, op: OpView) -> float:
         return 0.0
 
+    def lower(self, call):
+        """Rewrite size arguments to this rank's local sizes."""
+        target, args = call.node.target, list(call.args)
+        if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default):
+            args[1] = list(call.local_out_shape)
+        elif target is aten.unflatten.int:
+            dim = _norm(args[1], len(call.view.in_shapes[0]))
+            args[2] = list(call.local_out_shape[dim:dim + len(args[2])])
+        elif target in (aten.split.Tensor, aten.split_with_sizes.default):
+            dim = _norm(call.node.args[2] if len(call.node.args) > 2 else call.node.kwargs.get("dim", 0),
+                        len(call.view.in_shapes[0]))
+            degree = 1
+            for axis in call.sharded_axes(call.in_specs[0], dim):
+                degree *= call.comm.shape[axis]
+            args[1] = args[1] // degree if isinstance(args[1], int) else [s // degree for s in args[1]]
+        return call.emit(args=args)
+
     def axis_strategies(self, op: OpView) -> list:
         n_out = len(op.out_shapes)
         rest = tuple(None for _ in op.in_shapes[1:])

@@ -1,0 +1,168 @@
+"""``auto_parallelize``: plan (or replay a plan), lower for this rank, load this rank's shards.
+
+Runs inside a job whose default process group is initialised (torchrun, or
+``runtime.launch.run_on_ranks``). Every rank captures the model; rank 0 plans and broadcasts
+the plan (the cost model may time the local machine, and ranks must agree on one plan);
+each rank lowers it for its own mesh coordinates and slices its parameters out of the model,
+a full state dict, or a checkpoint file opened with ``mmap`` (so a model built on ``meta``
+never exists whole in one process).
+"""
+from __future__ import annotations
+
+
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from partitioner.api import plan_captured
+from partitioner.mesh import MeshSpec
+from partitioner.sharding_plan import ShardingPlan
+from passes.analyze import analyze, info
+from passes.capture import capture, graph_fingerprint
+from passes.lower_to_local import lower_to_local
+from passes.placements import parse_spec
+from passes.rules import rule_for, tensor_input_nodes
+from runtime.collectives import MeshComm
+from runtime.parallel_module import ParallelModule, shard_tensor
+
+__all__ = ["auto_parallelize", "shard_batch"]
+
+
+def _device_mesh(mesh, axis_names, device_type):
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    world = dist.get_world_size()
+    if isinstance(mesh, DeviceMesh):
+        return mesh
+    spec = MeshSpec.build(mesh if mesh is not None else (world,), axis_names)
+    if spec.size != world:
+        raise ValueError(f"mesh {spec.shape} needs {spec.size} ranks but this job has {world}: choose a mesh whose "
+                         f"sizes multiply to {world} (or mesh=None to use all ranks on one axis)")
+    return init_device_mesh(device_type, spec.shape, mesh_dim_names=spec.axis_names)
+
+
+def _strided_params(graph, records, axis_names) -> dict:
+    """Parameters laid out for a later split of a sharded dim (fused QKV): FQN -> {axis: pieces}."""
+    out = {}
+    for node in graph.nodes:
+        notes = records.get(node.name, {}).get("notes") or {}
+        strided_axes = [axis_names.index(a) for a, note in notes.items() if note == "strided"]
+        if not strided_axes:
+            continue
+        pieces = len(info(node).out_shapes)
+        cur = node.args[0]
+        while cur.op == "call_function" and not rule_for(cur).contraction:
+            data = [a for a in tensor_input_nodes(cur) if info(a).kind != "param"]
+            if len(data) != 1:
+                break
+            cur = data[0]
+        if cur.op != "call_function" or not rule_for(cur).contraction:
+            raise ValueError(f"node {node.name} splits a sharded dim, but no matmul produces it; this plan cannot "
+                             f"be lowered (pin {node.name}'s input to Replicate on that axis)")
+        for param in tensor_input_nodes(cur):
+            if info(param).kind == "param" and param.name in records:
+                fqn = info(param).name
+                for axis in strided_axes:
+                    out.setdefault(fqn, {})[axis] = pieces
+    return out
+
+
+def _source_tensor(name, model_state, checkpoint_state, exported):
+    for source in (checkpoint_state, model_state):
+        if source is not None and name in source:
+            return source[name]
+    if name in exported.constants:
+        return exported.constants[name]
+    raise KeyError(f"no value for {name}: pass state_dict= or checkpoint= holding it")
+
+
+def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_axis_names=None, plan=None,
+                     cluster=None, memory_budget=None, pins=None, objective="time", local_inputs=False,
+                     state_dict=None, checkpoint=None, device=None, verbose=False) -> ParallelModule:
+    """Run ``model`` data / tensor / sequence parallel on the job's ranks, as a plan decides.
+
+    Args:
+        model: the user's model (on ``cpu``/``cuda``, or ``meta`` with ``state_dict``/``checkpoint``).
+        example_inputs: a tuple of positional args or a dict of kwargs, as for :func:`partitioner.plan`.
+        mesh: a shape like ``(2, 2)``, a ``DeviceMesh``, or None (all ranks on one axis).
+        plan: a ShardingPlan to replay instead of searching (its fingerprint must match).
+        cluster: cost model preset; default ``"cpu"`` (measured) on CPUs, ``"h100"`` on GPUs.
+        local_inputs: each rank passes only its own piece of the batch (as with DDP).
+        state_dict / checkpoint: full weights to slice (a dict, or a ``torch.save`` file opened
+            with ``mmap``); default: the model's own weights.
+
+    Example (inside ``torchrun --nproc-per-node 4``)::
+
+        model = partitioner.auto_parallelize(model, example_inputs, mesh=(2, 2))
+        loss = model(**batch).loss; loss.backward(); optimizer.step()
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("auto_parallelize needs an initialised process group: launch with torchrun (or "
+                           "runtime.launch.run_on_ranks) and call torch.distributed.init_process_group first")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = torch.device(device)
+    log = (lambda msg: print(f"[partita rank {dist.get_rank()}] {msg}", file=sys.stderr, flush=True)) if verbose else (lambda m: None)
+    device_mesh = _device_mesh(mesh, mesh_axis_names, device.type)
+    comm = MeshComm(device_mesh)
+    t0 = time.perf_counter()
+    cap = capture(model, example_inputs)
+    analyze(cap)
+    fingerprint = graph_fingerprint(cap)
+    if plan is None:
+        payload = [None]
+        if dist.get_rank() == 0:
+            made = plan_captured(cap, model_name=type(model).__name__, mesh_shape=comm.shape,
+                                 mesh_axis_names=comm.axis_names, cluster=cluster or ("cpu" if device.type == "cpu" else "h100"),
+                                 memory_budget=memory_budget, pins=pins, objective=objective, log=log)
+            payload = [made.to_json()]
+        dist.broadcast_object_list(payload, src=0)
+        import json
+        plan = ShardingPlan.from_dict(json.loads(payload[0]))
+    else:
+        plan.check_fingerprint(fingerprint, f"{type(model).__name__} on these inputs")
+        if tuple(plan.mesh_shape) != tuple(comm.shape):
+            raise ValueError(f"the plan is for mesh {plan.mesh_shape}, this job's mesh is {comm.shape}")
+    log(f"planned in {time.perf_counter() - t0:.2f} s")
+    records = {r["name"]: r for r in plan.records}
+    program = lower_to_local(cap.graph, records, comm, device=device)
+    specs = {}
+    for node in cap.graph.nodes:
+        if node.op == "placeholder":
+            spec = parse_spec(records[node.name]["out"][0], comm.ndim)
+            specs[cap.params.get(node.name) or cap.buffers.get(node.name) or node.name] = spec
+    strided = _strided_params(cap.graph, records, list(comm.axis_names))
+    model_state = None if _on_meta(model) else {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    checkpoint_state = state_dict
+    if checkpoint is not None:
+        checkpoint_state = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
+    local_params, local_buffers = {}, {}
+    with torch.no_grad():
+        for name, fqn in cap.params.items():
+            full = _source_tensor(fqn, model_state, checkpoint_state, cap.exported)
+            local_params[fqn] = shard_tensor(full.detach(), specs[fqn], comm, strided.get(fqn)).to(device).clone()
+        for name, fqn in cap.buffers.items():
+            full = _source_tensor(fqn, model_state, checkpoint_state, cap.exported)
+            local_buffers[fqn] = shard_tensor(full.detach(), specs[fqn], comm, strided.get(fqn)).to(device).clone()
+    input_specs = {n.name: specs[n.name] for n in cap.graph.nodes if n.op == "placeholder" and info(n).kind == "input"}
+    module = ParallelModule(program=program, plan=plan, comm=comm, captured=cap, local_params=local_params,
+                            local_buffers=local_buffers, specs={**specs, **input_specs}, strided=strided,
+                            local_inputs=local_inputs)
+    module.train(model.training)
+    log(f"ready: {module.local_parameter_bytes() / 2**20:.1f} MiB of parameters on this rank")
+    return module
+
+
+def _on_meta(model):
+    tensors = list(model.parameters()) + list(model.buffers())
+    return bool(tensors) and all(t.is_meta for t in tensors)
+
+
+def shard_batch(batch, model: ParallelModule):
+    """Cut a global batch the way ``model``'s plan wants its inputs (for ``local_inputs=True``)."""
+    return model.shard_batch(batch)
+
+
+

@@ -1,0 +1,192 @@
+"""Lowering: a captured graph + a ShardingPlan -> one rank's program on local tensors.
+
+Decision 7 of DESIGN.md. Walk the captured graph in order and emit a new fx graph:
+
+* placeholders stay placeholders (parameters, buffers and inputs arrive as this rank's
+  local pieces); ignored assertion nodes (``_assert_tensor_metadata``) are dropped;
+* every data edge whose placement changes gets a :class:`runtime.collectives.Reshard`
+  submodule: forward from the producer's placement to the one the consumer needs, backward
+  from the gradient placement the consumer produces to the dual of the producer's placement,
+  exactly the moves the plan priced;
+* every op is emitted by its rule's ``lower`` hook (:class:`LowerCall`): the same aten op on
+  local tensors with shape arguments rewritten to local shapes, or a local kernel from
+  :mod:`runtime.local_ops` where the sharded form needs one;
+* outputs the plan replicates are resharded to ``Replicate``; device arguments baked in at
+  capture time (``meta``) are replaced by this rank's device.
+
+The result is a plain ``fx.GraphModule``: its ``.code`` is readable Python and it trains with
+ordinary autograd. The plan is the only source of placements: records are looked up by node
+name, so lowering a plan made for another graph fails at the first node that differs.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from passes.analyze import info
+from passes.placements import local_shape, parse_spec, replicated
+from passes.rules import op_view, rule_for, tensor_input_nodes
+from runtime.collectives import MeshComm, Reshard
+
+__all__ = ["LowerCall", "lower_to_local", "LoweringError"]
+
+
+class LoweringError(ValueError):
+    """The plan does not fit the graph being lowered."""
+
+
+def _specs(values, ndim):
+    return [None if v is None else parse_spec(v, ndim) for v in values]
+
+
+@dataclass
+class LowerCall:
+    """What a rule's ``lower`` hook gets: the node, its local inputs and its placements."""
+
+    node: fx.Node
+    args: tuple
+    kwargs: dict
+    out_specs: list
+    in_specs: list
+    local_out_shapes: list
+    comm: MeshComm
+    builder: "_Builder"
+
+    @property
+    def view(self):
+        return op_view(self.node)
+
+    @property
+    def out_spec(self):
+        return self.out_specs[0]
+
+    @property
+    def local_out_shape(self):
+        return self.local_out_shapes[0]
+
+    def emit(self, target=None, args=None, kwargs=None) -> fx.Node:
+        return self.builder.graph.call_function(target or self.node.target,
+                                                self.args if args is None else tuple(args),
+                                                self.kwargs if kwargs is None else dict(kwargs))
+
+    def call_module(self, module: torch.nn.Module, args, kwargs=None, *, name=None) -> fx.Node:
+        return self.builder.call_module(module, tuple(args), kwargs or {}, name or self.node.name)
+
+    def reshard(self, value: fx.Node, src, dst, grad=None) -> fx.Node:
+        return self.builder.reshard(value, src, dst, grad, self.node.name)
+
+    def sharded_axes(self, spec, dim):
+        return [a for a, p in enumerate(spec) if getattr(p, "dim", None) == dim and self.comm.shape[a] > 1]
+
+
+class _Builder:
+    def __init__(self, comm: MeshComm, device):
+        self.comm = comm
+        self.device = device
+        self.graph = fx.Graph()
+        self.root = torch.nn.Module()
+        self._names = set()
+
+    def call_module(self, module, args, kwargs, base):
+        name = base
+        k = 0
+        while name in self._names:
+            k += 1
+            name = f"{base}_{k}"
+        self._names.add(name)
+        self.root.add_module(name, module)
+        return self.graph.call_module(name, args, kwargs)
+
+    def reshard(self, value, src, dst, grad, base):
+        module = Reshard(self.comm, src, dst, grad)
+        if module.is_noop:
+            return value
+        return self.call_module(module, (value,), {}, f"reshard_{base}")
+
+
+def _replace_devices(obj, device):
+    return pytree.tree_map(lambda v: device if isinstance(v, torch.device) else v, obj)
+
+
+def lower_to_local(graph: fx.Graph, records: dict, comm: MeshComm, *, device=None) -> fx.GraphModule:
+    """Lower ``graph`` (captured and analysed) for this rank. ``records``: plan records by name."""
+    device = torch.device(device or "cpu")
+    b = _Builder(comm, device)
+    ndim = comm.ndim
+    env: dict = {}
+    out_specs: dict = {}
+
+    def record(node):
+        rec = records.get(node.name)
+        if rec is None:
+            raise LoweringError(f"the plan has no entry for node {node.name} ({node.target}); it was made for "
+                                f"another graph: plan again for this model")
+        return rec
+
+    for node in graph.nodes:
+        i = info(node)
+        if node.op == "placeholder":
+            env[node] = b.graph.placeholder(node.name)
+            env[node].meta.update(node.meta)
+            out_specs[node] = _specs(record(node)["out"], ndim)
+            continue
+        if i.kind == "ignored":
+            continue
+        if node.op == "output":
+            wanted = set(_wanted_outputs(graph))
+            counter = iter(range(10**9))
+
+            def out_value(n):
+                k = next(counter)
+                v = env[n]
+                if k in wanted:
+                    v = b.reshard(v, out_specs[n][0], replicated(ndim), None, "output")
+                return v
+            b.graph.output(pytree.tree_map(lambda a: out_value(a) if isinstance(a, fx.Node) else a, node.args[0]))
+            continue
+
+        rec = record(node)
+        ins = _specs(rec.get("ins", []), ndim)
+        grads = _specs(rec.get("grads", [None] * len(ins)), ndim)
+        outs = _specs(rec["out"], ndim)
+        inputs = tensor_input_nodes(node)
+        if node.target is operator.getitem:
+            env[node] = b.graph.call_function(operator.getitem, (env[node.args[0]], node.args[1]))
+            out_specs[node] = [out_specs[node.args[0]][node.args[1]]]
+            continue
+        if len(ins) != len(inputs):
+            raise LoweringError(f"plan entry for {node.name} lists {len(ins)} inputs, the graph has {len(inputs)}")
+        local_inputs = []
+        for k, u in enumerate(inputs):
+            src = out_specs[u][0]
+            value = env[u]
+            if ins[k] is not None and src is not None:
+                value = b.reshard(value, src, ins[k], grads[k] if info(u).requires_grad else None,
+                                  f"{node.name}_in{k}")
+            local_inputs.append(value)
+        it = iter(local_inputs)
+        args, kwargs = pytree.tree_map(lambda a: next(it) if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
+        args, kwargs = _replace_devices(args, device), _replace_devices(kwargs, device)
+        local_shapes = [None if s is None or sp is None else list(local_shape(s, sp, comm.shape))
+                        for s, sp in zip(i.out_shapes, outs)]
+        call = LowerCall(node, tuple(args), dict(kwargs), outs, ins, local_shapes, comm, b)
+        result = rule_for(node).lower(call)
+        if isinstance(result, fx.Node):
+            result.meta["partita.source"] = node.name
+        env[node] = result
+        out_specs[node] = outs
+    gm = fx.GraphModule(b.root, b.graph, class_name="PartitaRankProgram")
+    gm.graph.lint()
+    return gm
+
+
+def _wanted_outputs(graph):
+    from passes.strategy_space import replicated_outputs
+    return replicated_outputs(graph)
+
+
+

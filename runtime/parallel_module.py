@@ -1,0 +1,191 @@
+"""``ParallelModule``: one rank's lowered program with its local parameters, ready to train.
+
+It looks like the user's model: ``named_parameters()`` gives the original FQNs (holding this
+rank's shards), ``forward`` takes the same arguments and returns the same output structure
+(replicated loss; other outputs as this rank's pieces), and any ``torch.optim`` optimizer
+steps the shards. Inputs: by default every rank passes the global batch and the module keeps
+its own piece (``local_inputs=False``); with ``local_inputs=True`` each rank passes its piece.
+
+State moves between full and sharded forms with :func:`shard_tensor` / :func:`gather_tensor`,
+which follow the plan's placements (and the strided layout of fused projections that are
+split after the matmul, e.g. GPT's QKV).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from passes.placements import format_spec, replicated, transition_steps
+from runtime.collectives import MeshComm, run_steps
+
+__all__ = ["ParallelModule", "shard_tensor", "gather_tensor"]
+
+
+def shard_tensor(full: torch.Tensor, spec, comm: MeshComm, strided=None) -> torch.Tensor:
+    """This rank's piece of ``full`` under ``spec`` (``strided``: axis -> pieces per shard)."""
+    strided = strided or {}
+    cur = full
+    for axis, _p, q in transition_steps(replicated(comm.ndim), tuple(spec)):
+        n, c = comm.shape[axis], comm.coords[axis]
+        if n == 1:
+            continue
+        d = q.dim
+        if axis in strided:
+            f = strided[axis]
+            size = cur.shape[d] // (f * n)
+            cur = cur.unflatten(d, (f, cur.shape[d] // f)).narrow(d + 1, c * size, size).flatten(d, d + 1)
+        else:
+            size = cur.shape[d] // n
+            cur = cur.narrow(d, c * size, size)
+    return cur.contiguous()
+
+
+def gather_tensor(local: torch.Tensor, spec, comm: MeshComm, strided=None) -> torch.Tensor:
+    """The full tensor from every rank's piece (a collective: every rank must call it)."""
+    strided = strided or {}
+    spec = tuple(spec)
+    if not strided:
+        return run_steps(local, transition_steps(spec, replicated(comm.ndim)), comm, "state")
+    cur = local
+    for axis, p, _q in transition_steps(spec, replicated(comm.ndim)):
+        n = comm.shape[axis]
+        if n == 1 or getattr(p, "dim", None) is None:
+            continue
+        d = p.dim
+        pieces = [torch.empty_like(cur) for _ in range(n)]
+        dist.all_gather(pieces, cur.contiguous(), group=comm.groups[axis])
+        if axis in strided:
+            f = strided[axis]
+            pieces = [t.unflatten(d, (f, t.shape[d] // f)) for t in pieces]
+            cur = torch.cat(pieces, dim=d + 1).flatten(d, d + 1)
+        else:
+            cur = torch.cat(pieces, dim=d)
+    return cur
+
+
+class ParallelModule(torch.nn.Module):
+    """A rank's share of a model, running the plan's lowered program."""
+
+    def __init__(self, *, program, plan, comm: MeshComm, captured, local_params: dict, local_buffers: dict,
+                 specs: dict, strided: dict, local_inputs: bool):
+        super().__init__()
+        object.__setattr__(self, "_program", program)
+        object.__setattr__(self, "plan", plan)
+        object.__setattr__(self, "comm", comm)
+        object.__setattr__(self, "_captured", captured)
+        self.local_inputs = local_inputs
+        self._specs = specs            # FQN (params, buffers) or input placeholder name -> spec
+        self._strided = strided        # FQN -> {axis: pieces}
+        self._param_fqns, self._buffer_fqns = list(local_params), list(local_buffers)
+        for fqn, value in local_params.items():
+            self._owner(fqn).register_parameter(fqn.rpartition(".")[2], torch.nn.Parameter(value))
+        for fqn, value in local_buffers.items():
+            self._owner(fqn).register_buffer(fqn.rpartition(".")[2], value)
+        sig = captured.exported.graph_signature
+        self._placeholder_order = [n.name for n in captured.graph.nodes if n.op == "placeholder"]
+        self._mutations = dict(getattr(sig, "buffers_to_mutate", {}) or {})
+        self._n_user_outputs = len(sig.user_outputs)
+
+    # -- structure ---------------------------------------------------------------------------
+    def _owner(self, fqn: str) -> torch.nn.Module:
+        module = self
+        for part in fqn.split(".")[:-1]:
+            child = module._modules.get(part)
+            if child is None:
+                child = torch.nn.Module()
+                module.add_module(part, child)
+            module = child
+        return module
+
+    def _get(self, fqn: str):
+        owner = self._owner(fqn)
+        leaf = fqn.rpartition(".")[2]
+        return owner._parameters.get(leaf) if leaf in owner._parameters else owner._buffers[leaf]
+
+    @property
+    def program(self) -> torch.fx.GraphModule:
+        """The lowered per-rank program (``.code`` is its Python source)."""
+        return self._program
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self._program.train(mode)
+        return self
+
+    # -- running -------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        cap = self._captured
+        in_spec = cap.exported.call_spec.in_spec
+        if kwargs and in_spec is not None:
+            from torch.export._tree_utils import reorder_kwargs
+            kwargs = reorder_kwargs(kwargs, in_spec)
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if in_spec is not None and spec != in_spec:
+            raise TypeError(f"the parallel model was captured with inputs structured as {in_spec}; got {spec}. "
+                            "Pass the same arguments (names and nesting) as the example inputs.")
+        user = iter(flat)
+        values = []
+        for name in self._placeholder_order:
+            if name in cap.params:
+                values.append(self._get(cap.params[name]))
+            elif name in cap.buffers:
+                values.append(self._get(cap.buffers[name]))
+            else:
+                x = next(user)
+                if isinstance(x, torch.Tensor) and not self.local_inputs:
+                    x = shard_tensor(x, self._specs[name], self.comm)
+                values.append(x)
+        outputs = self._program(*values)
+        flat_out = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+        n_mut = len(flat_out) - self._n_user_outputs
+        for value, (_, fqn) in zip(flat_out[:n_mut], self._mutations.items()):
+            with torch.no_grad():
+                self._get(fqn).copy_(value)
+        return pytree.tree_unflatten(flat_out[n_mut:], cap.exported.call_spec.out_spec)
+
+    def shard_batch(self, batch):
+        """Cut a global batch (same structure as the example inputs) to this rank's pieces."""
+        args, kwargs = (batch, {}) if isinstance(batch, tuple) else ((), dict(batch))
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        names = [n for n in self._placeholder_order if n not in self._captured.params
+                 and n not in self._captured.buffers]
+        pieces = [shard_tensor(x, self._specs[n], self.comm) if isinstance(x, torch.Tensor) else x
+                  for x, n in zip(flat, names)]
+        args, kwargs = pytree.tree_unflatten(pieces, spec)
+        return args if isinstance(batch, tuple) else kwargs
+
+    # -- state -----------------------------------------------------------------------------------
+    def placement_of(self, fqn: str) -> str:
+        return format_spec(self._specs[fqn])
+
+    def full_state_dict(self) -> dict:
+        """Every parameter and buffer, whole, on every rank (a collective)."""
+        out = {}
+        for fqn in self._param_fqns + self._buffer_fqns:
+            out[fqn] = gather_tensor(self._get(fqn).detach(), self._specs[fqn], self.comm, self._strided.get(fqn))
+        return out
+
+    def full_grads(self) -> dict:
+        """Every parameter's gradient, whole, on every rank (a collective)."""
+        out = {}
+        for fqn in self._param_fqns:
+            grad = self._get(fqn).grad
+            if grad is None:
+                grad = torch.zeros_like(self._get(fqn))
+            out[fqn] = gather_tensor(grad, self._specs[fqn], self.comm, self._strided.get(fqn))
+        return out
+
+    def load_full_state_dict(self, state: dict, *, strict: bool = True) -> None:
+        """Copy this rank's pieces out of a full (single-device) state dict."""
+        missing = [f for f in self._param_fqns if f not in state]
+        if strict and missing:
+            raise KeyError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}")
+        with torch.no_grad():
+            for fqn in self._param_fqns + self._buffer_fqns:
+                if fqn in state:
+                    self._get(fqn).copy_(shard_tensor(state[fqn], self._specs[fqn], self.comm, self._strided.get(fqn)))
+
+    def local_parameter_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
