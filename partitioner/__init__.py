@@ -24,10 +24,11 @@ from partitioner.sharding_plan import Estimate, PlanDiff, PlanMismatchError, Sha
 _LAZY = {
     "plan": "partitioner.api", "resolve_pins": "partitioner.api", "plan_captured": "partitioner.api",
     "auto_parallelize": "partitioner.parallelize", "shard_batch": "partitioner.parallelize",
+    "dump": "partitioner.dump",
     "CaptureError": "passes.capture", "InfeasibleBudgetError": "passes.plan_intra_op",
 }
 
-__all__ = ["plan", "plan_captured", "resolve_pins", "auto_parallelize", "shard_batch", "ShardingPlan", "Estimate", "PlanDiff", "PlanMismatchError",
+__all__ = ["plan", "plan_captured", "resolve_pins", "auto_parallelize", "shard_batch", "dump", "ShardingPlan", "Estimate", "PlanDiff", "PlanMismatchError",
            "ClusterSpec", "LinkSpec", "MeshSpec", "PRESETS", "get_cluster", "calibrate_cpu",
            "CaptureError", "InfeasibleBudgetError"]
 

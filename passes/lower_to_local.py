@@ -69,9 +69,11 @@ class LowerCall:
         return self.local_out_shapes[0]
 
     def emit(self, target=None, args=None, kwargs=None) -> fx.Node:
-        return self.builder.graph.call_function(target or self.node.target,
-                                                self.args if args is None else tuple(args),
-                                                self.kwargs if kwargs is None else dict(kwargs))
+        """Emit a call (by default: this node's op on its local args), named after the node."""
+        return self.builder.graph.create_node("call_function", target or self.node.target,
+                                              self.args if args is None else tuple(args),
+                                              self.kwargs if kwargs is None else dict(kwargs),
+                                              name=self.node.name)
 
     def call_module(self, module: torch.nn.Module, args, kwargs=None, *, name=None) -> fx.Node:
         return self.builder.call_module(module, tuple(args), kwargs or {}, name or self.node.name)

@@ -90,6 +90,20 @@ class MeshComm:
             self.groups = [device_mesh.get_group(i) for i in range(len(self.shape))]
             self.coords = list(device_mesh.get_coordinate())
 
+    @classmethod
+    def for_codegen(cls, shape, axis_names, rank: int) -> "MeshComm":
+        """A rank's coordinates on a mesh without process groups: enough to lower and print
+        its program (any mesh size, one process); running it needs real groups."""
+        comm = cls.__new__(cls)
+        comm.shape, comm.axis_names, comm.device_mesh = tuple(shape), tuple(axis_names), None
+        comm.groups = [None] * len(comm.shape)
+        coords, rest = [], rank
+        for n in reversed(comm.shape):
+            coords.append(rest % n)
+            rest //= n
+        comm.coords = list(reversed(coords))
+        return comm
+
     @property
     def ndim(self):
         return len(self.shape)
