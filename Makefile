@@ -13,9 +13,9 @@ setup: $(BIN)/python
 	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
 	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
 
-# The main job on an embedded default: plan a GPT for a 2x4 mesh of H100s and print the plan.
+# The main job on an embedded default: a GPT auto-parallelized on 4 local gloo ranks, trained next to one process.
 demo: setup
-	$(BIN)/python -m partitioner plan partitioner.models:gpt_demo --mesh 2x4 --cluster h100 --budget 80GiB --json out/plan.json
+	$(BIN)/python -m partitioner demo
 
 test: setup
 	$(BIN)/python -m pytest tests

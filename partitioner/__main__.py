@@ -365,6 +365,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("second", metavar="B.json")
     p.add_argument("--exit-code", action="store_true", help="exit with status 1 when the placements differ")
     p.set_defaults(run=_cmd_diff)
+
+    p = sub.add_parser("demo", add_help=False,
+                       help="the main job: a GPT auto-parallelized on 4 local gloo ranks next to one process")
+    p.add_argument("demo_args", nargs=argparse.REMAINDER)
+    p.set_defaults(run=lambda args: __import__("partitioner.demo", fromlist=["main"]).main(args.demo_args))
     return parser
 
 

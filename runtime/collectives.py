@@ -109,6 +109,11 @@ class MeshComm:
         return len(self.shape)
 
 
+# torch >= 2.12 names the single-tensor collectives *_single; older releases *_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _reduce_op(p):
     op = getattr(p, "reduce_op", "sum")
     return {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
@@ -141,13 +146,13 @@ def _move(x, axis, p, q, comm: MeshComm, phase):
         inp = x.movedim(p.dim, 0).contiguous()
         out = inp.new_empty((n * inp.shape[0],) + tuple(inp.shape[1:]))
         record_collective("all_gather", name, _nbytes(out), phase)
-        dist.all_gather_into_tensor(out, inp, group=group)
+        _all_gather_single(out, inp, group=group)
         return out.movedim(0, p.dim)
     if is_partial(p) and is_shard(q):                      # reduce_scatter along q.dim
         record_collective("reduce_scatter", name, _nbytes(x), phase)
         inp = x.movedim(q.dim, 0).contiguous()
         out = inp.new_empty((inp.shape[0] // n,) + tuple(inp.shape[1:]))
-        dist.reduce_scatter_tensor(out, inp, op=_reduce_op(p), group=group)
+        _reduce_scatter_single(out, inp, op=_reduce_op(p), group=group)
         return out.movedim(0, q.dim)
     if is_partial(p):                                      # all_reduce
         record_collective("all_reduce", name, _nbytes(x), phase)
