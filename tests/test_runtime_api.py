@@ -1,0 +1,152 @@
+"""auto_parallelize / dump / state on real gloo ranks: bad input, replay, state, pictures."""
+import shutil
+import warnings
+
+import pytest
+import torch
+
+import partitioner
+from partitioner import models
+from runtime.launch import RankFailure, run_on_ranks
+
+MEGATRON = {"idx": ["R"], "targets": ["R"], "h.*.attn.c_attn.weight": ["S(0)"], "h.*.mlp.c_fc.weight": ["S(0)"],
+            "h.*.attn.c_proj.weight": ["S(1)"], "h.*.mlp.c_proj.weight": ["S(1)"]}
+
+
+def _mesh_mismatch(rank, world):
+    model, inputs = models.gpt_demo(batch=4, seq=8, n_layer=1)
+    partitioner.auto_parallelize(model, inputs, mesh=(2, 2))
+
+
+def test_a_world_size_the_mesh_does_not_divide_is_refused():
+    with pytest.raises(RankFailure, match=r"mesh \(2, 2\) needs 4 ranks but this job has 3"):
+        run_on_ranks(_mesh_mismatch, 3, timeout_s=60)
+
+
+def _replay(rank, world, plan_json, other_layers):
+    model, inputs = models.gpt_demo(batch=4, seq=8, n_layer=other_layers)
+    plan = partitioner.ShardingPlan.from_dict(__import__("json").loads(plan_json))
+    pm = partitioner.auto_parallelize(model, inputs, mesh=(2,), plan=plan)
+    return pm.placement_of("h.0.mlp.c_fc.weight")
+
+
+def test_replaying_a_saved_plan_and_refusing_one_for_another_model():
+    model, inputs = models.gpt_demo(batch=4, seq=8, n_layer=1)
+    plan = partitioner.plan(model, inputs, mesh_shape=(2,), mesh_axis_names=("a0",), pins=MEGATRON)
+    assert run_on_ranks(_replay, 2, plan.to_json(), 1, timeout_s=60) == ["[S(0)]", "[S(0)]"]
+    with pytest.raises(RankFailure, match="different graph"):
+        run_on_ranks(_replay, 2, plan.to_json(), 2, timeout_s=60)
+
+
+class _Branchy(torch.nn.Module):
+    def forward(self, x):
+        return x * 2 if x.sum() > 0 else x
+
+
+def _export_failure(rank, world):
+    partitioner.auto_parallelize(_Branchy(), (torch.randn(4),), mesh=(2,))
+
+
+def test_a_model_that_fails_to_export_names_the_construct():
+    with pytest.raises(RankFailure, match="CaptureError.*could not capture _Branchy.*What to do"):
+        run_on_ranks(_export_failure, 2, timeout_s=60)
+
+
+class _Cumprod(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.cumprod(self.lin(x), dim=1).sum()
+
+
+def _unknown_op(rank, world):
+    torch.manual_seed(0)
+    model = _Cumprod()
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = partitioner.auto_parallelize(model, (x,), mesh=(2,), pins={"x": ["S(0)"]})
+    loss = pm(x)
+    loss.backward()
+    ref = model(x)
+    ref.backward()
+    grads = pm.full_grads()
+    return ([str(w.message) for w in caught], loss.item(), ref.item(),
+            max((grads[n] - p.grad).abs().max().item() for n, p in model.named_parameters()))
+
+
+def test_an_op_without_a_rule_warns_and_stays_correct():
+    messages, loss, ref, grad_diff = run_on_ranks(_unknown_op, 2, timeout_s=60)[0]
+    assert any("no sharding rule for op aten.cumprod" in m for m in messages), messages
+    assert loss == pytest.approx(ref, rel=1e-6)
+    assert grad_diff < 1e-5
+
+
+def _state_round_trip(rank, world, path):
+    model, inputs = models.gpt_demo(batch=4, seq=8, n_layer=1)
+    pm = partitioner.auto_parallelize(model, inputs, mesh=(2,), pins=MEGATRON)
+    full = pm.full_state_dict()
+    same = all(torch.equal(full[k], v) for k, v in model.state_dict().items() if k in full)
+    torch.manual_seed(1)
+    other, _ = models.gpt_demo(batch=4, seq=8, n_layer=1)
+    for p in other.parameters():
+        torch.nn.init.normal_(p)
+    pm.load_full_state_dict(other.state_dict())
+    loaded = pm.full_state_dict()
+    matches_other = all(torch.equal(loaded[k], v) for k, v in other.state_dict().items() if k in loaded)
+    if rank == 0:
+        torch.save(model.state_dict(), path)
+    torch.distributed.barrier()
+    with torch.device("meta"):
+        meta_model, _ = models.gpt_demo(batch=4, seq=8, n_layer=1)
+    meta_model = meta_model.to("meta")
+    from_ckpt = partitioner.auto_parallelize(meta_model, inputs, mesh=(2,), pins=MEGATRON, checkpoint=path)
+    loss_a, loss_b = pm(*inputs), from_ckpt(*inputs)
+    pm.load_full_state_dict(model.state_dict())
+    return same, matches_other, float(pm(*inputs)), float(model(*inputs)), float(from_ckpt(*inputs)), \
+        from_ckpt.local_parameter_bytes(), sum(p.numel() * 4 for p in model.parameters()), float(loss_a), float(loss_b)
+
+
+def test_full_state_dict_load_and_meta_model_from_checkpoint(tmp_path):
+    results = run_on_ranks(_state_round_trip, 2, str(tmp_path / "full.pt"), timeout_s=90)
+    same, matches_other, reloaded, ref, from_ckpt, local_bytes, total_bytes, _, _ = results[0]
+    assert same and matches_other
+    assert reloaded == pytest.approx(ref, rel=1e-6) and from_ckpt == pytest.approx(ref, rel=1e-6)
+    assert local_bytes < total_bytes                    # the meta model's weights arrived as shards
+
+
+def _dump_job(rank, world, out):
+    model, inputs = models.gpt_demo(batch=4, seq=8, n_layer=1)
+    pm = partitioner.auto_parallelize(model, inputs, mesh=(2,), pins=MEGATRON)
+    return [str(p) for p in partitioner.dump(pm, out)]
+
+
+def test_dump_writes_programs_plan_and_picture(tmp_path):
+    files = run_on_ranks(_dump_job, 2, str(tmp_path), timeout_s=60)
+    assert (tmp_path / "rank_0.py").exists() and (tmp_path / "rank_1.py").exists()
+    code = (tmp_path / "rank_1.py").read_text()
+    assert "mesh coordinates (1,)" in code and "def forward" in code and "Reshard(" in code
+    assert "[R] -> [P]" in code or "[P] -> [R]" in code            # the Megatron all-reduce is visible
+    plan = partitioner.ShardingPlan.load(tmp_path / "plan.json")
+    assert "Sharding plan for GPT" in (tmp_path / "plan.txt").read_text()
+    dot = (tmp_path / "graph.dot").read_text()
+    assert "color=red" in dot and "AR@a0" in dot
+    if shutil.which("dot"):
+        assert (tmp_path / "graph.svg").read_text().lstrip().startswith("<?xml")
+    assert plan.mesh_shape == (2,)
+    assert all("rank_" in f or "plan" in f or "graph" in f for f in files[0])
+
+
+def test_dump_from_a_plan_alone_for_a_large_mesh(tmp_path):
+    model, inputs = models.gpt_block(batch=64, seq=128, n_embd=512, n_head=16, n_layer=2, vocab=512)
+    plan = partitioner.plan(model, inputs, mesh_shape=(16, 16), cluster="h100")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        files = partitioner.dump(plan, tmp_path, model=model, example_inputs=inputs)
+    names = {f.name for f in files}
+    assert {"plan.json", "plan.txt", "graph.dot", "rank_0.py", "rank_255.py"} <= names
+    assert "mesh coordinates (15, 15)" in (tmp_path / "rank_255.py").read_text()
+    with pytest.raises(ValueError, match="rank 256 is not on mesh"):
+        partitioner.dump(plan, tmp_path, model=model, example_inputs=inputs, ranks=[256])
