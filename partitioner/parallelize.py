@@ -138,18 +138,20 @@ def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_
     checkpoint_state = state_dict
     if checkpoint is not None:
         checkpoint_state = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
-    local_params, local_buffers = {}, {}
+    local_params, local_buffers, global_shapes = {}, {}, {}
     with torch.no_grad():
         for name, fqn in cap.params.items():
             full = _source_tensor(fqn, model_state, checkpoint_state, cap.exported)
             local_params[fqn] = shard_tensor(full.detach(), specs[fqn], comm, strided.get(fqn)).to(device).clone()
+            global_shapes[fqn] = tuple(full.shape)
         for name, fqn in cap.buffers.items():
             full = _source_tensor(fqn, model_state, checkpoint_state, cap.exported)
             local_buffers[fqn] = shard_tensor(full.detach(), specs[fqn], comm, strided.get(fqn)).to(device).clone()
+            global_shapes[fqn] = tuple(full.shape)
     input_specs = {n.name: specs[n.name] for n in cap.graph.nodes if n.op == "placeholder" and info(n).kind == "input"}
     module = ParallelModule(program=program, plan=plan, comm=comm, captured=cap, local_params=local_params,
                             local_buffers=local_buffers, specs={**specs, **input_specs}, strided=strided,
-                            local_inputs=local_inputs)
+                            local_inputs=local_inputs, global_shapes=global_shapes)
     module.train(model.training)
     log(f"ready: {module.local_parameter_bytes() / 2**20:.1f} MiB of parameters on this rank")
     return module

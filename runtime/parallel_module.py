@@ -68,7 +68,7 @@ class ParallelModule(torch.nn.Module):
     """A rank's share of a model, running the plan's lowered program."""
 
     def __init__(self, *, program, plan, comm: MeshComm, captured, local_params: dict, local_buffers: dict,
-                 specs: dict, strided: dict, local_inputs: bool):
+                 specs: dict, strided: dict, local_inputs: bool, global_shapes: dict):
         super().__init__()
         object.__setattr__(self, "_program", program)
         object.__setattr__(self, "plan", plan)
@@ -76,6 +76,7 @@ class ParallelModule(torch.nn.Module):
         object.__setattr__(self, "_captured", captured)
         self.local_inputs = local_inputs
         self._specs = specs            # FQN (params, buffers) or input placeholder name -> spec
+        self._global_shapes = dict(global_shapes)  # FQN -> whole shape
         self._strided = strided        # FQN -> {axis: pieces}
         self._param_fqns, self._buffer_fqns = list(local_params), list(local_buffers)
         for fqn, value in local_params.items():
@@ -185,6 +186,43 @@ class ParallelModule(torch.nn.Module):
             for fqn in self._param_fqns + self._buffer_fqns:
                 if fqn in state:
                     self._get(fqn).copy_(shard_tensor(state[fqn], self._specs[fqn], self.comm, self._strided.get(fqn)))
+
+    def sharded_state_dict(self) -> dict:
+        """Parameters and buffers as DTensors over this job's DeviceMesh (for
+        ``torch.distributed.checkpoint``); strided-layout tensors are stored whole."""
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for fqn in self._param_fqns + self._buffer_fqns:
+            local = self._get(fqn).detach()
+            spec = self._specs[fqn]
+            if fqn in self._strided or self.comm.device_mesh is None:
+                out[fqn] = gather_tensor(local, spec, self.comm, self._strided.get(fqn))
+                continue
+            shape = torch.Size(self._global_shapes[fqn])
+            stride = torch.empty(shape, device="meta").stride()
+            out[fqn] = DTensor.from_local(local, self.comm.device_mesh, list(spec), run_check=False,
+                                          shape=shape, stride=stride)
+        return out
+
+    def save_sharded(self, path) -> None:
+        """Each rank writes its own shards (``torch.distributed.checkpoint``): no rank holds the model."""
+        import torch.distributed.checkpoint as dcp
+        dcp.save(self.sharded_state_dict(), checkpoint_id=str(path))
+
+    def load_sharded(self, path) -> None:
+        """Read a checkpoint written by ``save_sharded`` under any plan or mesh; reshards on load."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.tensor import DTensor
+
+        state = self.sharded_state_dict()
+        dcp.load(state, checkpoint_id=str(path))
+        with torch.no_grad():
+            for fqn, value in state.items():
+                if isinstance(value, DTensor):
+                    self._get(fqn).copy_(value.to_local())
+                else:
+                    self._get(fqn).copy_(shard_tensor(value, self._specs[fqn], self.comm, self._strided.get(fqn)))
 
     def local_parameter_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())
