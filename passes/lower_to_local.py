@@ -103,8 +103,8 @@ class _Builder:
         self.root.add_module(name, module)
         return self.graph.call_module(name, args, kwargs)
 
-    def reshard(self, value, src, dst, grad, base):
-        module = Reshard(self.comm, src, dst, grad)
+    def reshard(self, value, src, dst, grad, base, strided=None, src_strided=None):
+        module = Reshard(self.comm, src, dst, grad, strided, src_strided)
         if module.is_noop:
             return value
         return self.call_module(module, (value,), {}, f"reshard_{base}")
@@ -114,6 +114,47 @@ def _replace_devices(obj, device):
     return pytree.tree_map(lambda v: device if isinstance(v, torch.device) else v, obj)
 
 
+def _strided_chains(graph: fx.Graph, records: dict, comm: MeshComm) -> dict:
+    """Nodes whose sharded values are strided: chain node -> {axis: pieces}.
+
+    A split of a sharded dim (rule note ``strided``) needs each rank to hold its block of every
+    piece. The values from the matmul that makes the dim to the split (through single-input
+    ops) are laid out that way, and so are the matmul's parameters (loaded strided by
+    ``auto_parallelize``). Edges into the chain that reshard on those axes must cut and gather
+    in that layout too (e.g. a replicated bias sliced for a column-parallel fused QKV).
+    """
+    chains = {}
+    for node in graph.nodes:
+        notes = (records.get(node.name) or {}).get("notes") or {}
+        axes = [comm.axis_names.index(a) for a, note in notes.items() if note == "strided"]
+        axes = [a for a in axes if comm.shape[a] > 1]
+        if not axes:
+            continue
+        pieces = len(info(node).out_shapes)
+        chain, cur = [node], node.args[0]
+        while cur.op == "call_function" and not rule_for(cur).contraction:
+            data = [a for a in tensor_input_nodes(cur) if info(a).kind != "param"]
+            if len(data) != 1:
+                break
+            chain.append(cur)
+            cur = data[0]
+        if cur.op != "call_function" or not rule_for(cur).contraction:
+            raise LoweringError(f"node {node.name} splits a sharded dim, but no matmul produces it; this plan cannot "
+                                f"be lowered (pin {node.name}'s input to Replicate on that axis)")
+        chain.append(cur)
+        for n in chain:
+            chains.setdefault(n, {}).update({a: pieces for a in axes})
+        members = set(chain)
+        for n in chain[1:]:
+            spec = _specs(records[n.name]["out"], comm.ndim)[0]
+            outside = [u for u in n.users if u not in members]
+            if outside and any(getattr(spec[a], "dim", None) is not None for a in axes):
+                raise LoweringError(f"{n.name} holds a strided shard (for the split {node.name}) and is also used by "
+                                    f"{outside[0].name}; this plan cannot be lowered (pin {n.name} to Replicate on "
+                                    f"mesh axes {[comm.axis_names[a] for a in axes]})")
+    return chains
+
+
 def lower_to_local(graph: fx.Graph, records: dict, comm: MeshComm, *, device=None) -> fx.GraphModule:
     """Lower ``graph`` (captured and analysed) for this rank. ``records``: plan records by name."""
     device = torch.device(device or "cpu")
@@ -121,6 +162,7 @@ def lower_to_local(graph: fx.Graph, records: dict, comm: MeshComm, *, device=Non
     ndim = comm.ndim
     env: dict = {}
     out_specs: dict = {}
+    chains = _strided_chains(graph, records, comm)
 
     def record(node):
         rec = records.get(node.name)
@@ -167,8 +209,9 @@ def lower_to_local(graph: fx.Graph, records: dict, comm: MeshComm, *, device=Non
             src = out_specs[u][0]
             value = env[u]
             if ins[k] is not None and src is not None:
+                strided, src_strided = _edge_strided(node, u, src, ins[k], chains, comm)
                 value = b.reshard(value, src, ins[k], grads[k] if info(u).requires_grad else None,
-                                  f"{node.name}_in{k}")
+                                  f"{node.name}_in{k}", strided, src_strided)
             local_inputs.append(value)
         it = iter(local_inputs)
         args, kwargs = pytree.tree_map(lambda a: next(it) if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
@@ -184,6 +227,27 @@ def lower_to_local(graph: fx.Graph, records: dict, comm: MeshComm, *, device=Non
     gm = fx.GraphModule(b.root, b.graph, class_name="PartitaRankProgram")
     gm.graph.lint()
     return gm
+
+
+def _edge_strided(node, u, src, dst, chains, comm):
+    """The strided layouts on the edge ``u -> node`` (see :func:`_strided_chains`)."""
+    on = {a: f for a, f in chains.get(node, {}).items() if getattr(dst[a], "dim", None) is not None}
+    if not on:
+        return None, None
+    if u in chains:                      # inside the chain: both ends strided, nothing may move
+        moved = [a for a in on if src[a] != dst[a]]
+        if moved:
+            raise LoweringError(f"the edge {u.name} -> {node.name} reshards a strided shard on mesh axes "
+                                f"{[comm.axis_names[a] for a in moved]}; this plan cannot be lowered")
+        return None, None
+    if info(u).kind == "param" and rule_for(node).contraction:   # loaded strided where it is sharded
+        return on, {a: f for a, f in on.items() if getattr(src[a], "dim", None) is not None}
+    contiguous = [a for a in on if getattr(src[a], "dim", None) is not None]
+    if contiguous:
+        raise LoweringError(f"{u.name} arrives at {node.name} sharded on mesh axes "
+                            f"{[comm.axis_names[a] for a in contiguous]} in contiguous blocks, but {node.name} needs "
+                            f"the strided layout of a later split; this plan cannot be lowered")
+    return on, None
 
 
 def _wanted_outputs(graph):

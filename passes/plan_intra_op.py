@@ -23,7 +23,7 @@ from passes.blocks import find_blocks
 from passes.cost_model import Collective, collective_time, dtype_bytes, extra_payload
 from passes.ilp_solver import min_memory, solve_ilp
 from passes.placements import format_spec, local_shape, replicated
-from passes.rules import op_name, tensor_input_nodes
+from passes.rules import REPLICATE_FALLBACK, op_name, tensor_input_nodes
 from passes.strategy_space import build_space, edge_collectives, replicated_outputs
 
 __all__ = ["InfeasibleBudgetError", "IntraOpResult", "plan_intra_op"]
@@ -126,6 +126,7 @@ def plan_intra_op(cap, mesh_shape, axis_names, cluster, *, budget=None, pins=Non
                   log=None) -> IntraOpResult:
     log = log or (lambda msg: None)
     graph: fx.Graph = cap.graph
+    REPLICATE_FALLBACK.warned.clear()  # each plan names every op it could not shard, once
     t0 = time.perf_counter()
     blocks = find_blocks(graph, enabled=share_blocks)
     rep_pins = {}
