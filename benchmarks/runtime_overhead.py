@@ -55,7 +55,7 @@ def timed_steps(model, batch, params, steps):
         opt.step()
         times.append(time.perf_counter() - start)
     warm = max(2, steps // 4)
-    return statistics.median(times[warm:]), float(loss)
+    return statistics.median(times[warm:]), loss.item()
 
 
 def megatron_pins(world):
