@@ -10,6 +10,7 @@ never exists whole in one process).
 from __future__ import annotations
 
 
+import datetime
 import sys
 import time
 
@@ -20,9 +21,9 @@ from partitioner.api import plan_captured
 from partitioner.mesh import MeshSpec
 from partitioner.sharding_plan import ShardingPlan
 from passes.analyze import analyze, info
-from passes.capture import capture, graph_fingerprint
+from passes.capture import capture, graph_fingerprint, tied_placeholders
 from passes.lower_to_local import lower_to_local
-from passes.placements import parse_spec
+from passes.placements import format_spec, parse_spec
 from passes.rules import rule_for, tensor_input_nodes
 from runtime.collectives import MeshComm
 from runtime.parallel_module import ParallelModule, shard_tensor
@@ -30,8 +31,23 @@ from runtime.parallel_module import ParallelModule, shard_tensor
 __all__ = ["auto_parallelize", "shard_batch"]
 
 
-def _device_mesh(mesh, axis_names, device_type):
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+def _default_timeout(device_type):
+    """The timeout the job's default process group was created with (mesh groups inherit it)."""
+    pg = dist.distributed_c10d._get_default_group()
+    try:
+        return pg._get_backend(torch.device(device_type)).options._timeout
+    except (AttributeError, RuntimeError):
+        return datetime.timedelta(seconds=600)
+
+
+def _device_mesh(mesh, axis_names, device_type, timeout=None):
+    """A DeviceMesh whose per-axis process groups time out like the job's default group.
+
+    ``init_device_mesh`` would create its groups with torch's 30-minute default; a hung rank
+    must instead fail the others within the job's own timeout.
+    """
+    import numpy as np
+    from torch.distributed.device_mesh import DeviceMesh
 
     world = dist.get_world_size()
     if isinstance(mesh, DeviceMesh):
@@ -40,7 +56,17 @@ def _device_mesh(mesh, axis_names, device_type):
     if spec.size != world:
         raise ValueError(f"mesh {spec.shape} needs {spec.size} ranks but this job has {world}: choose a mesh whose "
                          f"sizes multiply to {world} (or mesh=None to use all ranks on one axis)")
-    return init_device_mesh(device_type, spec.shape, mesh_dim_names=spec.axis_names)
+    timeout = timeout or _default_timeout(device_type)
+    layout = np.arange(world).reshape(spec.shape)
+    rank = dist.get_rank()
+    mine = []
+    for axis in range(spec.ndim):
+        moved = np.moveaxis(layout, axis, -1).reshape(-1, spec.shape[axis])
+        for ranks in moved:   # every rank creates every group, in the same order
+            group = dist.new_group([int(r) for r in ranks], timeout=timeout)
+            if rank in ranks:
+                mine.append(group)
+    return DeviceMesh.from_group(mine, device_type, mesh=torch.tensor(layout), mesh_dim_names=spec.axis_names)
 
 
 def _strided_params(graph, records, axis_names) -> dict:
@@ -134,7 +160,8 @@ def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_
             spec = parse_spec(records[node.name]["out"][0], comm.ndim)
             specs[cap.params.get(node.name) or cap.buffers.get(node.name) or node.name] = spec
     strided = _strided_params(cap.graph, records, list(comm.axis_names))
-    model_state = None if _on_meta(model) else {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    model_state = None if _on_meta(model) else {**dict(model.named_parameters(remove_duplicate=False)),
+                                                **dict(model.named_buffers(remove_duplicate=False))}
     checkpoint_state = state_dict
     if checkpoint is not None:
         checkpoint_state = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
@@ -148,6 +175,15 @@ def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_
             full = _source_tensor(fqn, model_state, checkpoint_state, cap.exported)
             local_buffers[fqn] = shard_tensor(full.detach(), specs[fqn], comm, strided.get(fqn)).to(device).clone()
             global_shapes[fqn] = tuple(full.shape)
+    for names in tied_placeholders(cap):   # tied weights: one local tensor (one Parameter) for all names
+        fqns = [cap.params.get(n) or cap.buffers.get(n) for n in names]
+        state = local_params if fqns[0] in local_params else local_buffers
+        for fqn in fqns[1:]:
+            if specs[fqn] != specs[fqns[0]] or strided.get(fqn) != strided.get(fqns[0]):
+                raise ValueError(f"{fqn} and {fqns[0]} are one tied tensor but the plan places them differently "
+                                 f"({format_spec(specs[fqn])} vs {format_spec(specs[fqns[0]])}); pin both alike")
+            if fqn in state:
+                state[fqn] = state[fqns[0]]
     input_specs = {n.name: specs[n.name] for n in cap.graph.nodes if n.op == "placeholder" and info(n).kind == "input"}
     module = ParallelModule(program=program, plan=plan, comm=comm, captured=cap, local_params=local_params,
                             local_buffers=local_buffers, specs={**specs, **input_specs}, strided=strided,

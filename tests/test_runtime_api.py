@@ -170,3 +170,26 @@ def _sharded_checkpoint(rank, world, path):
 def test_sharded_checkpoint_reloads_under_another_plan(tmp_path):
     results = run_on_ranks(_sharded_checkpoint, 2, str(tmp_path / "ckpt"), timeout_s=90)
     assert results == [(True, "[R]"), (True, "[R]")]
+
+
+def _rank0_stalls(rank, world):
+    import time
+    model, inputs = models.gpt_demo(batch=4, seq=8, n_layer=1)
+    pm = partitioner.auto_parallelize(model, inputs, mesh=(2,), pins=MEGATRON)
+    if rank == 0:
+        time.sleep(30)                                  # never joins the step's collectives
+        return "stalled"
+    started = time.perf_counter()
+    try:
+        pm(*inputs).backward()
+    except RuntimeError as exc:
+        raise RuntimeError(f"rank {rank} gave up after {time.perf_counter() - started:.1f} s: {exc}") from None
+    return "finished"
+
+
+def test_a_stalled_rank_makes_the_others_fail_within_the_job_timeout():
+    import time
+    started = time.perf_counter()
+    with pytest.raises(RankFailure, match=r"rank 1 gave up after [0-9.]+ s"):
+        run_on_ranks(_rank0_stalls, 2, timeout_s=60, collective_timeout_s=4)
+    assert time.perf_counter() - started < 25          # the mesh groups use the job's 4 s, not torch's 30 min
