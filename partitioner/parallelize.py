@@ -106,7 +106,7 @@ def _source_tensor(name, model_state, checkpoint_state, exported):
 
 def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_axis_names=None, plan=None,
                      cluster=None, memory_budget=None, pins=None, objective="time", local_inputs=False,
-                     state_dict=None, checkpoint=None, device=None, verbose=False) -> ParallelModule:
+                     state_dict=None, checkpoint=None, device=None, pipeline=None, verbose=False):
     """Run ``model`` data / tensor / sequence parallel on the job's ranks, as a plan decides.
 
     Args:
@@ -116,6 +116,9 @@ def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_
         plan: a ShardingPlan to replay instead of searching (its fingerprint must match).
         cluster: cost model preset; default ``"cpu"`` (measured) on CPUs, ``"h100"`` on GPUs.
         local_inputs: each rank passes only its own piece of the batch (as with DDP).
+        pipeline: ``{"degree": 2, "schedule": "1f1b", "microbatches": 8}`` (or a PipelineConfig):
+            the first mesh axis becomes pipeline stages; returns a runner whose
+            ``train_step(batch)`` runs forward and backward over all microbatches.
         state_dict / checkpoint: full weights to slice (a dict, or a ``torch.save`` file opened
             with ``mmap``); default: the model's own weights.
 
@@ -133,6 +136,18 @@ def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_
     log = (lambda msg: print(f"[partita rank {dist.get_rank()}] {msg}", file=sys.stderr, flush=True)) if verbose else (lambda m: None)
     device_mesh = _device_mesh(mesh, mesh_axis_names, device.type)
     comm = MeshComm(device_mesh)
+    if pipeline is not None:
+        from partitioner.pipeline_parallelize import PipelineConfig, build_pipeline
+        if plan is not None:
+            raise ValueError("replaying a saved plan is not supported with pipeline=; plan again")
+        model_state = None if _on_meta(model) else {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        checkpoint_state = state_dict
+        if checkpoint is not None:
+            checkpoint_state = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
+        return build_pipeline(model, example_inputs, device_mesh=device_mesh, config=PipelineConfig.build(pipeline),
+                              cluster=cluster or ("cpu" if device.type == "cpu" else "h100"), pins=pins,
+                              memory_budget=memory_budget, objective=objective, model_state=model_state or {},
+                              checkpoint_state=checkpoint_state, device=device, log=log)
     t0 = time.perf_counter()
     cap = capture(model, example_inputs)
     analyze(cap)

@@ -1,0 +1,204 @@
+"""``auto_parallelize(..., pipeline={...})``: stages, their intra-op plans, a schedule, a runner.
+
+The first mesh axis is the pipeline axis: ``mesh=(2, 2), pipeline={"degree": 2}`` gives two
+stages, each on a sub-mesh of 2 ranks planned for tensor / data / sequence parallelism like any
+model. Steps: capture on one microbatch; cut at layer boundaries (:mod:`passes.split_stages`);
+rank 0 plans every stage on the sub-mesh (stage boundaries replicated) and broadcasts the plans;
+each rank lowers its own stages, slices their parameters, and builds the schedule (checked for
+deadlock before anything runs).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["PipelineConfig", "build_pipeline"]
+
+_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+@dataclass
+class PipelineConfig:
+    degree: int = 2
+    """Pipeline stages on the first mesh axis (ranks along it)."""
+    schedule: str = "1f1b"
+    """One of ``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``."""
+    microbatches: int = 0
+    """Microbatches per step (0: twice the degree)."""
+    virtual_stages: int = 1
+    """Stages per rank for ``interleaved`` (>= 2 there)."""
+
+    @classmethod
+    def build(cls, value) -> "PipelineConfig":
+        if isinstance(value, PipelineConfig):
+            cfg = value
+        elif isinstance(value, dict):
+            unknown = set(value) - {"degree", "schedule", "microbatches", "virtual_stages"}
+            if unknown:
+                raise ValueError(f"unknown pipeline options {sorted(unknown)}; use degree, schedule, microbatches, "
+                                 f"virtual_stages")
+            cfg = cls(**value)
+        else:
+            raise TypeError(f"pipeline must be a dict or PipelineConfig, got {type(value).__name__}")
+        cfg.schedule = cfg.schedule.lower().replace("_", "-")
+        if cfg.schedule not in _SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {cfg.schedule!r}; choose one of {_SCHEDULES}")
+        if cfg.schedule == "interleaved" and cfg.virtual_stages < 2:
+            cfg.virtual_stages = 2
+        if not cfg.microbatches:
+            cfg.microbatches = 2 * cfg.degree
+        return cfg
+
+
+def _make_schedule(cfg: PipelineConfig):
+    from passes import pipeline_schedules as ps
+    p, m = cfg.degree, cfg.microbatches
+    if cfg.schedule == "gpipe":
+        sched = ps.gpipe(p, m)
+    elif cfg.schedule == "1f1b":
+        sched = ps.one_f_one_b(p, m)
+    elif cfg.schedule == "interleaved":
+        sched = ps.interleaved_1f1b(p, m, cfg.virtual_stages)
+    else:
+        sched = ps.zb_h1(p, m)
+    sched = ps.add_communication(sched)
+    ps.assert_valid(sched)
+    return sched
+
+
+def _microbatch(example_inputs, m):
+    def cut(x):
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            if x.shape[0] % m:
+                raise ValueError(f"the batch dim ({x.shape[0]}) does not split into {m} microbatches")
+            return x[: x.shape[0] // m]
+        return x
+    if isinstance(example_inputs, dict):
+        return {k: cut(v) for k, v in example_inputs.items()}
+    return tuple(cut(v) for v in example_inputs)
+
+
+def build_pipeline(model, example_inputs, *, device_mesh, config, cluster, pins, memory_budget, objective,
+                   model_state, checkpoint_state, device, log):
+    from partitioner.api import plan_captured, resolve_pins
+    from partitioner.parallelize import _strided_params
+    from partitioner.sharding_plan import ShardingPlan
+    from passes.analyze import analyze, info
+    from passes.capture import capture
+    from passes.lower_to_local import lower_to_local
+    from passes.placements import parse_spec
+    from passes.rules import tensor_input_nodes
+    from passes.split_stages import assign_stages, split_stages
+    from runtime.collectives import MeshComm
+    from runtime.parallel_module import shard_tensor
+    from runtime.pipeline import PipelineRunner, StageProgram
+
+    full = MeshComm(device_mesh)
+    if full.shape[0] != config.degree:
+        raise ValueError(f"pipeline degree {config.degree} must equal the first mesh axis ({full.shape[0]}); "
+                         f"mesh {full.shape} = (pipeline, ...)")
+    schedule = _make_schedule(config)
+    stages = schedule.num_stages
+    micro = _microbatch(example_inputs, config.microbatches)
+    cap = capture(model, micro)
+    analyze(cap)
+    stage_of, runs = assign_stages(cap, stages)
+    graphs = split_stages(cap, stage_of, runs)
+    sub = MeshComm.__new__(MeshComm)
+    sub.shape, sub.axis_names = full.shape[1:] or (1,), full.axis_names[1:] or ("local",)
+    sub.groups = [device_mesh.get_group(a) for a in range(1, full.ndim)] or [None]
+    sub.coords = list(full.coords[1:]) or [0]
+    sub.device_mesh = device_mesh[full.axis_names[1:]] if full.ndim > 1 else None
+
+    for g in graphs:
+        analyze(g.captured)
+    payload = [None]
+    if dist.get_rank() == 0:
+        plans = []
+        for g in graphs:
+            stage_pins = {name: ["R"] * len(sub.shape) for name in g.activation_inputs}
+            for key, value in (pins or {}).items():
+                try:
+                    resolve_pins(g.captured, {key: value}, len(sub.shape))
+                except ValueError:
+                    continue
+                stage_pins[key] = value
+            made = plan_captured(g.captured, model_name=f"{type(model).__name__} stage {g.index}",
+                                 mesh_shape=sub.shape, mesh_axis_names=sub.axis_names, cluster=cluster,
+                                 memory_budget=memory_budget, pins=stage_pins, objective=objective, log=log)
+            plans.append(made.to_json())
+        payload = [plans]
+    dist.broadcast_object_list(payload, src=0)
+    plans = [ShardingPlan.from_dict(json.loads(text)) for text in payload[0]]
+
+    pp_coord = full.coords[0]
+    sub_size = 1
+    for n in full.shape[1:]:
+        sub_size *= n
+    sub_index = dist.get_rank() - pp_coord * sub_size
+    owned = {}
+    for s, g in enumerate(graphs):
+        if schedule.stage_to_rank[s] != pp_coord:
+            continue
+        records = {r["name"]: r for r in plans[s].records}
+        program = lower_to_local(g.captured.graph, records, sub, device=device)
+        strided = _strided_params(g.captured.graph, records, list(sub.axis_names))
+        params, buffers, specs = {}, {}, {}
+        for node in g.captured.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            spec = parse_spec(records[node.name]["out"][0], len(sub.shape))
+            specs[node.name] = spec
+            for table, target in ((g.captured.params, params), (g.captured.buffers, buffers)):
+                if node.name in table:
+                    fqn = table[node.name]
+                    source = checkpoint_state if checkpoint_state is not None and fqn in checkpoint_state else model_state
+                    value = source[fqn] if fqn in source else cap.exported.constants[fqn]
+                    local = shard_tensor(value.detach(), spec, sub, strided.get(fqn)).to(device).clone()
+                    target[node.name] = (fqn, local)
+        owned[s] = _StageWithInputs(StageProgram(s, program, g.inputs, g.outputs, params, buffers, specs, sub,
+                                                 plans[s], strided), sub)
+    last = graphs[-1]
+    out_node = last.captured.graph.find_nodes(op="output")[0]
+    loss_name = next((name for name, n in zip(last.outputs, tensor_input_nodes(out_node)) if info(n).shape == ()), None)
+    if loss_name is None:
+        raise ValueError("pipeline training needs the model to return a scalar loss (its last stage has none)")
+    carried = {}
+    for g in graphs:
+        for node in g.captured.graph.nodes:
+            if node.op == "placeholder" and node.name in g.activation_inputs:
+                carried[node.name] = (tuple(info(node).shape), info(node).dtype)
+    peer = {s: schedule.stage_to_rank[s] * sub_size + sub_index for s in range(stages)}
+    user_names = [n for n in cap.user_inputs]
+    runner = PipelineRunner(stages=owned, schedule=schedule, stage_graphs=graphs,
+                            comm_pp=(device_mesh.get_group(0), pp_coord, full.shape[0]), peer_rank=peer,
+                            microbatches=config.microbatches, input_names=user_names,
+                            in_spec=cap.exported.call_spec.in_spec, loss_name=loss_name, carried_meta=carried,
+                            plan={"stages": plans, "schedule": schedule, "layers": runs})
+    return runner
+
+
+class _StageWithInputs(torch.nn.Module):
+    """Cuts user inputs to the stage plan's placement before running the stage."""
+
+    def __init__(self, stage, comm):
+        super().__init__()
+        self.stage = stage
+        object.__setattr__(self, "comm", comm)
+
+    def run(self, values):
+        from passes.placements import replicated
+        from runtime.parallel_module import shard_tensor
+        cut = {}
+        for name, value in values.items():
+            spec = self.stage.input_specs.get(name)
+            if isinstance(value, torch.Tensor) and spec is not None and tuple(spec) != replicated(len(spec)):
+                value = shard_tensor(value, spec, self.comm)
+            cut[name] = value
+        return self.stage.run(cut)
+
+    def named_fqn_parameters(self):
+        return self.stage.named_fqn_parameters()
