@@ -137,7 +137,7 @@ class PipelineRunner(torch.nn.Module):
     def train_step(self, batch):
         micro = self._split(batch)
         m = self.microbatches
-        received, grads_in, ctx, pending, losses = {}, {}, {}, [], {}
+        received, grads_in, ctx, pending, losses, deferred = {}, {}, {}, [], {}, {}
         rank = dist.get_rank()
         start = time.perf_counter()
         self.trace = []
@@ -163,29 +163,29 @@ class PipelineRunner(torch.nn.Module):
                                       min(s, action.peer), mb, "F")
             elif kind == "RECV_F":
                 received[(s, mb)] = self._recv(graph.receives, self.peer_rank[action.peer], min(s, action.peer), mb, "F")
-            elif kind in ("B", "I", "W"):
+            elif kind in ("B", "I"):
                 leaves, produced = ctx[(s, mb)]
                 if s == len(self.stage_graphs) - 1:
                     tensors, grads = [losses[mb]], [torch.full_like(losses[mb], 1.0 / m)]
                 else:
-                    pairs = [(produced[n], g) for n, g in zip(graph.sends, grads_in.get((s, mb), []))
+                    pairs = [(produced[n], g) for n, g in zip(graph.sends, grads_in.pop((s, mb), []))
                              if produced[n].requires_grad]
                     tensors, grads = [p for p, _ in pairs], [g for _, g in pairs]
-                params = [p for p in self.stages[str(s)].parameters() if p.requires_grad]
                 activation = [leaf for leaf in leaves.values() if leaf.requires_grad]
                 if kind == "B":
                     if tensors:
                         torch.autograd.backward(tensors, grads)
                     ctx[(s, mb)] = (leaves, None)
-                elif kind == "I":
+                else:   # input gradients only; keep the graph for W
                     if tensors and activation:
                         torch.autograd.backward(tensors, grads, inputs=activation, retain_graph=True)
-                    ctx[(s, mb)] = (leaves, produced, tensors, grads)
-                else:  # W: weight gradients, then the graph can go
-                    _, _, tensors, grads = ctx[(s, mb)]
-                    if tensors and params:
-                        torch.autograd.backward(tensors, grads, inputs=params)
-                    ctx.pop((s, mb))
+                    ctx[(s, mb)] = (leaves, None)
+                    deferred[(s, mb)] = (tensors, grads)
+            elif kind == "W":   # weight gradients, then the graph can go
+                tensors, grads = deferred.pop((s, mb))
+                params = [p for p in self.stages[str(s)].parameters() if p.requires_grad]
+                if tensors and params:
+                    torch.autograd.backward(tensors, grads, inputs=params)
             elif kind == "SEND_B":
                 leaves = ctx[(s, mb)][0]
                 out = [leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n])
