@@ -140,7 +140,8 @@ def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_
         from partitioner.pipeline_parallelize import PipelineConfig, build_pipeline
         if plan is not None:
             raise ValueError("replaying a saved plan is not supported with pipeline=; plan again")
-        model_state = None if _on_meta(model) else {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        model_state = None if _on_meta(model) else {**dict(model.named_parameters(remove_duplicate=False)),
+                                                     **dict(model.named_buffers(remove_duplicate=False))}
         checkpoint_state = state_dict
         if checkpoint is not None:
             checkpoint_state = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)

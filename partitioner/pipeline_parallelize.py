@@ -115,11 +115,20 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, cluster, pins,
 
     for g in graphs:
         analyze(g.captured)
+    from passes.capture import tied_placeholders
+    # weights used by several stages (one placeholder used twice, or tied names of one tensor)
+    tied = [set(names) for names in tied_placeholders(cap)]
+    for name in cap.params:
+        if sum(name in g.inputs for g in graphs) > 1 and not any(name in t for t in tied):
+            tied.append({name})
+    tied_names = {n for names in tied for n in names}
     payload = [None]
     if dist.get_rank() == 0:
         plans = []
         for g in graphs:
             stage_pins = {name: ["R"] * len(sub.shape) for name in g.activation_inputs}
+            # tied weights live on several stages: replicate them so their gradients add up elementwise
+            stage_pins.update({name: ["R"] * len(sub.shape) for name in g.inputs if name in tied_names})
             for key, value in (pins or {}).items():
                 try:
                     resolve_pins(g.captured, {key: value}, len(sub.shape))
@@ -172,12 +181,24 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, cluster, pins,
             if node.op == "placeholder" and node.name in g.activation_inputs:
                 carried[node.name] = (tuple(info(node).shape), info(node).dtype)
     peer = {s: schedule.stage_to_rank[s] * sub_size + sub_index for s in range(stages)}
+    tied_groups = []   # (process group over the owning ranks, placeholder names here) per tied weight
+    for names in tied:
+        owners = sorted({schedule.stage_to_rank[s] for s, g in enumerate(graphs) for n in names if n in g.inputs})
+        if len(owners) < 2:
+            continue
+        group = None
+        for index in range(sub_size):   # every rank creates every group, in the same order
+            made = dist.new_group([o * sub_size + index for o in owners])
+            if index == sub_index:
+                group = made
+        if pp_coord in owners:
+            tied_groups.append((group, set(names)))
     user_names = [n for n in cap.user_inputs]
     runner = PipelineRunner(stages=owned, schedule=schedule, stage_graphs=graphs,
                             comm_pp=(device_mesh.get_group(0), pp_coord, full.shape[0]), peer_rank=peer,
                             microbatches=config.microbatches, input_names=user_names,
                             in_spec=cap.exported.call_spec.in_spec, loss_name=loss_name, carried_meta=carried,
-                            plan={"stages": plans, "schedule": schedule, "layers": runs})
+                            plan={"stages": plans, "schedule": schedule, "layers": runs}, tied=tied_groups)
     return runner
 
 

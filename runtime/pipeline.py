@@ -57,6 +57,11 @@ class StageProgram(torch.nn.Module):
         for placeholder, (fqn, _) in self._param_names.items():
             yield fqn, self.weights[self._keys[placeholder]]
 
+    def tied_weights(self, names):
+        for placeholder in self._param_names:
+            if placeholder in names:
+                yield placeholder, self.weights[self._keys[placeholder]]
+
     def gathered(self, grads: bool) -> dict:
         """Whole parameters (or their gradients) of this stage, gathered over its sub-mesh."""
         from runtime.parallel_module import gather_tensor
@@ -85,7 +90,7 @@ class PipelineRunner(torch.nn.Module):
     """Runs a schedule's actions for this rank; ``train_step(batch)`` -> the batch loss."""
 
     def __init__(self, *, stages: dict, schedule, stage_graphs, comm_pp, peer_rank, microbatches: int,
-                 input_names: list, in_spec, loss_name: str, carried_meta: dict, plan):
+                 input_names: list, in_spec, loss_name: str, carried_meta: dict, plan, tied=()):
         super().__init__()
         self.stages = torch.nn.ModuleDict({str(k): v for k, v in stages.items()})
         object.__setattr__(self, "schedule", schedule)
@@ -96,6 +101,7 @@ class PipelineRunner(torch.nn.Module):
         self.microbatches = microbatches
         self.input_names, self.in_spec, self.loss_name = input_names, in_spec, loss_name
         self.carried_meta = carried_meta  # value name -> (local shape, dtype)
+        self.tied = list(tied)            # (group of the ranks holding a tied weight, its placeholder names)
         self.trace = []
 
     # -- helpers -----------------------------------------------------------------------------
@@ -196,6 +202,12 @@ class PipelineRunner(torch.nn.Module):
             self.trace.append((str(action), t0 - start, time.perf_counter() - start))
         for work in pending:
             work.wait()
+        for group, names in self.tied:    # a tied weight's gradient is the sum over the stages using it
+            for stage in self.stages.values():
+                for placeholder, weight in stage.stage.tied_weights(names):
+                    if weight.grad is None:
+                        weight.grad = torch.zeros_like(weight)
+                    dist.all_reduce(weight.grad, group=group)
         group, coord, size = self.comm_pp
         last_owner = self.schedule.stage_to_rank[len(self.stage_graphs) - 1]
         loss = torch.stack([losses[i].detach() for i in range(m)]).mean() if losses else torch.zeros(())
