@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 import torch.fx.config  # noqa: F401  (fx.config.do_not_emit_stack_traces)
 
-__all__ = ["CaptureError", "CapturedGraph", "capture", "describe_captured", "graph_fingerprint"]
+__all__ = ["CaptureError", "CapturedGraph", "capture", "describe_captured", "graph_fingerprint", "tied_placeholders"]
 
 
 class CaptureError(RuntimeError):
@@ -127,6 +127,20 @@ def capture(model: torch.nn.Module, example_inputs, *, stack_traces: bool = Fals
     gm = exported.graph_module
     return CapturedGraph(graph_module=gm, exported=exported, params=params, buffers=buffers,
                          user_inputs=user_inputs, input_names=input_names)
+
+
+def tied_placeholders(cap: CapturedGraph) -> list:
+    """Placeholders that are one tensor under several names (tied weights: GPT-2's ``lm_head``
+    and ``wte``), as lists of placeholder names in graph order; export lifts each name apart."""
+    state = getattr(cap.exported, "state_dict", None) or {}
+    by_tensor: dict = {}
+    for node in cap.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        fqn = cap.params.get(node.name) or cap.buffers.get(node.name)
+        if fqn is not None and fqn in state:
+            by_tensor.setdefault(id(state[fqn]), []).append(node.name)
+    return [names for names in by_tensor.values() if len(names) > 1]
 
 
 def describe_captured(cap: CapturedGraph) -> str:

@@ -129,6 +129,7 @@ def plan_intra_op(cap, mesh_shape, axis_names, cluster, *, budget=None, pins=Non
     REPLICATE_FALLBACK.warned.clear()  # each plan names every op it could not shard, once
     t0 = time.perf_counter()
     blocks = find_blocks(graph, enabled=share_blocks)
+    _tie_aliases(cap, blocks)
     rep_pins = {}
     for node, spec in (pins or {}).items():
         r = blocks.represent(node)
@@ -197,6 +198,21 @@ def plan_intra_op(cap, mesh_shape, axis_names, cluster, *, budget=None, pins=Non
     return IntraOpResult(records=records, alternatives=alternatives,
                          blocks=[{"label": g.label, "count": len(g.indices), "prefix": g.prefix} for g in blocks.groups],
                          stats=stats)
+
+
+def _tie_aliases(cap, blocks) -> None:
+    """Tied weights are one tensor: its names (separate placeholders) share one decision."""
+    from passes.capture import tied_placeholders
+
+    by_name = {n.name: n for n in cap.graph.nodes if n.op == "placeholder"}
+    for names in tied_placeholders(cap):
+        first = blocks.represent(by_name[names[0]])
+        for name in names[1:]:
+            node = by_name[name]
+            if blocks.represent(node) is not node or node is first:
+                continue  # already decided by a repeated block's representative
+            blocks.rep[node] = first
+            blocks.count[first] = blocks.count.get(first, 1) + blocks.count.pop(node, 1)
 
 
 def _alternatives(space, choice, axis_names, keep=6) -> dict:

@@ -131,12 +131,24 @@ def all_reduce_(x: torch.Tensor, comm: MeshComm, axis: int, phase: str, op=dist.
     return x
 
 
-def _move(x, axis, p, q, comm: MeshComm, phase):
+def _strided_order(x, dim, pieces, n, inverse=False):
+    """Reorder ``dim`` (``pieces`` equal pieces, each cut in ``n`` blocks) so that block ``c`` of
+    every piece lies in the ``c``-th contiguous ``1/n`` of the dim (``inverse``: back)."""
+    m = x.shape[dim] // (pieces * n)
+    return x.unflatten(dim, (n, pieces, m) if inverse else (pieces, n, m)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+
+def _move(x, axis, p, q, comm: MeshComm, phase, src_pieces=None, dst_pieces=None):
+    """One per-axis move. ``src_pieces`` / ``dst_pieces``: the shard of ``p`` / ``q`` is strided
+    (rank ``c`` holds block ``c`` of each of that many equal pieces: the layout a split of a
+    sharded dim needs, e.g. a fused QKV projection), not one contiguous block."""
     n = comm.shape[axis]
     if n == 1:
         return x
     group, coord, name = comm.groups[axis], comm.coords[axis], comm.axis_names[axis]
     if is_shard(p) and is_shard(q):                       # all_to_all: cut along q.dim, join along p.dim
+        if src_pieces or dst_pieces:
+            raise NotImplementedError(f"an all-to-all of a strided shard on mesh axis {name}")
         record_collective("all_to_all", name, _nbytes(x), phase)
         pieces = torch.stack(x.chunk(n, dim=q.dim), 0).contiguous()
         received = torch.empty_like(pieces)
@@ -147,9 +159,12 @@ def _move(x, axis, p, q, comm: MeshComm, phase):
         out = inp.new_empty((n * inp.shape[0],) + tuple(inp.shape[1:]))
         record_collective("all_gather", name, _nbytes(out), phase)
         _all_gather_single(out, inp, group=group)
-        return out.movedim(0, p.dim)
+        out = out.movedim(0, p.dim)
+        return _strided_order(out, p.dim, src_pieces, n, inverse=True) if src_pieces else out
     if is_partial(p) and is_shard(q):                      # reduce_scatter along q.dim
         record_collective("reduce_scatter", name, _nbytes(x), phase)
+        if dst_pieces:
+            x = _strided_order(x, q.dim, dst_pieces, n)
         inp = x.movedim(q.dim, 0).contiguous()
         out = inp.new_empty((inp.shape[0] // n,) + tuple(inp.shape[1:]))
         _reduce_scatter_single(out, inp, op=_reduce_op(p), group=group)
@@ -160,6 +175,8 @@ def _move(x, axis, p, q, comm: MeshComm, phase):
         dist.all_reduce(out, op=_reduce_op(p), group=group)
         return out
     if is_shard(q):                                        # local slice
+        if dst_pieces:
+            x = _strided_order(x, q.dim, dst_pieces, n)
         size = x.shape[q.dim] // n
         return x.narrow(q.dim, coord * size, size)
     if is_partial(q):                                      # keep one rank's share
@@ -167,9 +184,16 @@ def _move(x, axis, p, q, comm: MeshComm, phase):
     raise AssertionError(f"no move from {p} to {q}")
 
 
-def run_steps(x: torch.Tensor, steps, comm: MeshComm, phase: str) -> torch.Tensor:
+def run_steps(x: torch.Tensor, steps, comm: MeshComm, phase: str, strided_src=None, strided_dst=None) -> torch.Tensor:
+    """Perform ``steps``. ``strided_src`` / ``strided_dst``: ``{axis: pieces}`` for the axes whose
+    shard is strided in the source / destination placement (see :func:`_move`)."""
+    held = dict(strided_src or {})          # axis -> pieces, for the shards now in strided order
     for axis, p, q in steps:
-        x = _move(x, axis, p, q, comm, phase)
+        src_pieces = held.pop(axis, None) if is_shard(p) else None
+        dst_pieces = (strided_dst or {}).get(axis) if is_shard(q) else None
+        x = _move(x, axis, p, q, comm, phase, src_pieces, dst_pieces)
+        if dst_pieces:
+            held[axis] = dst_pieces
     return x
 
 
@@ -177,25 +201,41 @@ class _ReshardFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, module):
         ctx.module = module
-        return run_steps(x, module.forward_steps, module.comm, "fwd")
+        return module._forward_moves(x)
 
     @staticmethod
     def backward(ctx, grad):
         module = ctx.module
         if module.backward_steps is None:
             return None, None
-        return run_steps(grad, module.backward_steps, module.comm, "bwd"), None
+        return run_steps(grad, module.backward_steps, module.comm, "bwd",
+                         module._strided_of(module.grad, module.strided),
+                         module._strided_of(dual_spec(module.src), module.src_strided)), None
 
 
 class Reshard(torch.nn.Module):
-    """Move a tensor from ``src`` to ``dst``; its gradient from ``grad`` to the dual of ``src``."""
+    """Move a tensor from ``src`` to ``dst``; its gradient from ``grad`` to the dual of ``src``.
 
-    def __init__(self, comm: MeshComm, src, dst, grad=None):
+    ``strided`` (``{axis: pieces}``): on those axes a ``Shard`` on the consumer's side (``dst``
+    forward, ``grad`` backward) is strided: each rank holds its block of every one of ``pieces``
+    equal pieces, as a later split of the sharded dim needs (fused QKV). ``src_strided``: the
+    same for the producer's side (a parameter loaded in that layout)."""
+
+    def __init__(self, comm: MeshComm, src, dst, grad=None, strided=None, src_strided=None):
         super().__init__()
         self.comm = comm
         self.src, self.dst, self.grad = tuple(src), tuple(dst), (tuple(grad) if grad is not None else None)
+        self.strided, self.src_strided = dict(strided or {}), dict(src_strided or {})
         self.forward_steps = transition_steps(self.src, self.dst)
         self.backward_steps = (transition_steps(self.grad, dual_spec(self.src)) if self.grad is not None else None)
+
+    @staticmethod
+    def _strided_of(spec, strided):
+        return {a: f for a, f in strided.items() if spec is not None and is_shard(spec[a])}
+
+    def _forward_moves(self, x):
+        return run_steps(x, self.forward_steps, self.comm, "fwd", self._strided_of(self.src, self.src_strided),
+                         self._strided_of(self.dst, self.strided))
 
     @property
     def is_noop(self) -> bool:
@@ -204,11 +244,13 @@ class Reshard(torch.nn.Module):
 
     def forward(self, x):
         if not torch.is_grad_enabled() or not x.requires_grad:
-            return run_steps(x, self.forward_steps, self.comm, "fwd")
+            return self._forward_moves(x)
         return _ReshardFn.apply(x, self)
 
     def extra_repr(self) -> str:
         text = f"{format_spec(self.src)} -> {format_spec(self.dst)}"
         if self.grad is not None:
             text += f"; grad {format_spec(self.grad)} -> {format_spec(dual_spec(self.src))}"
+        if self.strided:
+            text += f"; strided shards {self.strided}"
         return text

@@ -16,6 +16,8 @@ issue are the ones the rules priced (``AxisStrategy.extra``):
 * :class:`RankDropout`: dropout whose mask depends on the step, the node, and this rank's
   coordinates on the axes where the tensor is sharded (Megatron's RNG-tracker rule: ranks
   holding the same data draw the same mask).
+* :class:`RankAttention`: ``scaled_dot_product_attention`` with ``dropout_p > 0``, its dropout
+  drawn by the same rule (and off in ``eval()``, although capture baked ``dropout_p`` in).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 from runtime.collectives import MeshComm, all_reduce_
 
 __all__ = ["VocabParallelEmbedding", "ShardedSoftmax", "ShardedCrossEntropy", "SyncBatchNorm", "RankDropout",
-           "shard_offset"]
+           "RankAttention", "shard_offset"]
 
 
 def shard_offset(comm: MeshComm, spec, dim: int, local_size: int) -> int:
@@ -251,11 +253,38 @@ class RankDropout(torch.nn.Module):
     def forward(self, x, *unused):
         if not self.training or self.p == 0.0:
             return x
-        key = (self.seed, self.calls, self.node_index) + tuple(self.comm.coords[a] for a in self.sharded_axes)
-        self.calls += 1
-        gen = torch.Generator(device=x.device).manual_seed(hash(key) & ((1 << 62) - 1))
+        gen = torch.Generator(device=x.device).manual_seed(self._next_seed())
         keep = torch.rand(x.shape, generator=gen, device=x.device, dtype=torch.float32) >= self.p
         return x * keep.to(x.dtype) / (1.0 - self.p)
 
+    def _next_seed(self) -> int:
+        key = (self.seed, self.calls, self.node_index) + tuple(self.comm.coords[a] for a in self.sharded_axes)
+        self.calls += 1
+        return hash(key) & ((1 << 62) - 1)
+
     def extra_repr(self):
         return f"p={self.p}, independent masks along axes {self.sharded_axes}"
+
+
+class RankAttention(RankDropout):
+    """``aten.scaled_dot_product_attention`` whose attention dropout follows :class:`RankDropout`'s
+    rule: the kernel draws from the default generator, reseeded (inside ``fork_rng``, so the
+    caller's stream is untouched) from (seed, call count, node, coordinates on sharded axes).
+    Without it every rank would draw the same stream: data-parallel ranks would drop the same
+    positions of different samples, and tensor-parallel ranks the same positions of different
+    heads. ``args``/``kwargs`` are the op's; ``dropout_p`` (argument 4) is zeroed in ``eval()``."""
+
+    def forward(self, *args, **kwargs):
+        op = torch.ops.aten.scaled_dot_product_attention.default
+        if not self.training or self.p == 0.0:
+            args = args[:4] + (0.0,) + args[5:] if len(args) > 4 else args
+            if "dropout_p" in kwargs:
+                kwargs = dict(kwargs, dropout_p=0.0)
+            return op(*args, **kwargs)
+        device = args[0].device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(self._next_seed())
+            return op(*args, **kwargs)
+
+    def extra_repr(self):
+        return f"dropout_p={self.p}, independent masks along axes {self.sharded_axes}"

@@ -79,8 +79,11 @@ class ParallelModule(torch.nn.Module):
         self._global_shapes = dict(global_shapes)  # FQN -> whole shape
         self._strided = strided        # FQN -> {axis: pieces}
         self._param_fqns, self._buffer_fqns = list(local_params), list(local_buffers)
+        shared = {}   # tied weights come as one local tensor under several FQNs: one Parameter
         for fqn, value in local_params.items():
-            self._owner(fqn).register_parameter(fqn.rpartition(".")[2], torch.nn.Parameter(value))
+            if id(value) not in shared:
+                shared[id(value)] = torch.nn.Parameter(value)
+            self._owner(fqn).register_parameter(fqn.rpartition(".")[2], shared[id(value)])
         for fqn, value in local_buffers.items():
             self._owner(fqn).register_buffer(fqn.rpartition(".")[2], value)
         sig = captured.exported.graph_signature

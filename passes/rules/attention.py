@@ -51,6 +51,18 @@ class AttentionRule(OpRule):
             strategies.append(make(Shard(2), R, Shard(2), 2))
         return strategies
 
+    def lower(self, call):
+        """The same op; with attention dropout, a :class:`runtime.local_ops.RankAttention`
+        (masks by the ranks' data, not one shared random stream; none in ``eval()``)."""
+        p = call.view.arg(4, "dropout_p", 0.0)
+        if not p:
+            return call.emit()
+        from runtime.local_ops import RankAttention
+        sharded = [a for a, pl in enumerate(call.out_spec) if getattr(pl, "dim", None) is not None
+                   and call.comm.shape[a] > 1]
+        index = list(call.node.graph.nodes).index(call.node)
+        return call.call_module(RankAttention(call.comm, p, sharded, index), call.args, call.kwargs)
+
     def flops(self, op: OpView) -> float:
         b, h, sq, d = op.in_shapes[0]
         skv = op.in_shapes[1][2]
