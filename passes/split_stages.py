@@ -80,24 +80,27 @@ def assign_stages(cap: CapturedGraph, stages: int, node_cost=None) -> tuple:
                          "this model has none")
     group = max(blocks.groups, key=lambda g: len(g.indices))
     node_cost = node_cost or (lambda n: info(n).flops)
+    ops = [n for n in cap.graph.nodes if n.op == "call_function"]
+    position = {n: i for i, n in enumerate(cap.graph.nodes)}
+    in_group = {n for members in group.members for n in members}
+    first = min(position[n] for n in in_group if n.op == "call_function")
+    last = max(position[n] for n in in_group if n.op == "call_function")
     layer_costs = [sum(node_cost(n) for n in members if n.op == "call_function") for members in group.members]
-    head = [n for n in cap.graph.nodes if n.op == "call_function"]
-    first_layer_node = group.members[0][-1]
+    # the ops before the first layer ride with it, those after the last layer with it
+    layer_costs[0] += sum(node_cost(n) for n in ops if position[n] < first)
+    layer_costs[-1] += sum(node_cost(n) for n in ops if position[n] > last and n not in in_group)
     lengths = balance_layers(layer_costs, stages)
     layer_stage = []
     for s, length in enumerate(lengths):
         layer_stage += [s] * length
     stage_of, current = {}, 0
-    position = {n: i for i, n in enumerate(cap.graph.nodes)}
-    last_block_end = max(position[n] for members in group.members for n in members if n.op == "call_function")
-    for node in head:
+    for node in ops:
         owner = blocks.block_of.get(node)
         if owner is not None and owner[0] is group:
             current = layer_stage[owner[1]]
-        elif position[node] > last_block_end:
+        elif position[node] > last:
             current = stages - 1
         stage_of[node] = current
-    del first_layer_node
     runs, k = [], 0
     for length in lengths:
         runs.append(tuple(group.indices[k:k + length]))
