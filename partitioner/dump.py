@@ -91,6 +91,38 @@ def _program_text(program, rank, coords, plan) -> str:
     return header + modules + program.code
 
 
+def _dump_pipeline(runner, out: Path) -> list:
+    """Per stage: its plan files (rank 0) and, per rank, the programs of the stages it runs;
+    the schedule as a grid; the last step's timeline beside the simulated one, if a step ran."""
+    import torch.distributed as dist
+
+    from runtime import pipeline_trace
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    written = []
+    if rank == 0:
+        for s, plan in enumerate(runner.plan["stages"]):
+            stage_dir = out / f"stage_{s}"
+            stage_dir.mkdir(exist_ok=True)
+            written += _write_plan_files(plan, stage_dir)
+        (out / "schedule.txt").write_text(f"{runner.schedule}\n\n{runner.schedule.grid()}\n"
+                                          f"layers per stage: {runner.plan['layers']}\n")
+        written.append(out / "schedule.txt")
+    for s, stage in runner.stages.items():
+        path = out / f"stage_{s}" / f"rank_{rank}.py"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(_program_text(stage.stage.program, rank, stage.stage.comm.coords, stage.stage.plan))
+        written.append(path)
+    if runner.trace:
+        timelines = {"measured": pipeline_trace.measured_timeline(runner),
+                     "simulated (cost model)": pipeline_trace.simulated_timeline(runner)}
+        if rank == 0:
+            (out / "timeline.json").write_text(pipeline_trace.chrome_trace(timelines))
+            (out / "timeline.svg").write_text(pipeline_trace.timeline_svg(timelines))
+            written += [out / "timeline.json", out / "timeline.svg"]
+    return written
+
+
 def dump(model_or_plan, directory, *, model=None, example_inputs=None, ranks=None) -> list:
     """Write the plan and the per-rank programs under ``directory``; returns the files written.
 
@@ -99,9 +131,12 @@ def dump(model_or_plan, directory, *, model=None, example_inputs=None, ranks=Non
     every rank of a mesh of up to 8 devices, else the first and the last).
     """
     from runtime.parallel_module import ParallelModule
+    from runtime.pipeline import PipelineRunner
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
+    if isinstance(model_or_plan, PipelineRunner):
+        return _dump_pipeline(model_or_plan, out)
     if isinstance(model_or_plan, ParallelModule):
         pm = model_or_plan
         import torch.distributed as dist

@@ -1,0 +1,109 @@
+"""Pipeline timelines: what a step did on each rank, beside what the cost model predicted.
+
+``measured_timeline(runner)`` collects, on every rank, the (action, start, end) records the
+interpreter kept for its last ``train_step`` (a collective; one row per pipeline rank).
+``simulated_timeline(runner)`` replays the same schedule with each stage's forward and
+backward time from its intra-op plan (``passes.pipeline_schedules.simulate``).
+``chrome_trace`` writes both as Chrome-trace JSON (open in chrome://tracing or Perfetto: one
+process per timeline, one thread per rank); ``timeline_svg`` draws them one above the other.
+``idle_fraction`` is the share of rank-time not spent computing, comparable with
+``(p-1)/(m+p-1)``.
+"""
+from __future__ import annotations
+
+import html
+import json
+
+import torch.distributed as dist
+
+__all__ = ["measured_timeline", "simulated_timeline", "chrome_trace", "timeline_svg", "idle_fraction",
+           "stage_times"]
+
+_COLOURS = {"F": "#6fa8dc", "B": "#93c47d", "I": "#b6d7a8", "W": "#ffd966"}
+
+
+def measured_timeline(runner) -> dict:
+    """pipeline rank -> [(action, start s, end s)] of compute actions, from every rank (collective)."""
+    mine = (runner.comm_pp[1], [t for t in runner.trace if t[0].lstrip("0123456789")[:1] in ("F", "B", "I", "W")])
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    out = {}
+    for pp_rank, trace in parts:
+        out.setdefault(pp_rank, trace)
+    return dict(sorted(out.items()))
+
+
+def stage_times(runner) -> tuple:
+    """(forward, backward) seconds per microbatch for each stage, from its plan's estimate."""
+    forward, backward = {}, {}
+    for s, plan in enumerate(runner.plan["stages"]):
+        est = plan.estimate()
+        forward[s] = est.step_time_s / 3.0
+        backward[s] = 2.0 * est.step_time_s / 3.0
+    return forward, backward
+
+
+def simulated_timeline(runner, forward=None, backward=None) -> dict:
+    from passes.pipeline_schedules import simulate
+    f, b = stage_times(runner)
+    result = simulate(runner.schedule, forward or f, backward or b)
+    return {r: [(str(t.action), t.start, t.end) for t in timeline] for r, timeline in result.timelines.items()}
+
+
+def idle_fraction(timeline: dict) -> float:
+    start = min(s for rows in timeline.values() for _, s, _ in rows)
+    end = max(e for rows in timeline.values() for _, _, e in rows)
+    busy = sum(e - s for rows in timeline.values() for _, s, e in rows)
+    span = (end - start) * len(timeline)
+    return 1.0 - busy / span if span > 0 else 0.0
+
+
+def _kind(action: str) -> str:
+    for k in ("F", "B", "I", "W"):
+        if k in action.lstrip("0123456789")[:1]:
+            return k
+    return "F"
+
+
+def chrome_trace(timelines: dict) -> str:
+    """``timelines``: name -> {rank: [(action, start, end)]}; JSON in the Trace Event format."""
+    events = []
+    for pid, (name, timeline) in enumerate(timelines.items()):
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
+        for rank, rows in timeline.items():
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": rank, "args": {"name": f"rank {rank}"}})
+            for action, start, end in rows:
+                events.append({"name": action, "cat": _kind(action), "ph": "X", "pid": pid, "tid": rank,
+                               "ts": start * 1e6, "dur": max(end - start, 0.0) * 1e6})
+    return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
+
+
+def timeline_svg(timelines: dict, *, width: int = 900, row: int = 26) -> str:
+    """One panel per timeline, one row per rank, boxes coloured by F / B / I / W."""
+    panels, y = [], 10
+    for name, timeline in timelines.items():
+        start = min(s for rows in timeline.values() for _, s, _ in rows)
+        end = max(e for rows in timeline.values() for _, _, e in rows)
+        scale = (width - 90) / max(end - start, 1e-12)
+        idle = idle_fraction(timeline)
+        panels.append(f'<text x="4" y="{y + 12}" font-size="13" font-weight="bold">{html.escape(name)}: '
+                      f'{(end - start) * 1e3:.2f} ms, idle {idle:.1%}</text>')
+        y += 20
+        for rank, rows in sorted(timeline.items()):
+            panels.append(f'<text x="4" y="{y + row * 0.65:.1f}" font-size="11">rank {rank}</text>')
+            for action, s, e in rows:
+                x = 80 + (s - start) * scale
+                w = max((e - s) * scale, 0.5)
+                colour = _COLOURS.get(_kind(action), "#cccccc")
+                panels.append(f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{row - 4}" fill="{colour}" '
+                              f'stroke="#333" stroke-width="0.4"><title>{html.escape(action)}</title></rect>')
+                if w > 22:
+                    panels.append(f'<text x="{x + 2:.2f}" y="{y + row * 0.6:.1f}" font-size="9">{html.escape(action)}</text>')
+            y += row
+        y += 14
+    legend = " ".join(f'<rect x="{80 + i * 90}" y="{y}" width="12" height="12" fill="{c}"/>'
+                      f'<text x="{96 + i * 90}" y="{y + 10}" font-size="11">{k}</text>'
+                      for i, (k, c) in enumerate(_COLOURS.items()))
+    y += 24
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{y}" font-family="Helvetica">'
+            + "".join(panels) + legend + "</svg>")
