@@ -24,10 +24,10 @@ _SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 class PipelineConfig:
     degree: int = 2
     """Pipeline stages on the first mesh axis (ranks along it)."""
-    schedule: str = "1f1b"
-    """One of ``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``."""
+    schedule: str | None = None
+    """One of ``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``; None: chosen by simulation."""
     microbatches: int = 0
-    """Microbatches per step (0: twice the degree)."""
+    """Microbatches per step; 0: chosen (the most, up to 4 per stage, that divide the batch)."""
     virtual_stages: int = 1
     """Stages per rank for ``interleaved`` (>= 2 there)."""
 
@@ -43,14 +43,42 @@ class PipelineConfig:
             cfg = cls(**value)
         else:
             raise TypeError(f"pipeline must be a dict or PipelineConfig, got {type(value).__name__}")
-        cfg.schedule = cfg.schedule.lower().replace("_", "-")
-        if cfg.schedule not in _SCHEDULES:
-            raise ValueError(f"unknown pipeline schedule {cfg.schedule!r}; choose one of {_SCHEDULES}")
+        if cfg.schedule is not None:
+            cfg.schedule = cfg.schedule.lower().replace("_", "-")
+            if cfg.schedule not in _SCHEDULES:
+                raise ValueError(f"unknown pipeline schedule {cfg.schedule!r}; choose one of {_SCHEDULES}")
         if cfg.schedule == "interleaved" and cfg.virtual_stages < 2:
             cfg.virtual_stages = 2
-        if not cfg.microbatches:
-            cfg.microbatches = 2 * cfg.degree
+        if cfg.degree < 1:
+            raise ValueError(f"pipeline degree must be >= 1, got {cfg.degree}")
         return cfg
+
+    def resolve(self, batch: int) -> "PipelineConfig":
+        """Fill in the microbatches and the schedule when not given.
+
+        Microbatches: the largest of 4p, 2p, p that divides the batch (more microbatches, a
+        smaller bubble). Schedule: the fastest by :func:`passes.pipeline_schedules.simulate` with
+        uniform stages (forward 1, backward 2); zero-bubble's weight pass is priced as this
+        interpreter runs it (a second pass over the stage, half a backward), ties go to the
+        schedule keeping fewer microbatches in flight.
+        """
+        from passes import pipeline_schedules as ps
+        p = self.degree
+        m = self.microbatches or next((k for k in (4 * p, 2 * p, p) if batch % k == 0), 0)
+        if not m:
+            raise ValueError(f"the batch ({batch}) does not split into {p} or more equal microbatches for "
+                             f"{p} pipeline stages; give pipeline={{'microbatches': k}} with k dividing the batch")
+        schedule = self.schedule
+        if schedule is None:
+            options = {"1f1b": ps.one_f_one_b(p, m), "gpipe": ps.gpipe(p, m), "zb-h1": ps.zb_h1(p, m)}
+            def score(name):
+                sched = options[name]
+                weight = 1.0 if name == "zb-h1" else None
+                backward = 3.0 if name == "zb-h1" else 2.0
+                sim = ps.simulate(sched, 1.0, backward, weight)
+                return (round(sim.makespan, 9), max(ps.peak_in_flight(sched).values()))
+            schedule = min(options, key=score)
+        return PipelineConfig(self.degree, schedule, m, self.virtual_stages)
 
 
 def _make_schedule(cfg: PipelineConfig):
@@ -100,6 +128,11 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, cluster, pins,
     if full.shape[0] != config.degree:
         raise ValueError(f"pipeline degree {config.degree} must equal the first mesh axis ({full.shape[0]}); "
                          f"mesh {full.shape} = (pipeline, ...)")
+    batch = next((x.shape[0] for x in (example_inputs.values() if isinstance(example_inputs, dict) else example_inputs)
+                  if isinstance(x, torch.Tensor) and x.dim() > 0), 0)
+    config = config.resolve(batch)
+    log(f"pipeline: {config.degree} stages x {config.virtual_stages}, schedule {config.schedule}, "
+        f"{config.microbatches} microbatches")
     schedule = _make_schedule(config)
     stages = schedule.num_stages
     micro = _microbatch(example_inputs, config.microbatches)
