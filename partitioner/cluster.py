@@ -18,7 +18,7 @@ import dataclasses
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["LinkSpec", "ClusterSpec", "get_cluster", "calibrate_cpu", "PRESETS", "parse_bytes"]
@@ -159,11 +159,7 @@ def calibrate_cpu(*, refresh: bool = False) -> ClusterSpec:
         reps += 1
     bandwidth = 2 * src.numel() * reps / (time.perf_counter() - start)
     link = LinkSpec(bandwidth=bandwidth / 8, latency_s=50e-6)
-    try:
-        import psutil  # noqa: F401  (optional)
-        mem = int(psutil.virtual_memory().total)
-    except ImportError:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     spec = ClusterSpec(
         name="cpu", peak_flops={"float32": flops, "bfloat16": flops / 4, "float16": flops / 4},
         memory_bandwidth=bandwidth, memory_bytes=mem, devices_per_node=os.cpu_count() or 1,

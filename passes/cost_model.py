@@ -33,7 +33,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
 
 from passes.placements import R, Partial, is_shard, total_shard_degree, transition_steps
 

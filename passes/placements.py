@@ -8,7 +8,6 @@ spec is admissible for a shape (Partita shards evenly, so lowering never pads).
 """
 from __future__ import annotations
 
-import math
 import re
 from typing import Sequence
 

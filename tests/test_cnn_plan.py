@@ -2,16 +2,14 @@
 + cross_entropy, on a 2-device mesh."""
 from __future__ import annotations
 
-import contextlib
 import re
-import warnings
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import partitioner
-from passes.rules import REPLICATE_FALLBACK
+from support import fallback_warnings
 
 # What export produces for this model (batch_norm stays aten.batch_norm in training mode).
 CNN_OPS = {"aten.conv2d", "aten.batch_norm", "aten.relu", "aten.max_pool2d", "aten.flatten.using_ints",
@@ -38,18 +36,6 @@ def _inputs(batch, image=32):
     g = torch.Generator().manual_seed(0)
     return torch.randn(batch, 3, image, image, generator=g), torch.randint(0, 10, (batch,), generator=g)
 
-
-@contextlib.contextmanager
-def fallback_warnings():
-    """Record fallback warnings afresh: the fallback warns once per op per process."""
-    already = set(REPLICATE_FALLBACK.warned)
-    REPLICATE_FALLBACK.warned.clear()
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            yield caught
-    finally:
-        REPLICATE_FALLBACK.warned.update(already)
 
 
 def test_cnn_plans_without_fallback_for_its_layers():

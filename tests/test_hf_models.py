@@ -7,18 +7,16 @@ and a large batch under a loose budget gives pure data parallelism.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import re
-import warnings
 
 import pytest
 
 import partitioner
 from partitioner import models
 from passes.cost_model import param_state_bytes
-from passes.rules import REPLICATE_FALLBACK
+from support import fallback_warnings
 
 MODELS = {
     "gpt2_sdpa": lambda **kw: models.hf_gpt2(attn="sdpa", **kw),
@@ -48,18 +46,6 @@ CORE_OPS = {
 WEIGHT_OPS = {"aten.linear", "aten.addmm", "aten.mm"}
 _FALLBACK_RE = re.compile(r"no sharding rule for op (\S+) ")
 
-
-@contextlib.contextmanager
-def fallback_warnings():
-    """Record fallback warnings afresh: the fallback warns once per op per process."""
-    already = set(REPLICATE_FALLBACK.warned)
-    REPLICATE_FALLBACK.warned.clear()
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            yield caught
-    finally:
-        REPLICATE_FALLBACK.warned.update(already)
 
 
 def _fallback_ops(caught) -> list:

@@ -2,8 +2,6 @@
 fallback, and gradient placements. Single process, no process group."""
 from __future__ import annotations
 
-import contextlib
-import warnings
 
 import pytest
 import torch
@@ -12,9 +10,10 @@ import torch.nn.functional as F
 
 import partitioner
 from passes.placements import P, R, Partial, Shard
-from passes.rules import (REPLICATE_FALLBACK, AxisStrategy, expand_to_mesh, has_rule, op_view,
+from passes.rules import (AxisStrategy, expand_to_mesh, has_rule, op_view,
                           rule_for)
 from passes.rules.views import view_dim_map
+from support import fallback_warnings
 
 aten = torch.ops.aten
 
@@ -47,18 +46,6 @@ def strategies_of(node) -> list:
 def pairs(strategies) -> list:
     return [(s.ins, s.out) for s in strategies]
 
-
-@contextlib.contextmanager
-def fallback_warnings():
-    """Record fallback warnings afresh: the fallback warns once per op per process."""
-    already = set(REPLICATE_FALLBACK.warned)
-    REPLICATE_FALLBACK.warned.clear()
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            yield caught
-    finally:
-        REPLICATE_FALLBACK.warned.update(already)
 
 
 # -- views --------------------------------------------------------------------------------

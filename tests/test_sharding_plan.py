@@ -2,11 +2,9 @@
 import json
 
 import pytest
-import torch
 
 import partitioner
 from partitioner import models
-from passes.analyze import analyze
 from passes.capture import capture, graph_fingerprint
 
 

@@ -17,6 +17,8 @@ added once overall, on one rank's share).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from passes.placements import P, R, Shard
@@ -99,12 +101,6 @@ class Contraction(OpRule):
         return float(self._flops(op))
 
 
-def _numel(shape):
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
 
 # -- layouts ------------------------------------------------------------------------------
 def _linear(op):
@@ -156,7 +152,7 @@ def _flops_from_layout(layout):
         for lab, s in sizes.items():
             if lab not in out_labels:
                 summed *= s
-        return 2 * _numel(op.out_shape) * summed
+        return 2 * math.prod(op.out_shape) * summed
     return flops
 
 
@@ -196,7 +192,7 @@ class Conv2d(OpRule):
 
     def flops(self, op: OpView) -> float:
         w = op.in_shapes[1]
-        return 2.0 * _numel(op.out_shape) * w[1] * w[2] * w[3]
+        return 2.0 * math.prod(op.out_shape) * w[1] * w[2] * w[3]
 
 
 register(aten.conv2d.default)(Conv2d())

@@ -30,7 +30,7 @@ class EmbeddingRule(OpRule):
     saves_inputs = False
 
     def axis_strategies(self, op: OpView) -> list:
-        w, ids = op.in_shapes[0], op.in_shapes[1]
+        ids = op.in_shapes[1]
         out_rank = op.out_rank
         strategies = [AxisStrategy(out=(R,), ins=(R, R)),
                       AxisStrategy(out=(Shard(out_rank - 1),), ins=(Shard(1), R)),
@@ -62,7 +62,7 @@ class ClassificationLossRule(OpRule):
         self.fused_softmax = fused_softmax
 
     def axis_strategies(self, op: OpView) -> list:
-        x, target = op.in_shapes[0], op.in_shapes[1]
+        x = op.in_shapes[0]
         rest = tuple(None if s is None else R for s in op.in_shapes[2:])
         reduction = op.arg(3, "reduction", 1)  # 0 none, 1 mean, 2 sum
         reduced_out = P if reduction != 0 else Shard(0)

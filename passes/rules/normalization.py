@@ -12,6 +12,8 @@ their own collectives:
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from passes.placements import R, Shard
@@ -21,12 +23,6 @@ aten = torch.ops.aten
 
 __all__ = ["LayerNormRule", "SoftmaxRule", "BatchNormRule"]
 
-
-def _numel(shape):
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 class LayerNormRule(OpRule):
@@ -46,7 +42,7 @@ class LayerNormRule(OpRule):
         return strategies
 
     def flops(self, op: OpView) -> float:
-        return 8.0 * _numel(op.out_shape)
+        return 8.0 * math.prod(op.out_shape)
 
 
 class SoftmaxRule(OpRule):
@@ -66,7 +62,7 @@ class SoftmaxRule(OpRule):
             if d != dim:
                 strategies.append(AxisStrategy(out=(Shard(d),), ins=(Shard(d),) + rest))
             else:
-                rows = _numel(x) // x[d]
+                rows = math.prod(x) // x[d]
                 extra = (("all_reduce", "fwd", rows, "work"), ("all_reduce", "fwd", rows, "work"),
                          ("all_reduce", "bwd", rows, "work"))
                 strategies.append(AxisStrategy(out=(Shard(d),), ins=(Shard(d),) + rest, extra=extra))
@@ -83,7 +79,7 @@ class SoftmaxRule(OpRule):
         return call.call_module(ShardedSoftmax(call.comm, dim, axes, log), (call.args[0],))
 
     def flops(self, op: OpView) -> float:
-        return 5.0 * _numel(op.out_shape)
+        return 5.0 * math.prod(op.out_shape)
 
 
 class BatchNormRule(OpRule):
@@ -119,7 +115,7 @@ class BatchNormRule(OpRule):
         return call.call_module(module, (a[0], a[1], a[2], a[3], a[4]))
 
     def flops(self, op: OpView) -> float:
-        return 8.0 * _numel(op.out_shapes[0])
+        return 8.0 * math.prod(op.out_shapes[0])
 
 
 register(aten.layer_norm.default, aten.rms_norm.default)(LayerNormRule())
