@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo plan test bench clean
+.PHONY: setup demo test bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,9 @@ test: setup
 bench: setup
 	$(BIN)/python benchmarks/plan_time.py
 	$(BIN)/python benchmarks/plan_quality.py
+	$(BIN)/python benchmarks/runtime_overhead.py
+	$(BIN)/python benchmarks/memory_cap.py
+	$(BIN)/python benchmarks/pipeline.py
 
 clean:
 	rm -rf $(VENV) out
