@@ -1,0 +1,370 @@
+"""Helpers for the multi-process parity tests (tier 3 of DESIGN.md): models, pins, the rank worker.
+
+One forked run (``runtime.launch.run_on_ranks``) per (model, mesh, plan) config. Each rank:
+
+1. builds the model (deterministic weights) and a deep copy as the single-device reference;
+2. ``auto_parallelize``s it with the config's pins / cluster / memory budget;
+3. runs ONE forward + backward inside a :class:`runtime.collectives.CommCounter`;
+4. compares the loss and every gradient (``pm.full_grads()``) with the reference;
+5. optionally: ``local_inputs=True`` mode against the default mode, per-rank parameter bytes;
+6. runs 3 AdamW steps on both (the parallel one over its local shards) and compares the
+   parameters (``pm.full_state_dict()``).
+
+Comparisons use ``torch.testing.assert_close`` defaults (fp32). A rank collects failures as
+text instead of stopping at the first one, and returns them with the counted and estimated
+communication, so the test in the parent process reports everything at once.
+"""
+from __future__ import annotations
+
+import copy
+import fnmatch
+import gc
+import math
+
+import torch
+
+# Import everything the ranks use before forking: every forked worker would otherwise import
+# torch.export / dynamo / sympy / scipy / transformers on its own (about 15 s on 2 cores).
+import partitioner.parallelize  # noqa: F401
+import torch._dynamo  # noqa: F401
+import torch.export._trace  # noqa: F401
+import scipy.optimize  # noqa: F401
+from partitioner import models
+from passes.placements import parse_spec
+from runtime.collectives import CommCounter
+
+try:  # the HF model classes, imported once here for the same reason
+    import transformers  # noqa: F401
+    from transformers import (BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM,  # noqa: F401
+                              ViTForImageClassification)
+    HAVE_TRANSFORMERS = True
+except Exception:  # pragma: no cover - the project pins transformers
+    HAVE_TRANSFORMERS = False
+
+# ------------------------------------------------------------------------------------ models
+
+# factory, batch-input names, column-parallel weights, row-parallel weights, norm modules
+# (their outputs: batch-sharded on a data-parallel axis, sequence-sharded with sequence
+# parallelism), the modules whose outputs are the head's activations, the vocabulary-sized
+# weights (embedding, output layer), and whether weights are stored (in, out) (HF Conv1D).
+# Tiny configs, dropout 0 (the factories' defaults).
+MODELS = {
+    "mlp": dict(factory=lambda: models.mlp_demo(batch=8), inputs=("x", "target"),
+                column=("layers.0.weight",), row=("layers.1.weight",), norms=(), head=("layers.0", "layers.1", "head"),
+                transposed=False),
+    "gpt": dict(factory=lambda: models.gpt_demo(batch=8, seq=16, n_layer=2), inputs=("idx", "targets"),
+                column=("h.*.attn.c_attn.weight", "h.*.mlp.c_fc.weight"),
+                row=("h.*.attn.c_proj.weight", "h.*.mlp.c_proj.weight"),
+                norms=("h.*.ln_1", "h.*.ln_2", "ln_f"), head=("lm_head",), vocab=("wte.weight", "lm_head.weight"),
+                transposed=False),
+    "gpt2": dict(factory=lambda: models.hf_gpt2(batch=4, seq=16), inputs=("input_ids", "labels"),
+                 column=("transformer.h.*.attn.c_attn.weight", "transformer.h.*.mlp.c_fc.weight"),
+                 row=("transformer.h.*.attn.c_proj.weight", "transformer.h.*.mlp.c_proj.weight"),
+                 norms=("transformer.h.*.ln_1", "transformer.h.*.ln_2", "transformer.ln_f"), head=("lm_head",),
+                 vocab=("transformer.wte.weight", "lm_head.weight"), transposed=True),
+    "bert": dict(factory=lambda: models.hf_bert(batch=4, seq=16), inputs=("input_ids", "attention_mask", "labels"),
+                 column=("bert.encoder.layer.*.attention.self.query.weight",
+                         "bert.encoder.layer.*.attention.self.key.weight",
+                         "bert.encoder.layer.*.attention.self.value.weight",
+                         "bert.encoder.layer.*.intermediate.dense.weight"),
+                 row=("bert.encoder.layer.*.attention.output.dense.weight",
+                      "bert.encoder.layer.*.output.dense.weight"),
+                 norms=("bert.encoder.layer.*.attention.output.LayerNorm", "bert.encoder.layer.*.output.LayerNorm"),
+                 head=("cls.predictions.decoder",),
+                 vocab=("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight"), transposed=False),
+    "llama": dict(factory=lambda: models.hf_llama(batch=4, seq=16, kv_heads=2), inputs=("input_ids", "labels"),
+                  column=("model.layers.*.self_attn.q_proj.weight", "model.layers.*.self_attn.k_proj.weight",
+                          "model.layers.*.self_attn.v_proj.weight", "model.layers.*.mlp.gate_proj.weight",
+                          "model.layers.*.mlp.up_proj.weight"),
+                  row=("model.layers.*.self_attn.o_proj.weight", "model.layers.*.mlp.down_proj.weight"),
+                  norms=("model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm",
+                         "model.norm"), head=("lm_head",), vocab=("model.embed_tokens.weight", "lm_head.weight"),
+                  transposed=False),
+    "vit": dict(factory=lambda: models.hf_vit(batch=4), inputs=("pixel_values", "labels"),
+                column=("vit.layers.*.attention.q_proj.weight", "vit.layers.*.attention.k_proj.weight",
+                        "vit.layers.*.attention.v_proj.weight", "vit.layers.*.mlp.fc1.weight"),
+                row=("vit.layers.*.attention.o_proj.weight", "vit.layers.*.mlp.fc2.weight"),
+                norms=("vit.layers.*.layernorm_before", "vit.layers.*.layernorm_after", "vit.layernorm"),
+                head=("classifier",), transposed=False),
+}
+
+
+def build(model_name: str):
+    return MODELS[model_name]["factory"]()
+
+
+# -------------------------------------------------------------------------------------- pins
+
+
+def pins_for(model_name: str, kind: str, mesh: tuple) -> dict | None:
+    """Pins for a plan kind: ``free``, ``dp``, ``tp`` (Megatron on every axis of a 1-D mesh),
+    ``dp_tp`` (axis 0 data, axis 1 Megatron) or ``tp_sp`` (Megatron + sequence parallel norms,
+    on the last axis; data parallel on axis 0 of a 2-D mesh)."""
+    m = MODELS[model_name]
+    nd = len(mesh)
+    if kind == "free":
+        return None
+    if kind == "dp":
+        # inputs batch-sharded, every parameter replicated; the activations between blocks
+        # are pinned batch-sharded too, else a tiny model's cheapest plan gathers the batch.
+        pins = {name: ["S(0)"] * nd for name in m["inputs"]}
+        pins["*"] = ["R"] * nd
+        for pattern in m["norms"] + m["head"]:
+            pins[pattern] = ["S(0)"] * nd
+        return pins
+    if kind not in ("tp", "dp_tp", "tp_sp"):
+        raise ValueError(kind)
+    # "tp": Megatron in full, with vocabulary-parallel embedding and output layer (rows split)
+    if kind == "tp" and nd != 1:
+        raise ValueError("pure Megatron TP is for 1-D meshes; use dp_tp on 2-D")
+    dp = ["S(0)"] if nd == 2 else []          # axis 0 of a 2-D mesh is data parallel
+    col, row = ("S(1)", "S(0)") if m["transposed"] else ("S(0)", "S(1)")
+    pins = {name: dp + ["R"] for name in m["inputs"]}
+    out_dim = 1 if model_name == "mlp" else 2   # the feature dim of a column-parallel output
+    for pattern in m["column"]:
+        pins[pattern] = ["R"] * len(dp) + [col]
+        # and the module's output feature-sharded: else, for models this small, all-gathering
+        # the pinned weights (ZeRO-3 style) is cheaper than Megatron
+        pins[pattern.rpartition(".")[0]] = dp + [f"S({out_dim})"]
+    for pattern in m["row"]:
+        pins[pattern] = ["R"] * len(dp) + [row]
+        pins[pattern.rpartition(".")[0]] = dp + ["P"]   # Megatron's row-parallel partial sums
+    if kind == "tp":
+        for pattern in m.get("vocab", ()):
+            pins[pattern] = ["S(0)"]
+            # outputs: the embedding's partial sums, the head's logits split by vocabulary
+            module = pattern.rpartition(".")[0]
+            pins[module] = ["S(2)"] if module in m["head"] else ["P"]
+    for pattern in m["norms"]:   # sequence parallel: norms run on sequence-sharded activations
+        if kind == "tp_sp":
+            pins[pattern] = dp + ["S(1)"]
+        elif dp:                 # keep the data-parallel axis batch-sharded between the blocks
+            pins[pattern] = dp + ["R"]
+    return pins
+
+
+# ---------------------------------------------------------------------------- the rank worker
+
+LR = 1e-2
+ADAM_EPS = 1e-3
+"""AdamW's first update is ``lr * g / (|g| + eps)``: near ``g = 0`` it is a sign function, with
+slope ``lr / eps``. Parallel and single-device gradients are equal up to fp32 roundoff, which
+depends on the order of additions (sharded matmuls, all-reduced halves): measured here up to
+3e-7 absolute (ViT), 1e-8..1e-7 elsewhere, while some gradients are analytically zero
+(attention key biases) or below 1e-6. With the default ``eps=1e-8`` (or 1e-6) that roundoff
+moves such elements by up to ``lr`` (1e-6 eps: 2e-3) after one step, so the comparison would
+measure the summation order. ``eps=1e-3`` bounds the effect of 3e-7 of roundoff at 3e-6
+per step, under the 1e-5 of ``assert_close``; every other AdamW setting is the default, and a
+real gradient error of 1e-6 still moves a parameter by 1e-5 per step."""
+
+
+def loss_of(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        return out["loss"]
+    return out[0]
+
+
+def call(model, inputs):
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+class Checks:
+    """Collects comparison failures (text) instead of stopping at the first."""
+
+    def __init__(self, rank):
+        self.rank, self.failures = rank, []
+
+    def close(self, what, actual, expected, **kw):
+        try:
+            torch.testing.assert_close(actual, expected, **kw)
+        except AssertionError as e:
+            self.failures.append(f"rank {self.rank}: {what}: {e}")
+
+    def true(self, what, cond):
+        if not cond:
+            self.failures.append(f"rank {self.rank}: {what}")
+
+
+def _is_replicated(spec) -> bool:
+    return all(type(p).__name__ == "Replicate" for p in spec)
+
+
+def parity_worker(rank, world, cfg):
+    import partitioner
+
+    checks = Checks(rank)
+    model, inputs = build(cfg["model"])
+    ref = copy.deepcopy(model)
+    mesh = tuple(cfg["mesh"])
+    pins = pins_for(cfg["model"], cfg["plan"], mesh)
+    budget = None
+    if cfg.get("budget_fraction"):   # of the replicated fp32 Adam state: the solver must shard to fit
+        n_params = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
+        budget = int(cfg["budget_fraction"] * 16 * n_params)
+    pm = partitioner.auto_parallelize(model, inputs, mesh=mesh, pins=pins, cluster=cfg.get("cluster", "h100"),
+                                      memory_budget=budget)
+    result = {"rank": rank, "failures": checks.failures}
+    specs = {fqn: parse_spec(pm.placement_of(fqn), len(mesh)) for fqn, _ in pm.named_parameters()}
+    result["sharded_params"] = sorted(f for f, s in specs.items() if not _is_replicated(s))
+    result["sharded_inputs"] = sorted(n for n in MODELS[cfg["model"]]["inputs"]
+                                      if not _is_replicated(parse_spec(pm.placement_of(n), len(mesh))))
+    result["placements"] = {name: pm.placement_of(name) for name, _ in model.named_parameters(remove_duplicate=False)}
+    result["placements"].update({name: pm.placement_of(name) for name in MODELS[cfg["model"]]["inputs"]})
+    if rank == 0:
+        result["summary"] = pm.plan.summary()
+        result["code"] = pm.program.code
+
+    # 1. one forward + backward, counted
+    with CommCounter() as counter:
+        out = call(pm, inputs)
+        loss = loss_of(out)
+        loss.backward()
+    result["counted"] = counter.as_dict()
+    result["counted_by_phase"] = counter.phase_dict()
+    est = pm.plan.estimate()
+    result["estimated"] = est.comm_bytes
+    result["estimated_by_phase"] = est.comm_bytes_by_phase
+
+    ref_out = call(ref, inputs)
+    ref_loss = loss_of(ref_out)
+    ref_loss.backward()
+    result["loss"] = loss.item()
+    checks.close("loss", loss.detach(), ref_loss.detach())
+    grads = pm.full_grads()
+    # every name of every parameter: tied weights (GPT-2, BERT) are one tensor under two names
+    ref_grads = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
+    checks.true(f"gradient names differ: {sorted(set(grads) ^ set(ref_grads))}", set(grads) == set(ref_grads))
+    result["grad_maxdiff"] = max(((grads[n] - g).abs().max().item() for n, g in ref_grads.items()
+                                  if n in grads and g is not None), default=0.0)
+    for name, g in ref_grads.items():
+        if name in grads:
+            expected = g if g is not None else torch.zeros_like(grads[name])
+            checks.close(f"grad of {name} ({pm.placement_of(name)})", grads[name], expected)
+
+    # 2. optional extra checks on the same plan
+    if cfg.get("check_local_inputs"):
+        _check_local_inputs(pm, inputs, grads, loss.detach(), cfg, checks)
+    if cfg.get("check_param_bytes") is not None:
+        result["param_bytes"] = _param_bytes(pm, ref, mesh, cfg["check_param_bytes"])
+
+    # 3. three AdamW steps on both
+    steps = cfg.get("steps", 3)
+    if steps:
+        opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=ADAM_EPS)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=ADAM_EPS)
+        for step in range(steps):
+            # the first step reuses the gradients computed above
+            if step > 0:
+                opt.zero_grad(set_to_none=True)
+                ref_opt.zero_grad(set_to_none=True)
+                step_loss = loss_of(call(pm, inputs))
+                step_loss.backward()
+                step_ref = loss_of(call(ref, inputs))
+                step_ref.backward()
+                checks.close(f"loss at step {step}", step_loss.detach(), step_ref.detach())
+            opt.step()
+            ref_opt.step()
+        state = pm.full_state_dict()
+        for name, p in ref.named_parameters(remove_duplicate=False):
+            checks.close(f"parameter {name} after {steps} AdamW steps", state[name], p.detach())
+    return result
+
+
+def _check_local_inputs(pm, inputs, grads, loss, cfg, checks):
+    """Replay the plan with ``local_inputs=True``: each rank passes ``pm.shard_batch(batch)``."""
+    import partitioner
+
+    fresh, _ = build(cfg["model"])
+    pm_local = partitioner.auto_parallelize(fresh, inputs, mesh=tuple(cfg["mesh"]), plan=pm.plan,
+                                            local_inputs=True)
+    batch = pm_local.shard_batch(inputs)
+    flat_in = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+    flat_local = list(batch.values()) if isinstance(batch, dict) else list(batch)
+    checks.true("shard_batch returned no smaller piece although inputs are batch-sharded",
+                any(a.numel() < b.numel() for a, b in zip(flat_local, flat_in)))
+    local_loss = loss_of(call(pm_local, batch))
+    local_loss.backward()
+    checks.close("local_inputs loss vs default mode", local_loss.detach(), loss)
+    local_grads = pm_local.full_grads()
+    for name, g in grads.items():
+        checks.close(f"local_inputs grad of {name} vs default mode", local_grads[name], g)
+    # the local parameters themselves are the same slices
+    for (name, a), (_, b) in zip(pm_local.named_parameters(), pm.named_parameters()):
+        checks.close(f"local_inputs local shard of {name}", a.grad, b.grad)
+
+
+def _param_bytes(pm, ref, mesh, tp_axis):
+    """Per-rank parameter bytes against total / (tensor-parallel degree) + replicated tensors."""
+    tp = mesh[tp_axis]
+    total = sum(p.numel() * p.element_size() for p in ref.parameters())
+    replicated = 0
+    for fqn, p in ref.named_parameters():
+        spec = parse_spec(pm.placement_of(fqn), len(mesh))
+        if _is_replicated(spec):
+            replicated += p.numel() * p.element_size()
+    local = pm.local_parameter_bytes()
+    return {"local": local, "total": total, "tp": tp, "replicated": replicated,
+            "bound": 1.05 * total / tp + replicated, "ratio": local / (total / tp)}
+
+
+def nested_approx_equal(counted: dict, estimated: dict) -> list:
+    """Differences between two {kind: {axis: bytes}} dicts (same keys, values within 1e-6)."""
+    diffs = []
+    if set(counted) != set(estimated):
+        diffs.append(f"collective kinds differ: counted {sorted(counted)}, estimated {sorted(estimated)}")
+    for kind in set(counted) | set(estimated):
+        c, e = counted.get(kind, {}), estimated.get(kind, {})
+        if set(c) != set(e):
+            diffs.append(f"{kind}: axes differ: counted {c}, estimated {e}")
+        for axis in set(c) | set(e):
+            a, b = c.get(axis, 0.0), e.get(axis, 0.0)
+            if not math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6):
+                diffs.append(f"{kind}@{axis}: counted {a:.0f} B, estimated {b:.0f} B")
+    return diffs
+
+
+def glob_any(name, patterns):
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def dropout_worker(rank, world, mesh):
+    """gpt_demo(dropout=0.1) under DP x TP: one training step, the eval-mode loss, and the masks
+    each rank's dropout modules draw (on a probe tensor, from a copy: the step is untouched)."""
+    import partitioner
+    from runtime.local_ops import RankDropout
+
+    model, inputs = models.gpt_demo(batch=8, seq=16, n_layer=2, dropout=0.1)
+    ref = copy.deepcopy(model).eval()
+    pm = partitioner.auto_parallelize(model, inputs, mesh=mesh, pins=pins_for("gpt", "dp_tp", mesh),
+                                      cluster="h100")
+    assert pm.training
+    loss = pm(*inputs)
+    loss.backward()
+    grads = pm.full_grads()
+    out = {"rank": rank, "coords": list(pm.comm.coords), "loss": loss.item(),
+           "grad_norm": math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values())),
+           "ref_eval_loss": ref(*inputs).item(), "modules": {}}
+    for name, module in pm.program.named_modules():
+        if isinstance(module, RankDropout):
+            probe = copy.copy(module)    # shallow: its own call counter, the same process groups
+            probe.calls = 0
+            probe.train()
+            if type(module).__name__ == "RankAttention":
+                q = torch.randn(4, 2, 16, 8, generator=torch.Generator().manual_seed(1))
+                mask = probe(q, q, q, None, module.p, False)
+            else:
+                mask = probe(torch.ones(4, 16, 64))
+            out["modules"][name] = {"kind": type(module).__name__, "p": module.p,
+                                    "sharded_axes": list(module.sharded_axes),
+                                    "placement": pm.plan.record(name)["out"][0], "probe": mask}
+    pm.eval()
+    with torch.no_grad():
+        out["eval_loss"] = pm(*inputs).item()
+    return out
+
+
+# The forked ranks share this process's memory copy-on-write; a collection in a rank would
+# touch (and so copy) every page of the modules imported above. Move them out of the GC's way.
+gc.freeze()

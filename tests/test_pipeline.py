@@ -1,0 +1,323 @@
+"""Pipeline parallelism (``auto_parallelize(..., pipeline={...})``): parity, balance, bad configs.
+
+Parity (tier 3 of DESIGN.md): one forked gloo run per config; each rank builds the model and a
+deep copy as the single-device reference (full batch), runs ``runner.train_step(batch)`` (forward
+and backward over all microbatches) and checks, fp32 with ``torch.testing.assert_close``
+defaults, the loss and EVERY gradient (``runner.full_grads()``) against the reference; then 3
+AdamW steps on both sides (the runner's over ``runner.parameters()``, its local pieces) and the
+parameters (``runner.full_state_dict()``) and the losses on the way.
+
+The matrix covers each item at least once without the cartesian product:
+
+============  ======  =============  ===========  ==================================
+model         mesh    schedule       microbatch   what else
+============  ======  =============  ===========  ==================================
+gpt           (2,)    gpipe          4
+gpt           (2,)    1f1b           8
+gpt           (2,)    interleaved 2  4            4 stages on 2 ranks
+gpt           (2,)    zb-h1          4
+gpt (8 lay.)  (4,)    interleaved 2  8            8 stages on 4 ranks
+gpt2 eager    (2,)    zb-h1          8            the attention mask crosses stages
+gpt2 eager    (4,)    1f1b           4            tied wte / lm_head on ranks 0 and 3
+gpt2 eager    (2, 2)  gpipe          4            PP x DP (inputs pinned S(0))
+llama         (2,)    interleaved 2  8
+llama         (2, 2)  1f1b           4            PP x TP (Megatron pins in the stages)
+gpt           (4,)    1f1b           2            fewer microbatches than stages
+============  ======  =============  ===========  ==================================
+
+Fewer microbatches than stages: 1F1B (and GPipe / ZB-H1) schedule it and must be exact;
+interleaved refuses it with a ValueError naming the numbers. Bad configurations (unknown
+schedule, degree != first mesh axis, a model without repeated layers) fail with clear errors on
+every rank, never a hang (every run has a timeout). Balance: a uniform 16-layer transformer on
+``meta`` cut into 4 stages holds whole layers per stage, within 10% of the mean stage cost.
+"""
+import copy
+import math
+import re
+
+import pytest
+import torch
+from parity_utils import ADAM_EPS, HAVE_TRANSFORMERS, LR, Checks, call, loss_of
+
+from runtime.launch import RankFailure, run_on_ranks
+
+TIMEOUT_S = 180
+STEPS = 3
+BATCH, SEQ = 8, 16
+
+# Megatron inside each stage (the sub-mesh is 1-D): column-parallel weights split by output
+# feature with feature-sharded outputs, row-parallel weights split by input feature with
+# partial-sum outputs; the embedding and head split by vocabulary.
+LLAMA_COLUMN = ("model.layers.*.self_attn.q_proj", "model.layers.*.self_attn.k_proj",
+                "model.layers.*.self_attn.v_proj", "model.layers.*.mlp.gate_proj", "model.layers.*.mlp.up_proj")
+LLAMA_ROW = ("model.layers.*.self_attn.o_proj", "model.layers.*.mlp.down_proj")
+
+
+def _llama_tp_pins():
+    pins = {}
+    for module in LLAMA_COLUMN:
+        pins[f"{module}.weight"] = ["S(0)"]
+        pins[module] = ["S(2)"]
+    for module in LLAMA_ROW:
+        pins[f"{module}.weight"] = ["S(1)"]
+        pins[module] = ["P"]
+    pins["model.embed_tokens.weight"] = ["S(0)"]
+    pins["model.embed_tokens"] = ["P"]
+    pins["lm_head.weight"] = ["S(0)"]
+    pins["lm_head"] = ["S(2)"]
+    return pins
+
+
+def _build(model_name, n_layer):
+    from partitioner import models
+    if model_name == "gpt":
+        return models.gpt_demo(batch=BATCH, seq=SEQ, n_layer=n_layer)
+    if model_name == "gpt2":
+        return models.hf_gpt2(batch=BATCH, seq=SEQ, n_layer=n_layer, attn="eager")
+    if model_name == "llama":
+        return models.hf_llama(batch=BATCH, seq=SEQ, n_layer=n_layer)
+    if model_name == "mlp":
+        return models.mlp_demo(batch=BATCH)
+    raise ValueError(model_name)
+
+
+def _input_names(model_name):
+    return {"gpt": ("idx", "targets"), "gpt2": ("input_ids", "labels"), "llama": ("input_ids", "labels"),
+            "mlp": ("x", "target")}[model_name]
+
+
+def _pins(model_name, kind):
+    if kind is None:
+        return None
+    if kind == "dp":
+        return {name: ["S(0)"] for name in _input_names(model_name)}
+    if kind == "tp":
+        assert model_name == "llama"
+        return _llama_tp_pins()
+    raise ValueError(kind)
+
+
+# ------------------------------------------------------------------------------ the rank worker
+
+
+def pipeline_worker(rank, world, cfg):
+    import partitioner
+
+    checks = Checks(rank)
+    model, inputs = _build(cfg["model"], cfg["n_layer"])
+    ref = copy.deepcopy(model)
+    runner = partitioner.auto_parallelize(model, inputs, mesh=cfg["mesh"], pipeline=cfg["pipeline"],
+                                          cluster="h100", pins=_pins(cfg["model"], cfg.get("pins")))
+    result = {"rank": rank, "failures": checks.failures}
+    sched = runner.schedule
+    result["schedule"] = {"name": sched.name, "ranks": sched.num_ranks, "stages": sched.num_stages,
+                          "microbatches": sched.num_microbatches, "stage_to_rank": list(sched.stage_to_rank)}
+    result["layers"] = [list(run) for run in runner.plan["layers"]]
+    result["sends"] = [list(g.sends) for g in runner.stage_graphs]
+    if rank == 0:   # what the stage plans decided for parameters and inputs (FQN / argument name)
+        placements = []
+        for plan in runner.plan["stages"]:
+            placements.append({r.get("fqn") or r["name"]: r["out"][0] for r in plan.records
+                               if r["kind"] in ("param", "input") and r["out"]})
+        result["placements"] = placements
+
+    # 1. loss and every gradient after one pipelined forward + backward
+    loss = runner.train_step(inputs)
+    ref_loss = loss_of(call(ref, inputs))
+    ref_loss.backward()
+    result["loss"] = loss.item()
+    checks.close("loss", loss.detach(), ref_loss.detach())
+    grads = runner.full_grads()
+    aliases = {}   # tied weights (GPT-2's wte / lm_head) come back under one of their names
+    for name, p in ref.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    known = {n for names in aliases.values() for n in names}
+    checks.true(f"gradients for names the model does not have: {sorted(set(grads) - known)}", set(grads) <= known)
+    key_of = {}
+    for name, p in ref.named_parameters():
+        present = [a for a in aliases[id(p)] if a in grads]
+        checks.true(f"no gradient for {name} (names {aliases[id(p)]})", len(present) == 1)
+        if not present:
+            continue
+        key_of[name] = present[0]
+        expected = p.grad if p.grad is not None else torch.zeros_like(p)
+        checks.close(f"grad of {name}", grads[present[0]], expected)
+
+    # 2. three AdamW steps on both (the first reuses the gradients above)
+    opt = torch.optim.AdamW(runner.parameters(), lr=LR, eps=ADAM_EPS)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=ADAM_EPS)
+    for step in range(STEPS):
+        if step > 0:
+            opt.zero_grad(set_to_none=True)
+            ref_opt.zero_grad(set_to_none=True)
+            step_loss = runner.train_step(inputs)
+            step_ref = loss_of(call(ref, inputs))
+            step_ref.backward()
+            checks.close(f"loss at step {step}", step_loss.detach(), step_ref.detach())
+        opt.step()
+        ref_opt.step()
+    state = runner.full_state_dict()
+    for name, p in ref.named_parameters():
+        if name in key_of:
+            checks.close(f"parameter {name} after {STEPS} AdamW steps", state[key_of[name]], p.detach())
+    return result
+
+
+# -------------------------------------------------------------------------------------- parity
+
+
+def _cfg(model, mesh, schedule, microbatches, *, n_layer=4, virtual_stages=None, pins=None, note=""):
+    pipeline = {"degree": mesh[0], "schedule": schedule, "microbatches": microbatches}
+    if virtual_stages:
+        pipeline["virtual_stages"] = virtual_stages
+    cfg = {"model": model, "mesh": mesh, "pipeline": pipeline, "n_layer": n_layer, "pins": pins}
+    layout = f"pp{mesh[0]}" + "".join(f"x{pins or 'sub'}{n}" for n in mesh[1:])
+    label = f"{model}-{layout}-{schedule}{virtual_stages or ''}-m{microbatches}"
+    label += f"-{note}" if note else ""
+    marks = [pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")] \
+        if model in ("gpt2", "llama") else []
+    return pytest.param(cfg, id=label, marks=marks)
+
+
+CONFIGS = [
+    # hand-written GPT: every schedule on 2 stages, and 8 stages interleaved on 4 ranks
+    _cfg("gpt", (2,), "gpipe", 4),
+    _cfg("gpt", (2,), "1f1b", 8),
+    _cfg("gpt", (2,), "interleaved", 4, virtual_stages=2),
+    _cfg("gpt", (2,), "zb-h1", 4),
+    _cfg("gpt", (4,), "interleaved", 8, n_layer=8, virtual_stages=2),
+    # HF GPT-2, eager attention: its causal mask is made before the layers and crosses stages
+    _cfg("gpt2", (2,), "zb-h1", 8),
+    _cfg("gpt2", (4,), "1f1b", 4),
+    _cfg("gpt2", (2, 2), "gpipe", 4, pins="dp"),
+    # HF LLaMA (rotary embeddings cross stages)
+    _cfg("llama", (2,), "interleaved", 8, virtual_stages=2),
+    _cfg("llama", (2, 2), "1f1b", 4, pins="tp"),
+    # fewer microbatches than stages: 1F1B degrades towards GPipe and stays exact
+    _cfg("gpt", (4,), "1f1b", 2, note="fewer-microbatches-than-stages"),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_pipeline_parity(cfg):
+    world = math.prod(cfg["mesh"])
+    results = run_on_ranks(pipeline_worker, world, cfg, timeout_s=TIMEOUT_S)
+    failures = [f for r in results for f in r["failures"]]
+    assert not failures, f"{len(failures)} mismatches, first ones:\n" + "\n".join(failures[:12])
+    assert len({r["loss"] for r in results}) == 1, [r["loss"] for r in results]   # broadcast to every rank
+
+    pipe, r0 = cfg["pipeline"], results[0]
+    degree, v = pipe["degree"], pipe.get("virtual_stages", 1)
+    sched = r0["schedule"]
+    assert (sched["ranks"], sched["stages"], sched["microbatches"]) == (degree, degree * v, pipe["microbatches"])
+    # the stages hold whole, contiguous layers, all of them, in order
+    layers = r0["layers"]
+    assert len(layers) == degree * v and all(layers), layers
+    assert [i for run in layers for i in run] == list(range(cfg["n_layer"])), layers
+
+    if cfg["model"] == "gpt2":   # the eager attention mask is built once, before the first layer
+        assert all(len(sends) >= 2 for sends in r0["sends"][:-1]), r0["sends"]
+    placements = r0["placements"]
+    if cfg["pins"] == "dp":      # every stage on its 2 ranks: the batch split, the weights replicated
+        for name in _input_names(cfg["model"]):
+            used = [p[name] for p in placements if name in p]
+            assert used and all(pl == "[S(0)]" for pl in used), (name, used)
+        for p in placements:
+            assert all(pl == "[R]" for name, pl in p.items() if name not in _input_names(cfg["model"])), p
+    if cfg["pins"] == "tp":      # Megatron in every stage's layers
+        for p in placements:
+            weights = {n: pl for n, pl in p.items() if n.startswith("model.layers.") and n.endswith("proj.weight")}
+            assert weights, p
+            for name, pl in weights.items():
+                column = any(name.endswith(m.rpartition(".")[2] + ".weight") for m in LLAMA_COLUMN)
+                assert pl == ("[S(0)]" if column else "[S(1)]"), (name, pl)
+
+
+# ------------------------------------------------------------------------------ refusals, errors
+
+
+def _error_worker(rank, world, model_name, n_layer, mesh, pipeline):
+    import partitioner
+    model, inputs = _build(model_name, n_layer)
+    partitioner.auto_parallelize(model, inputs, mesh=mesh, pipeline=pipeline, cluster="h100")
+    return "no error"
+
+
+ERRORS = [
+    pytest.param("gpt", 4, (2,), {"degree": 2, "schedule": "interleaved", "microbatches": 1, "virtual_stages": 2},
+                 r"m=1 microbatches on p=2 ranks", id="interleaved-fewer-microbatches-than-ranks"),
+    pytest.param("gpt", 4, (2,), {"degree": 2, "schedule": "pipedream"},
+                 r"unknown pipeline schedule 'pipedream'.*gpipe.*1f1b.*interleaved.*zb-h1", id="unknown-schedule"),
+    pytest.param("gpt", 4, (4,), {"degree": 2, "schedule": "1f1b"},
+                 r"pipeline degree 2 must equal the first mesh axis \(4\)", id="degree-not-first-mesh-axis"),
+    pytest.param("gpt", 4, (2, 2), {"degree": 4, "schedule": "gpipe"},
+                 r"pipeline degree 4 must equal the first mesh axis \(2\)", id="degree-not-first-mesh-axis-2d"),
+    pytest.param("mlp", None, (2,), {"degree": 2, "schedule": "1f1b", "microbatches": 2},
+                 r"repeated layers.*has none", id="no-repeated-layers"),
+    pytest.param("gpt", 2, (4,), {"degree": 4, "schedule": "gpipe", "microbatches": 4},
+                 r"4 pipeline stages need at least 4 layers; the model has 2", id="more-stages-than-layers"),
+    pytest.param("gpt", 4, (2,), {"degree": 2, "schedule": "1f1b", "microbatches": 3},
+                 r"batch dim.*\b8\b.*3 microbatches", id="batch-not-divisible"),
+]
+
+
+@pytest.mark.parametrize("model_name, n_layer, mesh, pipeline, message", ERRORS)
+def test_pipeline_config_errors(model_name, n_layer, mesh, pipeline, message):
+    world = math.prod(mesh)
+    with pytest.raises(RankFailure) as failure:
+        run_on_ranks(_error_worker, world, model_name, n_layer, mesh, pipeline, timeout_s=60)
+    err = failure.value
+    assert err.exc_type == "ValueError", (err.exc_type, err.exc_message)
+    assert re.search(message, err.exc_message), err.exc_message
+
+
+# ---------------------------------------------------------------------------------------- balance
+
+
+def test_stage_balance_uniform_transformer():
+    """16 identical layers on 4 stages: whole layers per stage, slowest stage <= 1.10 x the mean.
+
+    Stage costs two ways, the embedding and head ops included (they ride with the first and last
+    layer): the analysed FLOPs of each stage's ops (what the splitter balances), and the cost
+    model's compute estimate (forward + backward seconds on an H100) of each split stage planned
+    on one device."""
+    from partitioner import models
+    from partitioner.api import plan_captured
+    from passes.analyze import analyze, info
+    from passes.blocks import find_blocks
+    from passes.capture import capture
+    from passes.split_stages import assign_stages, split_stages
+
+    model, inputs = models.gpt_block(batch=8, seq=128, n_embd=256, n_head=4, n_layer=16, vocab=1024)
+    cap = capture(model, inputs)
+    analyze(cap)
+    stage_of, runs = assign_stages(cap, 4)
+
+    # whole layers: runs partition the 16 layers in order, and every op of a layer is on one stage
+    assert [i for run in runs for i in run] == list(range(16)), runs
+    assert all(runs), runs
+    group = max(find_blocks(cap.graph).groups, key=lambda g: len(g.indices))
+    assert len(group.indices) == 16
+    for k, members in enumerate(group.members):
+        stages = {stage_of[n] for n in members if n.op == "call_function"}
+        assert len(stages) == 1, (group.indices[k], stages)
+        assert stages == {next(s for s, run in enumerate(runs) if group.indices[k] in run)}
+    # stages are contiguous in graph order and every op has one
+    ops = [n for n in cap.graph.nodes if n.op == "call_function"]
+    assert set(stage_of) == set(ops)
+    order = [stage_of[n] for n in ops]
+    assert order == sorted(order) and set(order) == {0, 1, 2, 3}
+
+    cost = [0.0] * 4
+    for node in ops:
+        cost[stage_of[node]] += info(node).flops
+    ratio = max(cost) / (sum(cost) / 4)
+    assert ratio <= 1.10, (ratio, cost, runs)
+
+    seconds = []
+    for g in split_stages(cap, stage_of, runs):
+        analyze(g.captured)
+        plan = plan_captured(g.captured, model_name=f"stage {g.index}", mesh_shape=(1,), cluster="h100")
+        seconds.append(plan.estimate().compute_s)
+    ratio = max(seconds) / (sum(seconds) / 4)
+    assert ratio <= 1.10, (ratio, seconds, runs)
