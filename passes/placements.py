@@ -8,6 +8,7 @@ spec is admissible for a shape (Partita shards evenly, so lowering never pads).
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Sequence
 
@@ -118,7 +119,8 @@ def is_partial(p) -> bool:
     return isinstance(p, Partial)
 
 
-def transition_steps(src: Spec, dst: Spec) -> list:
+@functools.lru_cache(maxsize=1 << 14)
+def transition_steps(src: Spec, dst: Spec) -> tuple:
     """The per-axis moves that turn a tensor placed ``src`` into ``dst``: ``(axis, from, to)``.
 
     Layout convention: a dim sharded on several axes is cut outer axis first, so a rank's
@@ -168,4 +170,4 @@ def transition_steps(src: Spec, dst: Spec) -> list:
                 move(a, R)
             move(a, q)
     assert tuple(cur) == tuple(dst), (src, dst, cur)
-    return steps
+    return tuple(steps)

@@ -23,6 +23,7 @@ Built from an analysed graph, a mesh and a cluster:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -111,6 +112,7 @@ def _options_for_placeholder(shape, mesh_shape) -> list:
     return specs
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def edge_collectives(src_spec, dst_spec, grad_spec, shape, elem, mesh_shape, requires_grad, from_param=False):
     """(forward collectives, backward collectives) for a tensor moving along one edge.
 
@@ -121,7 +123,7 @@ def edge_collectives(src_spec, dst_spec, grad_spec, shape, elem, mesh_shape, req
     bwd = reshard(grad_spec, dual_spec(src_spec), shape, mesh_shape, elem) if requires_grad and grad_spec is not None else []
     if from_param:
         bwd = [dataclasses.replace(c, bucketed=True) for c in bwd]
-    return fwd, bwd
+    return tuple(fwd), tuple(bwd)
 
 
 class _Builder:
