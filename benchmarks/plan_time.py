@@ -217,7 +217,7 @@ def main(argv=None) -> int:
         ]
         os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
         with open(args.markdown, "w") as f:
-            f.write("\n".join(header) + body + "\n")
+            f.write("\n".join(header) + "\n" + body + "\n")
         print(f"\nwrote {args.markdown}")
     return 0
 
