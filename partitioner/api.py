@@ -16,7 +16,8 @@ from partitioner.cluster import get_cluster, parse_bytes
 from partitioner.mesh import MeshSpec
 from partitioner.sharding_plan import PLAN_FORMAT, PLAN_VERSION, ShardingPlan
 from passes.analyze import analyze, info
-from passes.capture import capture, describe_captured, graph_fingerprint
+from passes.capture import describe_captured, graph_fingerprint
+from passes.capture_blocks import capture_model
 from passes.placements import format_spec, parse_spec
 from passes.plan_intra_op import plan_intra_op
 
@@ -73,7 +74,8 @@ def resolve_pins(cap, pins: dict, ndim: int) -> dict:
 
 def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), mesh_axis_names=None, cluster="h100",
          memory_budget=None, pins: dict | None = None, objective: str = "time", optimizer: str | None = "adam",
-         share_blocks: bool = True, time_limit: float = 60.0, verbose: bool = False) -> ShardingPlan:
+         share_blocks: bool = True, time_limit: float = 60.0, layers: str = "auto",
+         verbose: bool = False) -> ShardingPlan:
     """Choose data / tensor / sequence splits for every node of ``model`` on a device mesh.
 
     Args:
@@ -89,6 +91,9 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), mesh_axis_n
         objective: ``"time"`` (estimated step time) or ``"memory"`` (peak memory per device).
         optimizer: ``"adam"`` (16 bytes per fp32 parameter), ``"sgd"`` or ``None`` (weights only).
         share_blocks: decide once for identical repeated blocks (transformer layers).
+        layers: ``"auto"`` captures deep models (8+ identical layers) by exporting two layers and
+            repeating them in the graph (node for node what a full export gives, much faster);
+            ``"full"`` always exports every layer (for layers whose code depends on their index).
         verbose: print progress (capture, analysis, solve) to stderr.
 
     Example::
@@ -102,7 +107,7 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), mesh_axis_n
     log = _logger(verbose)
     t0 = time.perf_counter()
     log(f"capturing {type(model).__name__} with torch.export ...")
-    cap = capture(model, example_inputs)
+    cap = capture_model(model, example_inputs, layers=layers)
     t1 = time.perf_counter()
     log(f"capture: {t1 - t0:.2f} s ({describe_captured(cap)})")
     analyze(cap)

@@ -154,11 +154,12 @@ def dump(model_or_plan, directory, *, model=None, example_inputs=None, ranks=Non
     if example_inputs is None:
         raise ValueError("dump(plan, dir, model=...) also needs example_inputs= to capture the model")
     from passes.analyze import analyze
-    from passes.capture import capture, graph_fingerprint
+    from passes.capture import graph_fingerprint
+    from passes.capture_blocks import capture_model
     from passes.lower_to_local import lower_to_local
     from runtime.collectives import MeshComm
 
-    cap = capture(model, example_inputs)
+    cap = capture_model(model, example_inputs)
     analyze(cap)
     plan.check_fingerprint(graph_fingerprint(cap), f"{type(model).__name__} on these inputs")
     size = 1

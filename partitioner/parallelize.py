@@ -21,7 +21,8 @@ from partitioner.api import plan_captured
 from partitioner.mesh import MeshSpec
 from partitioner.sharding_plan import ShardingPlan
 from passes.analyze import analyze, info
-from passes.capture import capture, graph_fingerprint, tied_placeholders
+from passes.capture import graph_fingerprint, tied_placeholders
+from passes.capture_blocks import capture_model
 from passes.lower_to_local import lower_to_local
 from passes.placements import format_spec, parse_spec
 from passes.rules import rule_for, tensor_input_nodes
@@ -106,7 +107,7 @@ def _source_tensor(name, model_state, checkpoint_state, exported):
 
 def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_axis_names=None, plan=None,
                      cluster=None, memory_budget=None, pins=None, objective="time", local_inputs=False,
-                     state_dict=None, checkpoint=None, device=None, pipeline=None, verbose=False):
+                     state_dict=None, checkpoint=None, device=None, pipeline=None, layers="auto", verbose=False):
     """Run ``model`` data / tensor / sequence parallel on the job's ranks, as a plan decides.
 
     Args:
@@ -150,7 +151,7 @@ def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_
                               memory_budget=memory_budget, objective=objective, model_state=model_state or {},
                               checkpoint_state=checkpoint_state, device=device, log=log)
     t0 = time.perf_counter()
-    cap = capture(model, example_inputs)
+    cap = capture_model(model, example_inputs, layers=layers)
     analyze(cap)
     fingerprint = graph_fingerprint(cap)
     if plan is None:

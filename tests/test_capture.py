@@ -121,3 +121,39 @@ def test_graph_fingerprint():
     assert graph_fingerprint(capture(other, other_inputs)) == first, "same architecture, same shapes"
     deeper = models.MLP(depth=3)
     assert graph_fingerprint(capture(deeper, inputs)) != first
+
+
+# -- capture by blocks: two layers exported, the rest repeated in the graph -----------------------
+import pytest  # noqa: E402
+
+from passes.capture import graph_fingerprint as _fingerprint  # noqa: E402
+from passes.capture_blocks import capture_by_blocks, capture_model  # noqa: E402
+
+_DEEP = {
+    "gpt": lambda: models.gpt_demo(batch=4, seq=8, n_layer=4),
+    "llama": lambda: models.hf_llama(n_layer=4),
+    "gpt2": lambda: models.hf_gpt2(n_layer=4),
+    "bert": lambda: models.hf_bert(n_layer=4),
+    "vit": lambda: models.hf_vit(n_layer=4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_DEEP))
+def test_block_capture_equals_a_full_export_node_for_node(name):
+    model, inputs = _DEEP[name]()
+    full = capture(model, inputs)
+    fast = capture_by_blocks(model, inputs)
+    assert fast is not None
+    rows = lambda cap: [(n.name, n.op, str(n.target), str(n.args), str(n.kwargs)) for n in cap.graph.nodes]  # noqa: E731
+    assert rows(fast) == rows(full)
+    assert fast.params == full.params and fast.buffers == full.buffers
+    assert _fingerprint(fast) == _fingerprint(full)
+    stacks = lambda cap: [list(n.meta.get("nn_module_stack", {}))[-1:] for n in cap.graph.nodes]  # noqa: E731
+    assert stacks(fast) == stacks(full)           # module paths name the right layer
+
+
+def test_block_capture_needs_identical_layers():
+    model, inputs = models.mlp_demo()
+    with pytest.raises(ValueError, match="no list of 3 or more identical layers"):
+        capture_model(model, inputs, layers="blocks")
+    assert capture_model(model, inputs, layers="auto").graph is not None   # small: exported whole
