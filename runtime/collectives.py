@@ -148,7 +148,8 @@ def _move(x, axis, p, q, comm: MeshComm, phase, src_pieces=None, dst_pieces=None
     group, coord, name = comm.groups[axis], comm.coords[axis], comm.axis_names[axis]
     if is_shard(p) and is_shard(q):                       # all_to_all: cut along q.dim, join along p.dim
         if src_pieces or dst_pieces:
-            raise NotImplementedError(f"an all-to-all of a strided shard on mesh axis {name}")
+            raise ValueError(f"an all-to-all of a strided shard (the fused-projection layout) on mesh axis {name} "
+                             f"is not supported; pin the split's input to Replicate on {name}")
         record_collective("all_to_all", name, _nbytes(x), phase)
         pieces = torch.stack(x.chunk(n, dim=q.dim), 0).contiguous()
         received = torch.empty_like(pieces)
