@@ -130,24 +130,47 @@ class PipelineRunner(torch.nn.Module):
     def _send(self, values, dst, stage, mb, kind):
         return [dist.isend(v.detach().contiguous(), dst, tag=self._tag(stage, mb, kind, i)) for i, v in enumerate(values)]
 
-    def _recv(self, names, src, stage, mb, kind):
-        out = []
+    def _post_recv(self, names, src, stage, mb, kind):
+        """Post the receives for one message now; returns (buffers, works) to wait on later."""
+        bufs, works = [], []
         for i, name in enumerate(names):
             shape, dtype = self.carried_meta[name]
             buf = torch.empty(shape, dtype=dtype)
-            dist.irecv(buf, src, tag=self._tag(stage, mb, kind, i)).wait()
-            out.append(buf)
-        return out
+            works.append(dist.irecv(buf, src, tag=self._tag(stage, mb, kind, i)))
+            bufs.append(buf)
+        return bufs, works
+
+    def _post_all_receives(self, actions) -> dict:
+        """Every receive of the step, posted before the first action so transfers start as soon
+        as the peer sends (gloo moves data only once a receive is posted)."""
+        posted = {}
+        for a in actions:
+            if a.kind == "RECV_F":
+                names = self.stage_graphs[a.stage].receives
+                posted[("F", a.stage, a.microbatch)] = self._post_recv(
+                    names, self.peer_rank[a.peer], min(a.stage, a.peer), a.microbatch, "F")
+            elif a.kind == "RECV_B":
+                names = self.stage_graphs[a.stage].sends
+                posted[("B", a.stage, a.microbatch)] = self._post_recv(
+                    names, self.peer_rank[a.peer], min(a.stage, a.peer), a.microbatch, "B")
+        return posted
+
+    @staticmethod
+    def _wait(posted):
+        bufs, works = posted
+        for work in works:
+            work.wait()
+        return bufs
 
     # -- the interpreter ---------------------------------------------------------------------
     def train_step(self, batch):
         micro = self._split(batch)
         m = self.microbatches
         received, grads_in, ctx, pending, losses, deferred = {}, {}, {}, [], {}, {}
-        rank = dist.get_rank()
-        start = time.perf_counter()
+        actions = self.schedule.actions[self.comm_pp[1]]
         self.trace = []
-        for action in self.schedule.actions[self.comm_pp[1]]:
+        posted = self._post_all_receives(actions)
+        for action in actions:
             s, mb, kind = action.stage, action.microbatch, action.kind
             graph = self.stage_graphs[s]
             t0 = time.perf_counter()
@@ -168,7 +191,7 @@ class PipelineRunner(torch.nn.Module):
                 pending += self._send([produced[n] for n in graph.sends], self.peer_rank[action.peer],
                                       min(s, action.peer), mb, "F")
             elif kind == "RECV_F":
-                received[(s, mb)] = self._recv(graph.receives, self.peer_rank[action.peer], min(s, action.peer), mb, "F")
+                received[(s, mb)] = self._wait(posted.pop(("F", s, mb)))
             elif kind in ("B", "I"):
                 leaves, produced = ctx[(s, mb)]
                 if s == len(self.stage_graphs) - 1:
@@ -197,9 +220,12 @@ class PipelineRunner(torch.nn.Module):
                 out = [leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n])
                        for n in graph.receives]
                 pending += self._send(out, self.peer_rank[action.peer], min(s, action.peer), mb, "B")
+                if (s, mb) not in deferred:
+                    ctx.pop((s, mb))
             elif kind == "RECV_B":
-                grads_in[(s, mb)] = self._recv(graph.sends, self.peer_rank[action.peer], min(s, action.peer), mb, "B")
-            self.trace.append((str(action), t0 - start, time.perf_counter() - start))
+                grads_in[(s, mb)] = self._wait(posted.pop(("B", s, mb)))
+            # absolute times, so ranks on one host line up whatever moment each entered the step
+            self.trace.append((str(action), t0, time.perf_counter()))
         for work in pending:
             work.wait()
         for group, names in self.tied:    # a tied weight's gradient is the sum over the stages using it
@@ -212,7 +238,6 @@ class PipelineRunner(torch.nn.Module):
         last_owner = self.schedule.stage_to_rank[len(self.stage_graphs) - 1]
         loss = torch.stack([losses[i].detach() for i in range(m)]).mean() if losses else torch.zeros(())
         dist.broadcast(loss, group_src=last_owner, group=group)
-        del rank
         return loss
 
     # -- state ---------------------------------------------------------------------------------

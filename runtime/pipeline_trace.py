@@ -69,12 +69,13 @@ def chrome_trace(timelines: dict) -> str:
     """``timelines``: name -> {rank: [(action, start, end)]}; JSON in the Trace Event format."""
     events = []
     for pid, (name, timeline) in enumerate(timelines.items()):
+        origin = min((s for rows in timeline.values() for _, s, _ in rows), default=0.0)
         events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
         for rank, rows in timeline.items():
             events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": rank, "args": {"name": f"rank {rank}"}})
             for action, start, end in rows:
                 events.append({"name": action, "cat": _kind(action), "ph": "X", "pid": pid, "tid": rank,
-                               "ts": start * 1e6, "dur": max(end - start, 0.0) * 1e6})
+                               "ts": (start - origin) * 1e6, "dur": max(end - start, 0.0) * 1e6})
     return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
 
 
