@@ -52,16 +52,21 @@ def _rank_main(rank, world, batches, seq, lr, out_dir, mesh):
     if rank == 0:
         print(pm.plan.summary(), flush=True)
     partitioner.dump(pm, out_dir)
-    opt = torch.optim.AdamW(pm.parameters(), lr=lr)
+    losses, seconds = _train(pm, batches, lr)
+    return {"losses": losses, "seconds": seconds, "param_bytes": pm.local_parameter_bytes()}
+
+
+def _train(model, batches, lr):
+    """AdamW over ``batches``; (losses, seconds). The same loop for one process and for a rank."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses, start = [], time.perf_counter()
     for x, y in batches:
         opt.zero_grad()
-        loss = pm(x, y)
+        loss = model(x, y)
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return {"losses": losses, "seconds": time.perf_counter() - start,
-            "param_bytes": pm.local_parameter_bytes()}
+    return losses, time.perf_counter() - start
 
 
 def main(argv=None) -> int:
@@ -80,15 +85,7 @@ def main(argv=None) -> int:
           f"byte tokens", file=sys.stderr, flush=True)
     reference = _build(args.seq)
     total = sum(p.numel() * p.element_size() for p in reference.parameters())
-    opt = torch.optim.AdamW(reference.parameters(), lr=args.lr)
-    ref_losses, start = [], time.perf_counter()
-    for x, y in batches:
-        opt.zero_grad()
-        loss = reference(x, y)
-        loss.backward()
-        opt.step()
-        ref_losses.append(loss.item())
-    ref_seconds = time.perf_counter() - start
+    ref_losses, ref_seconds = _train(reference, batches, args.lr)
     print("[demo] 4 gloo ranks, mesh (2, 2): planning, lowering, training ...", file=sys.stderr, flush=True)
     results = run_on_ranks(_rank_main, 4, batches, args.seq, args.lr, args.out, (2, 2), timeout_s=600)
     par = results[0]["losses"]
