@@ -170,7 +170,7 @@ def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_
             raise ValueError(f"the plan is for mesh {plan.mesh_shape}, this job's mesh is {comm.shape}")
     log(f"planned in {time.perf_counter() - t0:.2f} s")
     records = {r["name"]: r for r in plan.records}
-    program = lower_to_local(cap.graph, records, comm, device=device)
+    program = lower_to_local(cap.graph, records, comm, device=device, bucket_grads=True)
     specs = {}
     for node in cap.graph.nodes:
         if node.op == "placeholder":

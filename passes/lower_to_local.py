@@ -92,6 +92,7 @@ class _Builder:
         self.graph = fx.Graph()
         self.root = torch.nn.Module()
         self._names = set()
+        self.edges_from: dict = {}   # producer node name -> [(submodule name, Reshard)]
 
     def call_module(self, module, args, kwargs, base):
         name = base
@@ -103,11 +104,14 @@ class _Builder:
         self.root.add_module(name, module)
         return self.graph.call_module(name, args, kwargs)
 
-    def reshard(self, value, src, dst, grad, base, strided=None, src_strided=None):
+    def reshard(self, value, src, dst, grad, base, strided=None, src_strided=None, producer=None):
         module = Reshard(self.comm, src, dst, grad, strided, src_strided)
         if module.is_noop:
             return value
-        return self.call_module(module, (value,), {}, f"reshard_{base}")
+        made = self.call_module(module, (value,), {}, f"reshard_{base}")
+        if producer is not None:
+            self.edges_from.setdefault(producer, []).append((made.target, module))
+        return made
 
 
 def _replace_devices(obj, device):
@@ -155,8 +159,13 @@ def _strided_chains(graph: fx.Graph, records: dict, comm: MeshComm) -> dict:
     return chains
 
 
-def lower_to_local(graph: fx.Graph, records: dict, comm: MeshComm, *, device=None) -> fx.GraphModule:
-    """Lower ``graph`` (captured and analysed) for this rank. ``records``: plan records by name."""
+def lower_to_local(graph: fx.Graph, records: dict, comm: MeshComm, *, device=None,
+                   bucket_grads: bool = False) -> fx.GraphModule:
+    """Lower ``graph`` (captured and analysed) for this rank. ``records``: plan records by name.
+
+    ``bucket_grads``: list, in ``gm.meta["partita.bucketable_grads"]``, the parameter edges whose
+    gradient sync can be bucketed (the caller attaches the buckets; pipelines, which accumulate
+    gradients over microbatches inside one step, keep the per-edge sync)."""
     device = torch.device(device or "cpu")
     b = _Builder(comm, device)
     ndim = comm.ndim
@@ -211,7 +220,7 @@ def lower_to_local(graph: fx.Graph, records: dict, comm: MeshComm, *, device=Non
             if ins[k] is not None and src is not None:
                 strided, src_strided = _edge_strided(node, u, src, ins[k], chains, comm)
                 value = b.reshard(value, src, ins[k], grads[k] if info(u).requires_grad else None,
-                                  f"{node.name}_in{k}", strided, src_strided)
+                                  f"{node.name}_in{k}", strided, src_strided, producer=u.name)
             local_inputs.append(value)
         it = iter(local_inputs)
         args, kwargs = pytree.tree_map(lambda a: next(it) if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
@@ -226,7 +235,22 @@ def lower_to_local(graph: fx.Graph, records: dict, comm: MeshComm, *, device=Non
         out_specs[node] = outs
     gm = fx.GraphModule(b.root, b.graph, class_name="PartitaRankProgram")
     gm.graph.lint()
+    gm.meta["partita.bucketable_grads"] = _bucketable(graph, b) if bucket_grads else {}
     return gm
+
+
+def _bucketable(graph, b) -> dict:
+    """Reshard submodule -> parameter placeholder, for parameters whose whole gradient sync is
+    one edge's all-reduce (those can join DDP-style buckets: runtime/grad_sync.py)."""
+    out = {}
+    for node in graph.nodes:
+        if node.op != "placeholder" or info(node).kind != "param":
+            continue
+        moving = [(name, m) for name, m in b.edges_from.get(node.name, ())
+                  if any(b.comm.shape[s[0]] > 1 for s in m.backward_steps or ())]
+        if len(moving) == 1 and moving[0][1].backward_is_allreduce:
+            out[moving[0][0]] = node.name
+    return out
 
 
 def _edge_strided(node, u, src, dst, chains, comm):

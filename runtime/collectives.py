@@ -207,6 +207,9 @@ class _ReshardFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         module = ctx.module
+        if module.sync is not None:   # a parameter's gradient sync, bucketed (runtime/grad_sync.py)
+            module.sync.add(module.sync_param, grad, module.sync_axes)
+            return None, None
         if module.backward_steps is None:
             return None, None
         return run_steps(grad, module.backward_steps, module.comm, "bwd",
@@ -229,6 +232,14 @@ class Reshard(torch.nn.Module):
         self.strided, self.src_strided = dict(strided or {}), dict(src_strided or {})
         self.forward_steps = transition_steps(self.src, self.dst)
         self.backward_steps = (transition_steps(self.grad, dual_spec(self.src)) if self.grad is not None else None)
+        self.sync = self.sync_param = None   # set when this edge's backward joins gradient buckets
+        self.sync_axes = ()
+
+    @property
+    def backward_is_allreduce(self) -> bool:
+        """True when the backward moves are only Partial -> Replicate all-reduces."""
+        moves = [m for m in self.backward_steps or () if self.comm.shape[m[0]] > 1]
+        return bool(moves) and all(is_partial(p) and type(q).__name__ == "Replicate" for _, p, q in moves)
 
     @staticmethod
     def _strided_of(spec, strided):
@@ -254,4 +265,6 @@ class Reshard(torch.nn.Module):
             text += f"; grad {format_spec(self.grad)} -> {format_spec(dual_spec(self.src))}"
         if self.strided:
             text += f"; strided shards {self.strided}"
+        if self.sync is not None:
+            text += "; gradient all-reduce bucketed"
         return text

@@ -86,10 +86,24 @@ class ParallelModule(torch.nn.Module):
             self._owner(fqn).register_parameter(fqn.rpartition(".")[2], shared[id(value)])
         for fqn, value in local_buffers.items():
             self._owner(fqn).register_buffer(fqn.rpartition(".")[2], value)
+        self._attach_gradient_buckets(program, captured, comm)
         sig = captured.exported.graph_signature
         self._placeholder_order = [n.name for n in captured.graph.nodes if n.op == "placeholder"]
         self._mutations = dict(getattr(sig, "buffers_to_mutate", {}) or {})
         self._n_user_outputs = len(sig.user_outputs)
+
+    def _attach_gradient_buckets(self, program, captured, comm):
+        """Join the plan's plain gradient all-reduces into DDP-style buckets (overlapped)."""
+        from runtime.grad_sync import GradientBuckets
+        bucketable = program.meta.get("partita.bucketable_grads") or {}
+        if not bucketable:
+            return
+        buckets = GradientBuckets(comm)
+        object.__setattr__(self, "_buckets", buckets)
+        for module_name, placeholder in bucketable.items():
+            module = program.get_submodule(module_name)
+            module.sync, module.sync_param = buckets, self._get(captured.params[placeholder])
+            module.sync_axes = tuple(axis for axis, _, _ in module.backward_steps if comm.shape[axis] > 1)
 
     # -- structure ---------------------------------------------------------------------------
     def _owner(self, fqn: str) -> torch.nn.Module:
