@@ -244,6 +244,9 @@ class _StageWithInputs(torch.nn.Module):
         object.__setattr__(self, "comm", comm)
 
     def run(self, values):
+        return self.stage.run(self._cut(values))
+
+    def _cut(self, values):
         from passes.placements import replicated
         from runtime.parallel_module import shard_tensor
         cut = {}
@@ -252,7 +255,16 @@ class _StageWithInputs(torch.nn.Module):
             if isinstance(value, torch.Tensor) and spec is not None and tuple(spec) != replicated(len(spec)):
                 value = shard_tensor(value, spec, self.comm)
             cut[name] = value
-        return self.stage.run(cut)
+        return cut
 
     def named_fqn_parameters(self):
         return self.stage.named_fqn_parameters()
+
+    def weight_meeting_points(self):
+        return self.stage.weight_meeting_points()
+
+    def param(self, placeholder):
+        return self.stage.param(placeholder)
+
+    def run_recording(self, values, names):
+        return self.stage.run_recording(self._cut(values), names)

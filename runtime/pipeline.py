@@ -72,7 +72,58 @@ class StageProgram(torch.nn.Module):
             out[fqn] = gather_tensor(value, self.input_specs[placeholder], self.comm, self.strided.get(fqn))
         return out
 
-    def run(self, values: dict) -> dict:
+    def weight_meeting_points(self):
+        """For a real input/weight split of backward: the ops whose inputs join data (stage
+        inputs) with parameter-only values, each with the parameters behind those values.
+
+        Their output gradients are computed anyway by the input-gradient pass; a weight pass that
+        starts from them (``backward(y, dy, inputs=params)``) walks only the weight branches.
+        Parameters reached from several such ops are left to a full pass (so nothing is counted
+        twice). Returns (program returning those ops' outputs too, [(node name, params)], rest)."""
+        if hasattr(self, "_meeting"):
+            return self._meeting
+        graph = self.program.graph
+        kind, params_of = {}, {}
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                is_param = node.name in self._param_names
+                kind[node] = "param" if is_param else ("const" if node.name in self._buffer_names else "data")
+                params_of[node] = {node.name} if is_param else set()
+                continue
+            if node.op == "output":
+                continue
+            inputs = node.all_input_nodes
+            kinds = {kind[a] for a in inputs}
+            kind[node] = "data" if "data" in kinds else ("param" if "param" in kinds else "const")
+            params_of[node] = set().union(*(params_of[a] for a in inputs)) if inputs else set()
+        points, seen, shared = [], {}, set()
+        for node in graph.nodes:
+            if kind.get(node) != "data" or node.op == "placeholder":
+                continue
+            behind = set().union(*(params_of[a] for a in node.all_input_nodes if kind[a] == "param")) \
+                if any(kind[a] == "param" for a in node.all_input_nodes) else set()
+            if behind:
+                points.append((node, behind))
+                for name in behind:
+                    if name in seen:
+                        shared.add(name)
+                    seen[name] = node
+        points = [(n.name, b - shared) for n, b in points if b - shared]
+        rest = set(self._param_names) - {name for _, b in points for name in b}
+        self._meeting = (points, rest)
+        return self._meeting
+
+    def param(self, placeholder):
+        return self.weights[self._keys[placeholder]]
+
+    def run_recording(self, values: dict, names) -> tuple:
+        """``run``, also returning the values of the nodes ``names`` (for the weight pass)."""
+        recorder = _Recorder(self.program, set(names))
+        out = recorder.run(*self._args(values))
+        out = list(out) if isinstance(out, (list, tuple)) else [out]
+        return dict(zip(self.outputs, out)), recorder.seen
+
+    def _args(self, values):
         args = []
         for name in self.inputs:
             if name in self._param_names:
@@ -81,9 +132,24 @@ class StageProgram(torch.nn.Module):
                 args.append(getattr(self, self._keys[name]))
             else:
                 args.append(values[name])
-        out = self.program(*args)
+        return args
+
+    def run(self, values: dict) -> dict:
+        out = self.program(*self._args(values))
         out = list(out) if isinstance(out, (list, tuple)) else [out]
         return dict(zip(self.outputs, out))
+
+
+class _Recorder(torch.fx.Interpreter):
+    def __init__(self, gm, wanted):
+        super().__init__(gm)
+        self.wanted, self.seen = wanted, {}
+
+    def run_node(self, n):
+        value = super().run_node(n)
+        if n.name in self.wanted:
+            self.seen[n.name] = value
+        return value
 
 
 class PipelineRunner(torch.nn.Module):
@@ -103,6 +169,7 @@ class PipelineRunner(torch.nn.Module):
         self.carried_meta = carried_meta  # value name -> (local shape, dtype)
         self.tied = list(tied)            # (group of the ranks holding a tied weight, its placeholder names)
         self.trace = []
+        self._split_backward = any(a.kind == "W" for acts in schedule.actions for a in acts)
 
     # -- helpers -----------------------------------------------------------------------------
     def _split(self, batch):
@@ -166,7 +233,7 @@ class PipelineRunner(torch.nn.Module):
     def train_step(self, batch):
         micro = self._split(batch)
         m = self.microbatches
-        received, grads_in, ctx, pending, losses, deferred = {}, {}, {}, [], {}, {}
+        received, grads_in, ctx, pending, losses, deferred, recorded = {}, {}, {}, [], {}, {}, {}
         actions = self.schedule.actions[self.comm_pp[1]]
         self.trace = []
         posted = self._post_all_receives(actions)
@@ -182,7 +249,12 @@ class PipelineRunner(torch.nn.Module):
                         tensor.requires_grad_(True)
                     leaves[name] = tensor
                 values.update(leaves)
-                outputs = self.stages[str(s)].run(values)
+                stage = self.stages[str(s)]
+                if self._split_backward:
+                    points, _ = stage.weight_meeting_points()
+                    outputs, recorded[(s, mb)] = stage.run_recording(values, [n for n, _ in points])
+                else:
+                    outputs = stage.run(values)
                 ctx[(s, mb)] = (leaves, {**leaves, **outputs})
                 if s == len(self.stage_graphs) - 1:
                     losses[mb] = outputs[self.loss_name]
@@ -205,16 +277,31 @@ class PipelineRunner(torch.nn.Module):
                     if tensors:
                         torch.autograd.backward(tensors, grads)
                     ctx[(s, mb)] = (leaves, None)
-                else:   # input gradients only; keep the graph for W
+                else:   # input gradients only; keep the graph and the weight ops' output gradients for W
+                    captured = {}
+                    hooks = [y.register_hook(lambda g, name=name: captured.__setitem__(name, g))
+                             for name, y in recorded.get((s, mb), {}).items()
+                             if isinstance(y, torch.Tensor) and y.requires_grad]
                     if tensors and activation:
                         torch.autograd.backward(tensors, grads, inputs=activation, retain_graph=True)
+                    for hook in hooks:
+                        hook.remove()
                     ctx[(s, mb)] = (leaves, None)
-                    deferred[(s, mb)] = (tensors, grads)
-            elif kind == "W":   # weight gradients, then the graph can go
-                tensors, grads = deferred.pop((s, mb))
-                params = [p for p in self.stages[str(s)].parameters() if p.requires_grad]
-                if tensors and params:
-                    torch.autograd.backward(tensors, grads, inputs=params)
+                    deferred[(s, mb)] = (tensors, grads, captured, recorded.pop((s, mb), {}))
+            elif kind == "W":   # weight gradients only, from the weight ops' captured output gradients
+                tensors, grads, captured, seen = deferred.pop((s, mb))
+                stage = self.stages[str(s)]
+                points, rest = stage.weight_meeting_points()
+                rest = set(rest)
+                for name, params in points:
+                    weights = [stage.param(p) for p in params if stage.param(p).requires_grad]
+                    if name in captured and weights:
+                        torch.autograd.backward([seen[name]], [captured[name]], inputs=weights, retain_graph=True)
+                    elif name not in captured:
+                        rest |= params
+                leftover = [stage.param(p) for p in rest if stage.param(p).requires_grad]
+                if tensors and leftover:   # weights no input gradient passes through: one full pass
+                    torch.autograd.backward(tensors, grads, inputs=leftover)
             elif kind == "SEND_B":
                 leaves = ctx[(s, mb)][0]
                 out = [leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n])
