@@ -117,6 +117,8 @@ def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_
         plan: a ShardingPlan to replay instead of searching (its fingerprint must match).
         cluster: cost model preset; default ``"cpu"`` (measured) on CPUs, ``"h100"`` on GPUs.
         local_inputs: each rank passes only its own piece of the batch (as with DDP).
+        layers: ``"auto"`` / ``"full"`` / ``"blocks"``: how deep models are captured (see
+            :func:`partitioner.plan`).
         pipeline: ``{"degree": 2, "schedule": "1f1b", "microbatches": 8}`` (or a PipelineConfig):
             the first mesh axis becomes pipeline stages; returns a runner whose
             ``train_step(batch)`` runs forward and backward over all microbatches.
