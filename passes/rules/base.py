@@ -14,6 +14,7 @@ An op with no rule gets :data:`REPLICATE_FALLBACK`: everything replicated, one w
 """
 from __future__ import annotations
 
+import abc
 import itertools
 import warnings
 from dataclasses import dataclass, field
@@ -167,7 +168,7 @@ class Strategy:
         return split
 
 
-class OpRule:
+class OpRule(abc.ABC):
     """Base class: subclasses override ``axis_strategies`` and, for contractions, ``flops``."""
 
     linear: bool = False
@@ -179,8 +180,9 @@ class OpRule:
     contraction: bool = False
     """Compute-bound (FLOPs run at matmul speed) and costs 2x forward in backward."""
 
+    @abc.abstractmethod
     def axis_strategies(self, op: OpView) -> list:
-        raise NotImplementedError(f"{type(self).__name__} must list strategies")  # pragma: no cover
+        """The candidates on one mesh axis."""
 
     def lower(self, call):
         """Emit this op for one rank (``passes.lower_to_local.LowerCall``); default: the same
