@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -303,7 +304,6 @@ def replicated_outputs(graph: fx.Graph, *, replicate_all: bool = False) -> set:
 
 
 def _is_getitem(node):
-    import operator
     return node.op == "call_function" and node.target is operator.getitem
 
 
@@ -334,12 +334,12 @@ def build_space(graph: fx.Graph, blocks: Blocks, mesh_shape, cluster, *, pins=No
         leader_here = None
         if node.op == "call_function" and node not in b.pins and data_inputs and len(source_groups) == 1 \
                 and None not in source_groups:
-            g = groups[source_groups.pop()]
+            gi = source_groups.pop()
             if (_is_getitem(node) or rule.follower) and all(same_instance(a, node) for a in data_inputs) \
-                    and same_instance(g.leader, node):
-                leader_here = g
+                    and same_instance(groups[gi].leader, node):
+                leader_here = gi
         if leader_here is not None:
-            g = leader_here
+            g = groups[leader_here]
             for opt in g.options:
                 if _is_getitem(node):
                     src = opt[node.args[0]]
@@ -351,7 +351,7 @@ def build_space(graph: fx.Graph, blocks: Blocks, mesh_shape, cluster, *, pins=No
                         given.append(c.out[0])
                     opt[node] = b.follow(node, given)
             g.members.append(node)
-            group_of[node] = groups.index(g)
+            group_of[node] = leader_here
             continue
         options = b.leader_options(node)
         groups.append(Group(leader=node, members=[node], options=[{node: c} for c in options]))
@@ -359,7 +359,8 @@ def build_space(graph: fx.Graph, blocks: Blocks, mesh_shape, cluster, *, pins=No
 
     for g in groups:
         g.count = blocks.count.get(g.leader, 1)
-        g.cost = np.array([sum(opt[m].compute_s + opt[m].extra_s + opt[m].inbound_s for m in g.members) for opt in g.options]) * g.count
+        g.cost = np.array([sum(opt[m].compute_s + opt[m].extra_s + opt[m].inbound_s for m in g.members)
+                           for opt in g.options]) * g.count
         g.memory = np.array([sum(opt[m].memory for m in g.members) for opt in g.options]) * g.count
 
     edges = _build_edges(graph, b, groups, group_of)
