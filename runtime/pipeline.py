@@ -191,8 +191,10 @@ class PipelineRunner(torch.nn.Module):
 
     def _tag(self, edge, mb, kind, i):
         """Unique per message: the stage pair (its lower stage), microbatch, direction, tensor."""
-        stage = edge
-        return ((mb * 64 + stage) * 2 + (kind == "B")) * 256 + i
+        if edge >= 64 or i >= 256:
+            raise ValueError(f"pipeline messages are tagged for up to 64 stages and 256 tensors per message; "
+                             f"got stage {edge}, tensor {i}")
+        return ((mb * 64 + edge) * 2 + (kind == "B")) * 256 + i
 
     def _send(self, values, dst, stage, mb, kind):
         return [dist.isend(v.detach().contiguous(), dst, tag=self._tag(stage, mb, kind, i)) for i, v in enumerate(values)]
