@@ -23,9 +23,8 @@ from partitioner.sharding_plan import ShardingPlan
 from passes.analyze import analyze, info
 from passes.capture import graph_fingerprint, tied_placeholders
 from passes.capture_blocks import capture_model
-from passes.lower_to_local import lower_to_local
+from passes.lower_to_local import lower_to_local, strided_parameters
 from passes.placements import format_spec, parse_spec
-from passes.rules import rule_for, tensor_input_nodes
 from runtime.collectives import MeshComm
 from runtime.parallel_module import ParallelModule, shard_tensor
 
@@ -68,32 +67,6 @@ def _device_mesh(mesh, axis_names, device_type, timeout=None):
             if rank in ranks:
                 mine.append(group)
     return DeviceMesh.from_group(mine, device_type, mesh=torch.tensor(layout), mesh_dim_names=spec.axis_names)
-
-
-def _strided_params(graph, records, axis_names) -> dict:
-    """Parameters laid out for a later split of a sharded dim (fused QKV): FQN -> {axis: pieces}."""
-    out = {}
-    for node in graph.nodes:
-        notes = records.get(node.name, {}).get("notes") or {}
-        strided_axes = [axis_names.index(a) for a, note in notes.items() if note == "strided"]
-        if not strided_axes:
-            continue
-        pieces = len(info(node).out_shapes)
-        cur = node.args[0]
-        while cur.op == "call_function" and not rule_for(cur).contraction:
-            data = [a for a in tensor_input_nodes(cur) if info(a).kind != "param"]
-            if len(data) != 1:
-                break
-            cur = data[0]
-        if cur.op != "call_function" or not rule_for(cur).contraction:
-            raise ValueError(f"node {node.name} splits a sharded dim, but no matmul produces it; this plan cannot "
-                             f"be lowered (pin {node.name}'s input to Replicate on that axis)")
-        for param in tensor_input_nodes(cur):
-            if info(param).kind == "param" and param.name in records:
-                fqn = info(param).name
-                for axis in strided_axes:
-                    out.setdefault(fqn, {})[axis] = pieces
-    return out
 
 
 def _source_tensor(name, model_state, checkpoint_state, exported):
@@ -178,7 +151,7 @@ def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_
         if node.op == "placeholder":
             spec = parse_spec(records[node.name]["out"][0], comm.ndim)
             specs[cap.params.get(node.name) or cap.buffers.get(node.name) or node.name] = spec
-    strided = _strided_params(cap.graph, records, list(comm.axis_names))
+    strided = strided_parameters(cap.graph, records, comm)
     model_state = None if _on_meta(model) else {**dict(model.named_parameters(remove_duplicate=False)),
                                                 **dict(model.named_buffers(remove_duplicate=False))}
     checkpoint_state = state_dict

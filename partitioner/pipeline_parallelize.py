@@ -112,11 +112,10 @@ def _microbatch(example_inputs, m):
 def build_pipeline(model, example_inputs, *, device_mesh, config, cluster, pins, memory_budget, objective,
                    model_state, checkpoint_state, device, log):
     from partitioner.api import plan_captured, resolve_pins
-    from partitioner.parallelize import _strided_params
     from partitioner.sharding_plan import ShardingPlan
     from passes.analyze import analyze, info
     from passes.capture import capture
-    from passes.lower_to_local import lower_to_local
+    from passes.lower_to_local import lower_to_local, strided_parameters
     from passes.placements import parse_spec
     from passes.rules import tensor_input_nodes
     from passes.split_stages import assign_stages, split_stages
@@ -187,7 +186,7 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, cluster, pins,
             continue
         records = {r["name"]: r for r in plans[s].records}
         program = lower_to_local(g.captured.graph, records, sub, device=device)
-        strided = _strided_params(g.captured.graph, records, list(sub.axis_names))
+        strided = strided_parameters(g.captured.graph, records, sub)
         params, buffers, specs = {}, {}, {}
         for node in g.captured.graph.nodes:
             if node.op != "placeholder":

@@ -32,7 +32,7 @@ from passes.placements import local_shape, parse_spec, replicated
 from passes.rules import op_view, rule_for, tensor_input_nodes
 from runtime.collectives import MeshComm, Reshard
 
-__all__ = ["LowerCall", "lower_to_local", "LoweringError"]
+__all__ = ["LowerCall", "lower_to_local", "LoweringError", "strided_parameters"]
 
 
 class LoweringError(ValueError):
@@ -157,6 +157,18 @@ def _strided_chains(graph: fx.Graph, records: dict, comm: MeshComm) -> dict:
                                     f"{outside[0].name}; this plan cannot be lowered (pin {n.name} to Replicate on "
                                     f"mesh axes {[comm.axis_names[a] for a in axes]})")
     return chains
+
+
+def strided_parameters(graph: fx.Graph, records: dict, comm: MeshComm) -> dict:
+    """Parameters to load in the strided layout (the matmuls ending :func:`_strided_chains`):
+    FQN -> {axis: pieces}."""
+    out = {}
+    for node, axes in _strided_chains(graph, records, comm).items():
+        if node.op == "call_function" and rule_for(node).contraction:
+            for param in tensor_input_nodes(node):
+                if info(param).kind == "param":
+                    out.setdefault(info(param).name, {}).update(axes)
+    return out
 
 
 def lower_to_local(graph: fx.Graph, records: dict, comm: MeshComm, *, device=None,
