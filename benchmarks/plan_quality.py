@@ -39,7 +39,6 @@ import argparse
 import os
 import platform
 import re
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ import torch
 import partitioner
 from partitioner.models import gpt_block, llama_meta
 from passes.placements import parse_spec, spec_fits
+from bench_common import revision
 
 CLUSTER = "h100"
 BUDGET = "80GiB"
@@ -316,19 +316,6 @@ def machine() -> str:
     except OSError:
         pass
     return f"{os.cpu_count()}-core CPU ({cpu}), Python {platform.python_version()}, torch {torch.__version__}"
-
-
-def revision() -> str:
-    """The git commit planned with, and whether passes/ or partitioner/ had uncommitted edits."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                              text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "passes", "partitioner"], cwd=root,
-                               capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown revision"
-    return f"commit {head or '?'}" + (" with uncommitted changes in passes/ or partitioner/" if dirty else "")
 
 
 def describe_revision(at_start: str) -> str:

@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from bench_common import revision
 
 MESH = (8, 8)
 CLUSTER = "h100"
@@ -92,19 +93,6 @@ def machine() -> str:
     import torch
     return (f"{os.cpu_count()}-core CPU ({cpu}), Python {platform.python_version()}, torch {torch.__version__}, "
             f"no accelerator used (the model lives on meta)")
-
-
-def revision() -> str:
-    """The git commit planned with, and whether passes/ or partitioner/ had uncommitted edits."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                              text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "passes", "partitioner"], cwd=root,
-                               capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown revision"
-    return f"commit {head or '?'}" + (" with uncommitted changes in passes/ or partitioner/" if dirty else "")
 
 
 def report(runs: dict) -> tuple[str, list]:
