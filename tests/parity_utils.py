@@ -368,3 +368,15 @@ def dropout_worker(rank, world, mesh):
 # The forked ranks share this process's memory copy-on-write; a collection in a rank would
 # touch (and so copy) every page of the modules imported above. Move them out of the GC's way.
 gc.freeze()
+
+
+def run_checked(worker, cfg, timeout_s):
+    """Run ``worker(rank, world, cfg)`` on the config's mesh; fail on any rank's mismatches."""
+    import math
+
+    from runtime.launch import run_on_ranks
+
+    results = run_on_ranks(worker, math.prod(cfg["mesh"]), cfg, timeout_s=timeout_s)
+    failures = [f for r in results for f in r["failures"]]
+    assert not failures, f"{len(failures)} mismatches, first ones:\n" + "\n".join(failures[:12])
+    return results

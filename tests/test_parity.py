@@ -21,12 +21,11 @@ plan, and every mesh (2,), (4,), (2, 2) is used. Extra checks ride along on some
 ``local_inputs=True`` with ``pm.shard_batch`` against the default mode, and the per-rank
 parameter bytes of Megatron TP. Dropout has its own test.
 """
-import math
 
 import pytest
 import torch
 
-from parity_utils import HAVE_TRANSFORMERS, MODELS, dropout_worker, glob_any, nested_approx_equal, parity_worker
+from parity_utils import run_checked, HAVE_TRANSFORMERS, MODELS, dropout_worker, glob_any, nested_approx_equal, parity_worker
 from runtime.launch import run_on_ranks
 
 TIMEOUT_S = 240
@@ -122,10 +121,7 @@ def _check_plan_shape(cfg, r0):
 
 @pytest.mark.parametrize("cfg", CONFIGS)
 def test_parity(cfg):
-    world = math.prod(cfg["mesh"])
-    results = run_on_ranks(parity_worker, world, cfg, timeout_s=TIMEOUT_S)
-    failures = [f for r in results for f in r["failures"]]
-    assert not failures, f"{len(failures)} mismatches, first ones:\n" + "\n".join(failures[:12])
+    results = run_checked(parity_worker, cfg, TIMEOUT_S)
 
     # the loss is replicated: every rank returns the same value
     assert len({r["loss"] for r in results}) == 1, [r["loss"] for r in results]

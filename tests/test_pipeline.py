@@ -37,7 +37,7 @@ import re
 
 import pytest
 import torch
-from parity_utils import ADAM_EPS, HAVE_TRANSFORMERS, LR, Checks, call, loss_of
+from parity_utils import run_checked, ADAM_EPS, HAVE_TRANSFORMERS, LR, Checks, call, loss_of
 
 from runtime.launch import RankFailure, run_on_ranks
 
@@ -200,10 +200,7 @@ CONFIGS = [
 
 @pytest.mark.parametrize("cfg", CONFIGS)
 def test_pipeline_parity(cfg):
-    world = math.prod(cfg["mesh"])
-    results = run_on_ranks(pipeline_worker, world, cfg, timeout_s=TIMEOUT_S)
-    failures = [f for r in results for f in r["failures"]]
-    assert not failures, f"{len(failures)} mismatches, first ones:\n" + "\n".join(failures[:12])
+    results = run_checked(pipeline_worker, cfg, TIMEOUT_S)
     assert len({r["loss"] for r in results}) == 1, [r["loss"] for r in results]   # broadcast to every rank
 
     pipe, r0 = cfg["pipeline"], results[0]
