@@ -112,7 +112,6 @@ def split_stages(cap: CapturedGraph, stage_of: dict, runs) -> list:
     """Split with ``split_module`` and describe each stage's inputs, outputs and carried values."""
     top = split_module(cap.graph_module, None, lambda n: stage_of[n], keep_original_order=True)
     calls = [n for n in top.graph.nodes if n.op == "call_module"]
-    produced_by: dict = {}      # value name -> stage
     stage_graphs = []
     for k, call in enumerate(calls):
         sub = getattr(top, call.target)
@@ -127,9 +126,8 @@ def split_stages(cap: CapturedGraph, stage_of: dict, runs) -> list:
                                        activation_inputs=activation, layers=runs[k] if k < len(runs) else ()))
     # outputs of each stage, named by the consumers' placeholder names
     for k, call in enumerate(calls):
-        n_out = len(getattr(top, call.target).graph.find_nodes(op="output")[0].args[0]) \
-            if isinstance(getattr(top, call.target).graph.find_nodes(op="output")[0].args[0], (list, tuple)) else 1
-        stage_graphs[k].outputs = [None] * n_out
+        returned = getattr(top, call.target).graph.find_nodes(op="output")[0].args[0]
+        stage_graphs[k].outputs = [None] * (len(returned) if isinstance(returned, (list, tuple)) else 1)
     for j, call in enumerate(calls):
         sub = getattr(top, call.target)
         names = [n.name for n in sub.graph.nodes if n.op == "placeholder"]
@@ -140,7 +138,6 @@ def split_stages(cap: CapturedGraph, stage_of: dict, runs) -> list:
             if isinstance(src, fx.Node) and src.op == "call_module":
                 k = calls.index(src)
                 stage_graphs[k].outputs[index] = name
-                produced_by[name] = k
     final = top.graph.find_nodes(op="output")[0].args[0]
     last = len(calls) - 1
     for i, value in enumerate(final if isinstance(final, (list, tuple)) else [final]):
