@@ -59,6 +59,9 @@ class Estimate:
     """``comm_bytes[kind][axis_name]``: payload bytes per device per step (forward + backward)."""
     comm_bytes_by_phase: dict = field(default_factory=dict)
     """``comm_bytes_by_phase[phase][kind][axis_name]`` with phase ``fwd`` / ``bwd``."""
+    weight_grad_s: float = 0.0
+    """The part of ``compute_s`` spent on parameter gradients (contractions' weight products):
+    what a zero-bubble pipeline schedule defers to its W pass."""
 
     def total_comm_bytes(self) -> float:
         return sum(v for per_axis in self.comm_bytes.values() for v in per_axis.values())
@@ -149,11 +152,12 @@ class ShardingPlan:
 
     # -- estimate ------------------------------------------------------------------------
     def estimate(self) -> Estimate:
-        compute = comm_t = memory = 0.0
+        compute = comm_t = memory = weight = 0.0
         comm = defaultdict(lambda: defaultdict(float))
         phases = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
         for r in self.records:
             compute += r.get("compute_s", 0.0)
+            weight += r.get("weight_grad_s", 0.0)
             memory += r.get("memory", 0.0)
             for c in r.get("comm", []):
                 comm_t += c["time_s"]
@@ -161,7 +165,8 @@ class ShardingPlan:
                 phases[c["phase"]][c["kind"]][c["axis"]] += c["bytes"]
         as_dict = lambda d: {k: dict(v) for k, v in d.items()}  # noqa: E731
         return Estimate(step_time_s=compute + comm_t, compute_s=compute, comm_s=comm_t, memory_bytes=memory,
-                        comm_bytes=as_dict(comm), comm_bytes_by_phase={p: as_dict(v) for p, v in phases.items()})
+                        comm_bytes=as_dict(comm), comm_bytes_by_phase={p: as_dict(v) for p, v in phases.items()},
+                        weight_grad_s=weight)
 
     # -- presentation ----------------------------------------------------------------------
     def summary(self, *, verbose: bool = False) -> str:

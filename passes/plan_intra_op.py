@@ -76,6 +76,8 @@ def _node_record(node, choice, space, axis_names, rep_node):
     rec["local_shapes"] = [list(local_shape(s, sp, mesh)) if s is not None and sp is not None else None
                            for s, sp in zip(i.out_shapes, choice.out)]
     rec["compute_s"] = float(choice.compute_s)
+    if choice.weight_grad_s:
+        rec["weight_grad_s"] = float(choice.weight_grad_s)
     rec["memory"] = float(choice.memory)
     comm = []
     strategy = choice.strategy

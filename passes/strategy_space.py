@@ -54,6 +54,9 @@ class NodeChoice:
     """The spec each tensor input must arrive in (None: metadata only / no data)."""
     compute_s: float = 0.0
     """Forward + backward compute."""
+    weight_grad_s: float = 0.0
+    """The part of ``compute_s`` that computes parameter gradients (a contraction's weight
+    product); what a zero-bubble schedule can defer to its W pass."""
     extra_s: float = 0.0
     """The op's own collectives (``AxisStrategy.extra``), forward and backward."""
     inbound_s: float = 0.0
@@ -169,7 +172,8 @@ class _Builder:
         return t
 
     def op_cost(self, node, strategy: Strategy):
-        """(compute seconds fwd+bwd, activation bytes) for an op node under a strategy."""
+        """(compute seconds fwd+bwd, own collectives' seconds, activation bytes, seconds of the
+        backward that make parameter gradients) for an op node under a strategy."""
         rule = rule_for(node)
         i = info(node)
         op = self.view_of(node)
@@ -192,17 +196,20 @@ class _Builder:
                     extra_fwd += t
                 else:
                     extra_bwd += t
-        bwd = 0.0
+        bwd = weight = 0.0
         if i.requires_grad:
             grads_in = sum(1 for a in self.inputs_of(node) if info(a).requires_grad)
             factor = min(2, grads_in) if rule.contraction else 1
             bwd = factor * fwd
+            if rule.contraction and any(info(a).kind == "param" and info(a).requires_grad
+                                        for a in self.inputs_of(node)):
+                weight = fwd
         act = 0.0
         if i.saved:
             act = sum(local_bytes(s, spec, self.mesh, dtype_bytes(i.dtype))
                       for s, spec in zip(i.out_shapes, strategy.out) if s is not None)
         extra = extra_fwd + (extra_bwd if i.requires_grad else 0.0)
-        return fwd + bwd, extra, act
+        return fwd + bwd, extra, act, weight
 
     # -- followers --------------------------------------------------------------------
     def axis_candidates(self, node):
@@ -241,13 +248,13 @@ class _Builder:
         return self.choice_for(node, strategy, given)
 
     def choice_for(self, node, strategy: Strategy, given=None) -> NodeChoice:
-        compute, extra, act = self.op_cost(node, strategy)
+        compute, extra, act, weight = self.op_cost(node, strategy)
         inbound = 0.0
         if given is not None:  # resharding inside the group, on the way into this node
             for k, (g, want) in enumerate(zip(given, strategy.ins)):
                 if g is not None and want is not None:
                     inbound += self.edge_time(g, want, strategy.grad_spec(k), self.inputs_of(node)[k])
-        return NodeChoice(strategy=strategy, out=strategy.out, ins=strategy.ins, compute_s=compute, extra_s=extra,
+        return NodeChoice(strategy=strategy, out=strategy.out, ins=strategy.ins, compute_s=compute, weight_grad_s=weight, extra_s=extra,
                           inbound_s=inbound, memory=act)
 
     # -- leaders ----------------------------------------------------------------------

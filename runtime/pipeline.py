@@ -21,6 +21,7 @@ a single-device ``loss.backward()`` on the whole batch; the loss is broadcast to
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -117,11 +118,18 @@ class StageProgram(torch.nn.Module):
         return self.weights[self._keys[placeholder]]
 
     def run_recording(self, values: dict, names) -> tuple:
-        """``run``, also returning the values of the nodes ``names`` (for the weight pass)."""
-        recorder = _Recorder(self.program, set(names))
-        out = recorder.run(*self._args(values))
+        """``run``, also returning the values of the nodes ``names`` (for the weight pass).
+
+        Runs a copy of the program whose output also lists those nodes (generated once per set of
+        names), so recording costs nothing over a plain forward."""
+        names = tuple(names)
+        cache = self.__dict__.setdefault("_recording_programs", {})
+        if names not in cache:
+            cache[names] = _with_extra_outputs(self.program, names)
+        out = cache[names](*self._args(values))
         out = list(out) if isinstance(out, (list, tuple)) else [out]
-        return dict(zip(self.outputs, out)), recorder.seen
+        n = len(out) - len(names)
+        return dict(zip(self.outputs, out[:n])), dict(zip(names, out[n:]))
 
     def _args(self, values):
         args = []
@@ -140,16 +148,46 @@ class StageProgram(torch.nn.Module):
         return dict(zip(self.outputs, out))
 
 
-class _Recorder(torch.fx.Interpreter):
-    def __init__(self, gm, wanted):
-        super().__init__(gm)
-        self.wanted, self.seen = wanted, {}
+def _with_extra_outputs(program: torch.fx.GraphModule, names) -> torch.fx.GraphModule:
+    """A copy of ``program`` (sharing its submodules) that returns its outputs, then ``names``."""
+    graph = torch.fx.Graph()
+    env = {}
+    for node in program.graph.nodes:
+        if node.op == "output":
+            result = node.args[0]
+            result = list(result) if isinstance(result, (list, tuple)) else [result]
+            mapped = torch.fx.map_arg(tuple(result), lambda a: env[a])
+            graph.output(tuple(mapped) + tuple(env[n] for n in _nodes_named(env, names)))
+        else:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+    return torch.fx.GraphModule(program, graph)
 
-    def run_node(self, n):
-        value = super().run_node(n)
-        if n.name in self.wanted:
-            self.seen[n.name] = value
-        return value
+
+def _nodes_named(env, names):
+    by_name = {node.name: node for node in env}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise KeyError(f"the stage program has no nodes named {missing}")
+    return [by_name[n] for n in names]
+
+
+def _recv_key(action) -> tuple:
+    """("F" | "B", stage, microbatch) of a receive: the message it waits for."""
+    return ("F" if action.kind == "RECV_F" else "B", action.stage, action.microbatch)
+
+
+@dataclass
+class _Step:
+    """What one ``train_step`` keeps between actions (keyed by (stage, microbatch))."""
+
+    micro: list
+    received: dict = field(default_factory=dict)    # activations in, before their F
+    grads_in: dict = field(default_factory=dict)    # gradients in, before their B / I
+    ctx: dict = field(default_factory=dict)         # (leaves, produced values) between F and B
+    losses: dict = field(default_factory=dict)      # microbatch -> loss (last stage)
+    recorded: dict = field(default_factory=dict)    # weight ops' outputs, F -> I
+    deferred: dict = field(default_factory=dict)    # what W needs, I -> W
+    pending: list = field(default_factory=list)     # send works, waited at the end
 
 
 class PipelineRunner(torch.nn.Module):
@@ -214,14 +252,12 @@ class PipelineRunner(torch.nn.Module):
         as the peer sends (gloo moves data only once a receive is posted)."""
         posted = {}
         for a in actions:
-            if a.kind == "RECV_F":
-                names = self.stage_graphs[a.stage].receives
-                posted[("F", a.stage, a.microbatch)] = self._post_recv(
-                    names, self.peer_rank[a.peer], min(a.stage, a.peer), a.microbatch, "F")
-            elif a.kind == "RECV_B":
-                names = self.stage_graphs[a.stage].sends
-                posted[("B", a.stage, a.microbatch)] = self._post_recv(
-                    names, self.peer_rank[a.peer], min(a.stage, a.peer), a.microbatch, "B")
+            if a.is_recv:
+                direction = _recv_key(a)[0]
+                graph = self.stage_graphs[a.stage]
+                names = graph.receives if direction == "F" else graph.sends
+                posted[_recv_key(a)] = self._post_recv(names, self.peer_rank[a.peer], min(a.stage, a.peer),
+                                                       a.microbatch, direction)
         return posted
 
     @staticmethod
@@ -233,89 +269,16 @@ class PipelineRunner(torch.nn.Module):
 
     # -- the interpreter ---------------------------------------------------------------------
     def train_step(self, batch):
-        micro = self._split(batch)
-        m = self.microbatches
-        received, grads_in, ctx, pending, losses, deferred, recorded = {}, {}, {}, [], {}, {}, {}
+        step = _Step(micro=self._split(batch))
         actions = self.schedule.actions[self.comm_pp[1]]
         self.trace = []
         posted = self._post_all_receives(actions)
         for action in actions:
-            s, mb, kind = action.stage, action.microbatch, action.kind
-            graph = self.stage_graphs[s]
             t0 = time.perf_counter()
-            if kind == "F":
-                values = dict(micro[mb])
-                leaves = {}
-                for name, tensor in zip(graph.receives, received.pop((s, mb), [])):
-                    if tensor.is_floating_point():
-                        tensor.requires_grad_(True)
-                    leaves[name] = tensor
-                values.update(leaves)
-                stage = self.stages[str(s)]
-                if self._split_backward:
-                    points, _ = stage.weight_meeting_points()
-                    outputs, recorded[(s, mb)] = stage.run_recording(values, [n for n, _ in points])
-                else:
-                    outputs = stage.run(values)
-                ctx[(s, mb)] = (leaves, {**leaves, **outputs})
-                if s == len(self.stage_graphs) - 1:
-                    losses[mb] = outputs[self.loss_name]
-            elif kind == "SEND_F":
-                _, produced = ctx[(s, mb)]
-                pending += self._send([produced[n] for n in graph.sends], self.peer_rank[action.peer],
-                                      min(s, action.peer), mb, "F")
-            elif kind == "RECV_F":
-                received[(s, mb)] = self._wait(posted.pop(("F", s, mb)))
-            elif kind in ("B", "I"):
-                leaves, produced = ctx[(s, mb)]
-                if s == len(self.stage_graphs) - 1:
-                    tensors, grads = [losses[mb]], [torch.full_like(losses[mb], 1.0 / m)]
-                else:
-                    pairs = [(produced[n], g) for n, g in zip(graph.sends, grads_in.pop((s, mb), []))
-                             if produced[n].requires_grad]
-                    tensors, grads = [p for p, _ in pairs], [g for _, g in pairs]
-                activation = [leaf for leaf in leaves.values() if leaf.requires_grad]
-                if kind == "B":
-                    if tensors:
-                        torch.autograd.backward(tensors, grads)
-                    ctx[(s, mb)] = (leaves, None)
-                else:   # input gradients only; keep the graph and the weight ops' output gradients for W
-                    captured = {}
-                    hooks = [y.register_hook(lambda g, name=name: captured.__setitem__(name, g))
-                             for name, y in recorded.get((s, mb), {}).items()
-                             if isinstance(y, torch.Tensor) and y.requires_grad]
-                    if tensors and activation:
-                        torch.autograd.backward(tensors, grads, inputs=activation, retain_graph=True)
-                    for hook in hooks:
-                        hook.remove()
-                    ctx[(s, mb)] = (leaves, None)
-                    deferred[(s, mb)] = (tensors, grads, captured, recorded.pop((s, mb), {}))
-            elif kind == "W":   # weight gradients only, from the weight ops' captured output gradients
-                tensors, grads, captured, seen = deferred.pop((s, mb))
-                stage = self.stages[str(s)]
-                points, rest = stage.weight_meeting_points()
-                rest = set(rest)
-                for name, params in points:
-                    weights = [stage.param(p) for p in params if stage.param(p).requires_grad]
-                    if name in captured and weights:
-                        torch.autograd.backward([seen[name]], [captured[name]], inputs=weights, retain_graph=True)
-                    elif name not in captured:
-                        rest |= params
-                leftover = [stage.param(p) for p in rest if stage.param(p).requires_grad]
-                if tensors and leftover:   # weights no input gradient passes through: one full pass
-                    torch.autograd.backward(tensors, grads, inputs=leftover)
-            elif kind == "SEND_B":
-                leaves = ctx[(s, mb)][0]
-                out = [leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n])
-                       for n in graph.receives]
-                pending += self._send(out, self.peer_rank[action.peer], min(s, action.peer), mb, "B")
-                if (s, mb) not in deferred:
-                    ctx.pop((s, mb))
-            elif kind == "RECV_B":
-                grads_in[(s, mb)] = self._wait(posted.pop(("B", s, mb)))
+            self._run(action, step, posted)
             # absolute times, so ranks on one host line up whatever moment each entered the step
             self.trace.append((str(action), t0, time.perf_counter()))
-        for work in pending:
+        for work in step.pending:
             work.wait()
         for group, names in self.tied:    # a tied weight's gradient is the sum over the stages using it
             for stage in self.stages.values():
@@ -325,9 +288,101 @@ class PipelineRunner(torch.nn.Module):
                     dist.all_reduce(weight.grad, group=group)
         group, coord, size = self.comm_pp
         last_owner = self.schedule.stage_to_rank[len(self.stage_graphs) - 1]
-        loss = torch.stack([losses[i].detach() for i in range(m)]).mean() if losses else torch.zeros(())
+        losses = step.losses
+        loss = torch.stack([losses[i].detach() for i in range(self.microbatches)]).mean() if losses \
+            else torch.zeros(())
         dist.broadcast(loss, group_src=last_owner, group=group)
         return loss
+
+    def _run(self, action, step, posted):
+        s, mb, kind = action.stage, action.microbatch, action.kind
+        graph = self.stage_graphs[s]
+        if kind == "F":
+            self._forward(s, mb, step)
+        elif kind == "SEND_F":
+            _, produced = step.ctx[(s, mb)]
+            step.pending += self._send([produced[n] for n in graph.sends], self.peer_rank[action.peer],
+                                       min(s, action.peer), mb, "F")
+        elif kind == "RECV_F":
+            step.received[(s, mb)] = self._wait(posted.pop(_recv_key(action)))
+        elif kind in ("B", "I"):
+            self._backward(s, mb, step, weights_too=kind == "B")
+        elif kind == "W":
+            self._weight_pass(s, mb, step)
+        elif kind == "SEND_B":
+            leaves = step.ctx[(s, mb)][0]
+            out = [leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n])
+                   for n in graph.receives]
+            step.pending += self._send(out, self.peer_rank[action.peer], min(s, action.peer), mb, "B")
+            if (s, mb) not in step.deferred:
+                step.ctx.pop((s, mb))
+        elif kind == "RECV_B":
+            step.grads_in[(s, mb)] = self._wait(posted.pop(_recv_key(action)))
+
+    def _forward(self, s, mb, step):
+        graph = self.stage_graphs[s]
+        values = dict(step.micro[mb])
+        leaves = {}
+        for name, tensor in zip(graph.receives, step.received.pop((s, mb), [])):
+            if tensor.is_floating_point():
+                tensor.requires_grad_(True)
+            leaves[name] = tensor
+        values.update(leaves)
+        stage = self.stages[str(s)]
+        if self._split_backward:
+            points, _ = stage.weight_meeting_points()
+            outputs, step.recorded[(s, mb)] = stage.run_recording(values, [n for n, _ in points])
+        else:
+            outputs = stage.run(values)
+        step.ctx[(s, mb)] = (leaves, {**leaves, **outputs})
+        if s == len(self.stage_graphs) - 1:
+            step.losses[mb] = outputs[self.loss_name]
+
+    def _backward(self, s, mb, step, weights_too: bool):
+        """``B`` (``weights_too``): the whole backward of the stage for one microbatch. ``I``: the
+        received activations' gradients only; the graph is kept, and the output gradients of the
+        weight ops (captured by hooks on their recorded outputs) are kept for ``W``."""
+        graph = self.stage_graphs[s]
+        leaves, produced = step.ctx[(s, mb)]
+        if s == len(self.stage_graphs) - 1:
+            loss = step.losses[mb]
+            tensors, grads = [loss], [torch.full_like(loss, 1.0 / self.microbatches)]
+        else:
+            pairs = [(produced[n], g) for n, g in zip(graph.sends, step.grads_in.pop((s, mb), []))
+                     if produced[n].requires_grad]
+            tensors, grads = [p for p, _ in pairs], [g for _, g in pairs]
+        activation = [leaf for leaf in leaves.values() if leaf.requires_grad]
+        step.ctx[(s, mb)] = (leaves, None)
+        if weights_too:
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+            return
+        captured = {}
+        hooks = [y.register_hook(lambda g, name=name: captured.__setitem__(name, g))
+                 for name, y in step.recorded.get((s, mb), {}).items()
+                 if isinstance(y, torch.Tensor) and y.requires_grad]
+        if tensors and activation:
+            torch.autograd.backward(tensors, grads, inputs=activation, retain_graph=True)
+        for hook in hooks:
+            hook.remove()
+        step.deferred[(s, mb)] = (tensors, grads, captured, step.recorded.pop((s, mb), {}))
+
+    def _weight_pass(self, s, mb, step):
+        """``W``: parameter gradients from the weight ops' captured output gradients; parameters
+        no input gradient passes through get one full pass from the stage outputs."""
+        tensors, grads, captured, seen = step.deferred.pop((s, mb))
+        stage = self.stages[str(s)]
+        points, rest = stage.weight_meeting_points()
+        rest = set(rest)
+        for name, params in points:
+            weights = [stage.param(p) for p in params if stage.param(p).requires_grad]
+            if name in captured and weights:
+                torch.autograd.backward([seen[name]], [captured[name]], inputs=weights, retain_graph=True)
+            elif name not in captured:
+                rest |= params
+        leftover = [stage.param(p) for p in rest if stage.param(p).requires_grad]
+        if tensors and leftover:
+            torch.autograd.backward(tensors, grads, inputs=leftover)
 
     # -- state ---------------------------------------------------------------------------------
     def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
