@@ -451,6 +451,8 @@ def main(argv=None):
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--pin", action="store_true", help="pin each rank to its own core (sched_setaffinity)")
     ap.add_argument("--hf-check", action="store_true", help="also try HF GPT2 (eager attention) in both")
+    ap.add_argument("--no-fixed", dest="fixed", action="store_false",
+                    help="skip bar 1 on fixed-duration kernels (benchmarks/pipeline_fixed_kernels.py)")
     args = ap.parse_args(argv)
 
     from runtime.launch import run_on_ranks
@@ -473,6 +475,11 @@ def main(argv=None):
         results.append(r)
         print(f"{schedule}: {r['run_s']:.1f} s", flush=True)
     hf = run_on_ranks(hf_gpt2_check, 2, timeout_s=300, collective_timeout_s=30) if args.hf_check else None
+    fixed = None
+    if args.fixed:
+        import pipeline_fixed_kernels
+        fixed = pipeline_fixed_kernels.measure(args.schedules.split(","))
+        print(pipeline_fixed_kernels.table(fixed))
     latency = run_on_ranks(p2p_latency, 2, timeout_s=120)[1]
     load_after = os.getloadavg()
     wall = time.perf_counter() - wall
@@ -546,12 +553,19 @@ def main(argv=None):
                | {"means_ms": {s: {k: v * 1e3 for k, v in d.items()} for s, d in r["means"].items()},
                   "torch_means_ms": {s: {k: v * 1e3 for k, v in d.items()} for s, d in r["torch_means"].items()}}
                for r in results}
+        if fixed:
+            for p in sorted({r["p"] for r in fixed}):
+                timelines = {f"{r['schedule']}, p={p}, fixed-duration kernels, measured (median-idle step)":
+                             r["timeline"] for r in fixed if r["p"] == p}
+                (out / f"{args.date}-pipeline-fixed-p{p}.svg").write_text(timeline_svg(timelines))
+                (out / f"{args.date}-pipeline-fixed-p{p}.json").write_text(chrome_trace(timelines))
+            raw["fixed_kernels"] = [{k: v for k, v in r.items() if k != "timeline"} for r in fixed]
         _write_markdown(out / f"{args.date}-pipeline.md", args, table, rows, results, raw, hf, wall,
-                        load_before, load_after, latency)
+                        load_before, load_after, latency, fixed)
     return rows
 
 
-def _write_markdown(path, args, table, rows, results, raw, hf, wall, load_before, load_after, latency):
+def _write_markdown(path, args, table, rows, results, raw, hf, wall, load_before, load_after, latency, fixed=None):
     def ms(means):
         return "; ".join(f"{s}: " + " ".join(f"{k} {v * 1e3:.1f}" for k, v in d.items()) for s, d in sorted(means.items()))
 
@@ -623,6 +637,27 @@ def _write_markdown(path, args, table, rows, results, raw, hf, wall, load_before
         "\n".join(lat),
         "",
     ]
+    if fixed:
+        import pipeline_fixed_kernels
+        ps = sorted({r["p"] for r in fixed})
+        text += [
+            "## Bar 1 on fixed-duration kernels (`benchmarks/pipeline_fixed_kernels.py`)",
+            "",
+            ("The same executor on `benchmarks/timed_kernels.TimedLayers`: 4 layers per stage, each layer's forward, "
+             "input-gradient and weight-gradient kernel taking exactly 10 ms of wall-clock time (sleeping, so the "
+             "CPU stays free for gloo, as a GPU kernel leaves the host free), m=8, p in (" + ", ".join(map(str, ps))
+             + ") gloo ranks. What varies from the formula is then only what the executor adds: the interpreter, "
+             "autograd, posting and sending messages and waiting for them. ZB-H1's formula with F = I = W is "
+             "(p-1)/(3m+p-1). 'simulated, nominal durations' replays the schedule with the kernels' durations "
+             "(it reproduces the closed forms); '+ measured message latency' adds the median latency measured in "
+             "the same steps (a producing action's end to the end of the receive that waited for it) to every "
+             "dependency between ranks."),
+            "",
+            pipeline_fixed_kernels.table(fixed),
+            "",
+            "Timelines: " + ", ".join(f"`{args.date}-pipeline-fixed-p{p}.svg`/`.json`" for p in ps) + ".",
+            "",
+        ]
     if hf:
         text += ["## HF GPT2 with eager attention, 4 stages on 2 ranks (interleaved, 2 stages per rank)", ""]
         for key in hf[0]:

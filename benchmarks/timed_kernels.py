@@ -67,7 +67,12 @@ def _wanted(ctx, index: int) -> bool:
     ``needs_input_grad`` is fixed at forward time; built-in ops also skip the gradients that a
     ``backward(inputs=...)`` does not ask for, and this asks the engine the same question."""
     node = ctx.next_functions[index][0]
-    return ctx.needs_input_grad[index] and node is not None and torch._C._will_engine_execute_node(node)
+    if not ctx.needs_input_grad[index] or node is None:
+        return False
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:   # autograd.grad() on a leaf cannot be asked: it wants what it was given
+        return True
 
 
 def _backward(ctx, grad):
