@@ -478,7 +478,10 @@ def main(argv=None):
     fixed = None
     if args.fixed:
         import pipeline_fixed_kernels
-        fixed = pipeline_fixed_kernels.measure(args.schedules.split(","))
+        schedules = args.schedules.split(",")
+        fixed = pipeline_fixed_kernels.measure(schedules, ranks=(2, 4), layer_ms=10.0)
+        # the same at 4x longer kernels: a cost fixed per message shrinks relative to the formula
+        fixed += pipeline_fixed_kernels.measure(schedules, ranks=(2,), layer_ms=40.0, steps=4, warmup=1)
         print(pipeline_fixed_kernels.table(fixed))
     latency = run_on_ranks(p2p_latency, 2, timeout_s=120)[1]
     load_after = os.getloadavg()
@@ -554,11 +557,11 @@ def main(argv=None):
                   "torch_means_ms": {s: {k: v * 1e3 for k, v in d.items()} for s, d in r["torch_means"].items()}}
                for r in results}
         if fixed:
-            for p in sorted({r["p"] for r in fixed}):
-                timelines = {f"{r['schedule']}, p={p}, fixed-duration kernels, measured (median-idle step)":
-                             r["timeline"] for r in fixed if r["p"] == p}
-                (out / f"{args.date}-pipeline-fixed-p{p}.svg").write_text(timeline_svg(timelines))
-                (out / f"{args.date}-pipeline-fixed-p{p}.json").write_text(chrome_trace(timelines))
+            for p, ms in sorted({(r["p"], r["layer_ms"]) for r in fixed}):
+                timelines = {f"{r['schedule']}, p={p}, {ms:g} ms kernels, measured (median-idle step)":
+                             r["timeline"] for r in fixed if (r["p"], r["layer_ms"]) == (p, ms)}
+                (out / f"{args.date}-pipeline-fixed-p{p}-{ms:g}ms.svg").write_text(timeline_svg(timelines))
+                (out / f"{args.date}-pipeline-fixed-p{p}-{ms:g}ms.json").write_text(chrome_trace(timelines))
             raw["fixed_kernels"] = [{k: v for k, v in r.items() if k != "timeline"} for r in fixed]
         _write_markdown(out / f"{args.date}-pipeline.md", args, table, rows, results, raw, hf, wall,
                         load_before, load_after, latency, fixed)
@@ -639,14 +642,15 @@ def _write_markdown(path, args, table, rows, results, raw, hf, wall, load_before
     ]
     if fixed:
         import pipeline_fixed_kernels
-        ps = sorted({r["p"] for r in fixed})
+        ps = sorted({(r["p"], r["layer_ms"]) for r in fixed})
         text += [
             "## Bar 1 on fixed-duration kernels (`benchmarks/pipeline_fixed_kernels.py`)",
             "",
             ("The same executor on `benchmarks/timed_kernels.TimedLayers`: 4 layers per stage, each layer's forward, "
-             "input-gradient and weight-gradient kernel taking exactly 10 ms of wall-clock time (sleeping, so the "
-             "CPU stays free for gloo, as a GPU kernel leaves the host free), m=8, p in (" + ", ".join(map(str, ps))
-             + ") gloo ranks. What varies from the formula is then only what the executor adds: the interpreter, "
+             "input-gradient and weight-gradient kernel taking exactly 10 ms of wall-clock time (about the GPT's "
+             "own layer time here; sleeping, so the CPU stays free for gloo, as a GPU kernel leaves the host free), "
+             "m=8, on 2 and 4 gloo ranks; then 40 ms kernels on 2 ranks, to see which part of the excess is a "
+             "fixed cost per message. What varies from the formula is then only what the executor adds: the interpreter, "
              "autograd, posting and sending messages and waiting for them. ZB-H1's formula with F = I = W is "
              "(p-1)/(3m+p-1). 'simulated, nominal durations' replays the schedule with the kernels' durations "
              "(it reproduces the closed forms); '+ measured message latency' adds the median latency measured in "
@@ -655,7 +659,7 @@ def _write_markdown(path, args, table, rows, results, raw, hf, wall, load_before
             "",
             pipeline_fixed_kernels.table(fixed),
             "",
-            "Timelines: " + ", ".join(f"`{args.date}-pipeline-fixed-p{p}.svg`/`.json`" for p in ps) + ".",
+            "Timelines: " + ", ".join(f"`{args.date}-pipeline-fixed-p{p}-{ms:g}ms.svg`/`.json`" for p, ms in ps) + ".",
             "",
         ]
     if hf:

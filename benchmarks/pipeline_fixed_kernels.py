@@ -58,7 +58,7 @@ def _message_latencies(traces: list) -> list:
     for trace in traces:
         for text, _, end in trace:
             a = parse_action(text)
-            if a.is_compute:
+            if a.kind.value in ("F", "B", "I"):    # what a message leaves after (W sends nothing)
                 ends[("F" if a.kind.value == "F" else "B", a.stage, a.microbatch)] = end
     out = []
     for trace in traces:
@@ -121,12 +121,12 @@ def measure(schedules=SCHEDULES, ranks=(2, 4), steps=8, warmup=2, layer_ms=10.0,
             with_latency = simulate(sched, stage_ms, 2 * stage_ms, comm_time=latency).bubble_fraction
             idle = statistics.median(r["idles"])
             form = closed_form(schedule, p)
-            rows.append({"schedule": schedule, "p": p, "m": M, "idle": idle, "idles": r["idles"],
+            rows.append({"schedule": schedule, "p": p, "m": M, "layer_ms": layer_ms, "idle": idle, "idles": r["idles"],
                          "formula": form, "ratio": idle / form, "simulated": nominal,
                          "simulated_latency": with_latency, "latency_ms": latency * 1e3,
                          "step_s": statistics.median(r["step_s"]), "layers": r["layers"],
                          "timeline": r["timeline"], "run_s": time.perf_counter() - t})
-            log(f"fixed kernels p={p} {schedule}: idle {idle:.4f} formula {form:.4f} ratio {idle / form:.3f} "
+            log(f"fixed kernels p={p} {layer_ms:g} ms {schedule}: idle {idle:.4f} formula {form:.4f} ratio {idle / form:.3f} "
                 f"(latency {latency * 1e3:.2f} ms, {time.perf_counter() - t:.0f} s)")
     by = {(row["p"], row["schedule"]): row for row in rows}
     for row in rows:
@@ -139,16 +139,16 @@ def measure(schedules=SCHEDULES, ranks=(2, 4), steps=8, warmup=2, layer_ms=10.0,
 
 
 def table(rows) -> str:
-    lines = ["| p | schedule | stages (layers) | measured idle (min / median / max) | formula | measured/formula | "
+    lines = ["| p | kernel ms | schedule | stages (layers) | measured idle (min / median / max) | formula | measured/formula | "
              "bar 1 (<= 1.1) | simulated, nominal durations | simulated + measured message latency | "
              "median message latency (ms) | s/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         note = ""
         if "below_1f1b" in r:
             note = "; below 1F1B" if r["below_1f1b"] else "; NOT below 1F1B"
         stages = " / ".join(",".join(map(str, run)) for run in r["layers"])
-        lines.append(f"| {r['p']} | {r['schedule']} | {stages} | {min(r['idles']):.4f} / {r['idle']:.4f} / "
+        lines.append(f"| {r['p']} | {r['layer_ms']:g} | {r['schedule']} | {stages} | {min(r['idles']):.4f} / {r['idle']:.4f} / "
                      f"{max(r['idles']):.4f} | {r['formula']:.4f} | {r['ratio']:.3f} | "
                      f"{'PASS' if r['bar'] else 'FAIL'}{note} | {r['simulated']:.4f} | {r['simulated_latency']:.4f} | "
                      f"{r['latency_ms']:.2f} | {r['step_s']:.3f} |")
