@@ -595,7 +595,8 @@ def _write_markdown(path, args, table, rows, results, raw, hf, wall, load_before
         (f"Reproduce: `python benchmarks/pipeline.py --out-dir benchmarks/results --date {args.date}"
         f"{' --hf-check' if hf else ''}` ({wall:.0f} s here)."),
         "",
-        f"Code: commit {_git('rev-parse', '--short', 'HEAD')} plus this script (uncommitted).",
+        (f"Code: commit {_git('rev-parse', '--short', 'HEAD')}"
+         + (" plus uncommitted changes." if _git("status", "--porcelain", "--untracked-files=no") else ".")),
         "",
         (f"Machine: {os.cpu_count()}-core CPU VM, Python {platform.python_version()}, torch {torch.__version__}; "
         f"p={P} gloo ranks on the 2 cores, one rank per core (1 compute thread each, "
