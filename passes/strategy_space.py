@@ -42,6 +42,16 @@ __all__ = ["NodeChoice", "Group", "EdgeCost", "StrategySpace", "build_space", "e
            "replicated_outputs"]
 
 
+def _is_parameter(node) -> bool:
+    """A parameter, or a view of one (``W.t()`` feeding a matmul)."""
+    while node.op == "call_function" and getattr(rule_for(node), "is_view", False):
+        inputs = tensor_input_nodes(node)
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+    return info(node).kind == "param"
+
+
 @dataclass(frozen=True)
 class NodeChoice:
     """One node's placements under one option of its group."""
@@ -201,8 +211,7 @@ class _Builder:
             grads_in = sum(1 for a in self.inputs_of(node) if info(a).requires_grad)
             factor = min(2, grads_in) if rule.contraction else 1
             bwd = factor * fwd
-            if rule.contraction and any(info(a).kind == "param" and info(a).requires_grad
-                                        for a in self.inputs_of(node)):
+            if rule.contraction and any(_is_parameter(a) and info(a).requires_grad for a in self.inputs_of(node)):
                 weight = fwd
         act = 0.0
         if i.saved:

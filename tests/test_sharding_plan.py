@@ -138,3 +138,31 @@ def test_bad_arguments_are_named():
         partitioner.plan(model, inputs, mesh_shape="8by8")
     with pytest.raises(TypeError, match="example_inputs must be"):
         partitioner.plan(model, 3.0)
+
+
+class _TransposedWeight(__import__("torch").nn.Module):
+    """A matmul whose weight arrives through a view (``x @ W.t()``), then a data-only product."""
+
+    def __init__(self):
+        import torch
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 32))
+
+    def forward(self, x):
+        y = x @ self.w.t()
+        return (y @ y.transpose(0, 1)).sum()
+
+
+def test_estimate_prices_weight_gradients_through_views():
+    """``Estimate.weight_grad_s`` (what a zero-bubble W pass runs) is the weight product of the
+    matmul whose weight is a view of a parameter, and nothing of the data-only product."""
+    import torch
+    model, x = _TransposedWeight(), torch.randn(128, 32)
+    p = partitioner.plan(model, (x,), mesh_shape=(1,), cluster="h100")
+    matmuls = [r for r in p.records if r["target"].startswith("aten.mm") or r["target"].startswith("aten.matmul")]
+    assert len(matmuls) == 2, [r["target"] for r in p.records]
+    weighted, data_only = matmuls
+    # x needs no gradient: the record's time is forward + weight product, half each
+    assert weighted["weight_grad_s"] == pytest.approx(weighted["compute_s"] / 2)
+    assert "weight_grad_s" not in data_only
+    assert p.estimate().weight_grad_s == pytest.approx(weighted["weight_grad_s"])
