@@ -5,7 +5,9 @@ stages, each on a sub-mesh of 2 ranks planned for tensor / data / sequence paral
 model. Steps: capture on one microbatch; cut at layer boundaries (:mod:`passes.split_stages`);
 rank 0 plans every stage on the sub-mesh (stage boundaries replicated) and broadcasts the plans;
 each rank lowers its own stages, slices their parameters, and builds the schedule (checked for
-deadlock before anything runs).
+deadlock before anything runs). Left open, the microbatches are the most (up to 4 per stage)
+that divide the batch, and the schedule is the one simulated fastest with the stage plans' cost
+estimates (``passes.pipeline_schedules.choose_schedule``).
 """
 from __future__ import annotations
 
@@ -54,31 +56,15 @@ class PipelineConfig:
         return cfg
 
     def resolve(self, batch: int) -> "PipelineConfig":
-        """Fill in the microbatches and the schedule when not given.
-
-        Microbatches: the largest of 4p, 2p, p that divides the batch (more microbatches, a
-        smaller bubble). Schedule: the fastest by :func:`passes.pipeline_schedules.simulate` with
-        uniform stages (forward 1, backward 2); zero-bubble's weight pass is priced as this
-        interpreter runs it (a second pass over the stage, half a backward), ties go to the
-        schedule keeping fewer microbatches in flight.
-        """
-        from passes import pipeline_schedules as ps
+        """Fill in the microbatches when not given: the largest of 4p, 2p, p that divides the
+        batch (more microbatches, a smaller bubble). The schedule, when not given, is chosen
+        once the stages are planned (:func:`passes.pipeline_schedules.choose_schedule`)."""
         p = self.degree
         m = self.microbatches or next((k for k in (4 * p, 2 * p, p) if batch % k == 0), 0)
         if not m:
             raise ValueError(f"the batch ({batch}) does not split into {p} or more equal microbatches for "
                              f"{p} pipeline stages; give pipeline={{'microbatches': k}} with k dividing the batch")
-        schedule = self.schedule
-        if schedule is None:
-            options = {"1f1b": ps.one_f_one_b(p, m), "gpipe": ps.gpipe(p, m), "zb-h1": ps.zb_h1(p, m)}
-            def score(name):
-                sched = options[name]
-                weight = 1.0 if name == "zb-h1" else None
-                backward = 3.0 if name == "zb-h1" else 2.0
-                sim = ps.simulate(sched, 1.0, backward, weight)
-                return (round(sim.makespan, 9), max(ps.peak_in_flight(sched).values()))
-            schedule = min(options, key=score)
-        return PipelineConfig(self.degree, schedule, m, self.virtual_stages)
+        return PipelineConfig(self.degree, self.schedule, m, self.virtual_stages)
 
 
 def _make_schedule(cfg: PipelineConfig):
@@ -95,6 +81,21 @@ def _make_schedule(cfg: PipelineConfig):
     sched = ps.add_communication(sched)
     ps.assert_valid(sched)
     return sched
+
+
+def _choose(config: PipelineConfig, plans, graphs, log):
+    """The schedule simulated fastest with the stage plans' cost estimates."""
+    from passes import pipeline_schedules as ps
+    from passes.analyze import info
+    takes = [any(info(n).dtype is not None and info(n).dtype.is_floating_point
+                 for n in g.captured.graph.nodes if n.op == "placeholder" and n.name in g.activation_inputs)
+             for g in graphs]
+    forward, backward, weight = ps.stage_durations([plan.estimate() for plan in plans], takes)
+    name, steps = ps.choose_schedule(config.degree, config.microbatches, forward, backward, weight)
+    log("pipeline: schedule " + name + " (simulated step with the stage estimates: "
+        + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in sorted(steps.items(), key=lambda kv: kv[1])) + ")")
+    config = PipelineConfig(config.degree, name, config.microbatches, config.virtual_stages)
+    return config, _make_schedule(config)
 
 
 def _microbatch(example_inputs, m):
@@ -130,10 +131,12 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, cluster, pins,
     batch = next((x.shape[0] for x in (example_inputs.values() if isinstance(example_inputs, dict) else example_inputs)
                   if isinstance(x, torch.Tensor) and x.dim() > 0), 0)
     config = config.resolve(batch)
-    log(f"pipeline: {config.degree} stages x {config.virtual_stages}, schedule {config.schedule}, "
-        f"{config.microbatches} microbatches")
-    schedule = _make_schedule(config)
-    stages = schedule.num_stages
+    # a given schedule is built (and checked) before any work; an open one is chosen by simulating
+    # the planned stages
+    schedule = _make_schedule(config) if config.schedule is not None else None
+    stages = schedule.num_stages if schedule is not None else config.degree
+    log(f"pipeline: {config.degree} ranks, {stages} stages, {config.microbatches} microbatches, schedule "
+        f"{config.schedule or 'chosen after planning the stages'}")
     micro = _microbatch(example_inputs, config.microbatches)
     cap = capture(model, micro)
     analyze(cap)
@@ -174,6 +177,8 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, cluster, pins,
         payload = [plans]
     dist.broadcast_object_list(payload, src=0)
     plans = [ShardingPlan.from_dict(json.loads(text)) for text in payload[0]]
+    if schedule is None:
+        config, schedule = _choose(config, plans, graphs, log)
 
     pp_coord = full.coords[0]
     sub_size = 1

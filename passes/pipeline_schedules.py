@@ -84,6 +84,7 @@ __all__ = [
     "looped_stage_to_rank", "v_shape_stage_to_rank",
     "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1",
     "add_communication", "check_schedule", "assert_valid", "simulate", "peak_in_flight",
+    "stage_durations", "choose_schedule", "AUTO_SCHEDULES",
 ]
 
 
@@ -882,3 +883,43 @@ def peak_in_flight(schedule: Schedule) -> dict:
                 live -= 1
         peaks[rank] = peak
     return peaks
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage durations from the cost model, and the schedule they favour
+
+
+def stage_durations(estimates: Sequence, takes_activations: Sequence[bool]) -> tuple:
+    """(forward, backward, weight) seconds per microbatch for each stage, as dicts by stage.
+
+    ``estimates[s]`` is stage ``s``'s cost estimate for one microbatch (``step_time_s``:
+    forward + backward; ``weight_grad_s``: its parameter-gradient products). A third of the step
+    is forward, two thirds backward. ``weight`` is what a zero-bubble W pass runs: the parameter
+    products, or the whole backward on a stage that takes no floating-point activations (the
+    first: its input-gradient pass has nothing to compute, so all of its backward waits for W).
+    """
+    forward, backward, weight = {}, {}, {}
+    for s, (est, takes) in enumerate(zip(estimates, takes_activations)):
+        forward[s] = est.step_time_s / 3.0
+        backward[s] = 2.0 * est.step_time_s / 3.0
+        weight[s] = min(est.weight_grad_s, backward[s]) if takes else backward[s]
+    return forward, backward, weight
+
+
+AUTO_SCHEDULES = ("1f1b", "zb-h1", "gpipe")
+"""The schedules :func:`choose_schedule` weighs (one stage per rank), in tie-break order."""
+
+
+def choose_schedule(p: int, m: int, forward: StageTime, backward: StageTime, weight: StageTime) -> tuple:
+    """The fastest one-stage-per-rank schedule for these stage durations: each of
+    :data:`AUTO_SCHEDULES` is simulated; the shortest step wins, then the fewest microbatches in
+    flight on any rank (activation memory), then the order of :data:`AUTO_SCHEDULES`.
+    Returns (name, {name: simulated step seconds})."""
+    makers = {"1f1b": one_f_one_b, "zb-h1": zb_h1, "gpipe": gpipe}
+    steps, keys = {}, {}
+    for order, name in enumerate(AUTO_SCHEDULES):
+        sched = makers[name](p, m)
+        result = simulate(sched, forward, backward, weight)
+        steps[name] = result.makespan
+        keys[name] = (round(result.makespan, 12), max(peak_in_flight(sched).values()), order)
+    return min(AUTO_SCHEDULES, key=keys.__getitem__), steps

@@ -34,21 +34,12 @@ def measured_timeline(runner) -> dict:
 
 
 def stage_times(runner) -> tuple:
-    """(forward, backward, weight) seconds per microbatch for each stage, from its plan's estimate.
-
-    A third of a stage's step is forward, two thirds backward. ``weight`` is the part of the
-    backward a zero-bubble W pass runs: the plan's parameter-gradient products, or the whole
-    backward on a stage that receives no floating-point activations (the first: its input
-    gradient pass has nothing to compute, so everything waits for W, as the runner does it)."""
-    forward, backward, weight = {}, {}, {}
-    for s, plan in enumerate(runner.plan["stages"]):
-        est = plan.estimate()
-        forward[s] = est.step_time_s / 3.0
-        backward[s] = 2.0 * est.step_time_s / 3.0
-        receives_activations = any(runner.carried_meta[name][1].is_floating_point
-                                   for name in runner.stage_graphs[s].receives)
-        weight[s] = min(est.weight_grad_s, backward[s]) if receives_activations else backward[s]
-    return forward, backward, weight
+    """(forward, backward, weight) seconds per microbatch for each stage, from its plan's estimate
+    (:func:`passes.pipeline_schedules.stage_durations`)."""
+    from passes.pipeline_schedules import stage_durations
+    takes = [any(runner.carried_meta[name][1].is_floating_point for name in graph.receives)
+             for graph in runner.stage_graphs]
+    return stage_durations([plan.estimate() for plan in runner.plan["stages"]], takes)
 
 
 def simulated_timeline(runner, forward=None, backward=None, weight=None) -> dict:

@@ -113,6 +113,11 @@ def pipeline_worker(rank, world, cfg):
     result["schedule"] = {"name": sched.name, "ranks": sched.num_ranks, "stages": sched.num_stages,
                           "microbatches": sched.num_microbatches, "stage_to_rank": list(sched.stage_to_rank)}
     result["layers"] = [list(run) for run in runner.plan["layers"]]
+    if cfg["pipeline"].get("schedule") is None:   # what the stage estimates favour, recomputed here
+        from passes.pipeline_schedules import choose_schedule
+        from runtime.pipeline_trace import stage_times
+        name, _ = choose_schedule(sched.num_ranks, sched.num_microbatches, *stage_times(runner))
+        result["expected_schedule"] = name.replace("-", "_")
     result["sends"] = [list(g.sends) for g in runner.stage_graphs]
     if rank == 0:   # what the stage plans decided for parameters and inputs (FQN / argument name)
         placements = []
@@ -382,3 +387,17 @@ def test_zero_bubble_splits_input_and_weight_gradients():
     forward, backward, weight = results[0]["stage_times"]
     assert weight[0] == backward[0] > forward[0] > 0, (forward, backward, weight)
     assert 0.3 * backward[1] < weight[1] < 0.7 * backward[1], (backward, weight)
+
+
+# ------------------------------------------------------------------ chosen microbatches and schedule
+
+
+def test_open_config_chooses_microbatches_and_schedule_and_stays_exact():
+    """``pipeline={"degree": 2}`` alone: the microbatches are the most (4 per stage) that divide
+    the batch, the schedule is the one simulated fastest with the stage plans' estimates (the
+    same choice ``choose_schedule`` makes from them here), and the run is exact."""
+    cfg = {"model": "gpt", "mesh": (2,), "pipeline": {"degree": 2}, "n_layer": 4, "pins": None}
+    results = run_checked(pipeline_worker, cfg, TIMEOUT_S)
+    sched = results[0]["schedule"]
+    assert sched["microbatches"] == 8 and sched["stages"] == 2, sched
+    assert sched["name"] == results[0]["expected_schedule"], (sched, results[0]["expected_schedule"])

@@ -382,3 +382,29 @@ def test_schedule_shape_is_validated():
         Schedule("x", 2, 2, 1, (0, 2), {})
     with pytest.raises(ValueError, match="ranks \\[5\\]"):
         Schedule("x", 2, 2, 1, (0, 1), {5: []})
+
+
+# ------------------------------------------------------------------ durations and the automatic choice
+
+
+def test_stage_durations_split_the_estimate():
+    from types import SimpleNamespace as Est
+
+    from passes.pipeline_schedules import stage_durations
+    estimates = [Est(step_time_s=3.0, weight_grad_s=0.9), Est(step_time_s=6.0, weight_grad_s=1.5),
+                 Est(step_time_s=6.0, weight_grad_s=9.0)]
+    forward, backward, weight = stage_durations(estimates, [False, True, True])
+    assert forward == {0: 1.0, 1: 2.0, 2: 2.0} and backward == {0: 2.0, 1: 4.0, 2: 4.0}
+    # no activations in: the whole backward is W; otherwise the weight products, at most B
+    assert weight == {0: 2.0, 1: 1.5, 2: 4.0}
+
+
+def test_choose_schedule_known_answers():
+    from passes.pipeline_schedules import choose_schedule
+    # uniform stages, W half of B: zero-bubble fills the bubble with W, and wins
+    name, steps = choose_schedule(4, 8, 1.0, 2.0, 1.0)
+    assert name == "zb-h1" and steps["zb-h1"] < steps["1f1b"] == steps["gpipe"], steps
+    # nothing to defer (W = 0): every schedule takes as long; 1F1B holds fewer microbatches than
+    # GPipe and comes first among equals
+    name, steps = choose_schedule(4, 8, 1.0, 2.0, 0.0)
+    assert name == "1f1b" and steps["1f1b"] == steps["gpipe"] == steps["zb-h1"], steps
