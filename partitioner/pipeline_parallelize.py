@@ -3,7 +3,8 @@
 The first mesh axis is the pipeline axis: ``mesh=(2, 2), pipeline={"degree": 2}`` gives two
 stages, each on a sub-mesh of 2 ranks planned for tensor / data / sequence parallelism like any
 model. Steps: capture on one microbatch; cut at layer boundaries (:mod:`passes.split_stages`);
-rank 0 plans every stage on the sub-mesh (stage boundaries replicated) and broadcasts the plans;
+rank 0 plans the stages on the sub-mesh in order (a stage's inputs pinned to the placements the
+stage before sends them in: each rank sends only its own piece) and broadcasts the plans;
 each rank lowers its own stages, slices their parameters, and builds the schedule (checked for
 deadlock before anything runs). Left open, the microbatches are the most (up to 4 per stage)
 that divide the batch, and the schedule is the one simulated fastest with the stage plans' cost
@@ -83,14 +84,28 @@ def _make_schedule(cfg: PipelineConfig):
     return sched
 
 
+def _sent_placements(graph, plan, ndim) -> dict:
+    """Activation name (as later stages call it) -> the placement this stage sends it in: where
+    its plan put the value, partial sums reduced (what lowering does at a stage boundary)."""
+    import torch.fx as fx
+
+    from passes.cost_model import dual_spec
+    from passes.placements import format_spec, parse_spec
+    records = {r["name"]: r for r in plan.records}
+    returned = graph.captured.graph.find_nodes(op="output")[0].args[0]
+    returned = returned if isinstance(returned, (list, tuple)) else [returned]
+    out = {}
+    for node, name in zip(returned, graph.outputs):
+        if name is not None and isinstance(node, fx.Node) and records.get(node.name, {}).get("out"):
+            out[name] = format_spec(dual_spec(parse_spec(records[node.name]["out"][0], ndim)))
+    return out
+
+
 def _choose(config: PipelineConfig, plans, graphs, log):
     """The schedule simulated fastest with the stage plans' cost estimates."""
     from passes import pipeline_schedules as ps
-    from passes.analyze import info
-    takes = [any(info(n).dtype is not None and info(n).dtype.is_floating_point
-                 for n in g.captured.graph.nodes if n.op == "placeholder" and n.name in g.activation_inputs)
-             for g in graphs]
-    forward, backward, weight = ps.stage_durations([plan.estimate() for plan in plans], takes)
+    forward, backward, weight = ps.stage_durations([plan.estimate() for plan in plans],
+                                                   [g.takes_activations for g in graphs])
     name, steps = ps.choose_schedule(config.degree, config.microbatches, forward, backward, weight)
     log("pipeline: schedule " + name + " (simulated step with the stage estimates: "
         + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in sorted(steps.items(), key=lambda kv: kv[1])) + ")")
@@ -117,7 +132,7 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, cluster, pins,
     from passes.analyze import analyze, info
     from passes.capture import capture
     from passes.lower_to_local import lower_to_local, strided_parameters
-    from passes.placements import parse_spec
+    from passes.placements import local_shape, parse_spec
     from passes.rules import tensor_input_nodes
     from passes.split_stages import assign_stages, split_stages
     from runtime.collectives import MeshComm
@@ -160,20 +175,23 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, cluster, pins,
     payload = [None]
     if dist.get_rank() == 0:
         plans = []
+        sent_as = {}    # activation -> the placement its producing stage sends it in
         for g in graphs:
-            stage_pins = {name: ["R"] * len(sub.shape) for name in g.activation_inputs}
             # tied weights live on several stages: replicate them so their gradients add up elementwise
-            stage_pins.update({name: ["R"] * len(sub.shape) for name in g.inputs if name in tied_names})
+            stage_pins = {name: ["R"] * len(sub.shape) for name in g.inputs if name in tied_names}
             for key, value in (pins or {}).items():
                 try:
                     resolve_pins(g.captured, {key: value}, len(sub.shape))
                 except ValueError:
                     continue
                 stage_pins[key] = value
+            # activations arrive as the earlier stage placed them: rank (s, c) sends its piece to (s+1, c)
+            stage_pins.update({name: sent_as[name] for name in g.activation_inputs})
             made = plan_captured(g.captured, model_name=f"{type(model).__name__} stage {g.index}",
                                  mesh_shape=sub.shape, mesh_axis_names=sub.axis_names, cluster=cluster,
                                  memory_budget=memory_budget, pins=stage_pins, objective=objective, log=log)
             plans.append(made.to_json())
+            sent_as.update(_sent_placements(g, made, len(sub.shape)))
         payload = [plans]
     dist.broadcast_object_list(payload, src=0)
     plans = [ShardingPlan.from_dict(json.loads(text)) for text in payload[0]]
@@ -206,17 +224,19 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, cluster, pins,
                     local = shard_tensor(value.detach(), spec, sub, strided.get(fqn)).to(device).clone()
                     target[node.name] = (fqn, local)
         owned[s] = _StageWithInputs(StageProgram(s, program, g.inputs, g.outputs, params, buffers, specs, sub,
-                                                 plans[s], strided), sub)
+                                                 plans[s], strided), sub, g.activation_inputs)
     last = graphs[-1]
     out_node = last.captured.graph.find_nodes(op="output")[0]
     loss_name = next((name for name, n in zip(last.outputs, tensor_input_nodes(out_node)) if info(n).shape == ()), None)
     if loss_name is None:
         raise ValueError("pipeline training needs the model to return a scalar loss (its last stage has none)")
-    carried = {}
-    for g in graphs:
+    carried = {}    # activation -> (this rank's piece's shape, dtype): the receive buffers
+    for g, plan in zip(graphs, plans):
+        records = {r["name"]: r for r in plan.records}
         for node in g.captured.graph.nodes:
             if node.op == "placeholder" and node.name in g.activation_inputs:
-                carried[node.name] = (tuple(info(node).shape), info(node).dtype)
+                spec = parse_spec(records[node.name]["out"][0], len(sub.shape))
+                carried[node.name] = (tuple(local_shape(info(node).shape, spec, sub.shape)), info(node).dtype)
     peer = {s: schedule.stage_to_rank[s] * sub_size + sub_index for s in range(stages)}
     tied_groups = []   # (process group over the owning ranks, placeholder names here) per tied weight
     for names in tied:
@@ -240,11 +260,13 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, cluster, pins,
 
 
 class _StageWithInputs(torch.nn.Module):
-    """Cuts user inputs to the stage plan's placement before running the stage."""
+    """Cuts user inputs to the stage plan's placement before running the stage (activations from
+    the previous stage arrive already as this rank's piece)."""
 
-    def __init__(self, stage, comm):
+    def __init__(self, stage, comm, activations=()):
         super().__init__()
         self.stage = stage
+        self.activations = frozenset(activations)
         object.__setattr__(self, "comm", comm)
 
     def run(self, values):
@@ -256,7 +278,8 @@ class _StageWithInputs(torch.nn.Module):
         cut = {}
         for name, value in values.items():
             spec = self.stage.input_specs.get(name)
-            if isinstance(value, torch.Tensor) and spec is not None and tuple(spec) != replicated(len(spec)):
+            if isinstance(value, torch.Tensor) and spec is not None and tuple(spec) != replicated(len(spec)) \
+                    and name not in self.activations:
                 value = shard_tensor(value, spec, self.comm)
             cut[name] = value
         return cut

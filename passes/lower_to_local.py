@@ -28,8 +28,9 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from passes.analyze import info
-from passes.placements import local_shape, parse_spec, replicated
+from passes.placements import local_shape, parse_spec
 from passes.rules import op_view, rule_for, tensor_input_nodes
+from passes.strategy_space import required_output_spec
 from runtime.collectives import MeshComm, Reshard
 
 __all__ = ["LowerCall", "lower_to_local", "LoweringError", "strided_parameters"]
@@ -202,14 +203,13 @@ def lower_to_local(graph: fx.Graph, records: dict, comm: MeshComm, *, device=Non
         if i.kind == "ignored":
             continue
         if node.op == "output":
-            wanted = set(_wanted_outputs(graph))
             counter = iter(range(10**9))
 
             def out_value(n):
-                k = next(counter)
                 v = env[n]
-                if k in wanted:
-                    v = b.reshard(v, out_specs[n][0], replicated(ndim), None, "output")
+                wanted = required_output_spec(graph, next(counter), out_specs[n][0])
+                if wanted is not None:
+                    v = b.reshard(v, out_specs[n][0], wanted, None, "output")
                 return v
             b.graph.output(pytree.tree_map(lambda a: out_value(a) if isinstance(a, fx.Node) else a, node.args[0]))
             continue
@@ -284,11 +284,6 @@ def _edge_strided(node, u, src, dst, chains, comm):
                             f"{[comm.axis_names[a] for a in contiguous]} in contiguous blocks, but {node.name} needs "
                             f"the strided layout of a later split; this plan cannot be lowered")
     return on, None
-
-
-def _wanted_outputs(graph):
-    from passes.strategy_space import replicated_outputs
-    return replicated_outputs(graph)
 
 
 

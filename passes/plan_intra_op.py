@@ -22,9 +22,9 @@ from passes.analyze import info
 from passes.blocks import find_blocks
 from passes.cost_model import Collective, collective_time, dtype_bytes, extra_payload
 from passes.ilp_solver import min_memory, solve_ilp
-from passes.placements import format_spec, local_shape, replicated
+from passes.placements import format_spec, local_shape
 from passes.rules import REPLICATE_FALLBACK, op_name, tensor_input_nodes
-from passes.strategy_space import build_space, edge_collectives, replicated_outputs
+from passes.strategy_space import build_space, edge_collectives, required_output_spec
 
 __all__ = ["InfeasibleBudgetError", "IntraOpResult", "plan_intra_op"]
 
@@ -100,16 +100,15 @@ def _edge_comm(node, choices, space, axis_names):
     mesh = space.mesh_shape
     out = []
     mine = choices.get(node)
-    wanted_outputs = replicated_outputs(node.graph) if node.op == "output" else ()
     for k, u in enumerate(tensor_input_nodes(node)):
         if info(u).kind == "ignored" or choices.get(u) is None:
             continue
         if node.op == "call_function" and node.target is operator.getitem:
             continue
         if node.op == "output":
-            if k not in wanted_outputs:
+            dst, grad = required_output_spec(node.graph, k, choices[u].out[0]), None
+            if dst is None:
                 continue
-            dst, grad = replicated(len(mesh)), None
         else:
             if mine is None or mine.ins[k] is None:
                 continue

@@ -23,6 +23,7 @@ from torch.fx.passes.split_module import split_module
 from passes.analyze import info
 from passes.blocks import find_blocks
 from passes.capture import CapturedGraph
+from passes.strategy_space import STAGE_BOUNDARY
 
 __all__ = ["StageGraph", "assign_stages", "balance_layers", "split_stages"]
 
@@ -43,6 +44,14 @@ class StageGraph:
     sends: list = field(default_factory=list)
     """Values handed to the next stage: produced here or carried through."""
     layers: tuple = ()
+
+    @property
+    def takes_activations(self) -> bool:
+        """Whether the stage's program uses floating-point values of earlier stages (analysed
+        graph). If not (the first stage; one that only passes values on), a zero-bubble I pass
+        has nothing to compute, and the stage's whole backward is its W."""
+        return any(n.op == "placeholder" and n.name in self.activation_inputs and info(n).dtype is not None
+                   and info(n).dtype.is_floating_point for n in self.captured.graph.nodes)
 
 
 def balance_layers(costs: list, stages: int) -> list:
@@ -122,6 +131,8 @@ def split_stages(cap: CapturedGraph, stage_of: dict, runs) -> list:
         staged = CapturedGraph(graph_module=sub, exported=None, params=params, buffers=buffers,
                                user_inputs=others, input_names={n: cap.input_names.get(n, n) for n in others})
         activation = [n for n in others if n not in cap.user_inputs]
+        if k < len(calls) - 1:      # its outputs go to later stages as placed (partial sums reduced)
+            sub.graph.find_nodes(op="output")[0].meta[STAGE_BOUNDARY] = True
         stage_graphs.append(StageGraph(index=k, captured=staged, inputs=[p.name for p in placeholders],
                                        activation_inputs=activation, layers=runs[k] if k < len(runs) else ()))
     # outputs of each stage, named by the consumers' placeholder names

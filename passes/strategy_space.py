@@ -39,7 +39,7 @@ from passes.placements import R, Shard, replicated, spec_fits
 from passes.rules import Strategy, expand_to_mesh, op_view, rule_for, tensor_input_nodes
 
 __all__ = ["NodeChoice", "Group", "EdgeCost", "StrategySpace", "build_space", "edge_collectives",
-           "replicated_outputs"]
+           "required_output_spec", "STAGE_BOUNDARY"]
 
 
 def _is_parameter(node) -> bool:
@@ -145,7 +145,6 @@ class _Builder:
         self.graph = graph
         self.max_options = max_options
         self.pruned = 0
-        self.replicated_outputs = replicated_outputs(graph)
         self.blocks = blocks
         self.mesh = tuple(mesh_shape)
         self.cluster = cluster
@@ -302,21 +301,31 @@ class _Builder:
         return choices
 
 
-def replicated_outputs(graph: fx.Graph, *, replicate_all: bool = False) -> set:
-    """Indices (among the output node's tensor inputs) that must come back replicated.
+STAGE_BOUNDARY = "partita_stage_boundary"
+"""Key set (True) in the output node's meta of a pipeline stage whose outputs feed later stages."""
 
-    Every rank must see the same loss, so scalar outputs are always replicated. When the
-    model returns a scalar (a training loss), its other outputs (logits, hidden states) are
-    left where the plan puts them, as Megatron leaves vocab-parallel logits: gathering them
-    every step would cost more than the rest of the step. A model with no scalar output has
-    all its outputs replicated.
+
+def required_output_spec(graph: fx.Graph, index: int, placed):
+    """The placement output ``index`` (among the output node's tensor inputs) must leave the
+    program in, given the placement ``placed`` its producer has; ``None``: it leaves as placed.
+
+    Every rank must see the same loss, so scalar outputs are always replicated. When the model
+    returns a scalar (a training loss), its other outputs (logits, hidden states) are left where
+    the plan puts them, as Megatron leaves vocab-parallel logits: gathering them every step would
+    cost more than the rest of the step. A model with no scalar output has all its outputs
+    replicated, except a pipeline stage (:data:`STAGE_BOUNDARY`): its outputs go to the next
+    stage as placed, partial sums reduced first (:func:`passes.cost_model.dual_spec`), so a rank
+    sends its own piece to the rank at the same sub-mesh coordinates of the next stage.
     """
     out = next(n for n in graph.nodes if n.op == "output")
     values = tensor_input_nodes(out)
-    scalars = {k for k, n in enumerate(values) if info(n).shape == ()}
-    if replicate_all or not scalars:
-        return set(range(len(values)))
-    return scalars
+    if info(values[index]).shape == ():
+        return replicated(len(placed))
+    if out.meta.get(STAGE_BOUNDARY):
+        return dual_spec(placed)
+    if any(info(n).shape == () for n in values):
+        return None
+    return replicated(len(placed))
 
 
 def _is_getitem(node):
@@ -415,11 +424,11 @@ def _build_edges(graph, b: _Builder, groups, group_of) -> list:
         gu = group_of[u]
         src_specs = [opt[u].out[0] for opt in groups[gu].options]
         if v.op == "output":
-            if k not in b.replicated_outputs:
+            wanted = [required_output_spec(b.graph, k, s) for s in src_specs]
+            if all(w is None for w in wanted):
                 continue
-            wanted = replicated(len(b.mesh))
-            costs = np.array([b.edge_time(s, wanted, None, u) for s in src_specs]) * occurrences
-            groups[gu].cost = groups[gu].cost + costs
+            costs = np.array([0.0 if w is None else b.edge_time(s, w, None, u) for s, w in zip(src_specs, wanted)])
+            groups[gu].cost = groups[gu].cost + costs * occurrences
             continue
         gv = group_of[v]
         dst = [(opt[v].ins[k], opt[v].strategy.grad_spec(k) if opt[v].strategy is not None else None)

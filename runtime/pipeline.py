@@ -80,7 +80,8 @@ class StageProgram(torch.nn.Module):
         Their output gradients are computed anyway by the input-gradient pass; a weight pass that
         starts from them (``backward(y, dy, inputs=params)``) walks only the weight branches.
         Parameters reached from several such ops are left to a full pass (so nothing is counted
-        twice). Returns (program returning those ops' outputs too, [(node name, params)], rest)."""
+        twice). Returns ([(node name, params)], rest); :meth:`run_recording` returns those
+        nodes' values from the forward."""
         if hasattr(self, "_meeting"):
             return self._meeting
         graph = self.program.graph
@@ -149,7 +150,12 @@ class StageProgram(torch.nn.Module):
 
 
 def _with_extra_outputs(program: torch.fx.GraphModule, names) -> torch.fx.GraphModule:
-    """A copy of ``program`` (sharing its submodules) that returns its outputs, then ``names``."""
+    """A copy of ``program`` (sharing its submodules) that returns its outputs, then ``names``.
+    Stage programs come from lowering, with fx's plain code generation (no pytree output spec
+    that more outputs would break)."""
+    if type(program.graph._codegen) is not torch.fx.graph.CodeGen:
+        raise TypeError(f"cannot add outputs to a program with {type(program.graph._codegen).__name__} code "
+                        f"generation")
     graph = torch.fx.Graph()
     env = {}
     for node in program.graph.nodes:
@@ -253,11 +259,11 @@ class PipelineRunner(torch.nn.Module):
         posted = {}
         for a in actions:
             if a.is_recv:
-                direction = _recv_key(a)[0]
+                key = _recv_key(a)
                 graph = self.stage_graphs[a.stage]
-                names = graph.receives if direction == "F" else graph.sends
-                posted[_recv_key(a)] = self._post_recv(names, self.peer_rank[a.peer], min(a.stage, a.peer),
-                                                       a.microbatch, direction)
+                names = graph.receives if key[0] == "F" else graph.sends
+                posted[key] = self._post_recv(names, self.peer_rank[a.peer], min(a.stage, a.peer), a.microbatch,
+                                              key[0])
         return posted
 
     @staticmethod

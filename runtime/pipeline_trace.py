@@ -2,8 +2,8 @@
 
 ``measured_timeline(runner)`` collects, on every rank, the (action, start, end) records the
 interpreter kept for its last ``train_step`` (a collective; one row per pipeline rank).
-``simulated_timeline(runner)`` replays the same schedule with each stage's forward and
-backward time from its intra-op plan (``passes.pipeline_schedules.simulate``).
+``simulated_timeline(runner)`` replays the same schedule with each stage's forward, backward
+and weight-gradient (W) time from its intra-op plan (``passes.pipeline_schedules.simulate``).
 ``chrome_trace`` writes both as Chrome-trace JSON (open in chrome://tracing or Perfetto: one
 process per timeline, one thread per rank); ``timeline_svg`` draws them one above the other.
 ``idle_fraction`` is the share of rank-time not spent computing, comparable with
@@ -37,9 +37,8 @@ def stage_times(runner) -> tuple:
     """(forward, backward, weight) seconds per microbatch for each stage, from its plan's estimate
     (:func:`passes.pipeline_schedules.stage_durations`)."""
     from passes.pipeline_schedules import stage_durations
-    takes = [any(runner.carried_meta[name][1].is_floating_point for name in graph.receives)
-             for graph in runner.stage_graphs]
-    return stage_durations([plan.estimate() for plan in runner.plan["stages"]], takes)
+    return stage_durations([plan.estimate() for plan in runner.plan["stages"]],
+                           [graph.takes_activations for graph in runner.stage_graphs])
 
 
 def simulated_timeline(runner, forward=None, backward=None, weight=None) -> dict:

@@ -20,6 +20,7 @@ gpt (8 lay.)  (4,)    interleaved 2  8            8 stages on 4 ranks
 gpt2 eager    (2,)    zb-h1          8            the attention mask crosses stages
 gpt2 eager    (4,)    1f1b           4            tied wte / lm_head on ranks 0 and 3
 gpt2 eager    (2, 2)  gpipe          4            PP x DP (inputs pinned S(0))
+gpt           (2, 2)  1f1b           4            PP x DP to every block: batch-sharded boundary
 llama         (2,)    interleaved 2  8
 llama         (2, 2)  1f1b           4            PP x TP (Megatron pins in the stages)
 gpt           (4,)    1f1b           2            fewer microbatches than stages
@@ -94,6 +95,9 @@ def _pins(model_name, kind):
     if kind == "tp":
         assert model_name == "llama"
         return _llama_tp_pins()
+    if kind == "dpact":   # data parallel down to every block's output (module paths h.0, h.1, ...): the stage boundary is batch-sharded
+        assert model_name == "gpt"
+        return {**{name: ["S(0)"] for name in _input_names(model_name)}, "h.?": ["S(0)"]}
     raise ValueError(kind)
 
 
@@ -119,6 +123,7 @@ def pipeline_worker(rank, world, cfg):
         name, _ = choose_schedule(sched.num_ranks, sched.num_microbatches, *stage_times(runner))
         result["expected_schedule"] = name.replace("-", "_")
     result["sends"] = [list(g.sends) for g in runner.stage_graphs]
+    result["carried"] = {name: list(shape) for name, (shape, _) in runner.carried_meta.items()}
     if rank == 0:   # what the stage plans decided for parameters and inputs (FQN / argument name)
         placements = []
         for plan in runner.plan["stages"]:
@@ -195,6 +200,7 @@ CONFIGS = [
     _cfg("gpt2", (2,), "zb-h1", 8),
     _cfg("gpt2", (4,), "1f1b", 4),
     _cfg("gpt2", (2, 2), "gpipe", 4, pins="dp"),
+    _cfg("gpt", (2, 2), "1f1b", 4, pins="dpact", note="batch-sharded-stage-boundary"),
     # HF LLaMA (rotary embeddings cross stages)
     _cfg("llama", (2,), "interleaved", 8, virtual_stages=2),
     _cfg("llama", (2, 2), "1f1b", 4, pins="tp"),
@@ -226,6 +232,10 @@ def test_pipeline_parity(cfg):
             assert used and all(pl == "[S(0)]" for pl in used), (name, used)
         for p in placements:
             assert all(pl == "[R]" for name, pl in p.items() if name not in _input_names(cfg["model"])), p
+    if cfg["pins"] == "dpact":   # each rank sends only its half of the microbatch across the boundary
+        micro = BATCH // pipe["microbatches"]
+        assert r0["carried"] and all(shape[0] == micro // 2 for shape in r0["carried"].values()), r0["carried"]
+        assert all(p[name] == "[S(0)]" for p in placements[1:] for name in p if name in r0["carried"]), placements
     if cfg["pins"] == "tp":      # Megatron in every stage's layers
         for p in placements:
             weights = {n: pl for n, pl in p.items() if n.startswith("model.layers.") and n.endswith("proj.weight")}
@@ -401,3 +411,5 @@ def test_open_config_chooses_microbatches_and_schedule_and_stays_exact():
     sched = results[0]["schedule"]
     assert sched["microbatches"] == 8 and sched["stages"] == 2, sched
     assert sched["name"] == results[0]["expected_schedule"], (sched, results[0]["expected_schedule"])
+    # GPT's matmuls leave weight gradients to defer: zero-bubble simulates fastest
+    assert sched["name"] == "zb_h1", sched
