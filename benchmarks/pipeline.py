@@ -458,6 +458,9 @@ def main(argv=None):
     from runtime.launch import run_on_ranks
     from runtime.pipeline_trace import chrome_trace, timeline_svg
 
+    # the code measured: HEAD, and whether the tree differed from it before this run wrote results
+    args.code = _git("rev-parse", "--short", "HEAD") + (
+        " plus uncommitted changes" if _git("status", "--porcelain", "--untracked-files=no") else "")
     wall = time.perf_counter()
     load_before = os.getloadavg()
     results = []
@@ -595,8 +598,7 @@ def _write_markdown(path, args, table, rows, results, raw, hf, wall, load_before
         (f"Reproduce: `python benchmarks/pipeline.py --out-dir benchmarks/results --date {args.date}"
         f"{' --hf-check' if hf else ''}` ({wall:.0f} s here)."),
         "",
-        (f"Code: commit {_git('rev-parse', '--short', 'HEAD')}"
-         + (" plus uncommitted changes." if _git("status", "--porcelain", "--untracked-files=no") else ".")),
+        f"Code: commit {args.code}.",
         "",
         (f"Machine: {os.cpu_count()}-core CPU VM, Python {platform.python_version()}, torch {torch.__version__}; "
         f"p={P} gloo ranks on the 2 cores, one rank per core (1 compute thread each, "
