@@ -121,9 +121,11 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), mesh_axis_n
 
 def plan_captured(cap, *, model_name: str, mesh_shape=(1,), mesh_axis_names=None, cluster="h100",
                   memory_budget=None, pins=None, objective="time", optimizer="adam", share_blocks=True,
-                  time_limit=60.0, log=None, timings=None) -> ShardingPlan:
+                  time_limit=60.0, log=None, timings=None, activation_copies=1) -> ShardingPlan:
     """:func:`plan` for a graph already captured and analysed (``passes.capture`` +
-    ``passes.analyze``); ``auto_parallelize`` uses it so the model is captured once."""
+    ``passes.analyze``); ``auto_parallelize`` uses it so the model is captured once.
+    ``activation_copies``: microbatches whose saved activations are alive at once (a pipeline
+    stage under its schedule): the activation memory counts that many."""
     if objective not in _OBJECTIVES:
         raise ValueError(f"objective must be one of {_OBJECTIVES}, got {objective!r}")
     if optimizer not in ("adam", "sgd", None):
@@ -137,7 +139,8 @@ def plan_captured(cap, *, model_name: str, mesh_shape=(1,), mesh_axis_names=None
     t2 = time.perf_counter()
     pinned = resolve_pins(cap, pins or {}, mesh.ndim)
     result = plan_intra_op(cap, mesh.shape, mesh.axis_names, spec, budget=budget, pins=pinned, objective=objective,
-                           optimizer=optimizer, share_blocks=share_blocks, time_limit=time_limit, log=log)
+                           optimizer=optimizer, share_blocks=share_blocks, time_limit=time_limit,
+                           activation_copies=activation_copies, log=log)
     t3 = time.perf_counter()
     stats = dict(result.stats, **timings, plan_s=t3 - t2, total_s=t3 - t0)
     inputs = {info(n).name: list(info(n).shape or ()) for n in cap.graph.nodes
@@ -145,7 +148,7 @@ def plan_captured(cap, *, model_name: str, mesh_shape=(1,), mesh_axis_names=None
     data = {
         "format": PLAN_FORMAT, "version": PLAN_VERSION, "fingerprint": graph_fingerprint(cap),
         "model": model_name, "inputs": inputs, "mesh": mesh.to_dict(), "cluster": spec.to_dict(),
-        "budget": budget, "objective": objective, "optimizer": optimizer,
+        "budget": budget, "objective": objective, "optimizer": optimizer, "activation_copies": activation_copies,
         "pins": {n.name: format_spec(s) for n, s in pinned.items()},
         "records": result.records, "alternatives": result.alternatives, "blocks": result.blocks, "stats": stats,
     }

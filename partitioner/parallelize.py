@@ -25,7 +25,7 @@ from passes.capture import graph_fingerprint, tied_placeholders
 from passes.capture_blocks import capture_model
 from passes.lower_to_local import lower_to_local, strided_parameters
 from passes.placements import format_spec, parse_spec
-from runtime.collectives import MeshComm
+from runtime.collectives import MeshComm, on_rank0
 from runtime.parallel_module import ParallelModule, shard_tensor
 
 __all__ = ["auto_parallelize", "shard_batch"]
@@ -130,15 +130,13 @@ def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_
     analyze(cap)
     fingerprint = graph_fingerprint(cap)
     if plan is None:
-        payload = [None]
-        if dist.get_rank() == 0:
-            made = plan_captured(cap, model_name=type(model).__name__, mesh_shape=comm.shape,
-                                 mesh_axis_names=comm.axis_names, cluster=cluster or ("cpu" if device.type == "cpu" else "h100"),
-                                 memory_budget=memory_budget, pins=pins, objective=objective, log=log)
-            payload = [made.to_json()]
-        dist.broadcast_object_list(payload, src=0)
+        def make_plan():
+            return plan_captured(cap, model_name=type(model).__name__, mesh_shape=comm.shape,
+                                 mesh_axis_names=comm.axis_names,
+                                 cluster=cluster or ("cpu" if device.type == "cpu" else "h100"),
+                                 memory_budget=memory_budget, pins=pins, objective=objective, log=log).to_json()
         import json
-        plan = ShardingPlan.from_dict(json.loads(payload[0]))
+        plan = ShardingPlan.from_dict(json.loads(on_rank0(make_plan, "planning")))
     else:
         plan.check_fingerprint(fingerprint, f"{type(model).__name__} on these inputs")
         if tuple(plan.mesh_shape) != tuple(comm.shape):

@@ -135,7 +135,7 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, cluster, pins,
     from passes.placements import local_shape, parse_spec
     from passes.rules import tensor_input_nodes
     from passes.split_stages import assign_stages, split_stages
-    from runtime.collectives import MeshComm
+    from runtime.collectives import MeshComm, on_rank0
     from runtime.parallel_module import shard_tensor
     from runtime.pipeline import PipelineRunner, StageProgram
 
@@ -172,10 +172,12 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, cluster, pins,
         if sum(name in g.inputs for g in graphs) > 1 and not any(name in t for t in tied):
             tied.append({name})
     tied_names = {n for names in tied for n in names}
-    payload = [None]
-    if dist.get_rank() == 0:
-        plans = []
-        sent_as = {}    # activation -> the placement its producing stage sends it in
+    # each stage's plan holds as many microbatches' activations as its schedule keeps alive
+    from passes import pipeline_schedules as ps
+    copies = ps.stage_in_flight(schedule) if schedule is not None else \
+        ps.auto_stage_in_flight(config.degree, config.microbatches)
+    def plan_stages():
+        plans, sent_as = [], {}    # sent_as: activation -> the placement its producing stage sends it in
         for g in graphs:
             # tied weights live on several stages: replicate them so their gradients add up elementwise
             stage_pins = {name: ["R"] * len(sub.shape) for name in g.inputs if name in tied_names}
@@ -189,12 +191,13 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, cluster, pins,
             stage_pins.update({name: sent_as[name] for name in g.activation_inputs})
             made = plan_captured(g.captured, model_name=f"{type(model).__name__} stage {g.index}",
                                  mesh_shape=sub.shape, mesh_axis_names=sub.axis_names, cluster=cluster,
-                                 memory_budget=memory_budget, pins=stage_pins, objective=objective, log=log)
+                                 memory_budget=memory_budget, pins=stage_pins, objective=objective, log=log,
+                                 activation_copies=copies[g.index])
             plans.append(made.to_json())
             sent_as.update(_sent_placements(g, made, len(sub.shape)))
-        payload = [plans]
-    dist.broadcast_object_list(payload, src=0)
-    plans = [ShardingPlan.from_dict(json.loads(text)) for text in payload[0]]
+        return plans
+
+    plans = [ShardingPlan.from_dict(json.loads(text)) for text in on_rank0(plan_stages, "planning the stages")]
     if schedule is None:
         config, schedule = _choose(config, plans, graphs, log)
 

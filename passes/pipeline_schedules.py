@@ -84,7 +84,7 @@ __all__ = [
     "looped_stage_to_rank", "v_shape_stage_to_rank",
     "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1",
     "add_communication", "check_schedule", "assert_valid", "simulate", "peak_in_flight",
-    "stage_durations", "choose_schedule", "AUTO_SCHEDULES",
+    "stage_in_flight", "stage_durations", "choose_schedule", "AUTO_SCHEDULES", "auto_stage_in_flight",
 ]
 
 
@@ -885,6 +885,22 @@ def peak_in_flight(schedule: Schedule) -> dict:
     return peaks
 
 
+def stage_in_flight(schedule: Schedule) -> dict:
+    """stage -> the most of its microbatches whose activations are alive at once: from its
+    ``F`` until the ``B`` or ``W`` that finishes with them (``I`` keeps the graph for ``W``).
+    A stage's plan must fit that many copies of its saved activations."""
+    peaks = {}
+    for acts in schedule.actions:
+        live = {}
+        for a in acts:
+            if a.kind == ActionKind.F:
+                live[a.stage] = live.get(a.stage, 0) + 1
+                peaks[a.stage] = max(peaks.get(a.stage, 0), live[a.stage])
+            elif a.kind in (ActionKind.B, ActionKind.W):
+                live[a.stage] -= 1
+    return dict(sorted(peaks.items()))
+
+
 # ---------------------------------------------------------------------------------------------
 # Stage durations from the cost model, and the schedule they favour
 
@@ -906,8 +922,16 @@ def stage_durations(estimates: Sequence, takes_activations: Sequence[bool]) -> t
     return forward, backward, weight
 
 
-AUTO_SCHEDULES = ("1f1b", "zb-h1", "gpipe")
-"""The schedules :func:`choose_schedule` weighs (one stage per rank), in tie-break order."""
+AUTO_SCHEDULES = {"1f1b": one_f_one_b, "zb-h1": zb_h1}
+"""The schedules :func:`choose_schedule` weighs (one stage per rank), in tie-break order. GPipe
+is not among them: never faster than 1F1B, it keeps all m microbatches' activations alive."""
+
+
+def auto_stage_in_flight(p: int, m: int) -> dict:
+    """stage -> the activation copies to plan each stage for when the schedule is chosen after
+    planning: the most any of :data:`AUTO_SCHEDULES` keeps alive, so whichever wins fits."""
+    per = [stage_in_flight(make(p, m)) for make in AUTO_SCHEDULES.values()]
+    return {s: max(d[s] for d in per) for s in range(p)}
 
 
 def choose_schedule(p: int, m: int, forward: StageTime, backward: StageTime, weight: StageTime) -> tuple:
@@ -915,10 +939,9 @@ def choose_schedule(p: int, m: int, forward: StageTime, backward: StageTime, wei
     :data:`AUTO_SCHEDULES` is simulated; the shortest step wins, then the fewest microbatches in
     flight on any rank (activation memory), then the order of :data:`AUTO_SCHEDULES`.
     Returns (name, {name: simulated step seconds})."""
-    makers = {"1f1b": one_f_one_b, "zb-h1": zb_h1, "gpipe": gpipe}
     steps, keys = {}, {}
-    for order, name in enumerate(AUTO_SCHEDULES):
-        sched = makers[name](p, m)
+    for order, (name, make) in enumerate(AUTO_SCHEDULES.items()):
+        sched = make(p, m)
         result = simulate(sched, forward, backward, weight)
         steps[name] = result.makespan
         keys[name] = (round(result.makespan, 12), max(peak_in_flight(sched).values()), order)

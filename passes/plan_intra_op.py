@@ -124,7 +124,7 @@ def _edge_comm(node, choices, space, axis_names):
 
 def plan_intra_op(cap, mesh_shape, axis_names, cluster, *, budget=None, pins=None, objective="time",
                   optimizer="adam", share_blocks=True, time_limit=60.0, max_options="auto",
-                  log=None) -> IntraOpResult:
+                  activation_copies=1, log=None) -> IntraOpResult:
     log = log or (lambda msg: None)
     graph: fx.Graph = cap.graph
     REPLICATE_FALLBACK.warned.clear()  # each plan names every op it could not shard, once
@@ -139,7 +139,7 @@ def plan_intra_op(cap, mesh_shape, axis_names, cluster, *, budget=None, pins=Non
                              f"{format_spec(spec)} (repeated blocks share one decision; pin all layers alike)")
         rep_pins[r] = spec
     space = build_space(graph, blocks, mesh_shape, cluster, pins=rep_pins, optimizer=optimizer,
-                        max_options=max_options)
+                        max_options=max_options, activation_copies=activation_copies)
     t1 = time.perf_counter()
     n_opts = sum(len(g.options) for g in space.groups)
     log(f"strategy space: {len(space.groups)} decisions, {n_opts} options, {len(space.edges)} edges, "

@@ -141,8 +141,9 @@ def edge_collectives(src_spec, dst_spec, grad_spec, shape, elem, mesh_shape, req
 
 
 class _Builder:
-    def __init__(self, graph, blocks, mesh_shape, cluster, pins, optimizer, max_options=None):
+    def __init__(self, graph, blocks, mesh_shape, cluster, pins, optimizer, max_options=None, activation_copies=1):
         self.graph = graph
+        self.activation_copies = activation_copies
         self.max_options = max_options
         self.pruned = 0
         self.blocks = blocks
@@ -213,9 +214,9 @@ class _Builder:
             if rule.contraction and any(_is_parameter(a) and info(a).requires_grad for a in self.inputs_of(node)):
                 weight = fwd
         act = 0.0
-        if i.saved:
-            act = sum(local_bytes(s, spec, self.mesh, dtype_bytes(i.dtype))
-                      for s, spec in zip(i.out_shapes, strategy.out) if s is not None)
+        if i.saved:   # alive once per microbatch a pipeline schedule holds (activation_copies)
+            act = self.activation_copies * sum(local_bytes(s, spec, self.mesh, dtype_bytes(i.dtype))
+                                               for s, spec in zip(i.out_shapes, strategy.out) if s is not None)
         extra = extra_fwd + (extra_bwd if i.requires_grad else 0.0)
         return fwd + bwd, extra, act, weight
 
@@ -333,13 +334,17 @@ def _is_getitem(node):
 
 
 def build_space(graph: fx.Graph, blocks: Blocks, mesh_shape, cluster, *, pins=None, optimizer="adam",
-                max_options="auto") -> StrategySpace:
+                max_options="auto", activation_copies: int = 1) -> StrategySpace:
     """``max_options``: cap on an op leader's options (lowest compute kept); ``"auto"`` caps at
     24 on meshes of 3 or more axes, where an op can have over 200 combinations, and not
-    below that; ``None`` never caps (the solve is then exact over the whole space)."""
+    below that; ``None`` never caps (the solve is then exact over the whole space).
+    ``activation_copies``: how many microbatches' saved activations are alive at once (a
+    pipeline stage under its schedule; 1 otherwise), multiplying the activation memory."""
     if max_options == "auto":
         max_options = 24 if len(mesh_shape) >= 3 else None
-    b = _Builder(graph, blocks, mesh_shape, cluster, pins or {}, optimizer, max_options)
+    if activation_copies < 1:
+        raise ValueError(f"activation_copies must be >= 1, got {activation_copies}")
+    b = _Builder(graph, blocks, mesh_shape, cluster, pins or {}, optimizer, max_options, activation_copies)
     rep = blocks.represent
     group_of: dict = {}
     groups: list = []

@@ -25,6 +25,7 @@ that the runtime sends what the plan says.
 from __future__ import annotations
 
 import contextlib
+import pickle
 from collections import defaultdict
 
 import torch
@@ -33,9 +34,45 @@ import torch.distributed as dist
 from passes.cost_model import dual_spec
 from passes.placements import format_spec, is_partial, is_shard, transition_steps
 
-__all__ = ["MeshComm", "CommCounter", "run_steps", "Reshard", "record_collective", "all_reduce_"]
+__all__ = ["MeshComm", "CommCounter", "run_steps", "Reshard", "record_collective", "all_reduce_", "on_rank0"]
 
 _COUNTERS: list = []
+
+
+def on_rank0(work, what: str):
+    """Run ``work()`` on rank 0 only and return its result on every rank; if it raises, every
+    rank raises that error (never the other ranks waiting for a broadcast that will not come).
+    ``what`` names the work in the error the other ranks raise."""
+    payload = [None]
+    if dist.get_rank() == 0:
+        try:
+            payload = [("ok", work())]
+        except Exception as exc:    # noqa: BLE001 - re-raised here and on every other rank
+            dist.broadcast_object_list([("error", _portable(exc), type(exc).__name__, str(exc))], src=0)
+            raise
+    dist.broadcast_object_list(payload, src=0)
+    status, *value = payload[0]
+    if status == "ok":
+        return value[0]
+    exc, name, message = value
+    note = f" (raised on rank 0 while {what})"
+    if exc is not None:
+        try:
+            rebuilt = type(exc)(message + note)
+        except Exception:   # noqa: BLE001 - an exception type that needs other arguments
+            rebuilt = None
+        if rebuilt is not None:
+            raise rebuilt
+    raise RuntimeError(f"{name}: {message}{note}")
+
+
+def _portable(exc):
+    """``exc`` if it survives pickling (to send it to the other ranks), else None."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:   # noqa: BLE001 - unpicklable attributes: the type name and message go instead
+        return None
 
 
 class CommCounter(contextlib.AbstractContextManager):

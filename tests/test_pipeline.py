@@ -124,6 +124,9 @@ def pipeline_worker(rank, world, cfg):
         result["expected_schedule"] = name.replace("-", "_")
     result["sends"] = [list(g.sends) for g in runner.stage_graphs]
     result["carried"] = {name: list(shape) for name, (shape, _) in runner.carried_meta.items()}
+    result["activation_copies"] = [plan.data["activation_copies"] for plan in runner.plan["stages"]]
+    from passes.pipeline_schedules import stage_in_flight
+    result["in_flight"] = [stage_in_flight(sched)[s] for s in range(sched.num_stages)]
     if rank == 0:   # what the stage plans decided for parameters and inputs (FQN / argument name)
         placements = []
         for plan in runner.plan["stages"]:
@@ -218,6 +221,8 @@ def test_pipeline_parity(cfg):
     degree, v = pipe["degree"], pipe.get("virtual_stages", 1)
     sched = r0["schedule"]
     assert (sched["ranks"], sched["stages"], sched["microbatches"]) == (degree, degree * v, pipe["microbatches"])
+    # each stage was planned for the activations its schedule keeps alive
+    assert r0["activation_copies"] == r0["in_flight"], (r0["activation_copies"], r0["in_flight"])
     # the stages hold whole, contiguous layers, all of them, in order
     layers = r0["layers"]
     assert len(layers) == degree * v and all(layers), layers
@@ -413,3 +418,38 @@ def test_open_config_chooses_microbatches_and_schedule_and_stays_exact():
     assert sched["name"] == results[0]["expected_schedule"], (sched, results[0]["expected_schedule"])
     # GPT's matmuls leave weight gradients to defer: zero-bubble simulates fastest
     assert sched["name"] == "zb_h1", sched
+
+
+# ------------------------------------------------------------------ memory: activations kept alive
+
+
+def _memory_worker(rank, world, schedule, budget):
+    import partitioner
+    model, inputs = _build("gpt", 4)
+    try:
+        runner = partitioner.auto_parallelize(model, inputs, mesh=(2,), cluster="h100", memory_budget=budget,
+                                              pipeline={"degree": 2, "schedule": schedule, "microbatches": 8})
+    except Exception as exc:   # reported per rank: every rank must raise, none may wait
+        return {"error": type(exc).__name__, "message": str(exc)}
+    plan = runner.plan["stages"][0]
+    activations = sum(r.get("memory", 0.0) for r in plan.records if r["kind"] == "op")
+    return {"memory": plan.estimate().memory_bytes, "activations": activations,
+            "copies": plan.data["activation_copies"], "loss": runner.train_step(inputs).item()}
+
+
+def test_stage_memory_counts_the_activations_its_schedule_keeps_alive():
+    """Stage 0 of 2 with 8 microbatches holds 2 microbatches' activations under 1F1B and all 8
+    under GPipe; its plan counts exactly that. A per-device budget between the two lets 1F1B
+    run and makes GPipe fail on every rank with the planner's budget error (no hang)."""
+    first = run_on_ranks(_memory_worker, 2, "1f1b", None, timeout_s=120)[0]
+    assert first["copies"] == 2
+    one_copy = first["activations"] / 2
+    fixed = first["memory"] - first["activations"]          # parameters, gradients, optimizer state
+    budget = fixed + 5 * one_copy                           # room for 5 copies: 1F1B's 2, not GPipe's 8
+    fits = run_on_ranks(_memory_worker, 2, "1f1b", int(budget), timeout_s=120)
+    assert all(r["copies"] == 2 and r["memory"] <= budget and "error" not in r for r in fits), fits
+    failed = run_on_ranks(_memory_worker, 2, "gpipe", int(budget), timeout_s=120)
+    # rank 0 planned and failed; rank 1 does not wait for plans that will not come: same error
+    assert [r.get("error") for r in failed] == ["InfeasibleBudgetError"] * 2, failed
+    assert all(re.search(r"no plan fits .* the least memory any plan needs", r["message"]) for r in failed), failed
+    assert "raised on rank 0 while planning the stages" in failed[1]["message"], failed[1]

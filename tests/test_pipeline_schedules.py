@@ -403,8 +403,23 @@ def test_choose_schedule_known_answers():
     from passes.pipeline_schedules import choose_schedule
     # uniform stages, W half of B: zero-bubble fills the bubble with W, and wins
     name, steps = choose_schedule(4, 8, 1.0, 2.0, 1.0)
-    assert name == "zb-h1" and steps["zb-h1"] < steps["1f1b"] == steps["gpipe"], steps
-    # nothing to defer (W = 0): every schedule takes as long; 1F1B holds fewer microbatches than
-    # GPipe and comes first among equals
+    assert name == "zb-h1" and steps["zb-h1"] < steps["1f1b"], steps
+    assert steps["1f1b"] == pytest.approx(11 * 3.0)            # (m + p - 1) (F + B)
+    # nothing to defer (W = 0): both take as long; 1F1B holds fewer microbatches and comes first
     name, steps = choose_schedule(4, 8, 1.0, 2.0, 0.0)
-    assert name == "1f1b" and steps["1f1b"] == steps["gpipe"] == steps["zb-h1"], steps
+    assert name == "1f1b" and steps["1f1b"] == steps["zb-h1"], steps
+
+
+def test_stage_in_flight_counts_activations_alive_per_stage():
+    from passes.pipeline_schedules import auto_stage_in_flight, stage_in_flight
+    assert stage_in_flight(one_f_one_b(4, 8)) == {0: 4, 1: 3, 2: 2, 3: 1}
+    assert stage_in_flight(gpipe(4, 8)) == {s: 8 for s in range(4)}
+    # zero-bubble keeps the graph from F until W: every stage holds p microbatches
+    assert stage_in_flight(zb_h1(4, 8)) == {s: 4 for s in range(4)}
+    # interleaved: per virtual stage, not per rank (ranks hold two stages' worth)
+    assert stage_in_flight(interleaved_1f1b(2, 4, 2)) == {0: 4, 1: 3, 2: 2, 3: 1}
+    assert peak_in_flight(interleaved_1f1b(2, 4, 2)) == {0: 5, 1: 3}    # stages 0 and 2 overlap
+    # fewer microbatches than stages: never more than m
+    assert max(stage_in_flight(one_f_one_b(4, 2)).values()) == 2
+    # an open schedule is planned for the most either automatic choice keeps
+    assert auto_stage_in_flight(4, 8) == {s: 4 for s in range(4)}

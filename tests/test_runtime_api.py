@@ -38,6 +38,21 @@ def test_replaying_a_saved_plan_and_refusing_one_for_another_model():
         run_on_ranks(_replay, 2, plan.to_json(), 2, timeout_s=60)
 
 
+def _impossible_budget(rank, world):
+    model, inputs = models.gpt_demo(batch=4, seq=8, n_layer=1)
+    try:
+        partitioner.auto_parallelize(model, inputs, mesh=(2,), cluster="h100", memory_budget="1KiB")
+    except Exception as exc:   # every rank reports: rank 0 planned, rank 1 must not wait for it
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def test_a_planning_error_on_rank_0_is_raised_on_every_rank():
+    results = run_on_ranks(_impossible_budget, 2, timeout_s=60)
+    assert [name for name, _ in results] == ["InfeasibleBudgetError"] * 2, results
+    assert "no plan fits" in results[0][1] and "raised on rank 0 while planning" in results[1][1], results
+
+
 class _Branchy(torch.nn.Module):
     def forward(self, x):
         return x * 2 if x.sum() > 0 else x

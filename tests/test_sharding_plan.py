@@ -166,3 +166,23 @@ def test_estimate_prices_weight_gradients_through_views():
     assert weighted["weight_grad_s"] == pytest.approx(weighted["compute_s"] / 2)
     assert "weight_grad_s" not in data_only
     assert p.estimate().weight_grad_s == pytest.approx(weighted["weight_grad_s"])
+
+
+def test_activation_copies_multiply_activation_memory_only():
+    """A pipeline stage holding k microbatches' activations is planned with ``activation_copies=k``:
+    every op's saved-activation memory is k times one copy's; parameters and optimizer state are
+    counted once."""
+    from partitioner.api import plan_captured
+    from passes.analyze import analyze
+    model, inputs = models.gpt_demo(batch=4, seq=16, n_layer=2)
+    cap = capture(model, inputs)
+    analyze(cap)
+    one = plan_captured(cap, model_name="gpt", mesh_shape=(1,), cluster="h100")
+    three = plan_captured(cap, model_name="gpt", mesh_shape=(1,), cluster="h100", activation_copies=3)
+    assert three.data["activation_copies"] == 3
+    ops = [(a, b) for a, b in zip(one.records, three.records) if a["kind"] == "op" and a.get("memory")]
+    assert ops and all(b["memory"] == pytest.approx(3 * a["memory"]) for a, b in ops)
+    params = [(a, b) for a, b in zip(one.records, three.records) if a["kind"] == "param"]
+    assert params and all(b["memory"] == a["memory"] for a, b in params)
+    activations = sum(a["memory"] for a, _ in ops)
+    assert three.estimate().memory_bytes == pytest.approx(one.estimate().memory_bytes + 2 * activations)
