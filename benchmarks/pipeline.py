@@ -64,11 +64,10 @@ N_LAYER, N_EMBD, N_HEAD, VOCAB, SEQ, MB = 8, 192, 8, 256, 128, 4
 
 
 def formula(schedule: str, p: int = P, m: int = M, v: int = V) -> float | None:
-    if schedule in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1)
-    if schedule == "interleaved":
-        return ((p - 1) / v) / (m + (p - 1) / v)
-    return None
+    """The closed form for GPipe / 1F1B / interleaved; None for ZB-H1, whose reference on the
+    GPT is the cost-model simulation (its stages' I and W are not equal)."""
+    from pipeline_fixed_kernels import closed_form
+    return None if schedule == "zb-h1" else closed_form(schedule, p, m, v)
 
 
 # --------------------------------------------------------------------------- torch side

@@ -252,24 +252,34 @@ def parity_worker(rank, world, cfg):
     # 3. three AdamW steps on both
     steps = cfg.get("steps", 3)
     if steps:
-        opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=ADAM_EPS)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=ADAM_EPS)
-        for step in range(steps):
-            # the first step reuses the gradients computed above
-            if step > 0:
-                opt.zero_grad(set_to_none=True)
-                ref_opt.zero_grad(set_to_none=True)
-                step_loss = loss_of(call(pm, inputs))
-                step_loss.backward()
-                step_ref = loss_of(call(ref, inputs))
-                step_ref.backward()
-                checks.close(f"loss at step {step}", step_loss.detach(), step_ref.detach())
-            opt.step()
-            ref_opt.step()
+        def parallel_step():
+            step_loss = loss_of(call(pm, inputs))
+            step_loss.backward()
+            return step_loss
+        adam_in_lockstep(pm.parameters(), ref, inputs, steps, parallel_step, checks)
         state = pm.full_state_dict()
         for name, p in ref.named_parameters(remove_duplicate=False):
             checks.close(f"parameter {name} after {steps} AdamW steps", state[name], p.detach())
     return result
+
+
+def adam_in_lockstep(params, ref, inputs, steps, parallel_step, checks):
+    """``steps`` AdamW steps on the parallel ``params`` and the single-device ``ref`` side by side.
+    The first step uses the gradients both already hold; before each later one, gradients are
+    cleared and recomputed (``parallel_step()`` runs forward + backward and returns the loss) and
+    the two losses compared."""
+    opt = torch.optim.AdamW(params, lr=LR, eps=ADAM_EPS)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=ADAM_EPS)
+    for step in range(steps):
+        if step > 0:
+            opt.zero_grad(set_to_none=True)
+            ref_opt.zero_grad(set_to_none=True)
+            step_loss = parallel_step()
+            step_ref = loss_of(call(ref, inputs))
+            step_ref.backward()
+            checks.close(f"loss at step {step}", step_loss.detach(), step_ref.detach())
+        opt.step()
+        ref_opt.step()
 
 
 def _check_local_inputs(pm, inputs, grads, loss, cfg, checks):

@@ -38,7 +38,7 @@ import re
 
 import pytest
 import torch
-from parity_utils import run_checked, ADAM_EPS, HAVE_TRANSFORMERS, LR, Checks, call, loss_of
+from parity_utils import run_checked, HAVE_TRANSFORMERS, Checks, adam_in_lockstep, call, loss_of
 
 from runtime.launch import RankFailure, run_on_ranks
 
@@ -157,18 +157,7 @@ def pipeline_worker(rank, world, cfg):
         checks.close(f"grad of {name}", grads[present[0]], expected)
 
     # 2. three AdamW steps on both (the first reuses the gradients above)
-    opt = torch.optim.AdamW(runner.parameters(), lr=LR, eps=ADAM_EPS)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=ADAM_EPS)
-    for step in range(STEPS):
-        if step > 0:
-            opt.zero_grad(set_to_none=True)
-            ref_opt.zero_grad(set_to_none=True)
-            step_loss = runner.train_step(inputs)
-            step_ref = loss_of(call(ref, inputs))
-            step_ref.backward()
-            checks.close(f"loss at step {step}", step_loss.detach(), step_ref.detach())
-        opt.step()
-        ref_opt.step()
+    adam_in_lockstep(runner.parameters(), ref, inputs, STEPS, lambda: runner.train_step(inputs), checks)
     state = runner.full_state_dict()
     for name, p in ref.named_parameters():
         if name in key_of:
