@@ -135,8 +135,9 @@ class ShardingPlan:
             raise KeyError(f"no node named {name!r} in this plan")
         return self._by_name[name]
 
-    def placement_of(self, target: str) -> list:
-        """Output placements of a parameter (FQN), input (argument name) or node (name)."""
+    def placement_of(self, target: str) -> str | None:
+        """Output placement of a parameter (FQN), input (argument name) or node (name), as text
+        such as ``"[S(0), R]"``; None for a node with no tensor output."""
         for r in self.records:
             if r["name"] == target or (r.get("fqn") == target and r["kind"] in ("param", "buffer", "input")):
                 return r["out"][0] if r["out"] else None
@@ -299,6 +300,15 @@ class ShardingPlan:
             raise ValueError(f"sharding plan version {version} is not supported by this Partita "
                              f"(reads version {PLAN_VERSION}); plan again with this version")
         return cls(data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ShardingPlan":
+        """The inverse of :meth:`to_json`."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not a Partita sharding plan: the text is not valid JSON ({exc})") from None
+        return cls.from_dict(data)
 
     @classmethod
     def load(cls, path) -> "ShardingPlan":

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from passes.placements import R, Partial, is_shard, total_shard_degree, transition_steps
 
-__all__ = ["Collective", "collective_time", "reshard", "reshard_time", "dual_spec", "collective_kind",
+__all__ = ["Collective", "collective_time", "reshard", "dual_spec", "collective_kind",
            "dtype_bytes", "local_bytes", "compute_time", "param_state_bytes", "extra_payload"]
 
 
@@ -109,10 +109,6 @@ def collective_kind(p, q):
     if isinstance(p, Partial):
         return "reduce_scatter" if is_shard(q) else "all_reduce"
     return None
-
-
-def reshard_time(src, dst, shape, mesh_shape, elem: int, cluster) -> float:
-    return sum(collective_time(c, mesh_shape, cluster) for c in reshard(src, dst, shape, mesh_shape, elem))
 
 
 def dual_spec(spec):

@@ -40,6 +40,19 @@ def test_json_round_trip_is_exact_and_pickle_free(plan, tmp_path):
     assert loaded.axis_names == ("dp", "tp") and loaded.mesh_shape == (2, 4)
 
 
+def test_from_json_is_the_inverse_of_to_json(plan):
+    text = plan.to_json()
+    again = partitioner.ShardingPlan.from_json(text)
+    assert again.to_dict() == plan.to_dict()
+    assert again.to_json() == text
+    assert again.placement_of("h.0.mlp.c_fc.weight") == plan.placement_of("h.0.mlp.c_fc.weight")
+    assert isinstance(plan.placement_of("h.0.mlp.c_fc.weight"), str)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        partitioner.ShardingPlan.from_json("{plan")
+    with pytest.raises(ValueError, match="not a Partita sharding plan"):
+        partitioner.ShardingPlan.from_json("[]")
+
+
 def test_load_refuses_other_files_and_versions(plan, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
