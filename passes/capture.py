@@ -1,11 +1,11 @@
 """Capture: ``nn.Module`` + example inputs -> an aten-level ``torch.fx`` graph.
 
-Decision 1 of DESIGN.md: ``torch.export.export(strict=False)``. Parameters and buffers come
-out as placeholders (the graph signature maps them to their fully qualified names); every
-node carries ``meta["val"]`` (a FakeTensor: shape and dtype) and ``meta["nn_module_stack"]``.
-Models built on the ``meta`` device capture without memory: example inputs are moved to
-``meta`` too. A failure is re-raised as :class:`CaptureError` naming the construct that export
-could not handle and what to try.
+Capture uses ``torch.export.export(strict=False)`` (decision 1 in docs/ARCHITECTURE.md).
+Parameters and buffers come out as placeholders (the graph signature maps them to their fully
+qualified names); every node carries ``meta["val"]`` (a FakeTensor: shape and dtype) and
+``meta["nn_module_stack"]``. Models built on the ``meta`` device capture without memory:
+example inputs are moved to ``meta`` too. A failure is re-raised as :class:`CaptureError`
+naming the construct that export could not handle and what to try.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ import torch
 import torch.fx as fx
 import torch.fx.config  # noqa: F401  (fx.config.do_not_emit_stack_traces)
 
-__all__ = ["CaptureError", "CapturedGraph", "capture", "describe_captured", "graph_fingerprint", "tied_placeholders"]
+__all__ = ["CaptureError", "CapturedGraph", "capture", "describe_captured", "graph_fingerprint", "tied_placeholders",
+           "training_configs"]
 
 
 class CaptureError(RuntimeError):
@@ -44,6 +45,8 @@ class CapturedGraph:
     """placeholder names of the user's inputs, in call order."""
     input_names: dict
     """placeholder name -> the user's argument name (``input_ids``, ``idx``, ...)."""
+    training: bool = True
+    """The model's mode when captured (``aten.dropout`` and batch-norm ops bake it in)."""
 
     @property
     def graph(self) -> fx.Graph:
@@ -67,7 +70,31 @@ def _on_meta(model: torch.nn.Module) -> bool:
     return bool(tensors) and all(t.is_meta for t in tensors)
 
 
+@contextlib.contextmanager
+def training_configs(model: torch.nn.Module):
+    """Capture a training program: HuggingFace models with ``config.use_cache`` on (the default
+    of most decoder-only and encoder-decoder families) return a key/value cache object that
+    training never reads and ``torch.export`` cannot flatten; switch it off on every config in
+    the model for the duration of the capture (the user's model is left as it was)."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+               and getattr(c, "use_cache", None)}
+    for config in configs.values():
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config.use_cache = True
+
+
 def _hint_for(message: str) -> str:
+    unknown = re.search(r"Found <class '([\w.]+)'> in output", message)
+    if unknown:
+        kind = unknown.group(1).rpartition(".")[2]
+        return (f"the model returns a {kind} object, which torch.export cannot take apart; if it is a cache "
+                f"for generation, build the model with use_cache=False (Partita already switches "
+                f"config.use_cache off), else return plain tensors or register {kind} with "
+                f"torch.utils._pytree.register_pytree_node")
     if "data-dependent" in message or "GuardOnDataDependentSymNode" in message:
         return ("the model branches on tensor values; replace the Python `if`/`.item()` on a tensor "
                 "with torch.where / torch.cond, or pass inputs that avoid that branch")
@@ -101,7 +128,8 @@ def capture(model: torch.nn.Module, example_inputs, *, stack_traces: bool = Fals
     try:
         with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
-            exported = torch.export.export(model, args, kwargs, strict=False)
+            with training_configs(model):
+                exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # export raises many types; all become one clear error
         message = str(exc).strip()
         first = next((line for line in message.splitlines() if line.strip()), type(exc).__name__)
@@ -126,7 +154,7 @@ def capture(model: torch.nn.Module, example_inputs, *, stack_traces: bool = Fals
     input_names = {name: name for name in user_inputs}
     gm = exported.graph_module
     return CapturedGraph(graph_module=gm, exported=exported, params=params, buffers=buffers,
-                         user_inputs=user_inputs, input_names=input_names)
+                         user_inputs=user_inputs, input_names=input_names, training=model.training)
 
 
 def tied_placeholders(cap: CapturedGraph) -> list:
