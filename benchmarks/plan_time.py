@@ -37,7 +37,7 @@ CLUSTER = "h100"
 BUDGET = "80GiB"
 LAYERS = (32, 80)
 ANCHOR = ("meta-pytorch/autoparallel: LLaMA-3-8B on a 2-D mesh, about 46 s end to end "
-          "(ANCHORS.md gives 5-46 s); Alpa: about 2,400 s for GPT-39B on 64 GPUs")
+          "(published figures range 5-46 s); Alpa: about 2,400 s for GPT-39B on 64 GPUs")
 STAGES = ("capture_s", "analysis_s", "build_s", "solve_s", "decode_s", "total_s")
 STAGE_LABELS = {"capture_s": "capture", "analysis_s": "analysis", "build_s": "strategy space",
                 "solve_s": "solve (ILP)", "decode_s": "decode", "total_s": "plan total"}

@@ -1,6 +1,6 @@
 """Cluster descriptions: what one device computes and how fast mesh axes talk.
 
-The cost model prices everything in seconds from these numbers (decision 4 of DESIGN.md):
+The cost model prices everything in seconds from these numbers (decision 4 in docs/ARCHITECTURE.md):
 
 * compute: ``flops / (peak_flops[dtype] * matmul_efficiency)`` for contractions, and
   ``bytes / memory_bandwidth`` for memory-bound ops (the larger of the two wins);

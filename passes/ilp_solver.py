@@ -1,4 +1,4 @@
-"""The intra-op ILP (decision 5 of DESIGN.md), solved by HiGHS through ``scipy.optimize.milp``.
+"""The intra-op ILP (decision 5 in docs/ARCHITECTURE.md), solved by HiGHS through ``scipy.optimize.milp``.
 
 Given groups ``g`` with options ``i`` (node cost ``c[g,i]`` seconds, memory ``m[g,i]`` bytes)
 and edges ``e = (g, h)`` whose cost depends only on the class ``o = cls_g(i)`` of the

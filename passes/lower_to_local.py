@@ -1,6 +1,7 @@
 """Lowering: a captured graph + a ShardingPlan -> one rank's program on local tensors.
 
-Decision 7 of DESIGN.md. Walk the captured graph in order and emit a new fx graph:
+The lowered program is plain PyTorch (decision 7 in docs/ARCHITECTURE.md). Walk the captured
+graph in order and emit a new fx graph:
 
 * placeholders stay placeholders (parameters, buffers and inputs arrive as this rank's
   local pieces); ignored assertion nodes (``_assert_tensor_metadata``) are dropped;

@@ -1,4 +1,4 @@
-"""Pipeline schedules as data (decision 8 of DESIGN.md): generate, lower, check, simulate.
+"""Pipeline schedules as data (decision 8 in docs/ARCHITECTURE.md): generate, lower, check, simulate.
 
 A schedule is one list of actions per rank. Nothing here starts a process: the runtime's
 interpreter executes a schedule that :func:`check_schedule` has already proved safe.

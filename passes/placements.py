@@ -1,7 +1,7 @@
 """Placement specs: one DTensor placement per mesh axis, and what they imply for a tensor.
 
 A *spec* is a tuple with one ``Shard(dim)`` / ``Replicate()`` / ``Partial()`` per mesh axis
-(DTensor's vocabulary, decision 2 of DESIGN.md). A dim sharded on several axes is split by
+(DTensor's vocabulary, decision 2 in docs/ARCHITECTURE.md). A dim sharded on several axes is split by
 the product of their sizes, outer axis first. This module holds the pure helpers: text form
 (``"S(0)"``, ``"R"``, ``"P"``), local shapes and the divisibility test that decides whether a
 spec is admissible for a shape (Partita shards evenly, so lowering never pads).

@@ -1,10 +1,11 @@
 """Inter-op planning: cut a captured graph into pipeline stages at layer boundaries.
 
-Decision 6 of DESIGN.md. The units are the repeated blocks found by :mod:`passes.blocks`
-(transformer layers); everything before the first block joins the first stage and everything
-after the last block joins the last stage. A dynamic program over contiguous runs of layers
-minimises the slowest stage (each layer priced by the cost model's compute time), which for a
-uniform transformer gives cuts that differ by at most one layer. The graph is then split with
+Stages come from a dynamic program, not the ILP (decision 6 in docs/ARCHITECTURE.md). The
+units are the repeated blocks found by :mod:`passes.blocks` (transformer layers); everything
+before the first block joins the first stage and everything after the last block joins the
+last stage. A dynamic program over contiguous runs of layers minimises the slowest stage
+(each layer priced by the cost model's compute time), which for a uniform transformer gives
+cuts that differ by at most one layer. The graph is then split with
 ``torch.fx.passes.split_module`` using a ``node -> stage`` callback (never by hand).
 
 :class:`StageGraph` describes one stage: its fx GraphModule, which placeholders are

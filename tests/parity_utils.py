@@ -1,4 +1,4 @@
-"""Helpers for the multi-process parity tests (tier 3 of DESIGN.md): models, pins, the rank worker.
+"""Helpers for the multi-process parity tests (test tier 3): models, pins, the rank worker.
 
 One forked run (``runtime.launch.run_on_ranks``) per (model, mesh, plan) config. Each rank:
 

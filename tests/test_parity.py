@@ -1,4 +1,4 @@
-"""Parity on real gloo process groups (tier 3 of DESIGN.md): the first test of every feature.
+"""Parity on real gloo process groups (test tier 3): the first test of every feature.
 
 One forked run per (model, mesh, plan) config (see ``parity_utils.parity_worker``); each rank
 checks, fp32 with ``torch.testing.assert_close`` defaults, against a deep copy of the model

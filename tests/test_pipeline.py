@@ -1,6 +1,6 @@
 """Pipeline parallelism (``auto_parallelize(..., pipeline={...})``): parity, balance, bad configs.
 
-Parity (tier 3 of DESIGN.md): one forked gloo run per config; each rank builds the model and a
+Parity (tier 3, see docs/ARCHITECTURE.md): one forked gloo run per config; each rank builds the model and a
 deep copy as the single-device reference (full batch), runs ``runner.train_step(batch)`` (forward
 and backward over all microbatches) and checks, fp32 with ``torch.testing.assert_close``
 defaults, the loss and EVERY gradient (``runner.full_grads()``) against the reference; then 3

@@ -1,4 +1,4 @@
-"""The rule registry: the one home of op semantics (decision 3 of DESIGN.md).
+"""The rule registry: the one home of op semantics (decision 3 in docs/ARCHITECTURE.md).
 
 Importing this package registers every family. ``rule_for(node)`` returns the node's rule,
 or the replicate fallback (with one warning naming the op) when none is registered.

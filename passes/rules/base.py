@@ -1,6 +1,6 @@
 """The shape of a rule: what it sees of a node, what it returns, and the registry.
 
-A rule describes one aten op family (decision 3 of DESIGN.md). For one mesh axis it lists
+A rule describes one aten op family (decision 3 in docs/ARCHITECTURE.md). For one mesh axis it lists
 the :class:`AxisStrategy` candidates: the placement each tensor input must have and the
 placement of each output (``Shard(d)``, ``Replicate()``, ``Partial()``), plus any collective
 the op needs inside itself (vocab-parallel softmax statistics, SyncBN). Candidates for an
