@@ -177,7 +177,8 @@ def _sharded_checkpoint(rank, world, path):
     tp.save_sharded(path)
     expected = tp.full_state_dict()
     fresh, _ = models.gpt_demo(batch=4, seq=8, n_layer=1)
-    dp = partitioner.auto_parallelize(fresh, inputs, mesh=(2,), pins={"idx": ["S(0)"], "targets": ["S(0)"]})
+    dp = partitioner.auto_parallelize(fresh, inputs, mesh=(2,), cluster="h100",
+                                      pins={"idx": ["S(0)"], "targets": ["S(0)"]})
     dp.load_sharded(path)                               # another plan: replicated weights
     loaded = dp.full_state_dict()
     return all(torch.equal(loaded[k], expected[k]) for k in expected), dp.placement_of("h.0.mlp.c_fc.weight")
@@ -216,8 +217,9 @@ def _bucketed_dp(rank, world):
     torch.manual_seed(0)
     model, inputs = models.gpt_demo(batch=8, seq=16, n_layer=2)
     reference = __import__("copy").deepcopy(model)
-    pm = partitioner.auto_parallelize(model, inputs, mesh=(2,), pins={"idx": ["S(0)"], "targets": ["S(0)"],
-                                                                      "h.*.ln_1": ["S(0)"], "h.*.ln_2": ["S(0)"]})
+    pm = partitioner.auto_parallelize(model, inputs, mesh=(2,), cluster="h100",
+                                      pins={"idx": ["S(0)"], "targets": ["S(0)"],
+                                            "h.*.ln_1": ["S(0)"], "h.*.ln_2": ["S(0)"]})
     bucketed = sum("bucketed" in repr(m) for m in pm.program.modules())
     with CommCounter() as counter:
         loss = pm(*inputs)
