@@ -1,16 +1,19 @@
 """``auto_parallelize``: plan (or replay a plan), lower for this rank, load this rank's shards.
 
 Runs inside a job whose default process group is initialised (torchrun, or
-``runtime.launch.run_on_ranks``). Every rank captures the model; rank 0 plans and broadcasts
-the plan (the cost model may time the local machine, and ranks must agree on one plan);
-each rank lowers it for its own mesh coordinates and slices its parameters out of the model,
-a full state dict, or a checkpoint file opened with ``mmap`` (so a model built on ``meta``
-never exists whole in one process).
+``runtime.launch.run_on_ranks``). The entry function is a short list of steps, each a function
+below: build the device mesh; capture (every rank exports and analyses the model); plan (rank 0
+searches and broadcasts the plan: the cost model may time the local machine, and ranks must
+agree on one plan) or check a given plan; build the module (lower the plan for this rank's mesh
+coordinates, then slice its parameters out of the model, a full state dict, or a checkpoint file
+opened with ``mmap``, so a model built on ``meta`` never exists whole in one process; see
+:mod:`partitioner.weights`). With ``pipeline=`` the stages are built by
+:mod:`partitioner.pipeline_parallelize` instead, from the same weight-loading steps.
 """
 from __future__ import annotations
 
-
 import datetime
+import json
 import sys
 import time
 
@@ -20,13 +23,13 @@ import torch.distributed as dist
 from partitioner.api import plan_captured
 from partitioner.mesh import MeshSpec
 from partitioner.sharding_plan import ShardingPlan
+from partitioner.weights import WeightSource, load_local_weights
 from passes.analyze import analyze, info
 from passes.capture import graph_fingerprint, tied_placeholders
 from passes.capture_blocks import capture_model
-from passes.lower_to_local import lower_to_local, strided_parameters
-from passes.placements import format_spec, parse_spec
+from passes.lower_to_local import lower_to_local
 from runtime.collectives import MeshComm, on_rank0
-from runtime.parallel_module import ParallelModule, shard_tensor
+from runtime.parallel_module import ParallelModule
 
 __all__ = ["auto_parallelize", "shard_batch"]
 
@@ -69,15 +72,6 @@ def _device_mesh(mesh, axis_names, device_type, timeout=None):
     return DeviceMesh.from_group(mine, device_type, mesh=torch.tensor(layout), mesh_dim_names=spec.axis_names)
 
 
-def _source_tensor(name, model_state, checkpoint_state, exported):
-    for source in (checkpoint_state, model_state):
-        if source is not None and name in source:
-            return source[name]
-    if name in exported.constants:
-        return exported.constants[name]
-    raise KeyError(f"no value for {name}: pass state_dict= or checkpoint= holding it")
-
-
 def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_axis_names=None, plan=None,
                      cluster=None, memory_budget=None, pins=None, objective="time", local_inputs=False,
                      state_dict=None, checkpoint=None, device=None, pipeline=None, layers="auto", verbose=False):
@@ -103,89 +97,96 @@ def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_
         model = partitioner.auto_parallelize(model, example_inputs, mesh=(2, 2))
         loss = model(**batch).loss; loss.backward(); optimizer.step()
     """
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("auto_parallelize needs an initialised process group: launch with torchrun (or "
-                           "runtime.launch.run_on_ranks) and call torch.distributed.init_process_group first")
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    device = torch.device(device)
-    log = (lambda msg: print(f"[partita rank {dist.get_rank()}] {msg}", file=sys.stderr, flush=True)) if verbose else (lambda m: None)
-    device_mesh = _device_mesh(mesh, mesh_axis_names, device.type)
-    comm = MeshComm(device_mesh)
+    _require_process_group()
+    device = _job_device(device)
+    cluster = cluster or ("cpu" if device.type == "cpu" else "h100")
+    log = _progress_log(verbose)
     if pipeline is not None:
-        from partitioner.pipeline_parallelize import PipelineConfig, build_pipeline
-        if plan is not None:
-            raise ValueError("replaying a saved plan is not supported with pipeline=; plan again")
-        model_state = None if _on_meta(model) else {**dict(model.named_parameters(remove_duplicate=False)),
-                                                     **dict(model.named_buffers(remove_duplicate=False))}
-        checkpoint_state = state_dict
-        if checkpoint is not None:
-            checkpoint_state = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
-        return build_pipeline(model, example_inputs, device_mesh=device_mesh, config=PipelineConfig.build(pipeline),
-                              cluster=cluster or ("cpu" if device.type == "cpu" else "h100"), pins=pins,
-                              memory_budget=memory_budget, objective=objective, model_state=model_state or {},
-                              checkpoint_state=checkpoint_state, device=device, log=log)
+        return _pipelined(model, example_inputs, pipeline, mesh=mesh, mesh_axis_names=mesh_axis_names, plan=plan,
+                          cluster=cluster, memory_budget=memory_budget, pins=pins, objective=objective,
+                          source=WeightSource(model, state_dict, checkpoint), device=device, log=log)
+    comm = MeshComm(_device_mesh(mesh, mesh_axis_names, device.type))
     t0 = time.perf_counter()
-    cap = capture_model(model, example_inputs, layers=layers)
-    analyze(cap)
-    fingerprint = graph_fingerprint(cap)
-    if plan is None:
-        def make_plan():
-            return plan_captured(cap, model_name=type(model).__name__, mesh_shape=comm.shape,
-                                 mesh_axis_names=comm.axis_names,
-                                 cluster=cluster or ("cpu" if device.type == "cpu" else "h100"),
-                                 memory_budget=memory_budget, pins=pins, objective=objective, log=log).to_json()
-        import json
-        plan = ShardingPlan.from_dict(json.loads(on_rank0(make_plan, "planning")))
-    else:
-        plan.check_fingerprint(fingerprint, f"{type(model).__name__} on these inputs")
-        if tuple(plan.mesh_shape) != tuple(comm.shape):
-            raise ValueError(f"the plan is for mesh {plan.mesh_shape}, this job's mesh is {comm.shape}")
+    cap = _capture(model, example_inputs, layers)
+    plan = _plan_or_replay(cap, type(model).__name__, comm, plan, cluster=cluster, memory_budget=memory_budget,
+                           pins=pins, objective=objective, log=log)
     log(f"planned in {time.perf_counter() - t0:.2f} s")
-    records = {r["name"]: r for r in plan.records}
-    program = lower_to_local(cap.graph, records, comm, device=device, bucket_grads=True)
-    specs = {}
-    for node in cap.graph.nodes:
-        if node.op == "placeholder":
-            spec = parse_spec(records[node.name]["out"][0], comm.ndim)
-            specs[cap.params.get(node.name) or cap.buffers.get(node.name) or node.name] = spec
-    strided = strided_parameters(cap.graph, records, comm)
-    model_state = None if _on_meta(model) else {**dict(model.named_parameters(remove_duplicate=False)),
-                                                **dict(model.named_buffers(remove_duplicate=False))}
-    checkpoint_state = state_dict
-    if checkpoint is not None:
-        checkpoint_state = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
-    local_params, local_buffers, global_shapes = {}, {}, {}
-    with torch.no_grad():
-        for name, fqn in cap.params.items():
-            full = _source_tensor(fqn, model_state, checkpoint_state, cap.exported)
-            local_params[fqn] = shard_tensor(full.detach(), specs[fqn], comm, strided.get(fqn)).to(device).clone()
-            global_shapes[fqn] = tuple(full.shape)
-        for name, fqn in cap.buffers.items():
-            full = _source_tensor(fqn, model_state, checkpoint_state, cap.exported)
-            local_buffers[fqn] = shard_tensor(full.detach(), specs[fqn], comm, strided.get(fqn)).to(device).clone()
-            global_shapes[fqn] = tuple(full.shape)
-    for names in tied_placeholders(cap):   # tied weights: one local tensor (one Parameter) for all names
-        fqns = [cap.params.get(n) or cap.buffers.get(n) for n in names]
-        state = local_params if fqns[0] in local_params else local_buffers
-        for fqn in fqns[1:]:
-            if specs[fqn] != specs[fqns[0]] or strided.get(fqn) != strided.get(fqns[0]):
-                raise ValueError(f"{fqn} and {fqns[0]} are one tied tensor but the plan places them differently "
-                                 f"({format_spec(specs[fqn])} vs {format_spec(specs[fqns[0]])}); pin both alike")
-            if fqn in state:
-                state[fqn] = state[fqns[0]]
-    input_specs = {n.name: specs[n.name] for n in cap.graph.nodes if n.op == "placeholder" and info(n).kind == "input"}
-    module = ParallelModule(program=program, plan=plan, comm=comm, captured=cap, local_params=local_params,
-                            local_buffers=local_buffers, specs={**specs, **input_specs}, strided=strided,
-                            local_inputs=local_inputs, global_shapes=global_shapes)
+    module = _build_module(cap, plan, comm, WeightSource(model, state_dict, checkpoint), device, local_inputs)
     module.train(model.training)
     log(f"ready: {module.local_parameter_bytes() / 2**20:.1f} MiB of parameters on this rank")
     return module
 
 
-def _on_meta(model):
-    tensors = list(model.parameters()) + list(model.buffers())
-    return bool(tensors) and all(t.is_meta for t in tensors)
+# -- the steps ---------------------------------------------------------------------------------
+
+
+def _require_process_group():
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("auto_parallelize needs an initialised process group: launch with torchrun (or "
+                           "runtime.launch.run_on_ranks) and call torch.distributed.init_process_group first")
+
+
+def _job_device(device) -> torch.device:
+    """The given device; by default this rank's GPU under NCCL, else the CPU."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    return torch.device(device)
+
+
+def _progress_log(verbose):
+    if not verbose:
+        return lambda msg: None
+    return lambda msg: print(f"[partita rank {dist.get_rank()}] {msg}", file=sys.stderr, flush=True)
+
+
+def _pipelined(model, example_inputs, pipeline, *, mesh, mesh_axis_names, plan, cluster, memory_budget, pins,
+               objective, source, device, log):
+    """``pipeline=``: the first mesh axis becomes stages (:mod:`partitioner.pipeline_parallelize`)."""
+    from partitioner.pipeline_parallelize import PipelineConfig, build_pipeline
+    if plan is not None:
+        raise ValueError("replaying a saved plan is not supported with pipeline=; plan again")
+    config = PipelineConfig.build(pipeline)
+    return build_pipeline(model, example_inputs, device_mesh=_device_mesh(mesh, mesh_axis_names, device.type),
+                          config=config, cluster=cluster, pins=pins, memory_budget=memory_budget,
+                          objective=objective, source=source, device=device, log=log)
+
+
+def _capture(model, example_inputs, layers):
+    """Capture: every rank exports the model (the graph is needed to lower) and analyses it."""
+    cap = capture_model(model, example_inputs, layers=layers)
+    analyze(cap)
+    return cap
+
+
+def _plan_or_replay(cap, model_name, comm, plan, *, cluster, memory_budget, pins, objective, log) -> ShardingPlan:
+    """Plan: rank 0 searches and broadcasts (the cost model may time this machine, and ranks
+    must agree on one plan); a given plan is checked against the graph and the mesh instead."""
+    if plan is None:
+        def make_plan():
+            return plan_captured(cap, model_name=model_name, mesh_shape=comm.shape, mesh_axis_names=comm.axis_names,
+                                 cluster=cluster, memory_budget=memory_budget, pins=pins, objective=objective,
+                                 log=log).to_json()
+        return ShardingPlan.from_dict(json.loads(on_rank0(make_plan, "planning")))
+    plan.check_fingerprint(graph_fingerprint(cap), f"{model_name} on these inputs")
+    if tuple(plan.mesh_shape) != tuple(comm.shape):
+        raise ValueError(f"the plan is for mesh {plan.mesh_shape}, this job's mesh is {comm.shape}")
+    return plan
+
+
+def _build_module(cap, plan, comm, source, device, local_inputs) -> ParallelModule:
+    """Lower the plan for this rank, load its weights, and wrap both as a ParallelModule."""
+    records = {r["name"]: r for r in plan.records}
+    program = lower_to_local(cap.graph, records, comm, device=device, bucket_grads=True)
+    weights, by_placeholder, strided = load_local_weights(cap, records, comm, source, device,
+                                                          exported=cap.exported, tied=tied_placeholders(cap))
+    # the module keys parameters and buffers by FQN, inputs by placeholder name
+    specs = {(cap.params.get(name) or cap.buffers.get(name) or name): spec for name, spec in by_placeholder.items()}
+    input_specs = {n.name: by_placeholder[n.name] for n in cap.graph.nodes
+                   if n.op == "placeholder" and info(n).kind == "input"}
+    return ParallelModule(program=program, plan=plan, comm=comm, captured=cap,
+                          local_params=dict(weights.params.values()), local_buffers=dict(weights.buffers.values()),
+                          specs={**specs, **input_specs}, strided=strided, local_inputs=local_inputs,
+                          global_shapes=weights.global_shapes)
 
 
 def shard_batch(batch, model: ParallelModule):

@@ -13,10 +13,27 @@ estimates (``passes.pipeline_schedules.choose_schedule``).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
+
+from partitioner.api import plan_captured, resolve_pins
+from partitioner.sharding_plan import ShardingPlan
+from partitioner.weights import load_local_weights
+from passes import pipeline_schedules as ps
+from passes.analyze import analyze, info
+from passes.capture import capture, tied_placeholders
+from passes.cost_model import dual_spec
+from passes.lower_to_local import lower_to_local
+from passes.placements import format_spec, local_shape, parse_spec, replicated
+from passes.rules import tensor_input_nodes
+from passes.split_stages import assign_stages, split_stages
+from runtime.collectives import MeshComm, on_rank0
+from runtime.parallel_module import shard_tensor
+from runtime.pipeline import PipelineRunner, StageProgram
 
 __all__ = ["PipelineConfig", "build_pipeline"]
 
@@ -69,7 +86,6 @@ class PipelineConfig:
 
 
 def _make_schedule(cfg: PipelineConfig):
-    from passes import pipeline_schedules as ps
     p, m = cfg.degree, cfg.microbatches
     if cfg.schedule == "gpipe":
         sched = ps.gpipe(p, m)
@@ -87,10 +103,6 @@ def _make_schedule(cfg: PipelineConfig):
 def _sent_placements(graph, plan, ndim) -> dict:
     """Activation name (as later stages call it) -> the placement this stage sends it in: where
     its plan put the value, partial sums reduced (what lowering does at a stage boundary)."""
-    import torch.fx as fx
-
-    from passes.cost_model import dual_spec
-    from passes.placements import format_spec, parse_spec
     records = {r["name"]: r for r in plan.records}
     returned = graph.captured.graph.find_nodes(op="output")[0].args[0]
     returned = returned if isinstance(returned, (list, tuple)) else [returned]
@@ -103,7 +115,6 @@ def _sent_placements(graph, plan, ndim) -> dict:
 
 def _choose(config: PipelineConfig, plans, graphs, log):
     """The schedule simulated fastest with the stage plans' cost estimates."""
-    from passes import pipeline_schedules as ps
     forward, backward, weight = ps.stage_durations([plan.estimate() for plan in plans],
                                                    [g.takes_activations for g in graphs])
     name, steps = ps.choose_schedule(config.degree, config.microbatches, forward, backward, weight)
@@ -126,60 +137,94 @@ def _microbatch(example_inputs, m):
 
 
 def build_pipeline(model, example_inputs, *, device_mesh, config, cluster, pins, memory_budget, objective,
-                   model_state, checkpoint_state, device, log):
-    from partitioner.api import plan_captured, resolve_pins
-    from partitioner.sharding_plan import ShardingPlan
-    from passes.analyze import analyze, info
-    from passes.capture import capture
-    from passes.lower_to_local import lower_to_local, strided_parameters
-    from passes.placements import local_shape, parse_spec
-    from passes.rules import tensor_input_nodes
-    from passes.split_stages import assign_stages, split_stages
-    from runtime.collectives import MeshComm, on_rank0
-    from runtime.parallel_module import shard_tensor
-    from runtime.pipeline import PipelineRunner, StageProgram
-
+                   source, device, log):
+    """The pipeline runner for this rank (``auto_parallelize(..., pipeline=...)``); the steps
+    are the functions below, in this order. ``source``: where full weights come from
+    (:class:`partitioner.weights.WeightSource`)."""
     full = MeshComm(device_mesh)
+    config, schedule = _resolve_config(config, full, example_inputs, log)
+    cap, graphs, runs = _capture_stages(model, example_inputs, config, schedule)
+    sub = _stage_mesh(full, device_mesh)
+    tied = _shared_weights(cap, graphs)
+    plans = _plan_stages(graphs, sub, tied, schedule, config, model_name=type(model).__name__, pins=pins,
+                         cluster=cluster, memory_budget=memory_budget, objective=objective, log=log)
+    if schedule is None:
+        config, schedule = _choose(config, plans, graphs, log)
+    stages = _build_stages(graphs, plans, schedule, full.coords[0], sub, source, cap, tied, device)
+    return PipelineRunner(stages=stages, schedule=schedule, stage_graphs=graphs,
+                          comm_pp=(device_mesh.get_group(0), full.coords[0], full.shape[0]),
+                          peer_rank=_peer_ranks(schedule, full), microbatches=config.microbatches,
+                          input_names=list(cap.user_inputs), in_spec=cap.exported.call_spec.in_spec,
+                          loss_name=_loss_name(graphs[-1]), carried_meta=_receive_buffers(graphs, plans, sub),
+                          plan={"stages": plans, "schedule": schedule, "layers": runs},
+                          tied=_tied_groups(tied, graphs, schedule, full))
+
+
+# -- the steps ---------------------------------------------------------------------------------
+
+
+def _resolve_config(config: PipelineConfig, full, example_inputs, log) -> tuple:
+    """Check the degree against the mesh and fill in the microbatches; a given schedule is built
+    (and checked) before any work, an open one (None) is chosen after planning the stages."""
     if full.shape[0] != config.degree:
         raise ValueError(f"pipeline degree {config.degree} must equal the first mesh axis ({full.shape[0]}); "
                          f"mesh {full.shape} = (pipeline, ...)")
     batch = next((x.shape[0] for x in (example_inputs.values() if isinstance(example_inputs, dict) else example_inputs)
                   if isinstance(x, torch.Tensor) and x.dim() > 0), 0)
     config = config.resolve(batch)
-    # a given schedule is built (and checked) before any work; an open one is chosen by simulating
-    # the planned stages
     schedule = _make_schedule(config) if config.schedule is not None else None
     stages = schedule.num_stages if schedule is not None else config.degree
     log(f"pipeline: {config.degree} ranks, {stages} stages, {config.microbatches} microbatches, schedule "
         f"{config.schedule or 'chosen after planning the stages'}")
-    micro = _microbatch(example_inputs, config.microbatches)
-    cap = capture(model, micro)
+    return config, schedule
+
+
+def _capture_stages(model, example_inputs, config, schedule) -> tuple:
+    """Capture on one microbatch and cut at layer boundaries: (capture, stage graphs, layer runs)."""
+    cap = capture(model, _microbatch(example_inputs, config.microbatches))
     analyze(cap)
-    stage_of, runs = assign_stages(cap, stages)
+    stage_of, runs = assign_stages(cap, schedule.num_stages if schedule is not None else config.degree)
     graphs = split_stages(cap, stage_of, runs)
+    for g in graphs:
+        analyze(g.captured)
+    return cap, graphs, runs
+
+
+def _stage_mesh(full, device_mesh):
+    """The mesh of one stage: every axis after the pipeline axis (a 1-device mesh if none)."""
     sub = MeshComm.__new__(MeshComm)
     sub.shape, sub.axis_names = full.shape[1:] or (1,), full.axis_names[1:] or ("local",)
     sub.groups = [device_mesh.get_group(a) for a in range(1, full.ndim)] or [None]
     sub.coords = list(full.coords[1:]) or [0]
     sub.device_mesh = device_mesh[full.axis_names[1:]] if full.ndim > 1 else None
+    return sub
 
-    for g in graphs:
-        analyze(g.captured)
-    from passes.capture import tied_placeholders
-    # weights used by several stages (one placeholder used twice, or tied names of one tensor)
+
+def _shared_weights(cap, graphs) -> list:
+    """Weights used by several stages (one placeholder used twice, or tied names of one tensor),
+    as sets of placeholder names."""
     tied = [set(names) for names in tied_placeholders(cap)]
     for name in cap.params:
         if sum(name in g.inputs for g in graphs) > 1 and not any(name in t for t in tied):
             tied.append({name})
+    return tied
+
+
+def _plan_stages(graphs, sub, tied, schedule, config, *, model_name, pins, cluster, memory_budget, objective,
+                 log) -> list:
+    """Rank 0 plans the stages in order on the stage mesh and broadcasts the plans.
+
+    Weights shared by stages are replicated (their gradients add up elementwise); a stage's
+    activation inputs are pinned to the placement the stage before sends them in (rank (s, c)
+    sends its piece to (s+1, c)); each plan holds as many microbatches' activations as the
+    schedule keeps alive (for an open schedule: the most any automatic one does)."""
     tied_names = {n for names in tied for n in names}
-    # each stage's plan holds as many microbatches' activations as its schedule keeps alive
-    from passes import pipeline_schedules as ps
     copies = ps.stage_in_flight(schedule) if schedule is not None else \
         ps.auto_stage_in_flight(config.degree, config.microbatches)
-    def plan_stages():
+
+    def plan_all():
         plans, sent_as = [], {}    # sent_as: activation -> the placement its producing stage sends it in
         for g in graphs:
-            # tied weights live on several stages: replicate them so their gradients add up elementwise
             stage_pins = {name: ["R"] * len(sub.shape) for name in g.inputs if name in tied_names}
             for key, value in (pins or {}).items():
                 try:
@@ -187,9 +232,8 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, cluster, pins,
                 except ValueError:
                     continue
                 stage_pins[key] = value
-            # activations arrive as the earlier stage placed them: rank (s, c) sends its piece to (s+1, c)
             stage_pins.update({name: sent_as[name] for name in g.activation_inputs})
-            made = plan_captured(g.captured, model_name=f"{type(model).__name__} stage {g.index}",
+            made = plan_captured(g.captured, model_name=f"{model_name} stage {g.index}",
                                  mesh_shape=sub.shape, mesh_axis_names=sub.axis_names, cluster=cluster,
                                  memory_budget=memory_budget, pins=stage_pins, objective=objective, log=log,
                                  activation_copies=copies[g.index])
@@ -197,51 +241,63 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, cluster, pins,
             sent_as.update(_sent_placements(g, made, len(sub.shape)))
         return plans
 
-    plans = [ShardingPlan.from_dict(json.loads(text)) for text in on_rank0(plan_stages, "planning the stages")]
-    if schedule is None:
-        config, schedule = _choose(config, plans, graphs, log)
+    return [ShardingPlan.from_dict(json.loads(text)) for text in on_rank0(plan_all, "planning the stages")]
 
-    pp_coord = full.coords[0]
-    sub_size = 1
-    for n in full.shape[1:]:
-        sub_size *= n
-    sub_index = dist.get_rank() - pp_coord * sub_size
+
+def _build_stages(graphs, plans, schedule, pp_coord, sub, source, cap, tied, device) -> dict:
+    """Lower this rank's stages and load their weights: stage index -> stage program."""
     owned = {}
     for s, g in enumerate(graphs):
         if schedule.stage_to_rank[s] != pp_coord:
             continue
         records = {r["name"]: r for r in plans[s].records}
         program = lower_to_local(g.captured.graph, records, sub, device=device)
-        strided = strided_parameters(g.captured.graph, records, sub)
-        params, buffers, specs = {}, {}, {}
-        for node in g.captured.graph.nodes:
-            if node.op != "placeholder":
-                continue
-            spec = parse_spec(records[node.name]["out"][0], len(sub.shape))
-            specs[node.name] = spec
-            for table, target in ((g.captured.params, params), (g.captured.buffers, buffers)):
-                if node.name in table:
-                    fqn = table[node.name]
-                    source = checkpoint_state if checkpoint_state is not None and fqn in checkpoint_state else model_state
-                    value = source[fqn] if fqn in source else cap.exported.constants[fqn]
-                    local = shard_tensor(value.detach(), spec, sub, strided.get(fqn)).to(device).clone()
-                    target[node.name] = (fqn, local)
-        owned[s] = _StageWithInputs(StageProgram(s, program, g.inputs, g.outputs, params, buffers, specs, sub,
-                                                 plans[s], strided), sub, g.activation_inputs)
-    last = graphs[-1]
+        weights, specs, strided = load_local_weights(g.captured, records, sub, source, device,
+                                                     exported=cap.exported, tied=[sorted(t) for t in tied])
+        owned[s] = _StageWithInputs(StageProgram(s, program, g.inputs, g.outputs, weights.params, weights.buffers,
+                                                 specs, sub, plans[s], strided), sub, g.activation_inputs)
+    return owned
+
+
+def _loss_name(last) -> str:
+    """The last stage's scalar output: the loss the schedule backpropagates."""
     out_node = last.captured.graph.find_nodes(op="output")[0]
-    loss_name = next((name for name, n in zip(last.outputs, tensor_input_nodes(out_node)) if info(n).shape == ()), None)
-    if loss_name is None:
+    name = next((name for name, n in zip(last.outputs, tensor_input_nodes(out_node)) if info(n).shape == ()), None)
+    if name is None:
         raise ValueError("pipeline training needs the model to return a scalar loss (its last stage has none)")
-    carried = {}    # activation -> (this rank's piece's shape, dtype): the receive buffers
+    return name
+
+
+def _receive_buffers(graphs, plans, sub) -> dict:
+    """Activation -> (this rank's piece's shape, dtype): what its receive buffer holds."""
+    carried = {}
     for g, plan in zip(graphs, plans):
         records = {r["name"]: r for r in plan.records}
         for node in g.captured.graph.nodes:
             if node.op == "placeholder" and node.name in g.activation_inputs:
                 spec = parse_spec(records[node.name]["out"][0], len(sub.shape))
                 carried[node.name] = (tuple(local_shape(info(node).shape, spec, sub.shape)), info(node).dtype)
-    peer = {s: schedule.stage_to_rank[s] * sub_size + sub_index for s in range(stages)}
-    tied_groups = []   # (process group over the owning ranks, placeholder names here) per tied weight
+    return carried
+
+
+def _sub_size(full) -> int:
+    return math.prod(full.shape[1:])
+
+
+def _peer_ranks(schedule, full) -> dict:
+    """Stage -> the global rank of its owner at this rank's stage-mesh coordinates."""
+    sub_size = _sub_size(full)
+    sub_index = dist.get_rank() - full.coords[0] * sub_size
+    return {s: schedule.stage_to_rank[s] * sub_size + sub_index for s in range(schedule.num_stages)}
+
+
+def _tied_groups(tied, graphs, schedule, full) -> list:
+    """(process group over the ranks holding a shared weight, its placeholder names) for each
+    shared weight this rank holds that lives on more than one rank."""
+    sub_size = _sub_size(full)
+    pp_coord = full.coords[0]
+    sub_index = dist.get_rank() - pp_coord * sub_size
+    groups = []
     for names in tied:
         owners = sorted({schedule.stage_to_rank[s] for s, g in enumerate(graphs) for n in names if n in g.inputs})
         if len(owners) < 2:
@@ -252,14 +308,8 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, cluster, pins,
             if index == sub_index:
                 group = made
         if pp_coord in owners:
-            tied_groups.append((group, set(names)))
-    user_names = [n for n in cap.user_inputs]
-    runner = PipelineRunner(stages=owned, schedule=schedule, stage_graphs=graphs,
-                            comm_pp=(device_mesh.get_group(0), pp_coord, full.shape[0]), peer_rank=peer,
-                            microbatches=config.microbatches, input_names=user_names,
-                            in_spec=cap.exported.call_spec.in_spec, loss_name=loss_name, carried_meta=carried,
-                            plan={"stages": plans, "schedule": schedule, "layers": runs}, tied=tied_groups)
-    return runner
+            groups.append((group, set(names)))
+    return groups
 
 
 class _StageWithInputs(torch.nn.Module):
@@ -276,8 +326,6 @@ class _StageWithInputs(torch.nn.Module):
         return self.stage.run(self._cut(values))
 
     def _cut(self, values):
-        from passes.placements import replicated
-        from runtime.parallel_module import shard_tensor
         cut = {}
         for name, value in values.items():
             spec = self.stage.input_specs.get(name)

@@ -42,33 +42,43 @@ class StageProgram(torch.nn.Module):
         object.__setattr__(self, "plan", plan)
         self.index, self.inputs, self.outputs = index, list(inputs), list(outputs)
         self.input_specs = input_specs
-        self._param_names, self._buffer_names = dict(params), dict(buffers)   # placeholder -> FQN
+        self._param_names, self._buffer_names = dict(params), dict(buffers)   # placeholder -> (FQN, tensor)
         self.weights = torch.nn.ParameterDict()
         self._keys = {}
+        shared = {}   # tied names come as one local tensor: one Parameter (its gradient sums both uses)
         for placeholder, (fqn, value) in params.items():
-            key = fqn.replace(".", "__")
-            self.weights[key] = torch.nn.Parameter(value)
-            self._keys[placeholder] = key
+            if id(value) not in shared:
+                shared[id(value)] = fqn.replace(".", "__")
+                self.weights[shared[id(value)]] = torch.nn.Parameter(value)
+            self._keys[placeholder] = shared[id(value)]
         for placeholder, (fqn, value) in buffers.items():
             key = "buf__" + fqn.replace(".", "__")
             self.register_buffer(key, value)
             self._keys[placeholder] = key
 
-    def named_fqn_parameters(self):
+    def _distinct_params(self):
+        """(placeholder, FQN, Parameter), once per Parameter (tied names share one)."""
+        seen = set()
         for placeholder, (fqn, _) in self._param_names.items():
-            yield fqn, self.weights[self._keys[placeholder]]
+            key = self._keys[placeholder]
+            if key not in seen:
+                seen.add(key)
+                yield placeholder, fqn, self.weights[key]
+
+    def named_fqn_parameters(self):
+        for _, fqn, p in self._distinct_params():
+            yield fqn, p
 
     def tied_weights(self, names):
-        for placeholder in self._param_names:
+        for placeholder, _, p in self._distinct_params():
             if placeholder in names:
-                yield placeholder, self.weights[self._keys[placeholder]]
+                yield placeholder, p
 
     def gathered(self, grads: bool) -> dict:
         """Whole parameters (or their gradients) of this stage, gathered over its sub-mesh."""
         from runtime.parallel_module import gather_tensor
         out = {}
-        for placeholder, (fqn, _) in self._param_names.items():
-            p = self.weights[self._keys[placeholder]]
+        for placeholder, fqn, p in self._distinct_params():
             value = (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p.detach()
             out[fqn] = gather_tensor(value, self.input_specs[placeholder], self.comm, self.strided.get(fqn))
         return out
@@ -175,6 +185,11 @@ def _nodes_named(env, names):
     if missing:
         raise KeyError(f"the stage program has no nodes named {missing}")
     return [by_name[n] for n in names]
+
+
+def _distinct(tensors) -> list:
+    """``tensors`` without repeats (tied placeholders share one Parameter), in order."""
+    return list({id(t): t for t in tensors}.values())
 
 
 def _recv_key(action) -> tuple:
@@ -381,12 +396,12 @@ class PipelineRunner(torch.nn.Module):
         points, rest = stage.weight_meeting_points()
         rest = set(rest)
         for name, params in points:
-            weights = [stage.param(p) for p in params if stage.param(p).requires_grad]
+            weights = _distinct(stage.param(p) for p in params if stage.param(p).requires_grad)
             if name in captured and weights:
                 torch.autograd.backward([seen[name]], [captured[name]], inputs=weights, retain_graph=True)
             elif name not in captured:
                 rest |= params
-        leftover = [stage.param(p) for p in rest if stage.param(p).requires_grad]
+        leftover = _distinct(stage.param(p) for p in rest if stage.param(p).requires_grad)
         if tensors and leftover:
             torch.autograd.backward(tensors, grads, inputs=leftover)
 
