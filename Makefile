@@ -2,16 +2,20 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# Set-up is done once, and again only when a dependency file is newer than this stamp.
+STAMP := $(VENV)/.installed
+INSTALL := $(BIN)/pip install -q -c constraints.txt
+LINTED := partitioner passes runtime
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-fast lint bench clean
 
-$(BIN)/python:
-	$(PY) -m venv $(VENV)
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(INSTALL) pip setuptools
+	$(INSTALL) --no-build-isolation -e '.[test,dev]'
+	touch $@
 
-setup: $(BIN)/python
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+setup: $(STAMP)
 
 # The main job on an embedded default: a GPT auto-parallelized on 4 local gloo ranks, trained next to one process.
 demo: setup
@@ -19,6 +23,18 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest tests
+
+# The fast tier: everything but the tests that start processes (ranks, CLI subprocesses).
+test-fast: setup
+	$(BIN)/python -m pytest tests -m "not multiproc"
+
+# Every check runs, and the target fails if any of them did.
+lint: setup
+	@status=0; \
+	$(BIN)/ruff check $(LINTED) || status=1; \
+	$(BIN)/ruff format --check $(LINTED) || status=1; \
+	$(BIN)/mypy $(LINTED) || status=1; \
+	exit $$status
 
 bench: setup
 	$(BIN)/python benchmarks/plan_time.py
