@@ -186,8 +186,12 @@ def _load_plan(path: str):
 
 # -- printing ----------------------------------------------------------------------------------
 
-def _format_estimate(plan) -> str:
-    """The estimate, one quantity a line, with communication split by phase."""
+def _format_estimate(plan, *, wide: bool = False) -> str:
+    """The estimate, one quantity a line, with communication split by phase (lines wrapped to
+    fit 120 columns unless ``wide``)."""
+    import textwrap
+
+    from partitioner.plan_table import WIDTH
     from partitioner.sharding_plan import _fmt_bytes, _fmt_time
 
     est = plan.estimate()
@@ -211,13 +215,15 @@ def _format_estimate(plan) -> str:
                        for name, shape in data.get("inputs", {}).items())
     lines.append(f"  planned for    inputs {inputs or '-'}; objective {data.get('objective')}, "
                  f"optimizer {data.get('optimizer')}")
-    return "\n".join(lines)
+    if wide:
+        return "\n".join(lines)
+    return "\n".join(part for line in lines for part in textwrap.wrap(line, WIDTH, subsequent_indent=" " * 17))
 
 
-def _print_plan(plan, *, verbose_table: bool) -> None:
-    print(plan.summary(verbose=verbose_table))
+def _print_plan(plan, args) -> None:
+    print(plan.summary(verbose=args.verbose_table, wide=args.wide))
     print()
-    print(_format_estimate(plan))
+    print(_format_estimate(plan, wide=args.wide))
 
 
 def _print_explanations(plan, targets: list[str]) -> None:
@@ -280,14 +286,14 @@ def _cmd_plan(args) -> int:
         except OSError as exc:
             raise CLIError(f"cannot write the plan to {args.json}: {exc.strerror or exc}") from None
         _status(args, f"plan written to {args.json}")
-    _print_plan(plan, verbose_table=args.verbose_table)
+    _print_plan(plan, args)
     _print_explanations(plan, args.explain)
     return 0
 
 
 def _cmd_show(args) -> int:
     plan = _load_plan(args.plan)
-    _print_plan(plan, verbose_table=args.verbose_table)
+    _print_plan(plan, args)
     _print_explanations(plan, args.explain)
     return 0
 
@@ -342,7 +348,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="save the plan as JSON here")
     p.add_argument("--explain", action="append", default=[], metavar="TARGET",
                    help="also explain the choice for a module path, parameter FQN or node; repeatable")
-    p.add_argument("--verbose-table", action="store_true", help="show every node, views and getitems included")
+    p.add_argument("--verbose-table", action="store_true",
+                   help="show every node: views, getitems and mask/index rows included")
+    p.add_argument("--wide", action="store_true",
+                   help="every column in full (op, local shape, collectives with phase and bytes); lines may "
+                        "exceed 120 characters")
     p.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS", help="solver time limit")
     p.add_argument("--no-share-blocks", action="store_true",
                    help="decide each repeated block (transformer layer) on its own")
@@ -352,7 +362,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("show", help="print a saved plan and its estimate")
     p.add_argument("plan", metavar="PLAN.json")
     p.add_argument("--explain", action="append", default=[], metavar="TARGET", help="also explain TARGET")
-    p.add_argument("--verbose-table", action="store_true", help="show every node")
+    p.add_argument("--verbose-table", action="store_true",
+                   help="show every node: views, getitems and mask/index rows included")
+    p.add_argument("--wide", action="store_true", help="every column in full; lines may exceed 120 characters")
     p.set_defaults(run=_cmd_show)
 
     p = sub.add_parser("explain", help="why a saved plan places a module, parameter or node as it does")

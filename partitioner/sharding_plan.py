@@ -13,6 +13,7 @@ per training step, keyed by collective kind and mesh axis name.
 from __future__ import annotations
 
 import json
+import textwrap
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,58 +171,15 @@ class ShardingPlan:
                         weight_grad_s=weight)
 
     # -- presentation ----------------------------------------------------------------------
-    def summary(self, *, verbose: bool = False) -> str:
-        """A table of the plan; repeated blocks are shown once with their count."""
-        names = self.axis_names
-        header = ["node", "module", "op", "shape", "placement " + "×".join(names), "local shape", "communication",
-                  "time", "memory"]
-        rows, shown_blocks = [], set()
-        block_counts = {b["label"]: b["count"] for b in self.data.get("blocks", [])}
-        for r in self.records:
-            if r["kind"] == "output":
-                continue
-            block = r.get("block")
-            if block is not None:
-                if r.get("block_index") != int(block.split("[")[1].split("-")[0]):
-                    continue
-                if block not in shown_blocks:
-                    shown_blocks.add(block)
-                    rows.append([f"── {block}  ×{block_counts.get(block, '?')} identical blocks, shown once; "
-                                 f"times and bytes are per block"])
-            if not verbose and r["target"] in ("getitem",) :
-                continue
-            if not verbose and r.get("decision") == "follower" and not r["comm"] and r["target"].split(".")[0] in (
-                    "aten.view", "aten.reshape", "aten.transpose", "aten.permute", "aten.unsqueeze",
-                    "aten.contiguous", "aten.expand", "aten.alias", "aten.to", "aten._to_copy", "aten.slice",
-                    "aten.select", "aten.squeeze", "aten.flatten", "aten.split", "aten.chunk"):
-                continue
-            comm = "; ".join(f"{_SHORT.get(c['kind'], c['kind'])}@{c['axis']} {c['phase']} {_fmt_bytes(c['bytes'])}"
-                             for c in r["comm"])
-            placement = " ".join(p.strip("[]").replace(", ", " ") for p in r["out"][:1]) if r["out"] else ""
-            shape = "x".join(map(str, r["shapes"][0])) if r["shapes"] and r["shapes"][0] is not None else ""
-            local = "x".join(map(str, r["local_shapes"][0])) if r.get("local_shapes") and r["local_shapes"][0] is not None else ""
-            t = r.get("compute_s", 0.0) + sum(c["time_s"] for c in r["comm"])
-            rows.append([r["fqn"] if r["kind"] in ("param", "input", "buffer") else r["name"], r["module"] or "",
-                         r["target"].replace("aten.", "").replace(".default", ""), shape, placement, local, comm,
-                         _fmt_time(t) if t else "", _fmt_bytes(r.get("memory", 0.0)) if r.get("memory") else ""])
-        widths = [len(h) for h in header]
-        for row in rows:
-            if len(row) == len(header):
-                widths = [min(max(w, len(c)), 48) for w, c in zip(widths, row)]
-        fmt_row = lambda row: "  ".join(c[:w].ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
-        lines = [f"Sharding plan for {self.data.get('model', '?')} on mesh {self.mesh_shape} "
-                 f"({', '.join(names)}), cluster {self.data['cluster']['name']}, budget "
-                 f"{_fmt_bytes(self.data['budget']) if self.data.get('budget') else 'none'}",
-                 fmt_row(header), fmt_row(["-" * w for w in widths])]
-        for row in rows:
-            lines.append(row[0] if len(row) == 1 else fmt_row(row))
-        lines.append("")
-        lines.append("estimate: " + str(self.estimate()))
-        stats = self.data.get("stats", {})
-        if stats:
-            lines.append(f"solver: {stats.get('decisions')} decisions, {stats.get('options')} options, "
-                         f"{stats.get('edges')} edges; solved in {stats.get('solve_s', 0):.2f} s")
-        return "\n".join(lines)
+    def summary(self, *, verbose: bool = False, wide: bool = False) -> str:
+        """A table of the plan with its estimate; repeated blocks are shown once with their count.
+
+        By default it fits 120 columns and folds views and mask/index rows (the attention mask,
+        positions, label shifts) into the nodes that use them; ``verbose=True`` shows every row,
+        ``wide=True`` every column in full. See :mod:`partitioner.plan_table`.
+        """
+        from partitioner.plan_table import plan_table
+        return plan_table(self, verbose=verbose, wide=wide)
 
     def __str__(self) -> str:
         return self.summary()
@@ -256,8 +214,9 @@ class ShardingPlan:
             seen.add(leader)
             a = alts[leader]
             shared = f", decided once for {a['count']} identical nodes" if a["count"] > 1 else ""
-            lines.append(f"{label} ({r['target']}, module {r['module'] or 'top'}){shared}: options by cost given "
-                         f"its neighbours' choices (time includes its compute and the resharding on its edges):")
+            lines += textwrap.wrap(f"{label} ({r['target']}, module {r['module'] or 'top'}){shared}: options by "
+                                   f"cost given its neighbours' choices (time includes its compute and the "
+                                   f"resharding on its edges):", 120, subsequent_indent="    ")
             for o in a["options"]:
                 mark = "->" if o["chosen"] else "  "
                 ins = ", ".join("-" if s is None else s for s in o["ins"]) or "-"
@@ -265,7 +224,7 @@ class ShardingPlan:
                              f"{_fmt_bytes(o['memory']):>10}")
         return "\n".join(lines)
 
-    def diff(self, other: "ShardingPlan") -> PlanDiff:
+    def diff(self, other: ShardingPlan) -> PlanDiff:
         changed, only_here = [], []
         for r in self.records:
             o = other._by_name.get(r["name"])
@@ -292,7 +251,7 @@ class ShardingPlan:
         return path
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ShardingPlan":
+    def from_dict(cls, data: dict) -> ShardingPlan:
         if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
             raise ValueError("not a Partita sharding plan (missing format marker 'partita.sharding_plan')")
         version = data.get("version")
@@ -302,7 +261,7 @@ class ShardingPlan:
         return cls(data)
 
     @classmethod
-    def from_json(cls, text: str) -> "ShardingPlan":
+    def from_json(cls, text: str) -> ShardingPlan:
         """The inverse of :meth:`to_json`."""
         try:
             data = json.loads(text)
@@ -311,7 +270,7 @@ class ShardingPlan:
         return cls.from_dict(data)
 
     @classmethod
-    def load(cls, path) -> "ShardingPlan":
+    def load(cls, path) -> ShardingPlan:
         try:
             data = json.loads(Path(path).read_text())
         except json.JSONDecodeError as exc:

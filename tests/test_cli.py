@@ -49,7 +49,8 @@ def planned(tmp_path_factory):
 def test_plan_prints_table_and_estimate_and_saves(planned):
     code, out, err, path = planned
     assert code == 0, err
-    assert HEADER in out and "local shape" in out and "h.0.mlp.c_fc.weight" in out
+    assert HEADER in out and "h.0.mlp.c_fc.weight" in out
+    assert max(len(line) for line in out.splitlines()) <= 120   # fits a 120-column terminal
     assert "estimate per device per training step:" in out
     assert "of 80.00 GiB budget" in out
     assert "explain h.0.mlp.c_fc:" in out and "-> out" in out
@@ -74,6 +75,10 @@ def test_show_reads_a_saved_plan(planned, capsys):
     assert len(verbose.splitlines()) > len(out.splitlines())
     assert "getitem" in verbose and "getitem" not in out
     assert "explain lm_head:" in verbose
+    assert main(["show", str(path), "--wide"]) == 0
+    wide = capsys.readouterr().out
+    assert "local shape" in wide and "local shape" not in out     # every column only when asked for
+    assert max(len(line) for line in wide.splitlines()) > max(len(line) for line in out.splitlines())
 
 
 def test_explain_and_unknown_target(planned, capsys):

@@ -5,6 +5,7 @@ import pytest
 
 import partitioner
 from partitioner import models
+from partitioner.plan_table import mask_index_rows, plan_table, short_collectives, shown_rows
 from passes.capture import capture, graph_fingerprint
 
 
@@ -22,11 +23,78 @@ def plan(gpt):
 
 def test_summary_collapses_repeated_blocks(plan):
     text = plan.summary()
-    assert "h.[0-2]  ×3 identical blocks" in text
+    assert "h.[0-2]  ×3 identical blocks, shown once (names relative to h.0)" in text
     assert "placement dp×tp" in text
-    # block 0 is shown, blocks 1 and 2 are not
-    assert "h.0.mlp.c_fc.weight" in text and "h.1.mlp.c_fc.weight" not in text
+    # block 0 is shown (its names relative to h.0), blocks 1 and 2 are not
+    assert "\nmlp.c_fc.weight " in text and "h.1." not in text
     assert "estimate: step" in text
+    wide = plan.summary(wide=True)
+    assert "h.0.mlp.c_fc.weight" in wide and "h.1.mlp.c_fc.weight" not in wide
+
+
+def test_default_summary_is_narrow_and_wide_keeps_every_column(plan):
+    text, wide = plan.summary(), plan.summary(wide=True)
+    assert max(len(line) for line in text.splitlines()) <= 120
+    assert "local shape" in wide and "local shape" not in text
+    # collectives: summarised per kind and axis by default, with phase and bytes when wide
+    busiest = max(shown_rows(plan), key=lambda r: len(r["comm"]))
+    summary = short_collectives(busiest["comm"])
+    assert len(summary.split(", ")) < len(busiest["comm"]) and " x2" in summary   # repeats counted, not listed
+    assert next(line for line in text.splitlines() if line.split()[0] == busiest["name"]).endswith(summary)
+    first = busiest["comm"][0]
+    assert f" {first['phase']} " in next(line for line in wide.splitlines() if line.split()[0] == busiest["name"])
+    assert short_collectives([{"kind": "all_reduce", "axis": "a1"}] * 2 + [{"kind": "all_gather", "axis": "a0"}]) \
+        == "AR@a1 x2, AG@a0"
+    # a narrower table wraps the collectives onto continuation lines instead of cutting them
+    narrow = plan_table(plan, width=100).splitlines()
+    assert max(len(line) for line in narrow) <= 100
+    wrapped = [i for i, line in enumerate(narrow) if line.endswith(",") and "@" in line]
+    assert wrapped and all(narrow[i + 1].startswith(" ") and "@" in narrow[i + 1] for i in wrapped)
+
+
+@pytest.fixture(scope="module", params=["hf_llama", "hf_gpt2"])
+def hf_plan(request):
+    model, inputs = getattr(models, request.param)()
+    return partitioner.plan(model, inputs, mesh_shape=(2, 2), cluster="h100")
+
+
+def _reached_by_weights_or_activations(name, by_name):
+    """Whether a parameter, buffer or floating-point input reaches node ``name``."""
+    stack, seen = [name], set()
+    while stack:
+        r = by_name[stack.pop()]
+        if r["kind"] in ("param", "buffer") or (r["kind"] == "input" and r["dtype"].startswith(("float", "bfloat"))):
+            return True
+        for src in r["inputs"]:
+            if src not in seen:
+                seen.add(src)
+                stack.append(src)
+    return False
+
+
+def test_hf_plan_table_fits_and_folds_mask_and_index_rows(hf_plan):
+    plan = hf_plan
+    by_name = {r["name"]: r for r in plan.records}
+    folded = mask_index_rows(plan.records)
+    ops = {by_name[n]["target"].split(".")[1] for n in folded}
+    # the causal mask and position ids: built from arange and comparisons, used by attention
+    assert "arange" in ops and ops & {"le", "lt", "ge", "gt", "eq", "ne"}
+    consumers = {by_name[c]["target"] for c in folded.values() if c}
+    assert "aten.scaled_dot_product_attention" in consumers
+    assert not any(_reached_by_weights_or_activations(n, by_name) for n in folded)
+    assert not any(n in folded for n, r in by_name.items() if r["kind"] == "op" and r["comm"])
+    assert "embedding" not in folded and _reached_by_weights_or_activations("embedding", by_name)
+
+    text, verbose = plan.summary(), plan.summary(verbose=True)
+    assert max(len(line) for line in text.splitlines()) <= 120
+    assert max(len(line) for line in verbose.splitlines()) <= 120
+    first_words = lambda t: {line.split()[0] for line in t.splitlines() if line.strip()}  # noqa: E731
+    shown = {n for n in folded if by_name[n].get("block") is None}
+    assert shown and not shown & first_words(text)          # folded by default ...
+    assert shown <= first_words(verbose)                    # ... listed with verbose
+    assert f"folded: {len(folded)} mask/index rows" in " ".join(text.split())
+    assert "folded:" not in verbose
+    assert "scaled_dot_product_attention" in text
 
 
 def test_json_round_trip_is_exact_and_pickle_free(plan, tmp_path):
@@ -193,9 +261,9 @@ def test_activation_copies_multiply_activation_memory_only():
     one = plan_captured(cap, model_name="gpt", mesh_shape=(1,), cluster="h100")
     three = plan_captured(cap, model_name="gpt", mesh_shape=(1,), cluster="h100", activation_copies=3)
     assert three.data["activation_copies"] == 3
-    ops = [(a, b) for a, b in zip(one.records, three.records) if a["kind"] == "op" and a.get("memory")]
+    ops = [(a, b) for a, b in zip(one.records, three.records, strict=True) if a["kind"] == "op" and a.get("memory")]
     assert ops and all(b["memory"] == pytest.approx(3 * a["memory"]) for a, b in ops)
-    params = [(a, b) for a, b in zip(one.records, three.records) if a["kind"] == "param"]
+    params = [(a, b) for a, b in zip(one.records, three.records, strict=True) if a["kind"] == "param"]
     assert params and all(b["memory"] == a["memory"] for a, b in params)
     activations = sum(a["memory"] for a, _ in ops)
     assert three.estimate().memory_bytes == pytest.approx(one.estimate().memory_bytes + 2 * activations)

@@ -1,0 +1,276 @@
+"""Which rows of a plan people see, and the plan table (``ShardingPlan.summary()``, ``partita show``).
+
+Rows are the graph's nodes in graph order. Three kinds are left out unless asked for
+(``verbose=True``, CLI ``--verbose-table``), both here and in the dumped picture:
+
+* **repeated blocks**: identical layers share their decisions, so only the first layer of a
+  block is shown, under one header naming the layers and their count (always, verbose or not);
+* **views**: getitems and followers that only reinterpret their input (view, transpose,
+  slice, ...) with no collective on their input;
+* **mask and index rows**: ops whose inputs are only integer model inputs (token ids, labels),
+  constants they build themselves (``arange``, ``full``, ``ones``) or other such rows, and
+  that communicate nothing: the attention-mask, position and label-shift computations. A row
+  qualifies when no parameter, buffer or floating-point input reaches it. Each is folded into
+  the first node that combines it with a parameter or an activation (its *consumer*); the
+  table's footer counts them per consumer.
+
+Width: by default the table fits :data:`WIDTH` (120) columns. It has no op and local-shape
+columns (a node's name says its op, the placement gives its local shape), paths inside a
+block are relative to the block's first layer, collectives are summarised per kind and mesh
+axis (``AR@tp x2, AG@dp``) in the last column and wrap there, over-long names are shortened
+from the left, and free text wraps. ``wide=True`` prints every column in full (cells up to 48
+characters, collectives with their phase and bytes) on lines as long as they need.
+"""
+from __future__ import annotations
+
+import textwrap
+from collections import Counter
+
+__all__ = ["WIDTH", "mask_index_rows", "hidden_view", "block_first_index", "block_of", "shown_rows",
+           "relative_path", "plan_table", "short_collectives"]
+
+WIDTH = 120
+SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
+_VIEW_OPS = {"aten.view", "aten.reshape", "aten.transpose", "aten.permute", "aten.unsqueeze", "aten.contiguous",
+             "aten.expand", "aten.alias", "aten.to", "aten._to_copy", "aten.slice", "aten.select",
+             "aten.squeeze", "aten.flatten", "aten.split", "aten.chunk", "aten._unsafe_view", "aten.t"}
+
+
+def _is_float(dtype) -> bool:
+    return isinstance(dtype, str) and dtype.startswith(("float", "bfloat", "complex"))
+
+
+def mask_index_rows(records) -> dict:
+    """``{name: consumer}`` for every mask or index row (see the module docstring); the consumer
+    is the first node in graph order that uses it, through other such rows, together with a
+    parameter or an activation (None for a row nothing uses)."""
+    by_name = {r["name"]: r for r in records}
+    rows = set()
+    for r in records:
+        if r["kind"] != "op" or r.get("comm"):
+            continue
+        if all(src in rows or (by_name.get(src, {}).get("kind") == "input" and not _is_float(by_name[src].get("dtype")))
+               for src in r.get("inputs", [])):
+            rows.add(r["name"])
+    consumer = {}
+    for r in records:
+        if r["name"] in rows:
+            continue
+        stack = [s for s in r.get("inputs", []) if s in rows]
+        while stack:
+            s = stack.pop()
+            if s not in consumer:
+                consumer[s] = r["name"]
+                stack.extend(x for x in by_name[s].get("inputs", []) if x in rows)
+    return {name: consumer.get(name) for name in rows}
+
+
+def hidden_view(r) -> bool:
+    """A getitem, or a follower that only reinterprets its input and communicates nothing."""
+    if r["target"] == "getitem":
+        return True
+    base = ".".join(r["target"].split(".")[:2])
+    return r.get("decision") == "follower" and not r.get("comm") and base in _VIEW_OPS
+
+
+def block_first_index(label: str) -> int:
+    """``"h.[3-11]"`` -> 3: the layer shown for a block."""
+    return int(label.rsplit("[", 1)[1].split("-")[0].rstrip("]"))
+
+
+def block_of(r, blocks: dict):
+    """The block info (``label``, ``count``, ``prefix``) a record belongs to, or None."""
+    label = r.get("block")
+    return blocks.get(label, {"label": label, "count": "?", "prefix": label.rsplit(".[", 1)[0]}) if label else None
+
+
+def shown_rows(plan, *, verbose: bool = False) -> list:
+    """The records a reader sees, in graph order: the output node and every layer of a block
+    but its first left out; views and mask/index rows too unless ``verbose``."""
+    folded = {} if verbose else mask_index_rows(plan.records)
+    out = []
+    for r in plan.records:
+        if r["kind"] == "output":
+            continue
+        if r.get("block") is not None and r.get("block_index") != block_first_index(r["block"]):
+            continue
+        if not verbose and (hidden_view(r) or r["name"] in folded):
+            continue
+        out.append(r)
+    return out
+
+
+def relative_path(path: str, base: str) -> str:
+    """``path`` inside the layer ``base`` without it (``"(layer)"`` for the layer itself)."""
+    if not path or not base:
+        return path or ""
+    if path == base:
+        return "(layer)"
+    return path[len(base) + 1:] if path.startswith(base + ".") else path
+
+
+def _collective_items(comm) -> list:
+    counts = Counter((SHORT.get(c["kind"], c["kind"]), c["axis"]) for c in comm)
+    return [f"{k}@{a}" + (f" x{n}" if n > 1 else "") for (k, a), n in counts.items()]
+
+
+def short_collectives(comm) -> str:
+    """``AR@tp x2, AG@dp``: each collective kind on each axis once, with its count."""
+    return ", ".join(_collective_items(comm))
+
+
+def _dims(shape) -> str:
+    return "x".join(map(str, shape)) if shape is not None else ""
+
+
+def _placement(r) -> str:
+    return r["out"][0].strip("[]").replace(", ", " ") if r.get("out") else ""
+
+
+def _cut_left(text: str, width: int) -> str:
+    return text if len(text) <= width else "…" + text[len(text) - width + 1:]
+
+
+def _cut_right(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def _wrap_items(items: list, width: int) -> list:
+    """Pack ``items`` into lines of at most ``width``, joined by ``", "``."""
+    lines, line = [], ""
+    for i, item in enumerate(items):
+        item = _cut_right(item, width - 1)
+        more = 1 if i < len(items) - 1 else 0  # room for the comma if the line goes on
+        if not line or len(line) + 2 + len(item) + more <= width:
+            line = f"{line}, {item}" if line else item
+        else:
+            lines.append(line + ",")
+            line = item
+    return lines + [line]
+
+
+def _fit(widths: list, floors: list, limit: int) -> list:
+    """Shrink the shrinkable columns (floor < width), widest slack first, until the row fits."""
+    widths = list(widths)
+    while sum(widths) + 2 * (len(widths) - 1) > limit:
+        slack = [(w - f, i) for i, (w, f) in enumerate(zip(widths, floors, strict=True)) if w > f]
+        if not slack:
+            break
+        widths[max(slack)[1]] -= 1
+    return widths
+
+
+def _wide_table(plan, rows, heads) -> list:
+    from partitioner.sharding_plan import _fmt_bytes, _fmt_time
+    header = ["node", "module", "op", "shape", "placement " + "×".join(plan.axis_names), "local shape",
+              "communication", "time", "memory"]
+    cells = []
+    for r in rows:
+        if r["name"] in heads:
+            cells.append([heads[r["name"]]])
+        comm = "; ".join(f"{SHORT.get(c['kind'], c['kind'])}@{c['axis']} {c['phase']} {_fmt_bytes(c['bytes'])}"
+                         for c in r["comm"])
+        local = r.get("local_shapes") or [None]
+        t = r.get("compute_s", 0.0) + sum(c["time_s"] for c in r["comm"])
+        cells.append([r["fqn"] if r["kind"] in ("param", "input", "buffer") else r["name"], r["module"] or "",
+                      r["target"].replace("aten.", "").replace(".default", ""),
+                      _dims(r["shapes"][0]) if r["shapes"] else "", _placement(r), _dims(local[0]), comm,
+                      _fmt_time(t) if t else "", _fmt_bytes(r["memory"]) if r.get("memory") else ""])
+    widths = [len(h) for h in header]
+    for row in cells:
+        if len(row) == len(header):
+            widths = [min(max(w, len(c)), 48) for w, c in zip(widths, row, strict=True)]
+    fmt = lambda row: "  ".join(c[:w].ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()  # noqa: E731
+    return [fmt(header), fmt(["-" * w for w in widths])] + [row[0] if len(row) == 1 else fmt(row) for row in cells]
+
+
+def _narrow_table(plan, rows, heads, bases, limit) -> list:
+    from partitioner.sharding_plan import _fmt_bytes, _fmt_time
+    header = ["node", "module", "shape", "placement " + "×".join(plan.axis_names), "time", "memory",
+              "communication"]
+    cells = []
+    for r in rows:
+        if r["name"] in heads:
+            cells.append(heads[r["name"]])
+        base = bases.get(r["name"], "")
+        name = r["fqn"] if r["kind"] in ("param", "input", "buffer") and r.get("fqn") else r["name"]
+        t = r.get("compute_s", 0.0) + sum(c["time_s"] for c in r["comm"])
+        cells.append([relative_path(name, base), relative_path(r["module"] or "", base),
+                      _dims(r["shapes"][0]) if r["shapes"] else "", _placement(r),
+                      _fmt_time(t) if t else "", _fmt_bytes(r["memory"]) if r.get("memory") else "",
+                      _collective_items(r["comm"])])
+    table = [c for c in cells if not isinstance(c, str)]
+    natural = [max([len(header[i])] + [len(row[i]) for row in table]) for i in range(6)]
+    natural.append(max([len(header[6])] + [len(", ".join(row[6])) for row in table]))
+    widths = [min(n, cap) for n, cap in zip(natural, (40, 32, 16, 24, 9, 10, 48), strict=True)]
+    # How far each column may shrink: names and modules are cut from the left, shapes and
+    # placements from the right, collectives wrap (no narrower than their longest item);
+    # time and memory keep their width.
+    floors = [14, 12, 9, len(header[3]), widths[4], widths[5],
+              max([10] + [len(item) + 1 for row in table for item in row[6]])]
+    widths = _fit(widths, [min(f, w) for f, w in zip(floors, widths, strict=True)], limit)
+    cut = [_cut_left, _cut_left, _cut_right, _cut_right, _cut_right, _cut_right]
+
+    def fmt(row):
+        return "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+
+    lines = [fmt(header), fmt(["-" * w for w in widths])]
+    for row in cells:
+        if isinstance(row, str):
+            lines += textwrap.wrap(row, limit, subsequent_indent="   ")
+            continue
+        comm = _wrap_items(row[6], widths[6]) if row[6] else [""]
+        lines.append(fmt([f(c, w) for f, c, w in zip(cut, row[:6], widths[:6], strict=True)] + [comm[0]]))
+        lines += [fmt([""] * 6 + [more]) for more in comm[1:]]
+    return lines
+
+
+def _folded_note(plan, folded: dict, limit, wide) -> list:
+    from partitioner.sharding_plan import _fmt_bytes, _fmt_time
+    if not folded:
+        return []
+    by_name = {r["name"]: r for r in plan.records}
+    per_consumer = Counter(folded.values())
+    seconds = sum(by_name[n].get("compute_s", 0.0) for n in folded)
+    memory = sum(by_name[n].get("memory", 0.0) for n in folded)
+    order = {r["name"]: i for i, r in enumerate(plan.records)}
+    into = ", ".join(f"{c} ({n})" for c, n in sorted(per_consumer.items(), key=lambda kv: order.get(kv[0], -1))
+                     if c is not None)
+    unused = f"; {per_consumer[None]} used by nothing" if per_consumer.get(None) else ""
+    text = (f"folded: {len(folded)} mask/index rows (no parameter or activation reaches them; "
+            f"{_fmt_time(seconds)}, {_fmt_bytes(memory)} in all) into the node that uses them: {into or '-'}{unused}. "
+            f"summary(verbose=True) or --verbose-table lists them.")
+    return [text] if wide else textwrap.wrap(text, limit, subsequent_indent="  ")
+
+
+def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = WIDTH) -> str:
+    """The plan as a table, its estimate and solver statistics (see the module docstring)."""
+    from partitioner.sharding_plan import _fmt_bytes
+    blocks = {b["label"]: b for b in plan.data.get("blocks", [])}
+    rows = shown_rows(plan, verbose=verbose)
+    heads, bases, seen = {}, {}, set()
+    for r in rows:
+        block = block_of(r, blocks)
+        if block is None:
+            continue
+        base = f"{block['prefix']}.{block_first_index(block['label'])}"
+        bases[r["name"]] = base
+        if block["label"] not in seen:
+            seen.add(block["label"])
+            where = "" if wide else f" (names relative to {base})"
+            heads[r["name"]] = (f"── {block['label']}  ×{block['count']} identical blocks, shown once{where}; "
+                                f"times and bytes are per block")
+    title = (f"Sharding plan for {plan.data.get('model', '?')} on mesh {plan.mesh_shape} "
+             f"({', '.join(plan.axis_names)}), cluster {plan.data['cluster']['name']}, budget "
+             f"{_fmt_bytes(plan.data['budget']) if plan.data.get('budget') else 'none'}")
+    lines = [title] if wide else textwrap.wrap(title, width, subsequent_indent="  ")
+    lines += _wide_table(plan, rows, heads) if wide else _narrow_table(plan, rows, heads, bases, width)
+    lines.append("")
+    estimate = "estimate: " + str(plan.estimate())
+    lines += [estimate] if wide else textwrap.wrap(estimate, width, subsequent_indent="  ")
+    lines += _folded_note(plan, {} if verbose else mask_index_rows(plan.records), width, wide)
+    stats = plan.data.get("stats", {})
+    if stats:
+        lines.append(f"solver: {stats.get('decisions')} decisions, {stats.get('options')} options, "
+                     f"{stats.get('edges')} edges; solved in {stats.get('solve_s', 0):.2f} s")
+    return "\n".join(lines)
