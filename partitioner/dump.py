@@ -111,7 +111,7 @@ def _dump_pipeline(runner, out: Path) -> list:
     for s, stage in runner.stages.items():
         path = out / f"stage_{s}" / f"rank_{rank}.py"
         path.parent.mkdir(exist_ok=True)
-        path.write_text(_program_text(stage.stage.program, rank, stage.stage.comm.coords, stage.stage.plan))
+        path.write_text(_program_text(stage.program, rank, stage.comm.coords, stage.plan))
         written.append(path)
     if runner.trace:
         timelines = {"measured": pipeline_trace.measured_timeline(runner),

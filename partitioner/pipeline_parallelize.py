@@ -26,13 +26,11 @@ from partitioner.weights import load_local_weights
 from passes import pipeline_schedules as ps
 from passes.analyze import analyze, info
 from passes.capture import capture, tied_placeholders
-from passes.cost_model import dual_spec
 from passes.lower_to_local import lower_to_local
-from passes.placements import format_spec, local_shape, parse_spec, replicated
+from passes.placements import dual_spec, format_spec, local_shape, parse_spec
 from passes.rules import tensor_input_nodes
 from passes.split_stages import assign_stages, split_stages
 from runtime.collectives import MeshComm, on_rank0
-from runtime.parallel_module import shard_tensor
 from runtime.pipeline import PipelineRunner, StageProgram
 
 __all__ = ["PipelineConfig", "build_pipeline"]
@@ -254,8 +252,8 @@ def _build_stages(graphs, plans, schedule, pp_coord, sub, source, cap, tied, dev
         program = lower_to_local(g.captured.graph, records, sub, device=device)
         weights, specs, strided = load_local_weights(g.captured, records, sub, source, device,
                                                      exported=cap.exported, tied=[sorted(t) for t in tied])
-        owned[s] = _StageWithInputs(StageProgram(s, program, g.inputs, g.outputs, weights.params, weights.buffers,
-                                                 specs, sub, plans[s], strided), sub, g.activation_inputs)
+        owned[s] = StageProgram(s, program, g.inputs, g.outputs, weights.params, weights.buffers, specs, sub, plans[s],
+                                strided, activations=g.activation_inputs)
     return owned
 
 
@@ -310,39 +308,3 @@ def _tied_groups(tied, graphs, schedule, full) -> list:
         if pp_coord in owners:
             groups.append((group, set(names)))
     return groups
-
-
-class _StageWithInputs(torch.nn.Module):
-    """Cuts user inputs to the stage plan's placement before running the stage (activations from
-    the previous stage arrive already as this rank's piece)."""
-
-    def __init__(self, stage, comm, activations=()):
-        super().__init__()
-        self.stage = stage
-        self.activations = frozenset(activations)
-        object.__setattr__(self, "comm", comm)
-
-    def run(self, values):
-        return self.stage.run(self._cut(values))
-
-    def _cut(self, values):
-        cut = {}
-        for name, value in values.items():
-            spec = self.stage.input_specs.get(name)
-            if isinstance(value, torch.Tensor) and spec is not None and tuple(spec) != replicated(len(spec)) \
-                    and name not in self.activations:
-                value = shard_tensor(value, spec, self.comm)
-            cut[name] = value
-        return cut
-
-    def named_fqn_parameters(self):
-        return self.stage.named_fqn_parameters()
-
-    def weight_meeting_points(self):
-        return self.stage.weight_meeting_points()
-
-    def param(self, placeholder):
-        return self.stage.param(placeholder)
-
-    def run_recording(self, values, names):
-        return self.stage.run_recording(self._cut(values), names)

@@ -33,10 +33,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from passes.placements import Partial, is_shard, total_shard_degree, transition_steps
 
-from passes.placements import R, Partial, is_shard, total_shard_degree, transition_steps
-
-__all__ = ["Collective", "collective_time", "reshard", "dual_spec", "collective_kind",
+__all__ = ["Collective", "collective_time", "reshard", "collective_kind",
            "dtype_bytes", "local_bytes", "compute_time", "param_state_bytes", "extra_payload"]
 
 
@@ -109,13 +108,6 @@ def collective_kind(p, q):
     if isinstance(p, Partial):
         return "reduce_scatter" if is_shard(q) else "all_reduce"
     return None
-
-
-def dual_spec(spec):
-    """The placement a tensor's gradient must reach: Shard stays, R and P need R."""
-    if spec is None:
-        return None
-    return tuple(p if is_shard(p) else R for p in spec)
 
 
 def compute_time(flops: float, mem_bytes: float, dtype, contraction: bool, cluster) -> float:

@@ -18,7 +18,7 @@ __all__ = [
     "Shard", "Replicate", "Partial", "Placement", "R", "P", "Spec",
     "format_placement", "parse_placement", "format_spec", "parse_spec",
     "local_shape", "shard_degree", "total_shard_degree", "spec_fits", "replicated", "is_shard",
-    "is_partial", "transition_steps",
+    "is_partial", "dual_spec", "transition_steps",
 ]
 
 R = Replicate()
@@ -117,6 +117,13 @@ def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> 
 
 def is_partial(p) -> bool:
     return isinstance(p, Partial)
+
+
+def dual_spec(spec):
+    """The placement a tensor's gradient must reach: Shard stays, R and P need R."""
+    if spec is None:
+        return None
+    return tuple(p if is_shard(p) else R for p in spec)
 
 
 @functools.lru_cache(maxsize=1 << 14)

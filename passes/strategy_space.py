@@ -33,9 +33,9 @@ import torch.fx as fx
 
 from passes.analyze import info
 from passes.blocks import Blocks
-from passes.cost_model import (Collective, collective_time, compute_time, dtype_bytes, dual_spec, extra_payload,
-                               local_bytes, param_state_bytes, reshard)
-from passes.placements import R, Shard, replicated, spec_fits
+from passes.cost_model import (Collective, collective_time, compute_time, dtype_bytes, extra_payload, local_bytes,
+                               param_state_bytes, reshard)
+from passes.placements import R, Shard, dual_spec, replicated, spec_fits
 from passes.rules import Strategy, expand_to_mesh, op_view, rule_for, tensor_input_nodes
 
 __all__ = ["NodeChoice", "Group", "EdgeCost", "StrategySpace", "build_space", "edge_collectives",
@@ -315,7 +315,7 @@ def required_output_spec(graph: fx.Graph, index: int, placed):
     the plan puts them, as Megatron leaves vocab-parallel logits: gathering them every step would
     cost more than the rest of the step. A model with no scalar output has all its outputs
     replicated, except a pipeline stage (:data:`STAGE_BOUNDARY`): its outputs go to the next
-    stage as placed, partial sums reduced first (:func:`passes.cost_model.dual_spec`), so a rank
+    stage as placed, partial sums reduced first (:func:`passes.placements.dual_spec`), so a rank
     sends its own piece to the rank at the same sub-mesh coordinates of the next stage.
     """
     out = next(n for n in graph.nodes if n.op == "output")

@@ -31,8 +31,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from passes.cost_model import dual_spec
-from passes.placements import format_spec, is_partial, is_shard, transition_steps
+from passes.placements import dual_spec, format_spec, is_partial, is_shard, transition_steps
 
 __all__ = ["MeshComm", "CommCounter", "run_steps", "Reshard", "record_collective", "all_reduce_", "on_rank0"]
 

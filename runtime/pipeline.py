@@ -27,16 +27,24 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from passes.placements import replicated
+from runtime.parallel_module import gather_tensor, shard_tensor
+
 __all__ = ["StageProgram", "PipelineRunner"]
 
 
 class StageProgram(torch.nn.Module):
-    """One stage on this rank: its lowered program, local parameters and input order."""
+    """One stage on this rank: its lowered program, local parameters and input order.
+
+    ``input_specs``: placeholder -> the stage plan's placement. The stage cuts the user inputs
+    it is given (whole microbatches) to its plan's placements; ``activations`` (values from the
+    previous stage) arrive already as this rank's piece and are used as they are."""
 
     def __init__(self, index, program, inputs, outputs, params: dict, buffers: dict, input_specs, comm, plan,
-                 strided=None):
+                 strided=None, activations=()):
         super().__init__()
         self.strided = strided or {}
+        self.activations = frozenset(activations)
         object.__setattr__(self, "program", program)
         object.__setattr__(self, "comm", comm)
         object.__setattr__(self, "plan", plan)
@@ -76,7 +84,6 @@ class StageProgram(torch.nn.Module):
 
     def gathered(self, grads: bool) -> dict:
         """Whole parameters (or their gradients) of this stage, gathered over its sub-mesh."""
-        from runtime.parallel_module import gather_tensor
         out = {}
         for placeholder, fqn, p in self._distinct_params():
             value = (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p.detach()
@@ -150,8 +157,16 @@ class StageProgram(torch.nn.Module):
             elif name in self._buffer_names:
                 args.append(getattr(self, self._keys[name]))
             else:
-                args.append(values[name])
+                args.append(self._cut(name, values[name]))
         return args
+
+    def _cut(self, name, value):
+        """This rank's piece of a user input under the stage plan (activations: as received)."""
+        spec = self.input_specs.get(name)
+        if not isinstance(value, torch.Tensor) or spec is None or name in self.activations \
+                or tuple(spec) == replicated(len(spec)):
+            return value
+        return shard_tensor(value, spec, self.comm)
 
     def run(self, values: dict) -> dict:
         out = self.program(*self._args(values))
@@ -256,7 +271,8 @@ class PipelineRunner(torch.nn.Module):
         return ((mb * 64 + edge) * 2 + (kind == "B")) * 256 + i
 
     def _send(self, values, dst, stage, mb, kind):
-        return [dist.isend(v.detach().contiguous(), dst, tag=self._tag(stage, mb, kind, i)) for i, v in enumerate(values)]
+        return [dist.isend(v.detach().contiguous(), dst, tag=self._tag(stage, mb, kind, i))
+                for i, v in enumerate(values)]
 
     def _post_recv(self, names, src, stage, mb, kind):
         """Post the receives for one message now; returns (buffers, works) to wait on later."""
@@ -303,7 +319,7 @@ class PipelineRunner(torch.nn.Module):
             work.wait()
         for group, names in self.tied:    # a tied weight's gradient is the sum over the stages using it
             for stage in self.stages.values():
-                for placeholder, weight in stage.stage.tied_weights(names):
+                for _, weight in stage.tied_weights(names):
                     if weight.grad is None:
                         weight.grad = torch.zeros_like(weight)
                     dist.all_reduce(weight.grad, group=group)
@@ -413,7 +429,7 @@ class PipelineRunner(torch.nn.Module):
     def _everywhere(self, grads: bool) -> dict:
         mine = {}
         for stage in self.stages.values():
-            mine.update(stage.stage.gathered(grads))
+            mine.update(stage.gathered(grads))
         parts = [None] * self.comm_pp[2]
         dist.all_gather_object(parts, mine, group=self.comm_pp[0])
         out = {}
