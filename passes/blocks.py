@@ -22,6 +22,13 @@ from passes.analyze import info
 __all__ = ["BlockGroup", "Blocks", "find_blocks"]
 
 _INDEXED = re.compile(r"^(.*)\.(\d+)$")
+_LIFTED = re.compile(r"lifted_tensor_\d+")
+"""Constants a layer creates in its forward are lifted by export with one global counter
+(``h.0.attn.lifted_tensor_0``, ``h.1.attn.lifted_tensor_2``): compared without the number."""
+
+
+def _local_name(name: str, head: str) -> str:
+    return _LIFTED.sub("lifted_tensor", name[len(head):])
 
 
 @dataclass
@@ -79,7 +86,7 @@ def _signature(members: list, prefix: str, index: int):
     for n in members:
         i = info(n)
         if n.op == "placeholder":
-            sig.append(("param", i.name[len(head):], i.out_shapes))
+            sig.append(("param", _local_name(i.name, head), i.out_shapes))
         else:
             sig.append((str(n.target), i.out_shapes, ref(n.args), ref(n.kwargs)))
     return tuple(sig)
@@ -109,7 +116,9 @@ def find_blocks(graph: fx.Graph, *, enabled: bool = True) -> Blocks:
             indices = sorted(indices)
             if len(indices) < 2:
                 continue
-            members = [sorted(params[(prefix, k)], key=lambda n: info(n).name) + by_key[(prefix, k)]
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            members = [sorted(params[(prefix, k)], key=lambda n, k=k: (_local_name(info(n).name, f"{prefix}.{k}."),
+                                                                        order[n])) + by_key[(prefix, k)]
                        for k in indices]
             sigs = [_signature(m, prefix, k) for m, k in zip(members, indices)]
             if any(s != sigs[0] for s in sigs[1:]):

@@ -88,7 +88,7 @@ def training_configs(model: torch.nn.Module):
 
 
 def _hint_for(message: str) -> str:
-    unknown = re.search(r"Found <class '([\w.]+)'> in output", message)
+    unknown = re.search(r"Found <class '([^']+)'> in output", message)
     if unknown:
         kind = unknown.group(1).rpartition(".")[2]
         return (f"the model returns a {kind} object, which torch.export cannot take apart; if it is a cache "

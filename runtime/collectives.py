@@ -238,7 +238,11 @@ class _ReshardFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, module):
         ctx.module = module
-        return module._forward_moves(x)
+        out = module._forward_moves(x)
+        # A slice of the input (Replicate -> Shard) or the input itself would leave autograd a
+        # view made inside a custom Function, which the model may not modify in place (Falcon's
+        # ``mlp_output += attention_output``): hand out a tensor of its own.
+        return out.clone() if out is x or out._is_view() else out
 
     @staticmethod
     def backward(ctx, grad):

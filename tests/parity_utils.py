@@ -263,6 +263,28 @@ def parity_worker(rank, world, cfg):
     return result
 
 
+def check_grads_by_alias(grads: dict, ref, checks) -> dict:
+    """Compare gathered gradients with the reference's, every parameter once: tied weights (one
+    tensor under several names, e.g. GPT-2's ``wte`` / ``lm_head``) may come back under any one
+    of their names. Returns reference name -> the name the gradient came under."""
+    aliases = {}
+    for name, p in ref.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    known = {n for names in aliases.values() for n in names}
+    checks.true(f"gradients for names the model does not have: {sorted(set(grads) - known)}", set(grads) <= known)
+    key_of = {}
+    for name, p in ref.named_parameters():
+        present = [a for a in aliases[id(p)] if a in grads]
+        checks.true(f"no gradient for {name} (names {aliases[id(p)]})", len(present) >= 1)
+        if not present:
+            continue
+        key_of[name] = present[0]
+        expected = p.grad if p.grad is not None else torch.zeros_like(p)
+        for alias in present:
+            checks.close(f"grad of {alias}", grads[alias], expected)
+    return key_of
+
+
 def adam_in_lockstep(params, ref, inputs, steps, parallel_step, checks):
     """``steps`` AdamW steps on the parallel ``params`` and the single-device ``ref`` side by side.
     The first step uses the gradients both already hold; before each later one, gradients are

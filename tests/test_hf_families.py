@@ -1,0 +1,111 @@
+"""HuggingFace families as users build them (default configs: ``use_cache`` on, each family's
+own attention, positions and tied weights), trained on 4 gloo ranks against one device.
+
+For every family in :data:`partitioner.hf_families.FAMILIES` (decoder-only, encoder-only,
+encoder-decoder, vision), one forked run of 4 ranks:
+
+* mesh (2, 2), the solver under a memory budget of 75% of the replicated fp32 Adam state (so it
+  must shard), ``cluster="h100"``: the output is the model's own ``ModelOutput`` class; the loss
+  and every gradient equal the single-device model's; the communication counted at run time
+  equals the plan's estimate; parameters after 2 AdamW steps equal the reference's;
+* decoder-only families also as a pipeline on the same ranks (2 stages x 2-way sub-mesh,
+  1F1B, 2 microbatches): loss, every gradient and parameters after 2 AdamW steps.
+
+Dropout is set to 0 here (parity is exact); dropout on is ``test_parity.py``'s dropout test.
+"""
+import copy
+
+import pytest
+import torch
+from parity_utils import (Checks, adam_in_lockstep, call, check_grads_by_alias, loss_of, nested_approx_equal,
+                          run_checked)
+
+from partitioner import hf_families
+from runtime.collectives import CommCounter
+
+
+
+TIMEOUT_S = 240
+STEPS = 2
+BUDGET = 0.75
+
+
+def family_worker(rank, world, cfg):
+    import partitioner
+
+    checks = Checks(rank)
+    model, inputs = hf_families.build(cfg["family"])
+    ref = copy.deepcopy(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    pm = partitioner.auto_parallelize(model, inputs, mesh=(2, 2), cluster="h100",
+                                      memory_budget=int(BUDGET * 16 * n_params))
+    with CommCounter() as counter:
+        out = call(pm, inputs)
+        out.loss.backward()
+    ref_out = call(ref, inputs)
+    ref_out.loss.backward()
+    checks.true(f"output type {type(out).__name__} is not the model's {type(ref_out).__name__}",
+                type(out) is type(ref_out))
+    checks.close("loss", out.loss.detach(), ref_out.loss.detach())
+    check_grads_by_alias(pm.full_grads(), ref, checks)
+    for diff in nested_approx_equal(counter.as_dict(), pm.plan.estimate().comm_bytes):
+        checks.true(f"communication: {diff}", False)
+    adam_in_lockstep(pm.parameters(), ref, inputs, STEPS,
+                     lambda: (lambda loss: (loss.backward(), loss)[1])(loss_of(call(pm, inputs))), checks)
+    state = pm.full_state_dict()
+    for name, p in ref.named_parameters(remove_duplicate=False):
+        checks.close(f"parameter {name} after {STEPS} AdamW steps", state[name], p.detach())
+    result = {"rank": rank, "failures": checks.failures,
+              "sharded": sorted(n for n, _ in pm.named_parameters() if "S(" in pm.placement_of(n))}
+
+    if cfg["pipeline"]:
+        model, inputs = hf_families.build(cfg["family"])
+        ref = copy.deepcopy(model)
+        runner = partitioner.auto_parallelize(model, inputs, mesh=(2, 2), cluster="h100",
+                                              pipeline={"degree": 2, "schedule": "1f1b", "microbatches": 2})
+        loss = runner.train_step(inputs)
+        ref_loss = loss_of(call(ref, inputs))
+        ref_loss.backward()
+        checks.close("pipeline loss", loss.detach(), ref_loss.detach())
+        key_of = check_grads_by_alias(runner.full_grads(), ref, checks)
+        adam_in_lockstep(runner.parameters(), ref, inputs, STEPS, lambda: runner.train_step(inputs), checks)
+        state = runner.full_state_dict()
+        for name, p in ref.named_parameters():
+            if name in key_of:
+                checks.close(f"pipeline parameter {name} after {STEPS} AdamW steps", state[key_of[name]], p.detach())
+    return result
+
+
+@pytest.mark.parametrize("family", list(hf_families.FAMILIES))
+def test_family_parity_on_2x2_and_pipeline(family):
+    cfg = {"family": family, "mesh": (2, 2), "pipeline": family in hf_families.DECODER_ONLY}
+    results = run_checked(family_worker, cfg, TIMEOUT_S)
+    assert results[0]["sharded"], f"{family}: the budget should force some parameters to be sharded"
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bart"])
+def test_default_config_keeps_use_cache_and_captures(family):
+    """The user's config is left as it was (use_cache on) and the captured program returns the
+    model's own output class, without a cache object."""
+    from passes.capture import capture
+    model, inputs = hf_families.build(family, dropout=None)
+    assert model.config.use_cache is True
+    cap = capture(model, inputs)
+    assert model.config.use_cache is True
+    assert cap.exported.call_spec.out_spec.type is type(model(**inputs))
+    assert "past_key_values" not in cap.exported.call_spec.out_spec.context
+
+
+def test_unknown_output_type_gets_a_hint_in_our_words():
+    from passes.capture import CaptureError, capture
+
+    class Holder:
+        def __init__(self, t):
+            self.t = t
+
+    class ReturnsObject(torch.nn.Module):
+        def forward(self, x):
+            return Holder(x * 2)
+
+    with pytest.raises(CaptureError, match=r"returns a Holder object.*register_pytree_node"):
+        capture(ReturnsObject(), (torch.ones(2),))
