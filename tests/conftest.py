@@ -14,10 +14,21 @@
   calibration's cache moves, the session stops here instead of measuring in silence.
   This is a safety net, not licence: a test that checks a planning choice names a fixed
   cluster itself (``cluster="h100"``, or pins).
+* **Test tiers.** Every test that starts processes (gloo ranks through
+  ``runtime.launch.run_on_ranks``, the CLI or anything else through ``subprocess``) is marked
+  ``multiproc`` (registered in pyproject.toml) at collection, so ``pytest -m "not multiproc"``
+  is the fast, single-process tier. The mark is found, not written: a test is ``multiproc`` when
+  its code, a fixture it uses, or a function or class of tests/ that they name (followed
+  transitively) names ``run_on_ranks``, ``subprocess`` or ``multiprocessing``. Product code is
+  not followed; no test reaches the one product function that starts ranks (``partitioner.demo``).
+* **A process group in this process.** ``fake_process_group(n)`` starts torch's ``fake``
+  backend as rank 0 of ``n`` (collectives do nothing) and destroys it after the test: for
+  tests that only validate or plan, where forking real ranks would check nothing more.
 """
 import os
 import shutil
 import tempfile
+import types
 import warnings
 from pathlib import Path
 
@@ -75,3 +86,53 @@ def _quiet_transformers_warnings():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", module="transformers")
         yield
+
+
+@pytest.fixture
+def fake_process_group():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def start(world_size: int) -> None:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_TESTS_DIR = str(Path(__file__).parent)
+_PROCESS_STARTERS = {"run_on_ranks", "subprocess", "multiprocessing"}
+
+
+def _names(code: types.CodeType):
+    """The global and attribute names a code object uses, its nested functions' included."""
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _names(const)
+
+
+def _starts_processes(obj, seen: set) -> bool:
+    if id(obj) in seen:
+        return False
+    seen.add(id(obj))
+    if isinstance(obj, type):
+        return any(_starts_processes(member, seen) for member in vars(obj).values())
+    func = getattr(obj, "__func__", obj)         # a bound method, classmethod or staticmethod
+    code = getattr(func, "__code__", None)
+    if code is None or not code.co_filename.startswith(_TESTS_DIR):
+        return False
+    names = set(_names(code))
+    if any(part in _PROCESS_STARTERS for name in names for part in name.split(".")):
+        return True
+    return any(_starts_processes(func.__globals__[name], seen) for name in names if name in func.__globals__)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        fixtures = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        funcs = [getattr(item, "function", None)] + [d.func for defs in fixtures.values() for d in defs]
+        seen: set = set()
+        if any(_starts_processes(func, seen) for func in funcs if func is not None):
+            item.add_marker(pytest.mark.multiproc)
