@@ -10,62 +10,21 @@ needed). Files:
 * ``plan.json`` (the plan, replayable), ``plan.txt`` (summary table and estimate);
 * ``graph.dot`` and, when Graphviz's ``dot`` is installed, ``graph.svg``: the graph with nodes
   coloured by their placement and every edge that communicates drawn red and labelled with
-  its collectives;
+  its collectives; repeated layers drawn once, mask/index rows left out
+  (:mod:`partitioner.plan_dot`);
 * ``rank_<r>.py`` per rank.
 """
 from __future__ import annotations
 
-import html
 import shutil
 import subprocess
 import warnings
 from pathlib import Path
 
+from partitioner.plan_dot import plan_to_dot
 from partitioner.sharding_plan import ShardingPlan
 
 __all__ = ["dump", "plan_to_dot"]
-
-_PALETTE = ["#cfe2f3", "#d9ead3", "#fff2cc", "#f4cccc", "#d9d2e9", "#fce5cd", "#d0e0e3", "#ead1dc",
-            "#b6d7a8", "#a4c2f4", "#ffe599", "#ea9999"]
-_SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
-
-
-def plan_to_dot(plan: ShardingPlan, *, include_params: bool = True) -> str:
-    """Graphviz source: one box per node coloured by output placement, collectives in red."""
-    colours, lines = {}, []
-    shown = {r["name"] for r in plan.records if r["kind"] != "output" and (include_params or r["kind"] != "param")}
-    lines.append("digraph partita_plan {")
-    lines.append('  rankdir=TB; node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=10];')
-    lines.append(f'  label="{html.escape(plan.data.get("model", "?"))} on mesh {plan.mesh_shape} '
-                 f'({", ".join(plan.axis_names)})"; labelloc=t;')
-    for r in plan.records:
-        if r["name"] not in shown:
-            continue
-        placement = r["out"][0] if r["out"] else "-"
-        colour = colours.setdefault(placement, _PALETTE[len(colours) % len(_PALETTE)])
-        title = r["fqn"] if r["kind"] in ("param", "input", "buffer") and r.get("fqn") else r["name"]
-        op = r["target"].replace("aten.", "")
-        label = f"{title}\\n{op}\\n{placement}"
-        lines.append(f'  "{r["name"]}" [label="{html.escape(label)}", fillcolor="{colour}"];')
-    for r in plan.records:
-        if r["name"] not in shown and r["kind"] != "output":
-            continue
-        for k, src in enumerate(r.get("inputs", [])):
-            if src not in shown:
-                continue
-            comm = [c for c in r["comm"] if c.get("input") == k]
-            dst = r["name"] if r["kind"] != "output" else "output"
-            if comm:
-                text = " ".join(f"{_SHORT.get(c['kind'], c['kind'])}@{c['axis']}({c['phase']})" for c in comm)
-                lines.append(f'  "{src}" -> "{dst}" [color=red, penwidth=2, fontcolor=red, label="{text}"];')
-            else:
-                lines.append(f'  "{src}" -> "{dst}";')
-    lines.append('  "output" [shape=doubleoctagon, fillcolor="#eeeeee"];')
-    legend = "\\l".join(f"{p}" for p in colours) + "\\l"
-    lines.append(f'  legend [shape=note, fillcolor=white, label="placements (colours):\\l{html.escape(legend)}"];')
-    lines.append("}")
-    return "\n".join(lines)
-
 
 def _write_plan_files(plan: ShardingPlan, out: Path) -> list:
     written = [plan.save(out / "plan.json")]

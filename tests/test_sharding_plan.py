@@ -1,10 +1,15 @@
-"""The ShardingPlan value: summary, JSON round trip, fingerprint refusal, explain, diff, pins."""
+"""The ShardingPlan value: summary tables, picture, JSON round trip, fingerprint refusal, explain, diff, pins."""
 import json
+import os
+import re
+import shutil
+import subprocess
 
 import pytest
 
 import partitioner
 from partitioner import models
+from partitioner.plan_dot import plan_to_dot
 from partitioner.plan_table import mask_index_rows, plan_table, short_collectives, shown_rows
 from passes.capture import capture, graph_fingerprint
 
@@ -119,6 +124,33 @@ def test_from_json_is_the_inverse_of_to_json(plan):
         partitioner.ShardingPlan.from_json("{plan")
     with pytest.raises(ValueError, match="not a Partita sharding plan"):
         partitioner.ShardingPlan.from_json("[]")
+
+
+def _dot_nodes(dot: str) -> list:
+    return re.findall(r'^\s*"([^"]+)" \[label=', dot, re.M)
+
+
+def test_picture_draws_repeated_layers_once_and_leaves_mask_rows_out(plan):
+    one_model, one_inputs = models.gpt_block(batch=8, seq=128, n_embd=256, n_head=8, n_layer=1, vocab=512)
+    deep_model, deep_inputs = models.gpt_block(batch=8, seq=128, n_embd=256, n_head=8, n_layer=8, vocab=512)
+    one, deep = (partitioner.plan(m, x, mesh_shape=(2, 4), mesh_axis_names=("dp", "tp"), cluster="h100")
+                 for m, x in ((one_model, one_inputs), (deep_model, deep_inputs)))
+    dot = plan_to_dot(deep)
+    nodes = _dot_nodes(dot)
+    assert len(deep.records) > 6 * len(nodes)                       # 8 layers of ~37 nodes each ...
+    assert len(nodes) <= len(_dot_nodes(plan_to_dot(one))) + 2       # ... drawn like one layer
+    assert len(nodes) == len(_dot_nodes(plan_to_dot(plan)))          # and like the 3-layer plan
+    assert "h.0: 8 identical blocks; h.1-h.7 same as h.0" in dot and "subgraph cluster_" in dot
+    assert not any(n.startswith(("p_h_1_", "p_h_7_")) for n in nodes)
+    assert 'label="from h.7"' in dot           # the last layer's output reaches ln_f, drawn from h.0's node
+    assert "h.1-h.2 same as h.0" in plan_to_dot(plan)
+    # mask/index rows: left out and counted on the node that uses them; drawn with verbose
+    folded = mask_index_rows(deep.records)
+    assert folded and not set(folded) & set(nodes)
+    assert "mask/index rows" in dot
+    assert set(folded) <= set(_dot_nodes(plan_to_dot(deep, verbose=True)))
+    if shutil.which("dot"):                    # Graphviz, where installed, accepts the source
+        subprocess.run(["dot", "-Tsvg", "-o", os.devnull], input=dot, text=True, check=True, timeout=120)
 
 
 def test_load_refuses_other_files_and_versions(plan, tmp_path):
