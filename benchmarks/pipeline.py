@@ -57,8 +57,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from passes.pipeline_schedules import SCHEDULES  # noqa: E402 - after the path is set
+
 P, M, V = 2, 8, 2
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 # GPT: 8 layers; batch = M microbatches of MB sequences
 N_LAYER, N_EMBD, N_HEAD, VOCAB, SEQ, MB = 8, 192, 8, 256, 128, 4
 
@@ -66,8 +67,7 @@ N_LAYER, N_EMBD, N_HEAD, VOCAB, SEQ, MB = 8, 192, 8, 256, 128, 4
 def formula(schedule: str, p: int = P, m: int = M, v: int = V) -> float | None:
     """The closed form for GPipe / 1F1B / interleaved; None for ZB-H1, whose reference on the
     GPT is the cost-model simulation (its stages' I and W are not equal)."""
-    from pipeline_fixed_kernels import closed_form
-    return None if schedule == "zb-h1" else closed_form(schedule, p, m, v)
+    return None if schedule == "zb-h1" else SCHEDULES[schedule].bubble(p, m, v)
 
 
 # --------------------------------------------------------------------------- torch side
@@ -114,14 +114,13 @@ def torch_schedule(gpt, layers, schedule: str, rank: int):
     for s in mine:
         module = TorchStage(gpt, layers[s], s == 0, s == n - 1)
         stages.append(PipelineStage(module, s, n, torch.device("cpu")))
-    if schedule == "gpipe":
-        sched = ScheduleGPipe(stages[0], M, loss_fn=_loss_fn)
-    elif schedule == "1f1b":
-        sched = Schedule1F1B(stages[0], M, loss_fn=_loss_fn)
-    elif schedule == "interleaved":
-        sched = ScheduleInterleaved1F1B(stages, M, loss_fn=_loss_fn)
+    # torch's counterpart of each of Partita's schedules (ZB-H1: its ZB1P, one stage per rank)
+    one_stage = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+    stage_list = {"interleaved": ScheduleInterleaved1F1B, "zb-h1": ScheduleInterleavedZeroBubble}
+    if schedule in one_stage:
+        sched = one_stage[schedule](stages[0], M, loss_fn=_loss_fn)
     else:
-        sched = ScheduleInterleavedZeroBubble(stages, M, loss_fn=_loss_fn)
+        sched = stage_list[schedule](stages, M, loss_fn=_loss_fn)
     modules = [st.submod for st in stages]
     trace = []
     for st in stages:
@@ -250,9 +249,8 @@ def run_schedule(rank, world, schedule, steps, warmup, pin):
                                      vocab_size=VOCAB)
     reference = copy.deepcopy(model)
     t0 = time.perf_counter()
-    pipeline = {"degree": P, "schedule": schedule, "microbatches": M}
-    if schedule == "interleaved":
-        pipeline["virtual_stages"] = V
+    pipeline = {"degree": P, "schedule": schedule, "microbatches": M,
+                "virtual_stages": V if SCHEDULES[schedule].virtual else 1}
     runner = partitioner.auto_parallelize(model, (ids, targets), mesh=(P,), pipeline=pipeline, cluster="cpu")
     build_s = time.perf_counter() - t0
     layers = [tuple(run) for run in runner.plan["layers"]]

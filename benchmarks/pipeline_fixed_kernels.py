@@ -13,7 +13,9 @@ measured idle fraction of each timed step (``idle_fraction(measured_timeline)``)
 reported, against the closed forms with m = 8 microbatches:
 
 * GPipe, 1F1B: ``(p-1)/(m+p-1)``; interleaved (v = 2): ``((p-1)/v)/(m+(p-1)/v)``;
-* ZB-H1 (F = I = W): ``(p-1)(F+I-W) / (m(F+I+W) + (p-1)(F+I-W))`` = ``(p-1)/(3m+p-1)``.
+* ZB-H1 (F = I = W): ``(p-1)(F+I-W) / (m(F+I+W) + (p-1)(F+I-W))`` = ``(p-1)/(3m+p-1)``
+
+(each schedule's ``bubble`` in the registry ``passes.pipeline_schedules.SCHEDULES``).
 
 Beside them, the same schedule simulated (``passes.pipeline_schedules.simulate``) with the
 nominal durations (equal to the closed form: a check of both), and with the message latency
@@ -36,18 +38,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+from passes.pipeline_schedules import SCHEDULES  # noqa: E402 - after the path is set
+
 M, V, WIDTH, MB = 8, 2, 64, 4
 
 
 def closed_form(schedule: str, p: int, m: int = M, v: int = V) -> float:
-    if schedule in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1)
-    if schedule == "interleaved":
-        return ((p - 1) / v) / (m + (p - 1) / v)
-    if schedule == "zb-h1":
-        return (p - 1) / (3 * m + p - 1)
-    raise ValueError(schedule)
+    return SCHEDULES[schedule].bubble(p, m, v)
+
+
+def stages_per_rank(schedule: str) -> int:
+    return V if SCHEDULES[schedule].virtual else 1
 
 
 def _message_latencies(traces: list) -> list:
@@ -81,9 +82,7 @@ def run_fixed(rank, world, schedule, steps, warmup, layer_ms):
     torch.manual_seed(0)
     model = TimedLayers(4 * world, WIDTH, layer_ms, layer_ms, layer_ms)
     x, target = torch.randn(M * MB, WIDTH), torch.randn(M * MB, WIDTH)
-    pipeline = {"degree": world, "schedule": schedule, "microbatches": M}
-    if schedule == "interleaved":
-        pipeline["virtual_stages"] = V
+    pipeline = {"degree": world, "schedule": schedule, "microbatches": M, "virtual_stages": stages_per_rank(schedule)}
     runner = partitioner.auto_parallelize(model, (x, target), mesh=(world,), pipeline=pipeline, cluster="cpu")
     idles, latencies, timelines, step_s = [], [], [], []
     for i in range(warmup + steps):
@@ -104,7 +103,7 @@ def run_fixed(rank, world, schedule, steps, warmup, layer_ms):
             "layers": [list(run) for run in runner.plan["layers"]], "schedule_text": str(runner.schedule)}
 
 
-def measure(schedules=SCHEDULES, ranks=(2, 4), steps=8, warmup=2, layer_ms=10.0, log=print) -> list:
+def measure(schedules=tuple(SCHEDULES), ranks=(2, 4), steps=8, warmup=2, layer_ms=10.0, log=print) -> list:
     from passes.pipeline_schedules import parse_schedule, simulate
     from runtime.launch import run_on_ranks
 
@@ -115,7 +114,7 @@ def measure(schedules=SCHEDULES, ranks=(2, 4), steps=8, warmup=2, layer_ms=10.0,
             r = run_on_ranks(run_fixed, p, schedule, steps, warmup, layer_ms, timeout_s=600,
                              collective_timeout_s=120)[0]
             sched = parse_schedule(r["schedule_text"])
-            stage_ms = 4 * layer_ms / (V if schedule == "interleaved" else 1) / 1e3
+            stage_ms = 4 * layer_ms / stages_per_rank(schedule) / 1e3
             latency = statistics.median(r["latencies"]) if r["latencies"] else 0.0
             nominal = simulate(sched, stage_ms, 2 * stage_ms).bubble_fraction
             with_latency = simulate(sched, stage_ms, 2 * stage_ms, comm_time=latency).bubble_fraction

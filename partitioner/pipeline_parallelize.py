@@ -35,15 +35,13 @@ from runtime.pipeline import PipelineRunner, StageProgram
 
 __all__ = ["PipelineConfig", "build_pipeline"]
 
-_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-
-
 @dataclass
 class PipelineConfig:
     degree: int = 2
     """Pipeline stages on the first mesh axis (ranks along it)."""
     schedule: str | None = None
-    """One of ``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``; None: chosen by simulation."""
+    """A name in ``passes.pipeline_schedules.SCHEDULES`` (``gpipe``, ``1f1b``, ``interleaved``,
+    ``zb-h1``); None: chosen by simulation."""
     microbatches: int = 0
     """Microbatches per step; 0: chosen (the most, up to 4 per stage, that divide the batch)."""
     virtual_stages: int = 1
@@ -62,11 +60,10 @@ class PipelineConfig:
         else:
             raise TypeError(f"pipeline must be a dict or PipelineConfig, got {type(value).__name__}")
         if cfg.schedule is not None:
-            cfg.schedule = cfg.schedule.lower().replace("_", "-")
-            if cfg.schedule not in _SCHEDULES:
-                raise ValueError(f"unknown pipeline schedule {cfg.schedule!r}; choose one of {_SCHEDULES}")
-        if cfg.schedule == "interleaved" and cfg.virtual_stages < 2:
-            cfg.virtual_stages = 2
+            kind = ps.schedule_kind(cfg.schedule)
+            cfg.schedule = kind.name
+            if kind.virtual and cfg.virtual_stages < 2:
+                cfg.virtual_stages = 2
         if cfg.degree < 1:
             raise ValueError(f"pipeline degree must be >= 1, got {cfg.degree}")
         return cfg
@@ -84,16 +81,7 @@ class PipelineConfig:
 
 
 def _make_schedule(cfg: PipelineConfig):
-    p, m = cfg.degree, cfg.microbatches
-    if cfg.schedule == "gpipe":
-        sched = ps.gpipe(p, m)
-    elif cfg.schedule == "1f1b":
-        sched = ps.one_f_one_b(p, m)
-    elif cfg.schedule == "interleaved":
-        sched = ps.interleaved_1f1b(p, m, cfg.virtual_stages)
-    else:
-        sched = ps.zb_h1(p, m)
-    sched = ps.add_communication(sched)
+    sched = ps.add_communication(ps.SCHEDULES[cfg.schedule].make(cfg.degree, cfg.microbatches, cfg.virtual_stages))
     ps.assert_valid(sched)
     return sched
 

@@ -29,6 +29,9 @@ Generators
 ``m`` a multiple of ``p``) and :func:`zb_h1` (zero bubble, backward split into ``I`` and ``W``)
 return compute-only schedules; :func:`add_communication` lowers them. Combinations that cannot
 be scheduled raise ``ValueError`` naming the numbers; everything returned passes the checker.
+:data:`SCHEDULES` is the one registry of them by the names users give (``gpipe``, ``1f1b``,
+``interleaved``, ``zb-h1``), each with its activations in flight per stage and its closed-form
+bubble; configuration checks, the builder, the automatic choice and the benchmarks read it.
 
 Dependency rules
 ----------------
@@ -84,7 +87,8 @@ __all__ = [
     "looped_stage_to_rank", "v_shape_stage_to_rank",
     "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1",
     "add_communication", "check_schedule", "assert_valid", "simulate", "peak_in_flight",
-    "stage_in_flight", "stage_durations", "choose_schedule", "AUTO_SCHEDULES", "auto_stage_in_flight",
+    "stage_in_flight", "stage_durations", "choose_schedule", "auto_stage_in_flight",
+    "ScheduleKind", "SCHEDULES", "AUTO_SCHEDULES", "schedule_kind",
 ]
 
 
@@ -447,6 +451,72 @@ def zb_h1(p: int, m: int) -> Schedule:
         order += [("W", r, mb) for mb in range(max(m - r, 0), m)]
         orders[r] = order
     return _from_orders("zb_h1", p, m, looped_stage_to_rank(p), orders)
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry: every schedule by the name users give it
+
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    """One named schedule: how to generate it and what it costs, in closed form.
+
+    ``make(p, m, v)``: the compute-only schedule for ``p`` ranks, ``m`` microbatches and ``v``
+    stages per rank (``v`` used only where ``virtual``). ``in_flight(p, m, v)``: stage -> the
+    microbatches whose activations the stage holds at once (what :func:`stage_in_flight` counts
+    on the generated schedule). ``bubble(p, m, v)``: the idle share of all ranks' time with
+    uniform stages, ``B = 2F`` and, for a split backward, ``I = W = F`` (what :func:`simulate`
+    gives for those durations). ``virtual``: needs ``v >= 2``. ``automatic``: weighed by
+    :func:`choose_schedule` when the user leaves the schedule open."""
+
+    name: str
+    make: Callable[[int, int, int], Schedule]
+    in_flight: Callable[[int, int, int], dict]
+    bubble: Callable[[int, int, int], float]
+    virtual: bool = False
+    automatic: bool = False
+
+
+def _one_f_one_b_bubble(p, m, v):
+    return (p - 1) / (m + p - 1)
+
+
+def _zb_h1_bubble(p, m, v):
+    """``(p-1)/(3m+p-1)`` once ``m >= p``; with fewer microbatches the step is the critical path,
+    ``2(p+m)-1`` units (F units down the ranks and I units back), which the deferred W no longer covers."""
+    return 1.0 - 3 * m / max(3 * m + p - 1, 2 * (p + m) - 1)
+
+
+SCHEDULES = {kind.name: kind for kind in (
+    ScheduleKind("gpipe", lambda p, m, v: gpipe(p, m),
+                 in_flight=lambda p, m, v: {s: m for s in range(p)},
+                 bubble=_one_f_one_b_bubble),
+    ScheduleKind("1f1b", lambda p, m, v: one_f_one_b(p, m),
+                 in_flight=lambda p, m, v: {s: min(p - s, m) for s in range(p)},
+                 bubble=_one_f_one_b_bubble, automatic=True),
+    # interleaved holds an irregular count per virtual stage: counted on the generated schedule
+    ScheduleKind("interleaved", lambda p, m, v: interleaved_1f1b(p, m, v),
+                 in_flight=lambda p, m, v: stage_in_flight(interleaved_1f1b(p, m, v)),
+                 bubble=lambda p, m, v: ((p - 1) / v) / (m + (p - 1) / v), virtual=True),
+    ScheduleKind("zb-h1", lambda p, m, v: zb_h1(p, m),
+                 in_flight=lambda p, m, v: {s: min(p, m) for s in range(p)},
+                 bubble=_zb_h1_bubble, automatic=True),
+)}
+"""Name -> :class:`ScheduleKind`, in the order errors list them and :func:`choose_schedule`
+breaks ties. GPipe is not automatic: never faster than 1F1B, it keeps all m microbatches'
+activations alive."""
+
+AUTO_SCHEDULES = tuple(name for name, kind in SCHEDULES.items() if kind.automatic)
+"""The schedules :func:`choose_schedule` weighs (one stage per rank), in tie-break order."""
+
+
+def schedule_kind(name: str) -> ScheduleKind:
+    """The registry entry for ``name`` (case and ``_``/``-`` do not matter); a ``ValueError``
+    listing the known names otherwise."""
+    key = str(name).lower().replace("_", "-")
+    if key not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {tuple(SCHEDULES)}")
+    return SCHEDULES[key]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -922,15 +992,10 @@ def stage_durations(estimates: Sequence, takes_activations: Sequence[bool]) -> t
     return forward, backward, weight
 
 
-AUTO_SCHEDULES = {"1f1b": one_f_one_b, "zb-h1": zb_h1}
-"""The schedules :func:`choose_schedule` weighs (one stage per rank), in tie-break order. GPipe
-is not among them: never faster than 1F1B, it keeps all m microbatches' activations alive."""
-
-
 def auto_stage_in_flight(p: int, m: int) -> dict:
     """stage -> the activation copies to plan each stage for when the schedule is chosen after
     planning: the most any of :data:`AUTO_SCHEDULES` keeps alive, so whichever wins fits."""
-    per = [stage_in_flight(make(p, m)) for make in AUTO_SCHEDULES.values()]
+    per = [SCHEDULES[name].in_flight(p, m, 1) for name in AUTO_SCHEDULES]
     return {s: max(d[s] for d in per) for s in range(p)}
 
 
@@ -940,8 +1005,8 @@ def choose_schedule(p: int, m: int, forward: StageTime, backward: StageTime, wei
     flight on any rank (activation memory), then the order of :data:`AUTO_SCHEDULES`.
     Returns (name, {name: simulated step seconds})."""
     steps, keys = {}, {}
-    for order, (name, make) in enumerate(AUTO_SCHEDULES.items()):
-        sched = make(p, m)
+    for order, name in enumerate(AUTO_SCHEDULES):
+        sched = SCHEDULES[name].make(p, m, 1)
         result = simulate(sched, forward, backward, weight)
         steps[name] = result.makespan
         keys[name] = (round(result.makespan, 12), max(peak_in_flight(sched).values()), order)

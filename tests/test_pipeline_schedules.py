@@ -2,17 +2,13 @@
 import pytest
 
 from passes.pipeline_schedules import (
-    Action, ActionKind, Schedule, add_communication, assert_valid, check_schedule, format_action,
+    SCHEDULES, Action, ActionKind, Schedule, add_communication, assert_valid, check_schedule, format_action,
     format_schedule, gpipe, interleaved_1f1b, one_f_one_b, parse_action, parse_schedule,
-    peak_in_flight, simulate, v_shape_stage_to_rank, zb_h1,
+    peak_in_flight, schedule_kind, simulate, stage_in_flight, v_shape_stage_to_rank, zb_h1,
 )
 
-GENERATORS = {
-    "gpipe": lambda p, m: gpipe(p, m),
-    "1f1b": one_f_one_b,
-    "interleaved_1f1b": lambda p, m: interleaved_1f1b(p, m, 2),
-    "zb_h1": zb_h1,
-}
+# every registered schedule (interleaved with 2 stages per rank), by its registry name
+GENERATORS = {name: (lambda p, m, kind=kind: kind.make(p, m, 2)) for name, kind in SCHEDULES.items()}
 SIZES = [(p, m) for p in (2, 4) for m in (4, 8)]
 
 
@@ -423,3 +419,28 @@ def test_stage_in_flight_counts_activations_alive_per_stage():
     assert max(stage_in_flight(one_f_one_b(4, 2)).values()) == 2
     # an open schedule is planned for the most either automatic choice keeps
     assert auto_stage_in_flight(4, 8) == {s: 4 for s in range(4)}
+
+
+# ------------------------------------------------------------------ the registry
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_registry_closed_forms_match_the_generated_schedules(name):
+    """Each entry's activations in flight per stage are what the generated schedule keeps alive,
+    and its closed-form bubble is what the simulator measures with uniform stages (B = 2F,
+    I = W = F), for small and large microbatch counts (m < p included where allowed)."""
+    kind = SCHEDULES[name]
+    for p in (1, 2, 3, 4):
+        for m in ((p, 2 * p, 3 * p) if kind.virtual else (1, 2, p, 2 * p + 1, 4 * p)):
+            schedule = kind.make(p, m, 2)
+            assert kind.in_flight(p, m, 2) == stage_in_flight(schedule), (p, m)
+            simulated = simulate(schedule, 1.0, 2.0, 1.0).bubble_fraction
+            assert kind.bubble(p, m, 2) == pytest.approx(simulated, abs=1e-12), (p, m)
+
+
+def test_registry_names_and_lookup():
+    assert tuple(SCHEDULES) == ("gpipe", "1f1b", "interleaved", "zb-h1")
+    assert [name for name, kind in SCHEDULES.items() if kind.automatic] == ["1f1b", "zb-h1"]
+    assert schedule_kind("ZB_H1") is SCHEDULES["zb-h1"]
+    with pytest.raises(ValueError, match=r"unknown pipeline schedule 'pipedream'.*gpipe.*1f1b.*interleaved.*zb-h1"):
+        schedule_kind("pipedream")
