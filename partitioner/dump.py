@@ -13,6 +13,12 @@ needed). Files:
   its collectives; repeated layers drawn once, mask/index rows left out
   (:mod:`partitioner.plan_dot`);
 * ``rank_<r>.py`` per rank.
+
+For a pipeline runner: per stage its plan files under ``stage_<s>/`` and each rank's programs
+there; ``schedule.txt`` (the schedule and its grid); after a ``train_step``, the last step's
+timeline measured beside the one the cost model simulates (``timeline.txt``: per stage and
+action simulated vs measured with their ratio, and the cluster the simulation was priced with;
+``timeline.json`` for chrome://tracing or Perfetto; ``timeline.svg``).
 """
 from __future__ import annotations
 
@@ -73,12 +79,16 @@ def _dump_pipeline(runner, out: Path) -> list:
         path.write_text(_program_text(stage.program, rank, stage.comm.coords, stage.plan))
         written.append(path)
     if runner.trace:
-        timelines = {"measured": pipeline_trace.measured_timeline(runner),
-                     "simulated (cost model)": pipeline_trace.simulated_timeline(runner)}
+        measured, simulated = pipeline_trace.measured_timeline(runner), pipeline_trace.simulated_timeline(runner)
+        cluster = pipeline_trace.pricing_cluster(runner)
+        timelines = {"measured": measured, f"simulated (cost model, cluster {cluster})": simulated}
         if rank == 0:
+            device = next((p.device.type for p in runner.parameters()), "cpu")
+            (out / "timeline.txt").write_text(pipeline_trace.comparison_text(
+                measured, simulated, cluster=cluster, device=device, schedule=str(runner.schedule.name)))
             (out / "timeline.json").write_text(pipeline_trace.chrome_trace(timelines))
             (out / "timeline.svg").write_text(pipeline_trace.timeline_svg(timelines))
-            written += [out / "timeline.json", out / "timeline.svg"]
+            written += [out / "timeline.txt", out / "timeline.json", out / "timeline.svg"]
     return written
 
 

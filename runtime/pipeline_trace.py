@@ -8,16 +8,25 @@ and weight-gradient (W) time from its intra-op plan (``passes.pipeline_schedules
 process per timeline, one thread per rank); ``timeline_svg`` draws them one above the other.
 ``idle_fraction`` is the share of rank-time not spent computing, comparable with
 ``(p-1)/(m+p-1)``.
+
+The simulated timeline is priced with the cluster the stage plans were made for
+(``pricing_cluster``: ``auto_parallelize``'s ``cluster=``, by default ``"cpu"``, measured on
+the machine, when the job runs on CPUs); nothing re-prices it. ``comparison_text`` puts the
+two side by side: per stage and action kind the mean duration simulated and measured, the
+step and the idle share, each with the ratio measured / simulated, and says when the plans
+were priced for another kind of device than the job runs on.
 """
 from __future__ import annotations
 
 import html
 import json
+import re
+from collections import defaultdict
 
 import torch.distributed as dist
 
 __all__ = ["measured_timeline", "simulated_timeline", "chrome_trace", "timeline_svg", "idle_fraction",
-           "stage_times"]
+           "stage_times", "pricing_cluster", "action_durations", "step_seconds", "comparison_text"]
 
 _COLOURS = {"F": "#6fa8dc", "B": "#93c47d", "I": "#b6d7a8", "W": "#ffd966"}
 
@@ -46,6 +55,63 @@ def simulated_timeline(runner, forward=None, backward=None, weight=None) -> dict
     f, b, w = stage_times(runner)
     result = simulate(runner.schedule, forward or f, backward or b, weight or w)
     return {r: [(str(t.action), t.start, t.end) for t in timeline] for r, timeline in result.timelines.items()}
+
+
+def pricing_cluster(runner) -> str:
+    """The name of the cluster the stage plans were priced with (the simulated timeline's)."""
+    names = sorted({plan.data["cluster"]["name"] for plan in runner.plan["stages"]})
+    return names[0] if len(names) == 1 else ", ".join(names)
+
+
+_ACTION = re.compile(r"^(\d+)([FBIW])")
+
+
+def action_durations(timeline: dict) -> dict:
+    """``{(stage, kind): mean seconds}`` over a timeline's compute actions (``0F1``: stage 0, F)."""
+    spans = defaultdict(list)
+    for rows in timeline.values():
+        for action, start, end in rows:
+            match = _ACTION.match(action)
+            if match:
+                spans[(int(match.group(1)), match.group(2))].append(end - start)
+    return {key: sum(v) / len(v) for key, v in sorted(spans.items())}
+
+
+def step_seconds(timeline: dict) -> float:
+    """From the first action's start to the last action's end, over all ranks."""
+    rows = [row for rows in timeline.values() for row in rows]
+    return max(e for _, _, e in rows) - min(s for _, s, _ in rows) if rows else 0.0
+
+
+def _ms(seconds) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.3f} ms"
+
+
+def _ratio(measured, simulated) -> str:
+    return f"{measured / simulated:.2f}x" if measured is not None and simulated else "-"
+
+
+def comparison_text(measured: dict, simulated: dict, *, cluster: str, device: str, schedule: str = "") -> str:
+    """The last step, simulated by the cost model and measured, side by side (see the module
+    docstring); ``cluster``: the simulation's, ``device``: the device type the job ran on."""
+    lines = [f"Pipeline step{f' ({schedule})' if schedule else ''}: simulated by the cost model vs measured on "
+             f"this job's last train_step",
+             f"simulated with the stage plans' estimates, cluster {cluster} (the cluster the stage plans were "
+             f"priced with); job device: {device}"]
+    if (device == "cpu") != (cluster == "cpu"):
+        lines.append(f"note: the stage plans were priced for {cluster}, not for this job's {device}: the simulated "
+                     f"column is what {cluster} would take, not a prediction for this machine")
+    lines += ["", f"{'stage':>5}  {'action':<6}  {'simulated':>12}  {'measured':>12}  {'measured/simulated':>18}"]
+    sim, real = action_durations(simulated), action_durations(measured)
+    for stage, kind in sorted(set(sim) | set(real), key=lambda sk: (sk[0], "FBIW".index(sk[1]))):
+        s, m = sim.get((stage, kind)), real.get((stage, kind))
+        lines.append(f"{stage:>5}  {kind:<6}  {_ms(s):>12}  {_ms(m):>12}  {_ratio(m, s):>18}")
+    s, m = step_seconds(simulated), step_seconds(measured)
+    lines.append(f"{'step':>5}  {'':<6}  {_ms(s):>12}  {_ms(m):>12}  {_ratio(m, s):>18}")
+    lines.append(f"{'idle':>5}  {'':<6}  {idle_fraction(simulated):>12.1%}  {idle_fraction(measured):>12.1%}")
+    lines.append("(action times: the mean over the step's microbatches, per microbatch; idle: the share of "
+                 "rank-time not computing)")
+    return "\n".join(lines) + "\n"
 
 
 def idle_fraction(timeline: dict) -> float:
@@ -97,7 +163,8 @@ def timeline_svg(timelines: dict, *, width: int = 900, row: int = 26) -> str:
                 panels.append(f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{row - 4}" fill="{colour}" '
                               f'stroke="#333" stroke-width="0.4"><title>{html.escape(action)}</title></rect>')
                 if w > 22:
-                    panels.append(f'<text x="{x + 2:.2f}" y="{y + row * 0.6:.1f}" font-size="9">{html.escape(action)}</text>')
+                    panels.append(f'<text x="{x + 2:.2f}" y="{y + row * 0.6:.1f}" font-size="9">'
+                                  f'{html.escape(action)}</text>')
             y += row
         y += 14
     legend = " ".join(f'<rect x="{80 + i * 90}" y="{y}" width="12" height="12" fill="{c}"/>'

@@ -168,6 +168,47 @@ def test_dump_from_a_plan_alone_for_a_large_mesh(tmp_path):
         partitioner.dump(plan, tmp_path, model=model, example_inputs=inputs, ranks=[256])
 
 
+def _pipeline_dump_job(rank, world, out):
+    model, inputs = models.gpt_demo(batch=8, seq=16, n_layer=4)
+    # no cluster=: on CPUs the stages are priced with the measured "cpu" cluster
+    runner = partitioner.auto_parallelize(model, inputs, mesh=(2,),
+                                          pipeline={"degree": 2, "schedule": "1f1b", "microbatches": 4})
+    runner.train_step(inputs)
+    files = partitioner.dump(runner, out)
+    return [str(f) for f in files], [plan.data["cluster"]["name"] for plan in runner.plan["stages"]]
+
+
+def test_dump_of_a_pipeline_puts_simulated_and_measured_side_by_side(tmp_path):
+    (files, clusters), _ = run_on_ranks(_pipeline_dump_job, 2, str(tmp_path), timeout_s=120)
+    assert clusters == ["cpu", "cpu"]
+    assert str(tmp_path / "timeline.txt") in files
+    text = (tmp_path / "timeline.txt").read_text()
+    assert "cluster cpu (the cluster the stage plans were priced with); job device: cpu" in text
+    assert "note:" not in text                      # priced for the device it ran on
+    lines = text.splitlines()
+    header = next(line for line in lines if line.split()[:2] == ["stage", "action"])
+    assert header.split()[2:] == ["simulated", "measured", "measured/simulated"]
+    body = [line.split() for line in lines[lines.index(header) + 1:] if line.strip()]
+    per_action = {(cells[0], cells[1]): cells[2:] for cells in body if cells[0].isdigit()}
+    assert set(per_action) == {("0", "F"), ("0", "B"), ("1", "F"), ("1", "B")}
+    step = next(cells[1:] for cells in body if cells[0] == "step")
+    for values in [*per_action.values(), step]:        # simulated, measured, their ratio: no values asserted
+        assert values[1] == "ms" and values[3] == "ms" and values[4].endswith("x"), values
+    assert "cluster cpu" in (tmp_path / "timeline.svg").read_text()
+
+
+def test_comparison_says_when_plans_were_priced_for_another_device():
+    from runtime.pipeline_trace import comparison_text
+    simulated = {0: [("0F0", 0.0, 1.0), ("0B0", 2.0, 4.0)], 1: [("1F0", 1.0, 2.0), ("1B0", 2.0, 3.0)]}
+    measured = {0: [("0F0", 0.0, 3.0), ("0B0", 6.0, 12.0)], 1: [("1F0", 3.0, 6.0), ("1B0", 6.0, 9.0)]}
+    text = comparison_text(measured, simulated, cluster="h100", device="cpu", schedule="1f1b")
+    assert "note: the stage plans were priced for h100, not for this job's cpu" in text
+    lines = text.splitlines()
+    assert any(line.split() == ["0", "F", "1000.000", "ms", "3000.000", "ms", "3.00x"] for line in lines)
+    assert any(line.split() == ["step", "4000.000", "ms", "12000.000", "ms", "3.00x"] for line in lines)
+    assert "note:" not in comparison_text(measured, simulated, cluster="cpu", device="cpu")
+
+
 def _sharded_checkpoint(rank, world, path):
     model, inputs = models.gpt_demo(batch=4, seq=8, n_layer=1)
     tp = partitioner.auto_parallelize(model, inputs, mesh=(2,), pins=MEGATRON)
