@@ -147,6 +147,7 @@ def plan_captured(cap, *, model_name: str, mesh_shape=(1,), mesh_axis_names=None
               if n.op == "placeholder" and info(n).kind == "input"}
     data = {
         "format": PLAN_FORMAT, "version": PLAN_VERSION, "fingerprint": graph_fingerprint(cap),
+        "structure": graph_fingerprint(cap, shapes=False), "training": cap.training,
         "model": model_name, "inputs": inputs, "mesh": mesh.to_dict(), "cluster": spec.to_dict(),
         "budget": budget, "objective": objective, "optimizer": optimizer, "activation_copies": activation_copies,
         "pins": {n.name: format_spec(s) for n, s in pinned.items()},

@@ -177,11 +177,13 @@ def describe_captured(cap: CapturedGraph) -> str:
 
 
 
-def graph_fingerprint(cap: CapturedGraph) -> str:
-    """A hash of the program: ops, shapes, dtypes, wiring and parameter names.
+def graph_fingerprint(cap: CapturedGraph, *, shapes: bool = True) -> str:
+    """A hash of the program: ops, wiring, parameter names and (``shapes=True``) shapes and dtypes.
 
     Two captures of the same model on inputs of the same shapes agree; a different model,
-    or the same model at another batch or sequence size, disagrees.
+    or the same model at another batch or sequence size, disagrees. With ``shapes=False`` the
+    hash is the program's structure alone, which other batch and sequence sizes share (a plan
+    made for one serves the others where its shards still divide).
     """
     import hashlib
 
@@ -191,8 +193,10 @@ def graph_fingerprint(cap: CapturedGraph) -> str:
         index[node] = i
         val = node.meta.get("val")
         vals = val if isinstance(val, (list, tuple)) else [val]
-        shapes = [(tuple(v.shape), str(v.dtype)) for v in vals if isinstance(v, torch.Tensor)]
+        tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+        described = [(tuple(v.shape), str(v.dtype)) for v in tensors] if shapes else [(v.dim(), str(v.dtype))
+                                                                                        for v in tensors]
         args = [index.get(a, "?") for a in node.all_input_nodes]
         name = cap.params.get(node.name) or cap.buffers.get(node.name) or ""
-        h.update(repr((node.op, str(node.target), shapes, args, name)).encode())
+        h.update(repr((node.op, str(node.target), described, args, name)).encode())
     return h.hexdigest()[:16]

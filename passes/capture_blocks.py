@@ -186,7 +186,8 @@ def capture_by_blocks(model: torch.nn.Module, example_inputs, *, stack_traces: b
                 copies.append(copy)
     gm = fx.GraphModule(short.graph_module, _rename_like_export(new))
     return CapturedGraph(graph_module=gm, exported=short.exported, params=new_params, buffers=new_buffers,
-                         user_inputs=list(short.user_inputs), input_names=dict(short.input_names))
+                         user_inputs=list(short.user_inputs), input_names=dict(short.input_names),
+                         training=short.training)
 
 
 def _rename_like_export(graph: fx.Graph) -> fx.Graph:

@@ -12,6 +12,8 @@ split after the matmul, e.g. GPT's QKV).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
@@ -19,7 +21,7 @@ from torch.utils import _pytree as pytree
 from passes.placements import format_spec, replicated, transition_steps
 from runtime.collectives import MeshComm, run_steps
 
-__all__ = ["ParallelModule", "shard_tensor", "gather_tensor"]
+__all__ = ["ParallelModule", "Variant", "shard_tensor", "gather_tensor"]
 
 
 def shard_tensor(full: torch.Tensor, spec, comm: MeshComm, strided=None) -> torch.Tensor:
@@ -64,16 +66,42 @@ def gather_tensor(local: torch.Tensor, spec, comm: MeshComm, strided=None) -> to
     return cur
 
 
+@dataclass
+class Variant:
+    """One lowered program of the module, for one training mode and one set of input shapes."""
+
+    program: torch.fx.GraphModule
+    captured: object
+    """The captured graph it was lowered from (``passes.capture.CapturedGraph``)."""
+    input_specs: dict
+    """User-input placeholder name -> placement."""
+
+    @property
+    def placeholder_order(self) -> list:
+        return [n.name for n in self.captured.graph.nodes if n.op == "placeholder"]
+
+    @property
+    def user_placeholders(self) -> list:
+        cap = self.captured
+        return [n for n in self.placeholder_order if n not in cap.params and n not in cap.buffers]
+
+
 class ParallelModule(torch.nn.Module):
-    """A rank's share of a model, running the plan's lowered program."""
+    """A rank's share of a model, running the plan's lowered program.
+
+    Note: the program bakes in the training mode and the input shapes it was captured with.
+    Inputs of other shapes, or a call in the other mode (``eval()``), run another *variant*:
+    the ``specialize(training, args, kwargs)`` callable attached by :meth:`attach_specializer`
+    captures and lowers the model for them under the same parameter placements, once per
+    (mode, shapes); without one, such a call is refused with the difference named.
+    """
 
     def __init__(self, *, program, plan, comm: MeshComm, captured, local_params: dict, local_buffers: dict,
                  specs: dict, strided: dict, local_inputs: bool, global_shapes: dict):
         super().__init__()
-        object.__setattr__(self, "_program", program)
         object.__setattr__(self, "plan", plan)
         object.__setattr__(self, "comm", comm)
-        object.__setattr__(self, "_captured", captured)
+        object.__setattr__(self, "_specialize", None)
         self.local_inputs = local_inputs
         self._specs = specs            # FQN (params, buffers) or input placeholder name -> spec
         self._global_shapes = dict(global_shapes)  # FQN -> whole shape
@@ -86,24 +114,36 @@ class ParallelModule(torch.nn.Module):
             self._owner(fqn).register_parameter(fqn.rpartition(".")[2], shared[id(value)])
         for fqn, value in local_buffers.items():
             self._owner(fqn).register_buffer(fqn.rpartition(".")[2], value)
-        self._attach_gradient_buckets(program, captured, comm)
-        sig = captured.exported.graph_signature
-        self._placeholder_order = [n.name for n in captured.graph.nodes if n.op == "placeholder"]
-        self._mutations = dict(getattr(sig, "buffers_to_mutate", {}) or {})
-        self._n_user_outputs = len(sig.user_outputs)
-
-    def _attach_gradient_buckets(self, program, captured, comm):
-        """Join the plan's plain gradient all-reduces into DDP-style buckets (overlapped)."""
         from runtime.grad_sync import GradientBuckets
-        bucketable = program.meta.get("partita.bucketable_grads") or {}
-        if not bucketable:
-            return
-        buckets = GradientBuckets(comm)
-        object.__setattr__(self, "_buckets", buckets)
-        for module_name, placeholder in bucketable.items():
+        object.__setattr__(self, "_buckets", GradientBuckets(comm))
+        base = Variant(program, captured, {name: specs[name] for name in captured.user_inputs if name in specs})
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "_variants", {})
+        example = self._global_inputs(base, self._example_flat(captured), local=False)
+        self._add_variant(self._key(captured.training, example), base)
+
+    def _add_variant(self, key, variant: Variant) -> None:
+        """Register a lowered program; its plain gradient all-reduces join the shared buckets."""
+        program, cap = variant.program, variant.captured
+        for module_name, placeholder in (program.meta.get("partita.bucketable_grads") or {}).items():
             module = program.get_submodule(module_name)
-            module.sync, module.sync_param = buckets, self._get(captured.params[placeholder])
-            module.sync_axes = tuple(axis for axis, _, _ in module.backward_steps if comm.shape[axis] > 1)
+            module.sync, module.sync_param = self._buckets, self._get(cap.params[placeholder])
+            module.sync_axes = tuple(axis for axis, _, _ in module.backward_steps if self.comm.shape[axis] > 1)
+        program.train(self.training)
+        self._variants[key] = variant
+
+    def attach_specializer(self, specialize) -> None:
+        """``specialize(training, args, kwargs) -> Variant``: lowers the model for a call whose mode
+        or input shapes no program here serves yet (``partitioner.specialize.Specializer``)."""
+        object.__setattr__(self, "_specialize", specialize)
+
+    def stored_placements(self) -> dict:
+        """FQN -> the placement each parameter and buffer is stored in."""
+        return {fqn: self._specs[fqn] for fqn in self._param_fqns + self._buffer_fqns}
+
+    def strided_layouts(self) -> dict:
+        """FQN -> {axis: pieces} for weights stored in the strided layout (fused projections)."""
+        return dict(self._strided)
 
     # -- structure ---------------------------------------------------------------------------
     def _owner(self, fqn: str) -> torch.nn.Module:
@@ -123,18 +163,50 @@ class ParallelModule(torch.nn.Module):
 
     @property
     def program(self) -> torch.fx.GraphModule:
-        """The lowered per-rank program (``.code`` is its Python source)."""
-        return self._program
+        """The lowered per-rank program for the example inputs (``.code`` is its Python source)."""
+        return self._base.program
+
+    @property
+    def variants(self) -> dict:
+        """(training, input shapes) -> the lowered program serving them (one per call signature seen)."""
+        return {key: v.program for key, v in self._variants.items()}
 
     def train(self, mode: bool = True):
         super().train(mode)
-        self._program.train(mode)
+        for variant in getattr(self, "_variants", {}).values():
+            variant.program.train(mode)
         return self
 
     # -- running -------------------------------------------------------------------------------
-    def forward(self, *args, **kwargs):
-        cap = self._captured
-        in_spec = cap.exported.call_spec.in_spec
+    @staticmethod
+    def _example_flat(cap) -> list:
+        """The example inputs the graph was captured with, as fake tensors (shapes only)."""
+        by_name = {n.name: n for n in cap.graph.nodes}
+        return [by_name[name].meta.get("val") for name in cap.user_inputs]
+
+    def _global_inputs(self, variant: Variant, flat, *, local=None) -> list:
+        """Whole shapes of the user's flat inputs (``local``, by default ``local_inputs``:
+        pieces scaled back up by the number of shards)."""
+        local = self.local_inputs if local is None else local
+        shapes = []
+        for name, x in zip(variant.user_placeholders, flat):
+            if not isinstance(x, torch.Tensor):
+                shapes.append(repr(x))
+                continue
+            shape = list(x.shape)
+            if local and name in variant.input_specs:
+                for axis, p in enumerate(variant.input_specs[name]):
+                    if getattr(p, "dim", None) is not None and p.dim < len(shape):
+                        shape[p.dim] *= self.comm.shape[axis]
+            shapes.append((tuple(shape), str(x.dtype)))
+        return shapes
+
+    @staticmethod
+    def _key(training: bool, shapes) -> tuple:
+        return (bool(training), tuple(shapes))
+
+    def _flatten(self, args, kwargs):
+        in_spec = self._base.captured.exported.call_spec.in_spec
         if kwargs and in_spec is not None:
             from torch.export._tree_utils import reorder_kwargs
             kwargs = reorder_kwargs(kwargs, in_spec)
@@ -142,9 +214,35 @@ class ParallelModule(torch.nn.Module):
         if in_spec is not None and spec != in_spec:
             raise TypeError(f"the parallel model was captured with inputs structured as {in_spec}; got {spec}. "
                             "Pass the same arguments (names and nesting) as the example inputs.")
+        return flat, args, kwargs
+
+    def _variant_for(self, flat, args, kwargs) -> Variant:
+        key = self._key(self.training, self._global_inputs(self._base, flat))
+        variant = self._variants.get(key)
+        if variant is not None:
+            return variant
+        base_key = next(iter(self._variants))
+        if self._specialize is None:
+            mode = "training" if self.training else "eval"
+            raise ValueError(f"this parallel model was lowered for {base_key} and is now called in {mode} mode with "
+                             f"inputs {key[1]}; build it with auto_parallelize to serve other shapes and modes")
+        if not self.local_inputs:
+            call_args, call_kwargs = args, kwargs
+        else:   # capture needs whole inputs: zeros of the global shapes
+            whole = [torch.zeros(shape[0], dtype=x.dtype, device=x.device) if isinstance(x, torch.Tensor) else x
+                     for x, shape in zip(flat, key[1])]
+            call_args, call_kwargs = pytree.tree_unflatten(whole, pytree.tree_flatten((args, kwargs))[1])
+        variant = self._specialize(self.training, call_args, call_kwargs)
+        self._add_variant(key, variant)
+        return variant
+
+    def forward(self, *args, **kwargs):
+        flat, args, kwargs = self._flatten(args, kwargs)
+        variant = self._variant_for(flat, args, kwargs)
+        cap = variant.captured
         user = iter(flat)
         values = []
-        for name in self._placeholder_order:
+        for name in variant.placeholder_order:
             if name in cap.params:
                 values.append(self._get(cap.params[name]))
             elif name in cap.buffers:
@@ -152,12 +250,14 @@ class ParallelModule(torch.nn.Module):
             else:
                 x = next(user)
                 if isinstance(x, torch.Tensor) and not self.local_inputs:
-                    x = shard_tensor(x, self._specs[name], self.comm)
+                    x = shard_tensor(x, variant.input_specs[name], self.comm)
                 values.append(x)
-        outputs = self._program(*values)
+        outputs = variant.program(*values)
         flat_out = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-        n_mut = len(flat_out) - self._n_user_outputs
-        for value, (_, fqn) in zip(flat_out[:n_mut], self._mutations.items()):
+        sig = cap.exported.graph_signature
+        mutations = dict(getattr(sig, "buffers_to_mutate", {}) or {})
+        n_mut = len(flat_out) - len(sig.user_outputs)
+        for value, (_, fqn) in zip(flat_out[:n_mut], mutations.items()):
             with torch.no_grad():
                 self._get(fqn).copy_(value)
         return pytree.tree_unflatten(flat_out[n_mut:], cap.exported.call_spec.out_spec)
@@ -166,10 +266,9 @@ class ParallelModule(torch.nn.Module):
         """Cut a global batch (same structure as the example inputs) to this rank's pieces."""
         args, kwargs = (batch, {}) if isinstance(batch, tuple) else ((), dict(batch))
         flat, spec = pytree.tree_flatten((args, kwargs))
-        names = [n for n in self._placeholder_order if n not in self._captured.params
-                 and n not in self._captured.buffers]
-        pieces = [shard_tensor(x, self._specs[n], self.comm) if isinstance(x, torch.Tensor) else x
-                  for x, n in zip(flat, names)]
+        base = self._base
+        pieces = [shard_tensor(x, base.input_specs[n], self.comm) if isinstance(x, torch.Tensor) else x
+                  for x, n in zip(flat, base.user_placeholders)]
         args, kwargs = pytree.tree_unflatten(pieces, spec)
         return args if isinstance(batch, tuple) else kwargs
 
