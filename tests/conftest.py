@@ -15,12 +15,14 @@
   This is a safety net, not licence: a test that checks a planning choice names a fixed
   cluster itself (``cluster="h100"``, or pins).
 * **Test tiers.** Every test that starts processes (gloo ranks through
-  ``runtime.launch.run_on_ranks``, the CLI or anything else through ``subprocess``) is marked
-  ``multiproc`` (registered in pyproject.toml) at collection, so ``pytest -m "not multiproc"``
-  is the fast, single-process tier. The mark is found, not written: a test is ``multiproc`` when
-  its code, a fixture it uses, or a function or class of tests/ that they name (followed
-  transitively) names ``run_on_ranks``, ``subprocess`` or ``multiprocessing``. Product code is
-  not followed; no test reaches the one product function that starts ranks (``partitioner.demo``).
+  ``runtime.launch.run_on_ranks``, Python or torchrun in a subprocess) is marked ``multiproc``
+  (registered in pyproject.toml) at collection, so ``pytest -m "not multiproc"`` is the fast,
+  single-process tier. The mark is found, not written: the test's code, its fixtures and every
+  function or class of tests/ that they name (followed transitively) are read for the names
+  ``run_on_ranks`` or ``multiprocessing``, or ``subprocess`` together with ``sys.executable``
+  or a ``"python..."``/``"torchrun..."`` string (a ``dot`` subprocess does not count). Product
+  code is not followed; no test reaches the one product function that starts ranks
+  (``partitioner.demo``). A test that only hands ``run_on_ranks`` bad arguments is counted too.
 * **A process group in this process.** ``fake_process_group(n)`` starts torch's ``fake``
   backend as rank 0 of ``n`` (collectives do nothing) and destroys it after the test: for
   tests that only validate or plan, where forking real ranks would check nothing more.
@@ -90,6 +92,7 @@ def _quiet_transformers_warnings():
 
 @pytest.fixture
 def fake_process_group():
+    """``fake_process_group(n)``: this process becomes rank 0 of n on torch's fake backend, until the test ends."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -101,38 +104,56 @@ def fake_process_group():
         dist.destroy_process_group()
 
 
-_TESTS_DIR = str(Path(__file__).parent)
-_PROCESS_STARTERS = {"run_on_ranks", "subprocess", "multiprocessing"}
+_TESTS_DIR = str(Path(__file__).parent) + os.sep
 
 
-def _names(code: types.CodeType):
-    """The global and attribute names a code object uses, its nested functions' included."""
-    yield from code.co_names
+def _code_objects(code: types.CodeType):
+    """A code object and those of the functions, lambdas and classes defined inside it."""
+    yield code
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            yield from _names(const)
+            yield from _code_objects(const)
 
 
-def _starts_processes(obj, seen: set) -> bool:
+def _collect(obj, seen: set, names: set, texts: set) -> None:
+    """The names and string constants of ``obj`` and of every tests/ function or class it names."""
     if id(obj) in seen:
-        return False
+        return
     seen.add(id(obj))
     if isinstance(obj, type):
-        return any(_starts_processes(member, seen) for member in vars(obj).values())
+        for member in vars(obj).values():
+            _collect(member, seen, names, texts)
+        return
     func = getattr(obj, "__func__", obj)         # a bound method, classmethod or staticmethod
     code = getattr(func, "__code__", None)
     if code is None or not code.co_filename.startswith(_TESTS_DIR):
-        return False
-    names = set(_names(code))
-    if any(part in _PROCESS_STARTERS for name in names for part in name.split(".")):
+        return
+    own = set()
+    for c in _code_objects(code):
+        own.update(c.co_names)
+        texts.update(const for const in c.co_consts if isinstance(const, str))
+    names.update(part for name in own for part in name.split("."))
+    for name in own:
+        if name in func.__globals__:
+            _collect(func.__globals__[name], seen, names, texts)
+
+
+def _starts_processes(funcs) -> bool:
+    """Forks ranks (run_on_ranks, multiprocessing) or starts Python or torchrun in a subprocess."""
+    names: set = set()
+    texts: set = set()
+    seen: set = set()
+    for func in funcs:
+        _collect(func, seen, names, texts)
+    if names & {"run_on_ranks", "multiprocessing"}:
         return True
-    return any(_starts_processes(func.__globals__[name], seen) for name in names if name in func.__globals__)
+    launches_python = "executable" in names or any(t.startswith(("python", "torchrun")) for t in texts)
+    return "subprocess" in names and launches_python
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         fixtures = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
         funcs = [getattr(item, "function", None)] + [d.func for defs in fixtures.values() for d in defs]
-        seen: set = set()
-        if any(_starts_processes(func, seen) for func in funcs if func is not None):
+        if _starts_processes(func for func in funcs if func is not None):
             item.add_marker(pytest.mark.multiproc)
