@@ -246,6 +246,16 @@ class PipelineRunner(torch.nn.Module):
         self._split_backward = any(a.kind == "W" for acts in schedule.actions for a in acts)
 
     # -- helpers -----------------------------------------------------------------------------
+    def _microbatch_shapes(self) -> dict:
+        """User input name -> the (whole, not sharded) microbatch shape its stages were captured for."""
+        from passes.analyze import info
+        shapes = {}
+        for g in self.stage_graphs:
+            for node in g.captured.graph.find_nodes(op="placeholder"):
+                if node.name in self.input_names and info(node).shape is not None:
+                    shapes[node.name] = tuple(info(node).shape)
+        return shapes
+
     def _split(self, batch):
         args, kwargs = (batch, {}) if isinstance(batch, (tuple, list)) else ((), dict(batch))
         if kwargs and self.in_spec is not None:
@@ -253,11 +263,18 @@ class PipelineRunner(torch.nn.Module):
             kwargs = reorder_kwargs(kwargs, self.in_spec)
         flat, _ = pytree.tree_flatten((tuple(args), kwargs))
         m = self.microbatches
+        expected = self._microbatch_shapes()
         per = []
-        for x in flat:
+        for name, x in zip(self.input_names, flat):
             if isinstance(x, torch.Tensor):
-                if x.shape[0] % m:
-                    raise ValueError(f"batch dim {x.shape[0]} does not split into {m} microbatches")
+                shape = (x.shape[0] // m, *x.shape[1:]) if x.dim() else ()
+                if x.dim() and x.shape[0] % m or name in expected and tuple(shape) != expected[name]:
+                    want = expected.get(name)
+                    whole = (want[0] * m, *want[1:]) if want else "?"
+                    raise ValueError(f"input '{name}' has shape {tuple(x.shape)}, but this pipeline's stages were "
+                                     f"captured for {tuple(whole)} ({m} microbatches of {want}); a pipeline serves "
+                                     f"the example inputs' shapes: pass batches of that shape (for a DataLoader: "
+                                     f"drop_last=True), or build a runner for this shape")
                 per.append(x.chunk(m, dim=0))
             else:
                 per.append([x] * m)

@@ -17,6 +17,7 @@ from partitioner import hf_families, models
 from passes.analyze import analyze
 from passes.capture import capture, graph_fingerprint
 from passes.shape_check import ShapeMismatchError, check_divisible
+from runtime.launch import run_on_ranks
 
 TIMEOUT_S = 240
 
@@ -136,3 +137,29 @@ def test_check_divisible_names_an_inner_node_and_its_module():
                                                  r".*size 64 on dim 0.*'a0' \(3 ranks\)"):
         check_divisible(cap, records, (3,), ("a0",))
     check_divisible(cap, records, (2,), ("a0",))   # 64 rows in 2 pieces: fine
+
+
+def pipeline_shape_worker(rank, world, cfg):
+    import partitioner
+
+    model, inputs = models.gpt_demo(batch=8, seq=16, n_layer=2)
+    runner = partitioner.auto_parallelize(model, inputs, mesh=(2,), cluster="h100",
+                                          pipeline={"degree": 2, "schedule": "1f1b", "microbatches": 2})
+    errors = []
+    for batch, seq in ((4, 16), (8, 12)):
+        _, other = models.gpt_demo(batch=batch, seq=seq, n_layer=2)
+        try:
+            runner.train_step(other)
+        except ValueError as e:
+            errors.append(str(e))
+    loss = runner.train_step(inputs)    # still runs on the shapes it was built for
+    return {"errors": errors, "loss": loss.item()}
+
+
+def test_pipeline_refuses_other_shapes_with_a_clear_error():
+    results = run_on_ranks(pipeline_shape_worker, 2, {}, timeout_s=TIMEOUT_S)
+    for r in results:
+        assert len(r["errors"]) == 2, r["errors"]
+        assert "input 'idx' has shape (4, 16)" in r["errors"][0] and "(8, 16)" in r["errors"][0], r["errors"][0]
+        assert "input 'idx' has shape (8, 12)" in r["errors"][1], r["errors"][1]
+    assert results[0]["loss"] == results[1]["loss"] > 0
