@@ -106,7 +106,7 @@ def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_
     if pipeline is not None:
         return _pipelined(model, example_inputs, pipeline, mesh=mesh, mesh_axis_names=mesh_axis_names, plan=plan,
                           cluster=cluster, memory_budget=memory_budget, pins=pins, objective=objective,
-                          source=WeightSource(model, state_dict, checkpoint), device=device, log=log)
+                          source=WeightSource(model, state_dict, checkpoint), device=device, log=log, layers=layers)
     comm = MeshComm(_device_mesh(mesh, mesh_axis_names, device.type))
     t0 = time.perf_counter()
     cap = _capture(model, example_inputs, layers)
@@ -142,7 +142,7 @@ def _progress_log(verbose):
 
 
 def _pipelined(model, example_inputs, pipeline, *, mesh, mesh_axis_names, plan, cluster, memory_budget, pins,
-               objective, source, device, log):
+               objective, source, device, log, layers):
     """``pipeline=``: the first mesh axis becomes stages (:mod:`partitioner.pipeline_parallelize`)."""
     from partitioner.pipeline_parallelize import PipelineConfig, build_pipeline
     if plan is not None:
@@ -150,7 +150,7 @@ def _pipelined(model, example_inputs, pipeline, *, mesh, mesh_axis_names, plan, 
     config = PipelineConfig.build(pipeline)
     return build_pipeline(model, example_inputs, device_mesh=_device_mesh(mesh, mesh_axis_names, device.type),
                           config=config, cluster=cluster, pins=pins, memory_budget=memory_budget,
-                          objective=objective, source=source, device=device, log=log)
+                          objective=objective, source=source, device=device, log=log, layers=layers)
 
 
 def _capture(model, example_inputs, layers):

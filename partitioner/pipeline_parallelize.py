@@ -25,7 +25,8 @@ from partitioner.sharding_plan import ShardingPlan
 from partitioner.weights import load_local_weights
 from passes import pipeline_schedules as ps
 from passes.analyze import analyze, info
-from passes.capture import capture, tied_placeholders
+from passes.capture import tied_placeholders
+from passes.capture_blocks import capture_model
 from passes.lower_to_local import lower_to_local
 from passes.placements import dual_spec, format_spec, local_shape, parse_spec
 from passes.rules import tensor_input_nodes
@@ -123,16 +124,17 @@ def _microbatch(example_inputs, m):
 
 
 def build_pipeline(model, example_inputs, *, device_mesh, config, cluster, pins, memory_budget, objective,
-                   source, device, log):
+                   source, device, log, layers="auto"):
     """The pipeline runner for this rank (``auto_parallelize(..., pipeline=...)``); the steps
     are the functions below, in this order. ``source``: where full weights come from
     (:class:`partitioner.weights.WeightSource`)."""
     full = MeshComm(device_mesh)
     config, schedule = _resolve_config(config, full, example_inputs, log)
-    cap, graphs, runs = _capture_stages(model, example_inputs, config, schedule)
+    cap, graphs, runs = _capture_stages(model, example_inputs, config, schedule, layers)
     sub = _stage_mesh(full, device_mesh)
     tied = _shared_weights(cap, graphs)
-    plans = _plan_stages(graphs, sub, tied, schedule, config, model_name=type(model).__name__, pins=pins,
+    user_pins = _stage_pins(cap, graphs, pins, sub.ndim)
+    plans = _plan_stages(graphs, sub, tied, user_pins, schedule, config, model_name=type(model).__name__,
                          cluster=cluster, memory_budget=memory_budget, objective=objective, log=log)
     if schedule is None:
         config, schedule = _choose(config, plans, graphs, log)
@@ -165,9 +167,10 @@ def _resolve_config(config: PipelineConfig, full, example_inputs, log) -> tuple:
     return config, schedule
 
 
-def _capture_stages(model, example_inputs, config, schedule) -> tuple:
-    """Capture on one microbatch and cut at layer boundaries: (capture, stage graphs, layer runs)."""
-    cap = capture(model, _microbatch(example_inputs, config.microbatches))
+def _capture_stages(model, example_inputs, config, schedule, layers) -> tuple:
+    """Capture on one microbatch (``layers``: as :func:`passes.capture_blocks.capture_model`) and
+    cut at layer boundaries: (capture, stage graphs, layer runs)."""
+    cap = capture_model(model, _microbatch(example_inputs, config.microbatches), layers=layers)
     analyze(cap)
     stage_of, runs = assign_stages(cap, schedule.num_stages if schedule is not None else config.degree)
     graphs = split_stages(cap, stage_of, runs)
@@ -196,11 +199,32 @@ def _shared_weights(cap, graphs) -> list:
     return tied
 
 
-def _plan_stages(graphs, sub, tied, schedule, config, *, model_name, pins, cluster, memory_budget, objective,
+def _stage_pins(cap, graphs, pins, ndim) -> list:
+    """The user's pins each stage resolves (one dict per stage), checked on every rank before
+    planning. A pin may match only some stages (a layer's weight lives on one); one that matches
+    no stage is refused with :func:`partitioner.api.resolve_pins`' error for the whole model (or,
+    if the whole model has it but no stage does, an error saying so)."""
+    per_stage = [{} for _ in graphs]
+    for key, value in (pins or {}).items():
+        for g, chosen in zip(graphs, per_stage):
+            try:
+                resolve_pins(g.captured, {key: value}, ndim)
+            except ValueError:
+                continue
+            chosen[key] = value
+        if not any(key in chosen for chosen in per_stage):
+            resolve_pins(cap, {key: value}, ndim)   # raises the error naming what the model has
+            raise ValueError(f"pin {key!r} matches the model but no pipeline stage's graph: pin the parameter, "
+                             f"input or module inside a stage instead (a stage boundary value is placed by the "
+                             f"stage that produces it)")
+    return per_stage
+
+
+def _plan_stages(graphs, sub, tied, user_pins, schedule, config, *, model_name, cluster, memory_budget, objective,
                  log) -> list:
     """Rank 0 plans the stages in order on the stage mesh and broadcasts the plans.
 
-    Weights shared by stages are replicated (their gradients add up elementwise); a stage's
+    ``user_pins``: the user's pins per stage (:func:`_stage_pins`). Weights shared by stages are replicated (their gradients add up elementwise); a stage's
     activation inputs are pinned to the placement the stage before sends them in (rank (s, c)
     sends its piece to (s+1, c)); each plan holds as many microbatches' activations as the
     schedule keeps alive (for an open schedule: the most any automatic one does)."""
@@ -210,14 +234,9 @@ def _plan_stages(graphs, sub, tied, schedule, config, *, model_name, pins, clust
 
     def plan_all():
         plans, sent_as = [], {}    # sent_as: activation -> the placement its producing stage sends it in
-        for g in graphs:
+        for g, chosen in zip(graphs, user_pins):
             stage_pins = {name: ["R"] * len(sub.shape) for name in g.inputs if name in tied_names}
-            for key, value in (pins or {}).items():
-                try:
-                    resolve_pins(g.captured, {key: value}, len(sub.shape))
-                except ValueError:
-                    continue
-                stage_pins[key] = value
+            stage_pins.update(chosen)
             stage_pins.update({name: sent_as[name] for name in g.activation_inputs})
             made = plan_captured(g.captured, model_name=f"{model_name} stage {g.index}",
                                  mesh_shape=sub.shape, mesh_axis_names=sub.axis_names, cluster=cluster,
