@@ -227,3 +227,23 @@ def test_python_dash_m_end_to_end(tmp_path):
     plan = ShardingPlan.load(path)
     assert plan.data["cluster"]["name"] == "a100" and plan.data["budget"] == 40 * 2**30
     assert plan.mesh_shape == (2, 2)
+
+
+def test_demo_shows_what_h100s_would_give_the_gpt_and_why():
+    import partitioner
+    from partitioner.cluster import PRESETS
+    from partitioner.demo_clusters import axis_roles, cluster_numbers, comparison, meta_gpt
+
+    small = partitioner.plan(*meta_gpt(2, 256, 8, 16, 64), mesh_shape=(2, 2), cluster="h100")
+    large = partitioner.plan(*meta_gpt(12, 2048, 16, 8, 1024), mesh_shape=(2, 4), cluster="h100")
+    assert axis_roles(small) == "a0 data, a1 data"
+    assert axis_roles(large) == "a0 tensor, a1 data"      # Megatron on one axis, the batch on the other
+    numbers = cluster_numbers(PRESETS["h100"])
+    assert numbers["bandwidth"] == 450e9 and numbers["flops"] == pytest.approx(67e12 * 0.7)
+    assert numbers["fixed_s"] == pytest.approx(10e-6 + 2e-6)
+    text = comparison(small, n_layer=2, n_embd=256, n_head=8, batch=16, seq=64)
+    rows = [line.split() for line in text.splitlines()]
+    assert ["GPT,", "12", "layers,", "2048", "wide,", "batch", "8x1024", "h100", "(2,", "4)"] == \
+        next(r for r in rows if r[:1] == ["GPT,"] and "h100" in r)[:10]
+    assert any(line.endswith("a0 tensor, a1 data") and "h100" in line for line in text.splitlines())
+    assert "cpu (measured here)" in text and "h100 (NVLink preset)" in text and "\nWhy: " in text
