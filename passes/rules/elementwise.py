@@ -102,6 +102,7 @@ register(aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.defa
          aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.softplus.default,
          aten.hardtanh.default, aten.leaky_relu.default, aten.elu.default, aten.gelu_.default,
          aten.relu_.default, aten.silu_.default, aten.maximum.default, aten.minimum.default,
+         aten.min.other, aten.max.other, aten.type_as.default,
          aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar,
          aten.masked_fill.Scalar, aten.masked_fill.Tensor,
          aten.square.default, aten.log1p.default, aten.expm1.default, aten.sign.default,

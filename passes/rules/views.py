@@ -118,6 +118,12 @@ def _transpose(op):
     return m
 
 
+def _reverse_dims(op):
+    """``x.T`` on any rank (``aten.numpy_T``): dim d becomes dim rank-1-d."""
+    rank = len(op.in_shapes[0])
+    return {d: rank - 1 - d for d in range(rank)}
+
+
 def _permute(op):
     rank = len(op.in_shapes[0])
     dims = [_norm(d, rank) for d in op.arg(1, "dims")]
@@ -190,6 +196,7 @@ register(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
          aten.reshape_as.default)(DimMapRule(_reshape))
 register(aten.transpose.int, aten.t.default)(DimMapRule(_transpose))
 register(aten.permute.default)(DimMapRule(_permute))
+register(aten.numpy_T.default)(DimMapRule(_reverse_dims))
 register(aten.unsqueeze.default)(DimMapRule(_unsqueeze))
 register(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)(DimMapRule(_squeeze))
 register(aten.select.int)(DimMapRule(_drop_dim))
