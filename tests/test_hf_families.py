@@ -14,6 +14,7 @@ encoder-decoder, vision), one forked run of 4 ranks:
 Dropout is set to 0 here (parity is exact); dropout on is ``test_parity.py``'s dropout test.
 """
 import copy
+import re
 
 import pytest
 import torch
@@ -22,10 +23,16 @@ from parity_utils import (Checks, adam_in_lockstep, call, check_grads_by_alias, 
 
 from partitioner import hf_families
 from runtime.collectives import CommCounter
+from support import fallback_warnings
 
 
 
 TIMEOUT_S = 240
+FALLBACK = re.compile(r"no sharding rule for op (\S+) ")
+# Ops still without a sharding rule (they run replicated, correctly): in-place edits of the
+# shifted decoder labels (BART, T5) and the head-repeat of BLOOM's ALiBi slopes.
+KNOWN_FALLBACKS = {"bart": {"aten.fill_.Tensor", "aten.masked_fill_.Scalar"},
+                   "t5": {"aten.fill_.Tensor", "aten.masked_fill_.Scalar"}, "bloom": {"aten.repeat"}}
 STEPS = 2
 BUDGET = 0.75
 
@@ -37,8 +44,9 @@ def family_worker(rank, world, cfg):
     model, inputs = hf_families.build(cfg["family"])
     ref = copy.deepcopy(model)
     n_params = sum(p.numel() for p in model.parameters())
-    pm = partitioner.auto_parallelize(model, inputs, mesh=(2, 2), cluster="h100",
-                                      memory_budget=int(BUDGET * 16 * n_params))
+    with fallback_warnings() as caught:
+        pm = partitioner.auto_parallelize(model, inputs, mesh=(2, 2), cluster="h100",
+                                          memory_budget=int(BUDGET * 16 * n_params))
     with CommCounter() as counter:
         out = call(pm, inputs)
         out.loss.backward()
@@ -56,7 +64,8 @@ def family_worker(rank, world, cfg):
     for name, p in ref.named_parameters(remove_duplicate=False):
         checks.close(f"parameter {name} after {STEPS} AdamW steps", state[name], p.detach())
     result = {"rank": rank, "failures": checks.failures,
-              "sharded": sorted(n for n, _ in pm.named_parameters() if "S(" in pm.placement_of(n))}
+              "sharded": sorted(n for n, _ in pm.named_parameters() if "S(" in pm.placement_of(n)),
+              "fallbacks": sorted({m.group(1) for w in caught if (m := FALLBACK.search(str(w.message)))})}
 
     if cfg["pipeline"]:
         model, inputs = hf_families.build(cfg["family"])
@@ -81,6 +90,7 @@ def test_family_parity_on_2x2_and_pipeline(family):
     cfg = {"family": family, "mesh": (2, 2), "pipeline": family in hf_families.DECODER_ONLY}
     results = run_checked(family_worker, cfg, TIMEOUT_S)
     assert results[0]["sharded"], f"{family}: the budget should force some parameters to be sharded"
+    assert set(results[0]["fallbacks"]) <= KNOWN_FALLBACKS.get(family, set()), results[0]["fallbacks"]
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "bart"])
