@@ -26,16 +26,18 @@ _LAZY = {
     "auto_parallelize": "partitioner.parallelize", "shard_batch": "partitioner.parallelize",
     "dump": "partitioner.dump",
     "CaptureError": "passes.capture", "InfeasibleBudgetError": "passes.plan_intra_op",
+    "ShapeMismatchError": "passes.shape_check", "hf_families": None,
 }
 
 __all__ = ["plan", "plan_captured", "resolve_pins", "auto_parallelize", "shard_batch", "dump", "ShardingPlan", "Estimate", "PlanDiff", "PlanMismatchError",
            "ClusterSpec", "LinkSpec", "MeshSpec", "PRESETS", "get_cluster", "calibrate_cpu",
-           "CaptureError", "InfeasibleBudgetError"]
+           "CaptureError", "InfeasibleBudgetError", "ShapeMismatchError", "hf_families"]
 
 
 def __getattr__(name):
     if name in _LAZY:
-        value = getattr(import_module(_LAZY[name]), name)
+        module = _LAZY[name]
+        value = import_module(f"partitioner.{name}") if module is None else getattr(import_module(module), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'partitioner' has no attribute {name!r}")
