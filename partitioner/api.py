@@ -7,13 +7,14 @@ the ``meta`` device plan for any mesh size.
 from __future__ import annotations
 
 import fnmatch
-import sys
+import logging
 import time
 
 import torch
 
 from partitioner.cluster import get_cluster, parse_bytes
 from partitioner.mesh import MeshSpec
+from partitioner.progress import verbose_to_stderr
 from partitioner.sharding_plan import PLAN_FORMAT, PLAN_VERSION, ShardingPlan
 from passes.analyze import analyze, info
 from passes.capture import describe_captured, graph_fingerprint
@@ -26,11 +27,7 @@ __all__ = ["plan", "plan_captured", "resolve_pins"]
 _OBJECTIVES = ("time", "memory")
 
 
-def _logger(verbose):
-    if not verbose:
-        return lambda msg: None
-    start = time.perf_counter()
-    return lambda msg: print(f"[partita {time.perf_counter() - start:6.2f}s] {msg}", file=sys.stderr, flush=True)
+logger = logging.getLogger(__name__)
 
 
 def _in_module(node, path: str) -> bool:
@@ -72,6 +69,7 @@ def resolve_pins(cap, pins: dict, ndim: int) -> dict:
     return resolved
 
 
+@verbose_to_stderr
 def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), mesh_axis_names=None, cluster="h100",
          memory_budget=None, pins: dict | None = None, objective: str = "time", optimizer: str | None = "adam",
          share_blocks: bool = True, time_limit: float = 60.0, layers: str = "auto",
@@ -94,7 +92,9 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), mesh_axis_n
         layers: ``"auto"`` captures deep models (8+ identical layers) by exporting two layers and
             repeating them in the graph (node for node what a full export gives, much faster);
             ``"full"`` always exports every layer (for layers whose code depends on their index).
-        verbose: print progress (capture, analysis, solve) to stderr.
+        verbose: show progress (capture, analysis, solve) on stderr for this call; the same
+            records go to the ``partitioner`` logger at INFO in any case (see
+            :mod:`partitioner.progress`).
 
     Example::
 
@@ -104,24 +104,23 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), mesh_axis_n
         plan.estimate().comm_bytes["all_reduce"]     # bytes per mesh axis
         print(plan.explain("model.layers.0.mlp.down_proj"))
     """
-    log = _logger(verbose)
     t0 = time.perf_counter()
-    log(f"capturing {type(model).__name__} with torch.export ...")
+    logger.info("capturing %s with torch.export ...", type(model).__name__)
     cap = capture_model(model, example_inputs, layers=layers)
     t1 = time.perf_counter()
-    log(f"capture: {t1 - t0:.2f} s ({describe_captured(cap)})")
+    logger.info("capture: %.2f s (%s)", t1 - t0, describe_captured(cap))
     analyze(cap)
     t2 = time.perf_counter()
-    log(f"analysis: {t2 - t1:.2f} s")
+    logger.info("analysis: %.2f s", t2 - t1)
     return plan_captured(cap, model_name=type(model).__name__, mesh_shape=mesh_shape, mesh_axis_names=mesh_axis_names,
                          cluster=cluster, memory_budget=memory_budget, pins=pins, objective=objective,
-                         optimizer=optimizer, share_blocks=share_blocks, time_limit=time_limit, log=log,
+                         optimizer=optimizer, share_blocks=share_blocks, time_limit=time_limit,
                          timings={"capture_s": t1 - t0, "analysis_s": t2 - t1, "start": t0})
 
 
 def plan_captured(cap, *, model_name: str, mesh_shape=(1,), mesh_axis_names=None, cluster="h100",
                   memory_budget=None, pins=None, objective="time", optimizer="adam", share_blocks=True,
-                  time_limit=60.0, log=None, timings=None, activation_copies=1) -> ShardingPlan:
+                  time_limit=60.0, timings=None, activation_copies=1) -> ShardingPlan:
     """:func:`plan` for a graph already captured and analysed (``passes.capture`` +
     ``passes.analyze``); ``auto_parallelize`` uses it so the model is captured once.
     ``activation_copies``: microbatches whose saved activations are alive at once (a pipeline
@@ -130,7 +129,6 @@ def plan_captured(cap, *, model_name: str, mesh_shape=(1,), mesh_axis_names=None
         raise ValueError(f"objective must be one of {_OBJECTIVES}, got {objective!r}")
     if optimizer not in ("adam", "sgd", None):
         raise ValueError(f"optimizer must be 'adam', 'sgd' or None, got {optimizer!r}")
-    log = log or (lambda msg: None)
     timings = dict(timings or {})
     t0 = timings.pop("start", time.perf_counter())
     mesh = MeshSpec.build(mesh_shape, mesh_axis_names)
@@ -138,9 +136,11 @@ def plan_captured(cap, *, model_name: str, mesh_shape=(1,), mesh_axis_names=None
     budget = parse_bytes(memory_budget) if memory_budget is not None else spec.memory_bytes
     t2 = time.perf_counter()
     pinned = resolve_pins(cap, pins or {}, mesh.ndim)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s: pins %s", model_name, {n.name: format_spec(s) for n, s in pinned.items()})
     result = plan_intra_op(cap, mesh.shape, mesh.axis_names, spec, budget=budget, pins=pinned, objective=objective,
                            optimizer=optimizer, share_blocks=share_blocks, time_limit=time_limit,
-                           activation_copies=activation_copies, log=log)
+                           activation_copies=activation_copies, log=logger.info)
     t3 = time.perf_counter()
     stats = dict(result.stats, **timings, plan_s=t3 - t2, total_s=t3 - t0)
     inputs = {info(n).name: list(info(n).shape or ()) for n in cap.graph.nodes
@@ -153,5 +153,5 @@ def plan_captured(cap, *, model_name: str, mesh_shape=(1,), mesh_axis_names=None
         "pins": {n.name: format_spec(s) for n, s in pinned.items()},
         "records": result.records, "alternatives": result.alternatives, "blocks": result.blocks, "stats": stats,
     }
-    log(f"plan ready: {t3 - t0:.2f} s in all")
+    logger.info("plan ready: %.2f s in all", t3 - t0)
     return ShardingPlan(data)

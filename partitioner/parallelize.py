@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime
 import json
-import sys
+import logging
 import time
 
 import torch
@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from partitioner.api import plan_captured
 from partitioner.mesh import MeshSpec
+from partitioner.progress import verbose_to_stderr
 from partitioner.sharding_plan import ShardingPlan
 from partitioner.specialize import Specializer, in_mode
 from partitioner.weights import WeightSource, load_local_weights
@@ -34,6 +35,8 @@ from runtime.collectives import MeshComm, on_rank0
 from runtime.parallel_module import ParallelModule
 
 __all__ = ["auto_parallelize", "shard_batch"]
+
+logger = logging.getLogger(__name__)
 
 
 def _default_timeout(device_type):
@@ -74,6 +77,7 @@ def _device_mesh(mesh, axis_names, device_type, timeout=None):
     return DeviceMesh.from_group(mine, device_type, mesh=torch.tensor(layout), mesh_dim_names=spec.axis_names)
 
 
+@verbose_to_stderr
 def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_axis_names=None, plan=None,
                      cluster=None, memory_budget=None, pins=None, objective="time", local_inputs=False,
                      state_dict=None, checkpoint=None, device=None, pipeline=None, layers="auto", verbose=False):
@@ -93,6 +97,8 @@ def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_
             ``train_step(batch)`` runs forward and backward over all microbatches.
         state_dict / checkpoint: full weights to slice (a dict, or a ``torch.save`` file opened
             with ``mmap``); default: the model's own weights.
+        verbose: show progress on stderr for this call; the same records go to the
+            ``partitioner`` logger at INFO in any case (see :mod:`partitioner.progress`).
 
     Example (inside ``torchrun --nproc-per-node 4``)::
 
@@ -102,20 +108,19 @@ def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_
     _require_process_group()
     device = _job_device(device)
     cluster = cluster or ("cpu" if device.type == "cpu" else "h100")
-    log = _progress_log(verbose)
     if pipeline is not None:
         return _pipelined(model, example_inputs, pipeline, mesh=mesh, mesh_axis_names=mesh_axis_names, plan=plan,
                           cluster=cluster, memory_budget=memory_budget, pins=pins, objective=objective,
-                          source=WeightSource(model, state_dict, checkpoint), device=device, log=log, layers=layers)
+                          source=WeightSource(model, state_dict, checkpoint), device=device, layers=layers)
     comm = MeshComm(_device_mesh(mesh, mesh_axis_names, device.type))
     t0 = time.perf_counter()
     cap = _capture(model, example_inputs, layers)
     plan = _plan_or_replay(cap, type(model).__name__, comm, plan, cluster=cluster, memory_budget=memory_budget,
-                           pins=pins, objective=objective, log=log)
-    log(f"planned in {time.perf_counter() - t0:.2f} s")
+                           pins=pins, objective=objective)
+    logger.info("planned in %.2f s", time.perf_counter() - t0)
     module = _build_module(cap, plan, comm, WeightSource(model, state_dict, checkpoint), device, local_inputs)
     module.train(model.training)
-    log(f"ready: {module.local_parameter_bytes() / 2**20:.1f} MiB of parameters on this rank")
+    logger.info("ready: %.1f MiB of parameters on this rank", module.local_parameter_bytes() / 2**20)
     return module
 
 
@@ -135,14 +140,8 @@ def _job_device(device) -> torch.device:
     return torch.device(device)
 
 
-def _progress_log(verbose):
-    if not verbose:
-        return lambda msg: None
-    return lambda msg: print(f"[partita rank {dist.get_rank()}] {msg}", file=sys.stderr, flush=True)
-
-
 def _pipelined(model, example_inputs, pipeline, *, mesh, mesh_axis_names, plan, cluster, memory_budget, pins,
-               objective, source, device, log, layers):
+               objective, source, device, layers):
     """``pipeline=``: the first mesh axis becomes stages (:mod:`partitioner.pipeline_parallelize`)."""
     from partitioner.pipeline_parallelize import PipelineConfig, build_pipeline
     if plan is not None:
@@ -150,7 +149,7 @@ def _pipelined(model, example_inputs, pipeline, *, mesh, mesh_axis_names, plan, 
     config = PipelineConfig.build(pipeline)
     return build_pipeline(model, example_inputs, device_mesh=_device_mesh(mesh, mesh_axis_names, device.type),
                           config=config, cluster=cluster, pins=pins, memory_budget=memory_budget,
-                          objective=objective, source=source, device=device, log=log, layers=layers)
+                          objective=objective, source=source, device=device, layers=layers)
 
 
 def _capture(model, example_inputs, layers):
@@ -160,14 +159,14 @@ def _capture(model, example_inputs, layers):
     return cap
 
 
-def _plan_or_replay(cap, model_name, comm, plan, *, cluster, memory_budget, pins, objective, log) -> ShardingPlan:
+def _plan_or_replay(cap, model_name, comm, plan, *, cluster, memory_budget, pins, objective) -> ShardingPlan:
     """Plan: rank 0 searches and broadcasts (the cost model may time this machine, and ranks
     must agree on one plan); a given plan is checked against the graph and the mesh instead."""
     if plan is None:
         def make_plan():
             return plan_captured(cap, model_name=model_name, mesh_shape=comm.shape, mesh_axis_names=comm.axis_names,
-                                 cluster=cluster, memory_budget=memory_budget, pins=pins, objective=objective,
-                                 log=log).to_json()
+                                 cluster=cluster, memory_budget=memory_budget, pins=pins,
+                                 objective=objective).to_json()
         return ShardingPlan.from_dict(json.loads(on_rank0(make_plan, "planning")))
     if tuple(plan.mesh_shape) != tuple(comm.shape):
         raise ValueError(f"the plan is for mesh {plan.mesh_shape}, this job's mesh is {comm.shape}")

@@ -13,6 +13,7 @@ estimates (``passes.pipeline_schedules.choose_schedule``).
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 
@@ -35,6 +36,8 @@ from runtime.collectives import MeshComm, on_rank0
 from runtime.pipeline import PipelineRunner, StageProgram
 
 __all__ = ["PipelineConfig", "build_pipeline"]
+
+logger = logging.getLogger(__name__)
 
 @dataclass
 class PipelineConfig:
@@ -100,13 +103,15 @@ def _sent_placements(graph, plan, ndim) -> dict:
     return out
 
 
-def _choose(config: PipelineConfig, plans, graphs, log):
+def _choose(config: PipelineConfig, plans, graphs):
     """The schedule simulated fastest with the stage plans' cost estimates."""
     forward, backward, weight = ps.stage_durations([plan.estimate() for plan in plans],
                                                    [g.takes_activations for g in graphs])
+    logger.debug("pipeline: stage seconds per microbatch: forward %s, backward %s, weight %s", forward, backward,
+                 weight)
     name, steps = ps.choose_schedule(config.degree, config.microbatches, forward, backward, weight)
-    log("pipeline: schedule " + name + " (simulated step with the stage estimates: "
-        + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in sorted(steps.items(), key=lambda kv: kv[1])) + ")")
+    logger.info("pipeline: schedule %s chosen (simulated step with the stage estimates: %s)", name,
+                ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in sorted(steps.items(), key=lambda kv: kv[1])))
     config = PipelineConfig(config.degree, name, config.microbatches, config.virtual_stages)
     return config, _make_schedule(config)
 
@@ -124,20 +129,20 @@ def _microbatch(example_inputs, m):
 
 
 def build_pipeline(model, example_inputs, *, device_mesh, config, cluster, pins, memory_budget, objective,
-                   source, device, log, layers="auto"):
+                   source, device, layers="auto"):
     """The pipeline runner for this rank (``auto_parallelize(..., pipeline=...)``); the steps
     are the functions below, in this order. ``source``: where full weights come from
     (:class:`partitioner.weights.WeightSource`)."""
     full = MeshComm(device_mesh)
-    config, schedule = _resolve_config(config, full, example_inputs, log)
+    config, schedule = _resolve_config(config, full, example_inputs)
     cap, graphs, runs = _capture_stages(model, example_inputs, config, schedule, layers)
     sub = _stage_mesh(full, device_mesh)
     tied = _shared_weights(cap, graphs)
     user_pins = _stage_pins(cap, graphs, pins, sub.ndim)
     plans = _plan_stages(graphs, sub, tied, user_pins, schedule, config, model_name=type(model).__name__,
-                         cluster=cluster, memory_budget=memory_budget, objective=objective, log=log)
+                         cluster=cluster, memory_budget=memory_budget, objective=objective)
     if schedule is None:
-        config, schedule = _choose(config, plans, graphs, log)
+        config, schedule = _choose(config, plans, graphs)
     stages = _build_stages(graphs, plans, schedule, full.coords[0], sub, source, cap, tied, device)
     return PipelineRunner(stages=stages, schedule=schedule, stage_graphs=graphs,
                           comm_pp=(device_mesh.get_group(0), full.coords[0], full.shape[0]),
@@ -151,7 +156,7 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, cluster, pins,
 # -- the steps ---------------------------------------------------------------------------------
 
 
-def _resolve_config(config: PipelineConfig, full, example_inputs, log) -> tuple:
+def _resolve_config(config: PipelineConfig, full, example_inputs) -> tuple:
     """Check the degree against the mesh and fill in the microbatches; a given schedule is built
     (and checked) before any work, an open one (None) is chosen after planning the stages."""
     if full.shape[0] != config.degree:
@@ -159,12 +164,13 @@ def _resolve_config(config: PipelineConfig, full, example_inputs, log) -> tuple:
                          f"mesh {full.shape} = (pipeline, ...)")
     batch = next((x.shape[0] for x in (example_inputs.values() if isinstance(example_inputs, dict) else example_inputs)
                   if isinstance(x, torch.Tensor) and x.dim() > 0), 0)
-    config = config.resolve(batch)
-    schedule = _make_schedule(config) if config.schedule is not None else None
-    stages = schedule.num_stages if schedule is not None else config.degree
-    log(f"pipeline: {config.degree} ranks, {stages} stages, {config.microbatches} microbatches, schedule "
-        f"{config.schedule or 'chosen after planning the stages'}")
-    return config, schedule
+    resolved = config.resolve(batch)
+    schedule = _make_schedule(resolved) if resolved.schedule is not None else None
+    stages = schedule.num_stages if schedule is not None else resolved.degree
+    how = "given" if config.microbatches else f"chosen: the most, up to 4 per stage, that divide the batch of {batch}"
+    logger.info("pipeline: %d ranks, %d stages, %d microbatches (%s), schedule %s", resolved.degree, stages,
+                resolved.microbatches, how, resolved.schedule or "chosen after planning the stages")
+    return resolved, schedule
 
 
 def _capture_stages(model, example_inputs, config, schedule, layers) -> tuple:
@@ -176,6 +182,7 @@ def _capture_stages(model, example_inputs, config, schedule, layers) -> tuple:
     graphs = split_stages(cap, stage_of, runs)
     for g in graphs:
         analyze(g.captured)
+    logger.info("pipeline: layers per stage %s", [list(run) for run in runs])
     return cap, graphs, runs
 
 
@@ -212,6 +219,7 @@ def _stage_pins(cap, graphs, pins, ndim) -> list:
             except ValueError:
                 continue
             chosen[key] = value
+            logger.debug("pipeline: pin %r binds in stage %d", key, g.index)
         if not any(key in chosen for chosen in per_stage):
             resolve_pins(cap, {key: value}, ndim)   # raises the error naming what the model has
             raise ValueError(f"pin {key!r} matches the model but no pipeline stage's graph: pin the parameter, "
@@ -220,8 +228,8 @@ def _stage_pins(cap, graphs, pins, ndim) -> list:
     return per_stage
 
 
-def _plan_stages(graphs, sub, tied, user_pins, schedule, config, *, model_name, cluster, memory_budget, objective,
-                 log) -> list:
+def _plan_stages(graphs, sub, tied, user_pins, schedule, config, *, model_name, cluster, memory_budget,
+                 objective) -> list:
     """Rank 0 plans the stages in order on the stage mesh and broadcasts the plans.
 
     ``user_pins``: the user's pins per stage (:func:`_stage_pins`). Weights shared by stages are replicated (their gradients add up elementwise); a stage's
@@ -240,7 +248,7 @@ def _plan_stages(graphs, sub, tied, user_pins, schedule, config, *, model_name, 
             stage_pins.update({name: sent_as[name] for name in g.activation_inputs})
             made = plan_captured(g.captured, model_name=f"{model_name} stage {g.index}",
                                  mesh_shape=sub.shape, mesh_axis_names=sub.axis_names, cluster=cluster,
-                                 memory_budget=memory_budget, pins=stage_pins, objective=objective, log=log,
+                                 memory_budget=memory_budget, pins=stage_pins, objective=objective,
                                  activation_copies=copies[g.index])
             plans.append(made.to_json())
             sent_as.update(_sent_placements(g, made, len(sub.shape)))

@@ -36,6 +36,7 @@ exchange: they are checked in this process as rank 0 on torch's fake process gro
 """
 import contextlib
 import copy
+import logging
 import math
 import re
 
@@ -447,6 +448,26 @@ def test_open_config_chooses_microbatches_and_schedule_and_stays_exact():
     assert sched["name"] == results[0]["expected_schedule"], (sched, results[0]["expected_schedule"])
     # GPT's matmuls leave weight gradients to defer: zero-bubble simulates fastest
     assert sched["name"] == "zb_h1", sched
+
+
+def test_open_config_choices_are_logged(caplog, capsys):
+    """The microbatches and the schedule an open config gets are decisions logged at INFO on the
+    ``partitioner`` logger, and ``verbose=True`` shows them on stderr (built in this process as
+    rank 0 of a 2-rank job on the fake process group: no forking)."""
+    import partitioner
+    from passes.pipeline_schedules import SCHEDULES
+    model, inputs = _build("gpt", 4)
+    with fake_job(2), caplog.at_level(logging.INFO, logger="partitioner"):
+        runner = partitioner.auto_parallelize(model, inputs, mesh=(2,), cluster="h100", pipeline={"degree": 2},
+                                              verbose=True)
+    messages = [r.getMessage() for r in caplog.records if r.name == "partitioner.pipeline_parallelize"]
+    assert any(re.search(r"8 microbatches \(chosen: .*batch of 8\), schedule chosen after planning", m)
+               for m in messages), messages
+    chosen = [re.search(r"schedule (\S+) chosen \(simulated step", m) for m in messages]
+    (name,) = [m.group(1) for m in chosen if m]
+    assert SCHEDULES[name].make(2, 8, 1).name == runner.schedule.name, (name, runner.schedule.name)
+    err = capsys.readouterr().err
+    assert f"schedule {name} chosen" in err and "[partita rank 0" in err, err
 
 
 # ------------------------------------------------------------------ memory: activations kept alive
