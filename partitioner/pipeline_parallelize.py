@@ -232,10 +232,11 @@ def _plan_stages(graphs, sub, tied, user_pins, schedule, config, *, model_name, 
                  objective) -> list:
     """Rank 0 plans the stages in order on the stage mesh and broadcasts the plans.
 
-    ``user_pins``: the user's pins per stage (:func:`_stage_pins`). Weights shared by stages are replicated (their gradients add up elementwise); a stage's
-    activation inputs are pinned to the placement the stage before sends them in (rank (s, c)
-    sends its piece to (s+1, c)); each plan holds as many microbatches' activations as the
-    schedule keeps alive (for an open schedule: the most any automatic one does)."""
+    ``user_pins``: the user's pins per stage (:func:`_stage_pins`). Weights shared by stages are
+    replicated (their gradients add up elementwise); a stage's activation inputs are pinned to
+    the placement the stage before sends them in (rank (s, c) sends its piece to (s+1, c)); each
+    plan holds as many microbatches' activations as the schedule keeps alive (for an open
+    schedule: the most any automatic one does)."""
     tied_names = {n for names in tied for n in names}
     copies = ps.stage_in_flight(schedule) if schedule is not None else \
         ps.auto_stage_in_flight(config.degree, config.microbatches)

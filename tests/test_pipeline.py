@@ -31,8 +31,9 @@ Fewer microbatches than stages: 1F1B (and GPipe / ZB-H1) schedule it and must be
 interleaved refuses it with a ValueError naming the numbers. Bad configurations (unknown
 schedule, degree != first mesh axis, a model without repeated layers, a pin no stage resolves,
 a ``layers=`` capture the model does not allow) fail with clear errors before a rank's first
-exchange: they are checked in this process as rank 0 on torch's fake process group. Balance: a uniform 16-layer transformer on
-``meta`` cut into 4 stages holds whole layers per stage, within 10% of the mean stage cost.
+exchange: they are checked in this process as rank 0 on torch's fake process group.
+Balance: a uniform 16-layer transformer on ``meta`` cut into 4 stages holds whole layers per
+stage, within 10% of the mean stage cost.
 """
 import contextlib
 import copy
@@ -279,7 +280,8 @@ ERRORS = [
                  {}, r"batch dim.*\b8\b.*3 microbatches", id="batch-not-divisible"),
     # a pin no stage resolves is the error it is without pipelines, not silently dropped
     pytest.param("gpt", 4, (2,), {"degree": 2}, {"pins": {"h.9.attn": ["R"]}},
-                 r"pin 'h.9.attn' matches no input, parameter, node or module of this model", id="pin-matches-no-stage"),
+                 r"pin 'h.9.attn' matches no input, parameter, node or module of this model",
+                 id="pin-matches-no-stage"),
     pytest.param("gpt", 4, (2,), {"degree": 2}, {"pins": {"h.0.attn": ["R", "S(0)"]}},
                  r"placement .* has 2 entries; the mesh has 1 axes", id="pin-for-the-wrong-mesh"),
     # layers= reaches the pipeline's capture: GPT with 2 layers has no 3 identical ones to repeat
