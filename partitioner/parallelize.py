@@ -114,11 +114,19 @@ def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_
                           source=WeightSource(model, state_dict, checkpoint), device=device, layers=layers)
     comm = MeshComm(_device_mesh(mesh, mesh_axis_names, device.type))
     t0 = time.perf_counter()
-    cap = _capture(model, example_inputs, layers)
+    # a saved plan is replayed on a capture in the mode it was made in; the module's own mode
+    # (below) then picks the program it runs (see partitioner/specialize.py)
+    training = plan.data.get("training", model.training) if plan is not None else model.training
+    with in_mode(model, training):
+        cap = _capture(model, example_inputs, layers)
     plan = _plan_or_replay(cap, type(model).__name__, comm, plan, cluster=cluster, memory_budget=memory_budget,
                            pins=pins, objective=objective)
     logger.info("planned in %.2f s", time.perf_counter() - t0)
     module = _build_module(cap, plan, comm, WeightSource(model, state_dict, checkpoint), device, local_inputs)
+    module.attach_specializer(Specializer(
+        model, plan=plan, comm=comm, device=device, layers=layers, param_specs=module.stored_placements(),
+        strided=module.strided_layouts(),
+        plan_kwargs=dict(cluster=cluster, memory_budget=memory_budget, objective=objective)))
     module.train(model.training)
     logger.info("ready: %.1f MiB of parameters on this rank", module.local_parameter_bytes() / 2**20)
     return module
