@@ -15,6 +15,7 @@ cost model and an ILP, and show the plan::
 Reading, showing and comparing saved plans needs no torch import; the names that capture
 or plan (``plan``, ``CaptureError``, ...) load torch on first use.
 """
+
 from importlib import import_module
 
 from partitioner.cluster import PRESETS, ClusterSpec, LinkSpec, calibrate_cpu, get_cluster
@@ -22,16 +23,40 @@ from partitioner.mesh import MeshSpec
 from partitioner.sharding_plan import Estimate, PlanDiff, PlanMismatchError, ShardingPlan
 
 _LAZY = {
-    "plan": "partitioner.api", "resolve_pins": "partitioner.api", "plan_captured": "partitioner.api",
-    "auto_parallelize": "partitioner.parallelize", "shard_batch": "partitioner.parallelize",
+    "plan": "partitioner.api",
+    "resolve_pins": "partitioner.api",
+    "plan_captured": "partitioner.api",
+    "auto_parallelize": "partitioner.parallelize",
+    "shard_batch": "partitioner.parallelize",
     "dump": "partitioner.dump",
-    "CaptureError": "passes.capture", "InfeasibleBudgetError": "passes.plan_intra_op",
-    "ShapeMismatchError": "passes.shape_check", "hf_families": None,
+    "CaptureError": "passes.capture",
+    "InfeasibleBudgetError": "passes.plan_intra_op",
+    "ShapeMismatchError": "passes.shape_check",
+    "hf_families": None,
 }
 
-__all__ = ["plan", "plan_captured", "resolve_pins", "auto_parallelize", "shard_batch", "dump", "ShardingPlan", "Estimate", "PlanDiff", "PlanMismatchError",
-           "ClusterSpec", "LinkSpec", "MeshSpec", "PRESETS", "get_cluster", "calibrate_cpu",
-           "CaptureError", "InfeasibleBudgetError", "ShapeMismatchError", "hf_families"]
+__all__ = [
+    "plan",
+    "plan_captured",
+    "resolve_pins",
+    "auto_parallelize",
+    "shard_batch",
+    "dump",
+    "ShardingPlan",
+    "Estimate",
+    "PlanDiff",
+    "PlanMismatchError",
+    "ClusterSpec",
+    "LinkSpec",
+    "MeshSpec",
+    "PRESETS",
+    "get_cluster",
+    "calibrate_cpu",
+    "CaptureError",
+    "InfeasibleBudgetError",
+    "ShapeMismatchError",
+    "hf_families",
+]
 
 
 def __getattr__(name):

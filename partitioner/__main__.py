@@ -20,6 +20,7 @@ or budget, a file that is not a plan, a budget no plan fits, a model export cann
 ends with one ``partita: error: ...`` line on stderr and exit status 2; ``--debug`` shows the
 traceback instead.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,9 @@ from pathlib import Path
 __all__ = ["main"]
 
 _EXIT_USAGE = 2
-_FACTORY_FORM = ("expected MODULE:FACTORY, e.g. partitioner.models:gpt_demo, where FACTORY returns "
-                 "(model, example_inputs)")
+_FACTORY_FORM = (
+    "expected MODULE:FACTORY, e.g. partitioner.models:gpt_demo, where FACTORY returns (model, example_inputs)"
+)
 
 
 class CLIError(Exception):
@@ -48,6 +50,7 @@ def _status(args, message: str) -> None:
 
 
 # -- reading the command line ------------------------------------------------------------------
+
 
 def _load_module(name: str):
     if name.endswith(".py") or os.sep in name or "/" in name:
@@ -88,11 +91,16 @@ def _load_factory(spec: str):
     module = obj = _load_module(module_name)
     for part in attr.split("."):
         if not hasattr(obj, part):
-            public = sorted(n for n, v in vars(module).items() if inspect.isfunction(v)
-                            and v.__module__ == module.__name__ and not n.startswith("_"))
+            public = sorted(
+                n
+                for n, v in vars(module).items()
+                if inspect.isfunction(v) and v.__module__ == module.__name__ and not n.startswith("_")
+            )
             shown = ", ".join(public[:12]) + (", ..." if len(public) > 12 else "")
-            raise CLIError(f"module {module_name!r} has no factory {attr!r} ({_FACTORY_FORM}); the functions "
-                           f"it defines are: {shown or 'none'}")
+            raise CLIError(
+                f"module {module_name!r} has no factory {attr!r} ({_FACTORY_FORM}); the functions "
+                f"it defines are: {shown or 'none'}"
+            )
         obj = getattr(obj, part)
     if not callable(obj):
         raise CLIError(f"{spec} is a {type(obj).__name__}, not a callable ({_FACTORY_FORM})")
@@ -123,14 +131,17 @@ def _build_model(spec: str, kwargs: dict, args):
     if isinstance(built, dict):
         missing = [k for k in ("model", "example_inputs") if k not in built]
         if missing:
-            raise CLIError(f"factory {spec} returned a dict without {missing}; it must have the keys "
-                           f"'model' and 'example_inputs'")
+            raise CLIError(
+                f"factory {spec} returned a dict without {missing}; it must have the keys 'model' and 'example_inputs'"
+            )
         model, example_inputs = built["model"], built["example_inputs"]
     elif isinstance(built, (tuple, list)) and len(built) == 2:
         model, example_inputs = built
     else:
-        raise CLIError(f"factory {spec} returned {type(built).__name__}; it must return (model, example_inputs) "
-                       f"or a dict with the keys 'model' and 'example_inputs'")
+        raise CLIError(
+            f"factory {spec} returned {type(built).__name__}; it must return (model, example_inputs) "
+            f"or a dict with the keys 'model' and 'example_inputs'"
+        )
     if not isinstance(model, torch.nn.Module):
         raise CLIError(f"factory {spec} returned a {type(model).__name__} as the model; expected a torch.nn.Module")
     return model, example_inputs
@@ -144,8 +155,9 @@ def _parse_pins(items: list[str], ndim: int) -> dict:
         key, sep, value = item.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or not key or not value:
-            raise CLIError(f"cannot read --pin {item!r}: write it like 'input_ids=[S(0), R]' (one placement per "
-                           f"mesh axis)")
+            raise CLIError(
+                f"cannot read --pin {item!r}: write it like 'input_ids=[S(0), R]' (one placement per mesh axis)"
+            )
         try:
             parse_spec(value, ndim)
         except ValueError as exc:
@@ -186,6 +198,7 @@ def _load_plan(path: str):
 
 # -- printing ----------------------------------------------------------------------------------
 
+
 def _format_estimate(plan, *, wide: bool = False) -> str:
     """The estimate, one quantity a line, with communication split by phase (lines wrapped to
     fit 120 columns unless ``wide``)."""
@@ -196,9 +209,11 @@ def _format_estimate(plan, *, wide: bool = False) -> str:
 
     est = plan.estimate()
     data = plan.data
-    lines = ["estimate per device per training step:",
-             f"  step time      {_fmt_time(est.step_time_s)} (compute {_fmt_time(est.compute_s)}, "
-             f"communication {_fmt_time(est.comm_s)})"]
+    lines = [
+        "estimate per device per training step:",
+        f"  step time      {_fmt_time(est.step_time_s)} (compute {_fmt_time(est.compute_s)}, "
+        f"communication {_fmt_time(est.comm_s)})",
+    ]
     budget = data.get("budget")
     share = f" of {_fmt_bytes(budget)} budget ({100 * est.memory_bytes / budget:.1f}%)" if budget else ""
     lines.append(f"  memory         {_fmt_bytes(est.memory_bytes)}{share}")
@@ -206,15 +221,19 @@ def _format_estimate(plan, *, wide: bool = False) -> str:
         lines.append("  communication  none")
     for i, (kind, per_axis) in enumerate(sorted(est.comm_bytes.items())):
         for j, (axis, total) in enumerate(sorted(per_axis.items())):
-            phases = ", ".join(f"{phase} {_fmt_bytes(by_kind[kind][axis])}"
-                               for phase, by_kind in sorted(est.comm_bytes_by_phase.items(), reverse=True)
-                               if by_kind.get(kind, {}).get(axis))
+            phases = ", ".join(
+                f"{phase} {_fmt_bytes(by_kind[kind][axis])}"
+                for phase, by_kind in sorted(est.comm_bytes_by_phase.items(), reverse=True)
+                if by_kind.get(kind, {}).get(axis)
+            )
             label = "communication" if i == 0 and j == 0 else ""
             lines.append(f"  {label:<14} {kind + ' on ' + axis:<28} {_fmt_bytes(total):>12}  ({phases})")
-    inputs = ", ".join(f"{name} {'x'.join(map(str, shape)) or 'scalar'}"
-                       for name, shape in data.get("inputs", {}).items())
-    lines.append(f"  planned for    inputs {inputs or '-'}; objective {data.get('objective')}, "
-                 f"optimizer {data.get('optimizer')}")
+    inputs = ", ".join(
+        f"{name} {'x'.join(map(str, shape)) or 'scalar'}" for name, shape in data.get("inputs", {}).items()
+    )
+    lines.append(
+        f"  planned for    inputs {inputs or '-'}; objective {data.get('objective')}, optimizer {data.get('optimizer')}"
+    )
     if wide:
         return "\n".join(lines)
     return "\n".join(part for line in lines for part in textwrap.wrap(line, WIDTH, subsequent_indent=" " * 17))
@@ -238,6 +257,7 @@ def _print_explanations(plan, targets: list[str]) -> None:
 
 
 # -- subcommands -------------------------------------------------------------------------------
+
 
 def _cmd_plan(args) -> int:
     import partitioner
@@ -269,10 +289,19 @@ def _cmd_plan(args) -> int:
     model, example_inputs = _build_model(args.factory, kwargs, args)
     try:
         plan = partitioner.plan(
-            model, example_inputs, mesh_shape=mesh.shape, mesh_axis_names=mesh.axis_names, cluster=cluster,
-            memory_budget=budget, pins=pins, objective=args.objective,
+            model,
+            example_inputs,
+            mesh_shape=mesh.shape,
+            mesh_axis_names=mesh.axis_names,
+            cluster=cluster,
+            memory_budget=budget,
+            pins=pins,
+            objective=args.objective,
             optimizer=None if args.optimizer == "none" else args.optimizer,
-            share_blocks=not args.no_share_blocks, time_limit=args.time_limit, verbose=not args.quiet)
+            share_blocks=not args.no_share_blocks,
+            time_limit=args.time_limit,
+            verbose=not args.quiet,
+        )
     except (partitioner.CaptureError, partitioner.InfeasibleBudgetError) as exc:
         raise CLIError(str(exc)) from exc
     except ValueError as exc:  # a pin that matches nothing
@@ -321,49 +350,81 @@ def _cmd_diff(args) -> int:
 
 # -- the parser --------------------------------------------------------------------------------
 
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="partita", description="Partita: plan data / tensor / sequence parallelism for a PyTorch model.",
-        epilog="Example: partita plan partitioner.models:gpt_demo --mesh 2x4 --budget 80GiB --json plan.json")
+        prog="partita",
+        description="Partita: plan data / tensor / sequence parallelism for a PyTorch model.",
+        epilog="Example: partita plan partitioner.models:gpt_demo --mesh 2x4 --budget 80GiB --json plan.json",
+    )
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("plan", help="plan a model built by a factory",
-                       description="Build a model with FACTORY, plan it on a mesh, print the plan and its estimate.")
-    p.add_argument("factory", metavar="MODULE:FACTORY",
-                   help="a callable returning (model, example_inputs), e.g. partitioner.models:gpt_demo; "
-                        "MODULE may also be a path to a .py file")
+    p = sub.add_parser(
+        "plan",
+        help="plan a model built by a factory",
+        description="Build a model with FACTORY, plan it on a mesh, print the plan and its estimate.",
+    )
+    p.add_argument(
+        "factory",
+        metavar="MODULE:FACTORY",
+        help="a callable returning (model, example_inputs), e.g. partitioner.models:gpt_demo; "
+        "MODULE may also be a path to a .py file",
+    )
     p.add_argument("--kwargs", metavar="JSON", help="keyword arguments for the factory, e.g. '{\"n_layer\": 4}'")
     p.add_argument("--mesh", required=True, help="devices per mesh axis, e.g. 8x8 or 4")
     p.add_argument("--axis-names", metavar="NAMES", help="comma-separated mesh axis names, e.g. dp,tp")
-    p.add_argument("--cluster", default="h100",
-                   help="h100, h200, a100, cpu (measured here) or a ClusterSpec JSON file (default: h100)")
+    p.add_argument(
+        "--cluster",
+        default="h100",
+        help="h100, h200, a100, cpu (measured here) or a ClusterSpec JSON file (default: h100)",
+    )
     p.add_argument("--budget", metavar="BYTES", help="memory per device, e.g. 80GiB (default: the device memory)")
     p.add_argument("--objective", choices=("time", "memory"), default="time", help="what to minimise")
-    p.add_argument("--optimizer", choices=("adam", "sgd", "none"), default="adam",
-                   help="optimizer state to budget for (default: adam)")
-    p.add_argument("--pin", action="append", default=[], metavar="KEY=PLACEMENTS",
-                   help="fix a placement, one per mesh axis, e.g. 'input_ids=[S(0), R]'; KEY is an input, a "
-                        "parameter FQN, a node name or a module path (globs allowed); repeatable")
+    p.add_argument(
+        "--optimizer",
+        choices=("adam", "sgd", "none"),
+        default="adam",
+        help="optimizer state to budget for (default: adam)",
+    )
+    p.add_argument(
+        "--pin",
+        action="append",
+        default=[],
+        metavar="KEY=PLACEMENTS",
+        help="fix a placement, one per mesh axis, e.g. 'input_ids=[S(0), R]'; KEY is an input, a "
+        "parameter FQN, a node name or a module path (globs allowed); repeatable",
+    )
     p.add_argument("--json", metavar="PATH", help="save the plan as JSON here")
-    p.add_argument("--explain", action="append", default=[], metavar="TARGET",
-                   help="also explain the choice for a module path, parameter FQN or node; repeatable")
-    p.add_argument("--verbose-table", action="store_true",
-                   help="show every node: views, getitems and mask/index rows included")
-    p.add_argument("--wide", action="store_true",
-                   help="every column in full (op, local shape, collectives with phase and bytes); lines may "
-                        "exceed 120 characters")
+    p.add_argument(
+        "--explain",
+        action="append",
+        default=[],
+        metavar="TARGET",
+        help="also explain the choice for a module path, parameter FQN or node; repeatable",
+    )
+    p.add_argument(
+        "--verbose-table", action="store_true", help="show every node: views, getitems and mask/index rows included"
+    )
+    p.add_argument(
+        "--wide",
+        action="store_true",
+        help="every column in full (op, local shape, collectives with phase and bytes); lines may "
+        "exceed 120 characters",
+    )
     p.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS", help="solver time limit")
-    p.add_argument("--no-share-blocks", action="store_true",
-                   help="decide each repeated block (transformer layer) on its own")
+    p.add_argument(
+        "--no-share-blocks", action="store_true", help="decide each repeated block (transformer layer) on its own"
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
     p.set_defaults(run=_cmd_plan)
 
     p = sub.add_parser("show", help="print a saved plan and its estimate")
     p.add_argument("plan", metavar="PLAN.json")
     p.add_argument("--explain", action="append", default=[], metavar="TARGET", help="also explain TARGET")
-    p.add_argument("--verbose-table", action="store_true",
-                   help="show every node: views, getitems and mask/index rows included")
+    p.add_argument(
+        "--verbose-table", action="store_true", help="show every node: views, getitems and mask/index rows included"
+    )
     p.add_argument("--wide", action="store_true", help="every column in full; lines may exceed 120 characters")
     p.set_defaults(run=_cmd_show)
 
@@ -378,8 +439,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--exit-code", action="store_true", help="exit with status 1 when the placements differ")
     p.set_defaults(run=_cmd_diff)
 
-    p = sub.add_parser("demo", add_help=False,
-                       help="the main job: a GPT auto-parallelized on 4 local gloo ranks next to one process")
+    p = sub.add_parser(
+        "demo", add_help=False, help="the main job: a GPT auto-parallelized on 4 local gloo ranks next to one process"
+    )
     p.add_argument("demo_args", nargs=argparse.REMAINDER)
     p.set_defaults(run=lambda args: __import__("partitioner.demo", fromlist=["main"]).main(args.demo_args))
     return parser

@@ -4,6 +4,7 @@ This module orchestrates the passes and turns user-facing arguments (mesh, clust
 pins) into what the passes take. It never starts processes and needs no devices: models on
 the ``meta`` device plan for any mesh size.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -51,7 +52,11 @@ def resolve_pins(cap, pins: dict, ndim: int) -> dict:
         spec = parse_spec(value, ndim)
         targets = [n for n in placeholders if info(n).name == key or n.name == key]
         if not targets:
-            targets = [n for n in placeholders if info(n).kind in ("param", "buffer") and fnmatch.fnmatchcase(info(n).name, key)]
+            targets = [
+                n
+                for n in placeholders
+                if info(n).kind in ("param", "buffer") and fnmatch.fnmatchcase(info(n).name, key)
+            ]
         if not targets:
             targets = [n for n in ops if n.name == key]
         if not targets:
@@ -61,19 +66,33 @@ def resolve_pins(cap, pins: dict, ndim: int) -> dict:
                     if inside:
                         targets.append(inside[-1])
         if not targets:
-            raise ValueError(f"pin {key!r} matches no input, parameter, node or module of this model; inputs are "
-                             f"{[info(n).name for n in placeholders if info(n).kind == 'input']}, and module paths "
-                             f"look like {module_paths[:3]}")
+            raise ValueError(
+                f"pin {key!r} matches no input, parameter, node or module of this model; inputs are "
+                f"{[info(n).name for n in placeholders if info(n).kind == 'input']}, and module paths "
+                f"look like {module_paths[:3]}"
+            )
         for node in targets:
             resolved[node] = spec
     return resolved
 
 
 @verbose_to_stderr
-def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), mesh_axis_names=None, cluster="h100",
-         memory_budget=None, pins: dict | None = None, objective: str = "time", optimizer: str | None = "adam",
-         share_blocks: bool = True, time_limit: float = 60.0, layers: str = "auto",
-         verbose: bool = False) -> ShardingPlan:
+def plan(
+    model: torch.nn.Module,
+    example_inputs,
+    *,
+    mesh_shape=(1,),
+    mesh_axis_names=None,
+    cluster="h100",
+    memory_budget=None,
+    pins: dict | None = None,
+    objective: str = "time",
+    optimizer: str | None = "adam",
+    share_blocks: bool = True,
+    time_limit: float = 60.0,
+    layers: str = "auto",
+    verbose: bool = False,
+) -> ShardingPlan:
     """Choose data / tensor / sequence splits for every node of ``model`` on a device mesh.
 
     Args:
@@ -112,15 +131,38 @@ def plan(model: torch.nn.Module, example_inputs, *, mesh_shape=(1,), mesh_axis_n
     analyze(cap)
     t2 = time.perf_counter()
     logger.info("analysis: %.2f s", t2 - t1)
-    return plan_captured(cap, model_name=type(model).__name__, mesh_shape=mesh_shape, mesh_axis_names=mesh_axis_names,
-                         cluster=cluster, memory_budget=memory_budget, pins=pins, objective=objective,
-                         optimizer=optimizer, share_blocks=share_blocks, time_limit=time_limit,
-                         timings={"capture_s": t1 - t0, "analysis_s": t2 - t1, "start": t0})
+    return plan_captured(
+        cap,
+        model_name=type(model).__name__,
+        mesh_shape=mesh_shape,
+        mesh_axis_names=mesh_axis_names,
+        cluster=cluster,
+        memory_budget=memory_budget,
+        pins=pins,
+        objective=objective,
+        optimizer=optimizer,
+        share_blocks=share_blocks,
+        time_limit=time_limit,
+        timings={"capture_s": t1 - t0, "analysis_s": t2 - t1, "start": t0},
+    )
 
 
-def plan_captured(cap, *, model_name: str, mesh_shape=(1,), mesh_axis_names=None, cluster="h100",
-                  memory_budget=None, pins=None, objective="time", optimizer="adam", share_blocks=True,
-                  time_limit=60.0, timings=None, activation_copies=1) -> ShardingPlan:
+def plan_captured(
+    cap,
+    *,
+    model_name: str,
+    mesh_shape=(1,),
+    mesh_axis_names=None,
+    cluster="h100",
+    memory_budget=None,
+    pins=None,
+    objective="time",
+    optimizer="adam",
+    share_blocks=True,
+    time_limit=60.0,
+    timings=None,
+    activation_copies=1,
+) -> ShardingPlan:
     """:func:`plan` for a graph already captured and analysed (``passes.capture`` +
     ``passes.analyze``); ``auto_parallelize`` uses it so the model is captured once.
     ``activation_copies``: microbatches whose saved activations are alive at once (a pipeline
@@ -138,20 +180,46 @@ def plan_captured(cap, *, model_name: str, mesh_shape=(1,), mesh_axis_names=None
     pinned = resolve_pins(cap, pins or {}, mesh.ndim)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("%s: pins %s", model_name, {n.name: format_spec(s) for n, s in pinned.items()})
-    result = plan_intra_op(cap, mesh.shape, mesh.axis_names, spec, budget=budget, pins=pinned, objective=objective,
-                           optimizer=optimizer, share_blocks=share_blocks, time_limit=time_limit,
-                           activation_copies=activation_copies, log=logger.info)
+    result = plan_intra_op(
+        cap,
+        mesh.shape,
+        mesh.axis_names,
+        spec,
+        budget=budget,
+        pins=pinned,
+        objective=objective,
+        optimizer=optimizer,
+        share_blocks=share_blocks,
+        time_limit=time_limit,
+        activation_copies=activation_copies,
+        log=logger.info,
+    )
     t3 = time.perf_counter()
     stats = dict(result.stats, **timings, plan_s=t3 - t2, total_s=t3 - t0)
-    inputs = {info(n).name: list(info(n).shape or ()) for n in cap.graph.nodes
-              if n.op == "placeholder" and info(n).kind == "input"}
+    inputs = {
+        info(n).name: list(info(n).shape or ())
+        for n in cap.graph.nodes
+        if n.op == "placeholder" and info(n).kind == "input"
+    }
     data = {
-        "format": PLAN_FORMAT, "version": PLAN_VERSION, "fingerprint": graph_fingerprint(cap),
-        "structure": graph_fingerprint(cap, shapes=False), "training": cap.training,
-        "model": model_name, "inputs": inputs, "mesh": mesh.to_dict(), "cluster": spec.to_dict(),
-        "budget": budget, "objective": objective, "optimizer": optimizer, "activation_copies": activation_copies,
+        "format": PLAN_FORMAT,
+        "version": PLAN_VERSION,
+        "fingerprint": graph_fingerprint(cap),
+        "structure": graph_fingerprint(cap, shapes=False),
+        "training": cap.training,
+        "model": model_name,
+        "inputs": inputs,
+        "mesh": mesh.to_dict(),
+        "cluster": spec.to_dict(),
+        "budget": budget,
+        "objective": objective,
+        "optimizer": optimizer,
+        "activation_copies": activation_copies,
         "pins": {n.name: format_spec(s) for n, s in pinned.items()},
-        "records": result.records, "alternatives": result.alternatives, "blocks": result.blocks, "stats": stats,
+        "records": result.records,
+        "alternatives": result.alternatives,
+        "blocks": result.blocks,
+        "stats": stats,
     }
     logger.info("plan ready: %.2f s in all", t3 - t0)
     return ShardingPlan(data)

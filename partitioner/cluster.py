@@ -12,6 +12,7 @@ Presets (``h100``, ``h200``, ``a100``) use vendor figures for SXM parts with NVL
 8-GPU node and one InfiniBand NIC per GPU across nodes. ``cpu`` is measured on this machine
 (``calibrate_cpu``) and cached.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,8 +32,17 @@ def parse_bytes(value) -> int:
     if isinstance(value, (int, float)):
         return int(value)
     text = str(value).strip().replace(" ", "")
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-             "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1}
+    units = {
+        "kib": 1 << 10,
+        "mib": 1 << 20,
+        "gib": 1 << 30,
+        "tib": 1 << 40,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "tb": 10**12,
+        "b": 1,
+    }
     lower = text.lower()
     for unit in sorted(units, key=len, reverse=True):
         if lower.endswith(unit):
@@ -44,7 +54,9 @@ def parse_bytes(value) -> int:
     try:
         return int(float(text))
     except ValueError:
-        raise ValueError(f"cannot read memory size {value!r}: write it like '80GiB', '512MiB' or a byte count") from None
+        raise ValueError(
+            f"cannot read memory size {value!r}: write it like '80GiB', '512MiB' or a byte count"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -83,7 +95,7 @@ class ClusterSpec:
     def link_for_axis(self, mesh_shape, axis: int) -> LinkSpec:
         """The link an axis's collectives cross (ranks are laid out row-major on the mesh)."""
         stride = 1
-        for n in mesh_shape[axis + 1:]:
+        for n in mesh_shape[axis + 1 :]:
             stride *= n
         span = stride * mesh_shape[axis]
         return self.intra_node if span <= self.devices_per_node else self.inter_node
@@ -92,7 +104,7 @@ class ClusterSpec:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ClusterSpec":
+    def from_dict(cls, data: dict) -> ClusterSpec:
         data = dict(data)
         data["intra_node"] = LinkSpec(**data["intra_node"])
         data["inter_node"] = LinkSpec(**data["inter_node"])
@@ -112,6 +124,7 @@ def _gpu(name, fp32, bf16, hbm_bw, mem_gib, nvlink, ib, notes):
     )
 
 
+# fmt: off
 PRESETS = {
     "h100": _gpu("h100", 67e12, 989e12, 3.35e12, 80, 450e9, 50e9,
                  "H100 SXM: NVLink4 450 GB/s per direction, 400 Gb/s InfiniBand per GPU"),
@@ -120,6 +133,7 @@ PRESETS = {
     "a100": _gpu("a100", 19.5e12, 312e12, 2.0e12, 80, 300e9, 25e9,
                  "A100 SXM 80GB: NVLink3 300 GB/s per direction, 200 Gb/s InfiniBand per GPU"),
 }
+# fmt: on
 
 
 def _cache_path() -> Path:
@@ -161,9 +175,15 @@ def calibrate_cpu(*, refresh: bool = False) -> ClusterSpec:
     link = LinkSpec(bandwidth=bandwidth / 8, latency_s=50e-6)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     spec = ClusterSpec(
-        name="cpu", peak_flops={"float32": flops, "bfloat16": flops / 4, "float16": flops / 4},
-        memory_bandwidth=bandwidth, memory_bytes=mem, devices_per_node=os.cpu_count() or 1,
-        intra_node=link, inter_node=link, collective_overhead_s=100e-6, matmul_efficiency=1.0,
+        name="cpu",
+        peak_flops={"float32": flops, "bfloat16": flops / 4, "float16": flops / 4},
+        memory_bandwidth=bandwidth,
+        memory_bytes=mem,
+        devices_per_node=os.cpu_count() or 1,
+        intra_node=link,
+        inter_node=link,
+        collective_overhead_s=100e-6,
+        matmul_efficiency=1.0,
         notes="measured on the local machine by partitioner.cluster.calibrate_cpu",
     )
     try:
@@ -184,6 +204,7 @@ def get_cluster(cluster) -> ClusterSpec:
     if key == "cpu":
         return calibrate_cpu()
     if key not in PRESETS:
-        raise ValueError(f"unknown cluster {cluster!r}: choose one of {sorted(PRESETS) + ['cpu']} "
-                         "or pass a partitioner.ClusterSpec")
+        raise ValueError(
+            f"unknown cluster {cluster!r}: choose one of {sorted(PRESETS) + ['cpu']} or pass a partitioner.ClusterSpec"
+        )
     return PRESETS[key]

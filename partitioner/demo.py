@@ -14,6 +14,7 @@
    here without devices) beside this CPU's plan, with the two clusters' numbers and why the
    choices differ (:mod:`partitioner.demo_clusters`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,15 +30,16 @@ __all__ = ["main", "corpus_batches"]
 def corpus_batches(steps: int, batch: int, seq: int, seed: int = 0):
     """``steps`` (input, target) batches of byte tokens from Partita's own source text."""
     root = Path(__file__).resolve().parent.parent
-    text = b"".join(p.read_bytes() for d in ("partitioner", "passes", "runtime")
-                    for p in sorted((root / d).glob("*.py")))
+    text = b"".join(
+        p.read_bytes() for d in ("partitioner", "passes", "runtime") for p in sorted((root / d).glob("*.py"))
+    )
     data = torch.tensor(list(text), dtype=torch.long)
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
         starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=g)
-        x = torch.stack([data[s:s + seq] for s in starts])
-        y = torch.stack([data[s + 1:s + seq + 1] for s in starts])
+        x = torch.stack([data[s : s + seq] for s in starts])
+        y = torch.stack([data[s + 1 : s + seq + 1] for s in starts])
         out.append((x, y))
     return out
 
@@ -47,20 +49,26 @@ LAYERS, WIDTH, HEADS = 2, 256, 8
 
 def _build(seq):
     from partitioner.models import GPT, GPTConfig
+
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=256, block_size=seq, n_layer=LAYERS, n_head=HEADS, n_embd=WIDTH))
 
 
 def _rank_main(rank, world, batches, seq, lr, out_dir, mesh):
     import partitioner
+
     model = _build(seq)
     pm = partitioner.auto_parallelize(model, batches[0], mesh=mesh, verbose=(rank == 0))
     if rank == 0:
         print(pm.plan.summary(), flush=True)
     partitioner.dump(pm, out_dir)
     losses, seconds = _train(pm, batches, lr)
-    return {"losses": losses, "seconds": seconds, "param_bytes": pm.local_parameter_bytes(),
-            "plan": pm.plan.to_json() if rank == 0 else None}
+    return {
+        "losses": losses,
+        "seconds": seconds,
+        "param_bytes": pm.local_parameter_bytes(),
+        "plan": pm.plan.to_json() if rank == 0 else None,
+    }
 
 
 def _train(model, batches, lr):
@@ -88,8 +96,11 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     batches = corpus_batches(args.steps, args.batch, args.seq)
-    print(f"[demo] single-process reference: {args.steps} AdamW steps on batches of {args.batch}x{args.seq} "
-          f"byte tokens", file=sys.stderr, flush=True)
+    print(
+        f"[demo] single-process reference: {args.steps} AdamW steps on batches of {args.batch}x{args.seq} byte tokens",
+        file=sys.stderr,
+        flush=True,
+    )
     reference = _build(args.seq)
     total = sum(p.numel() * p.element_size() for p in reference.parameters())
     ref_losses, ref_seconds = _train(reference, batches, args.lr)
@@ -102,13 +113,26 @@ def main(argv=None) -> int:
     worst = max(abs(a - b) for a, b in zip(ref_losses, par, strict=True))
     same = all(r["losses"] == par for r in results)
     print(f"\nlargest loss difference {worst:.2e}; every rank saw the same losses: {same}")
-    print(f"parameters per rank: {results[0]['param_bytes'] / 2**20:.2f} MiB of {total / 2**20:.2f} MiB "
-          f"({results[0]['param_bytes'] / total:.2f} of the model)")
-    print(f"time for {args.steps} steps: 1 process {ref_seconds:.2f} s, 4 ranks {results[0]['seconds']:.2f} s "
-          f"(gloo on {torch.get_num_threads()}-thread CPU processes)")
+    print(
+        f"parameters per rank: {results[0]['param_bytes'] / 2**20:.2f} MiB of {total / 2**20:.2f} MiB "
+        f"({results[0]['param_bytes'] / total:.2f} of the model)"
+    )
+    print(
+        f"time for {args.steps} steps: 1 process {ref_seconds:.2f} s, 4 ranks {results[0]['seconds']:.2f} s "
+        f"(gloo on {torch.get_num_threads()}-thread CPU processes)"
+    )
     print(f"partitioned programs and the plan: {Path(args.out).resolve()}")
     from partitioner.demo_clusters import comparison
     from partitioner.sharding_plan import ShardingPlan
-    print(comparison(ShardingPlan.from_json(results[0]["plan"]), n_layer=LAYERS, n_embd=WIDTH, n_head=HEADS,
-                     batch=args.batch, seq=args.seq))
+
+    print(
+        comparison(
+            ShardingPlan.from_json(results[0]["plan"]),
+            n_layer=LAYERS,
+            n_embd=WIDTH,
+            n_head=HEADS,
+            batch=args.batch,
+            seq=args.seq,
+        )
+    )
     return 0 if worst < 1e-3 and same else 1

@@ -20,6 +20,7 @@ timeline measured beside the one the cost model simulates (``timeline.txt``: per
 action simulated vs measured with their ratio, and the cluster the simulation was priced with;
 ``timeline.json`` for chrome://tracing or Perfetto; ``timeline.svg``).
 """
+
 from __future__ import annotations
 
 import shutil
@@ -31,6 +32,7 @@ from partitioner.plan_dot import plan_to_dot
 from partitioner.sharding_plan import ShardingPlan
 
 __all__ = ["dump", "plan_to_dot"]
+
 
 def _write_plan_files(plan: ShardingPlan, out: Path) -> list:
     written = [plan.save(out / "plan.json")]
@@ -44,14 +46,19 @@ def _write_plan_files(plan: ShardingPlan, out: Path) -> list:
         subprocess.run(["dot", "-Tsvg", str(dot), "-o", str(svg)], check=True, timeout=300)
         written.append(svg)
     else:
-        warnings.warn("Graphviz 'dot' is not installed: wrote graph.dot but no graph.svg "
-                      "(apt-get install graphviz, then `dot -Tsvg graph.dot -o graph.svg`)", stacklevel=3)
+        warnings.warn(
+            "Graphviz 'dot' is not installed: wrote graph.dot but no graph.svg "
+            "(apt-get install graphviz, then `dot -Tsvg graph.dot -o graph.svg`)",
+            stacklevel=3,
+        )
     return written
 
 
 def _program_text(program, rank, coords, plan) -> str:
-    header = (f"# Partita lowered program for rank {rank} (mesh coordinates {tuple(coords)} on mesh "
-              f"{plan.mesh_shape} {plan.axis_names})\n# Submodules (collectives and local kernels):\n")
+    header = (
+        f"# Partita lowered program for rank {rank} (mesh coordinates {tuple(coords)} on mesh "
+        f"{plan.mesh_shape} {plan.axis_names})\n# Submodules (collectives and local kernels):\n"
+    )
     modules = "".join(f"#   {name}: {module!r}\n" for name, module in program.named_children())
     return header + modules + program.code
 
@@ -70,8 +77,9 @@ def _dump_pipeline(runner, out: Path) -> list:
             stage_dir = out / f"stage_{s}"
             stage_dir.mkdir(exist_ok=True)
             written += _write_plan_files(plan, stage_dir)
-        (out / "schedule.txt").write_text(f"{runner.schedule}\n\n{runner.schedule.grid()}\n"
-                                          f"layers per stage: {runner.plan['layers']}\n")
+        (out / "schedule.txt").write_text(
+            f"{runner.schedule}\n\n{runner.schedule.grid()}\nlayers per stage: {runner.plan['layers']}\n"
+        )
         written.append(out / "schedule.txt")
     for s, stage in runner.stages.items():
         path = out / f"stage_{s}" / f"rank_{rank}.py"
@@ -84,8 +92,11 @@ def _dump_pipeline(runner, out: Path) -> list:
         timelines = {"measured": measured, f"simulated (cost model, cluster {cluster})": simulated}
         if rank == 0:
             device = next((p.device.type for p in runner.parameters()), "cpu")
-            (out / "timeline.txt").write_text(pipeline_trace.comparison_text(
-                measured, simulated, cluster=cluster, device=device, schedule=str(runner.schedule.name)))
+            (out / "timeline.txt").write_text(
+                pipeline_trace.comparison_text(
+                    measured, simulated, cluster=cluster, device=device, schedule=str(runner.schedule.name)
+                )
+            )
             (out / "timeline.json").write_text(pipeline_trace.chrome_trace(timelines))
             (out / "timeline.svg").write_text(pipeline_trace.timeline_svg(timelines))
             written += [out / "timeline.txt", out / "timeline.json", out / "timeline.svg"]
@@ -109,6 +120,7 @@ def dump(model_or_plan, directory, *, model=None, example_inputs=None, ranks=Non
     if isinstance(model_or_plan, ParallelModule):
         pm = model_or_plan
         import torch.distributed as dist
+
         rank = dist.get_rank() if dist.is_initialized() else 0
         written = _write_plan_files(pm.plan, out) if rank == 0 else []
         path = out / f"rank_{rank}.py"

@@ -15,6 +15,7 @@ Example::
     model, inputs = partitioner.hf_families.build("falcon", batch=4, seq=16)
     plan = partitioner.plan(model, inputs, mesh_shape=(2, 2), cluster="h100")
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,61 +23,186 @@ import torch
 __all__ = ["FAMILIES", "DECODER_ONLY", "build"]
 
 VOCAB = 128
-_DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout", "attention_dropout",
-                 "hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "activation_dropout",
-                 "classifier_dropout", "dropout_rate", "qa_dropout", "seq_classif_dropout", "resid_dropout",
-                 "embed_dropout", "summary_first_dropout")
+_DROPOUT_KEYS = (
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "hidden_dropout",
+    "attention_dropout",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "dropout",
+    "activation_dropout",
+    "classifier_dropout",
+    "dropout_rate",
+    "qa_dropout",
+    "seq_classif_dropout",
+    "resid_dropout",
+    "embed_dropout",
+    "summary_first_dropout",
+)
 
 # family -> (config class, model class, size overrides, kind of inputs)
 FAMILIES = {
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_layer=2, n_embd=64, n_head=4, bos_token_id=0,
-                                                    eos_token_id=0), "causal"),
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                                      num_attention_heads=4, num_key_value_heads=2), "causal"),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_hidden_layers=2, hidden_size=64,
-                                                            intermediate_size=128, num_attention_heads=4,
-                                                            num_key_value_heads=2), "causal"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                                      num_attention_heads=4, num_key_value_heads=2), "causal"),
-    "falcon": ("FalconConfig", "FalconForCausalLM", dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                                         bos_token_id=0, eos_token_id=0), "causal"),
-    "bloom": ("BloomConfig", "BloomForCausalLM", dict(n_layer=2, hidden_size=64, n_head=4, bos_token_id=0,
-                                                      eos_token_id=0), "causal"),
-    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, n_positions=64,
-                                                   bos_token_id=0, eos_token_id=0), "causal"),
-    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(num_hidden_layers=2, hidden_size=64,
-                                                             intermediate_size=128, num_attention_heads=4,
-                                                             bos_token_id=0, eos_token_id=0), "causal"),
-    "opt": ("OPTConfig", "OPTForCausalLM", dict(num_hidden_layers=2, hidden_size=64, ffn_dim=128,
-                                                num_attention_heads=4, word_embed_proj_dim=64,
-                                                max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
-                                                pad_token_id=1), "causal"),
-    "phi": ("PhiConfig", "PhiForCausalLM", dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                                num_attention_heads=4), "causal"),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                                      bos_token_id=0, eos_token_id=0, pad_token_id=1), "causal"),
-    "bert": ("BertConfig", "BertForMaskedLM", dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                                   num_attention_heads=4), "masked"),
-    "roberta": ("RobertaConfig", "RobertaForMaskedLM", dict(num_hidden_layers=2, hidden_size=64,
-                                                            intermediate_size=128, num_attention_heads=4), "masked"),
-    "distilbert": ("DistilBertConfig", "DistilBertForMaskedLM", dict(n_layers=2, dim=64, hidden_dim=128, n_heads=4),
-                   "masked"),
-    "bart": ("BartConfig", "BartForConditionalGeneration", dict(encoder_layers=2, decoder_layers=2, d_model=64,
-                                                                encoder_attention_heads=4, decoder_attention_heads=4,
-                                                                encoder_ffn_dim=128, decoder_ffn_dim=128,
-                                                                max_position_embeddings=64), "seq2seq"),
-    "t5": ("T5Config", "T5ForConditionalGeneration", dict(num_layers=2, d_model=64, d_ff=128, num_heads=4, d_kv=16,
-                                                          decoder_start_token_id=0), "seq2seq"),
-    "vit": ("ViTConfig", "ViTForImageClassification", dict(num_hidden_layers=2, hidden_size=64,
-                                                           intermediate_size=128, num_attention_heads=4,
-                                                           image_size=32, patch_size=8, num_labels=10), "image"),
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(n_layer=2, n_embd=64, n_head=4, bos_token_id=0, eos_token_id=0),
+        "causal",
+    ),
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
+        "causal",
+    ),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
+        "causal",
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
+        "causal",
+    ),
+    "falcon": (
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, bos_token_id=0, eos_token_id=0),
+        "causal",
+    ),
+    "bloom": (
+        "BloomConfig",
+        "BloomForCausalLM",
+        dict(n_layer=2, hidden_size=64, n_head=4, bos_token_id=0, eos_token_id=0),
+        "causal",
+    ),
+    "gptj": (
+        "GPTJConfig",
+        "GPTJForCausalLM",
+        dict(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, n_positions=64, bos_token_id=0, eos_token_id=0),
+        "causal",
+    ),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+        "causal",
+    ),
+    "opt": (
+        "OPTConfig",
+        "OPTForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            hidden_size=64,
+            ffn_dim=128,
+            num_attention_heads=4,
+            word_embed_proj_dim=64,
+            max_position_embeddings=64,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=1,
+        ),
+        "causal",
+    ),
+    "phi": (
+        "PhiConfig",
+        "PhiForCausalLM",
+        dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4),
+        "causal",
+    ),
+    "gemma": (
+        "GemmaConfig",
+        "GemmaForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=1,
+        ),
+        "causal",
+    ),
+    "bert": (
+        "BertConfig",
+        "BertForMaskedLM",
+        dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4),
+        "masked",
+    ),
+    "roberta": (
+        "RobertaConfig",
+        "RobertaForMaskedLM",
+        dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4),
+        "masked",
+    ),
+    "distilbert": (
+        "DistilBertConfig",
+        "DistilBertForMaskedLM",
+        dict(n_layers=2, dim=64, hidden_dim=128, n_heads=4),
+        "masked",
+    ),
+    "bart": (
+        "BartConfig",
+        "BartForConditionalGeneration",
+        dict(
+            encoder_layers=2,
+            decoder_layers=2,
+            d_model=64,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=128,
+            decoder_ffn_dim=128,
+            max_position_embeddings=64,
+        ),
+        "seq2seq",
+    ),
+    "t5": (
+        "T5Config",
+        "T5ForConditionalGeneration",
+        dict(num_layers=2, d_model=64, d_ff=128, num_heads=4, d_kv=16, decoder_start_token_id=0),
+        "seq2seq",
+    ),
+    "vit": (
+        "ViTConfig",
+        "ViTForImageClassification",
+        dict(
+            num_hidden_layers=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            image_size=32,
+            patch_size=8,
+            num_labels=10,
+        ),
+        "image",
+    ),
 }
 DECODER_ONLY = tuple(name for name, (*_, kind) in FAMILIES.items() if kind == "causal")
 
 
-def build(family: str, *, batch: int = 4, seq: int = 16, dropout: float | None = 0.0, n_layer: int | None = None,
-          seed: int = 0):
+def build(
+    family: str,
+    *,
+    batch: int = 4,
+    seq: int = 16,
+    dropout: float | None = 0.0,
+    n_layer: int | None = None,
+    seed: int = 0,
+):
     """``(model, example_inputs)`` for ``family`` (a key of :data:`FAMILIES`), in train mode."""
     import transformers
 
@@ -93,8 +219,7 @@ def build(family: str, *, batch: int = 4, seq: int = 16, dropout: float | None =
                 overrides[key] = n_layer
     defaults = config_cls()
     if dropout is not None:
-        overrides.update({key: dropout for key in _DROPOUT_KEYS
-                          if isinstance(getattr(defaults, key, None), float)})
+        overrides.update({key: dropout for key in _DROPOUT_KEYS if isinstance(getattr(defaults, key, None), float)})
     config = config_cls(**overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config)
@@ -105,6 +230,9 @@ def build(family: str, *, batch: int = 4, seq: int = 16, dropout: float | None =
         return model, {"pixel_values": pixels, "labels": torch.randint(0, config.num_labels, (batch,), generator=g)}
     ids = torch.randint(2, VOCAB, (batch, seq), generator=g)
     if kind == "masked":
-        return model, {"input_ids": ids, "attention_mask": torch.ones(batch, seq, dtype=torch.long),
-                       "labels": ids.clone()}
+        return model, {
+            "input_ids": ids,
+            "attention_mask": torch.ones(batch, seq, dtype=torch.long),
+            "labels": ids.clone(),
+        }
     return model, {"input_ids": ids, "labels": ids.clone()}

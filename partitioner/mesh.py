@@ -4,6 +4,7 @@
 row-major, as ``torch.distributed.device_mesh.init_device_mesh`` does, so the last axis is
 the one whose ranks sit closest together (inside a node).
 """
+
 from __future__ import annotations
 
 import math
@@ -37,7 +38,7 @@ class MeshSpec:
         return math.prod(self.shape)
 
     @classmethod
-    def build(cls, mesh, axis_names=None) -> "MeshSpec":
+    def build(cls, mesh, axis_names=None) -> MeshSpec:
         """From ``(2, 4)``, ``"2x4"``, ``8``, a MeshSpec or a DeviceMesh."""
         if isinstance(mesh, MeshSpec):
             return mesh if axis_names is None else cls(mesh.shape, tuple(axis_names))
@@ -60,5 +61,5 @@ class MeshSpec:
         return {"shape": list(self.shape), "axis_names": list(self.axis_names)}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "MeshSpec":
+    def from_dict(cls, data: dict) -> MeshSpec:
         return cls(tuple(data["shape"]), tuple(data["axis_names"]))

@@ -7,6 +7,7 @@
 
 Every factory returns ``(model, example_inputs)``; the CLI takes ``module:factory``.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["MLP", "GPTConfig", "GPT", "mlp_demo", "gpt_demo", "gpt_block", "hf_gpt2", "hf_bert",
-           "hf_llama", "hf_vit", "llama_7b_meta", "llama_meta"]
+__all__ = [
+    "MLP",
+    "GPTConfig",
+    "GPT",
+    "mlp_demo",
+    "gpt_demo",
+    "gpt_block",
+    "hf_gpt2",
+    "hf_bert",
+    "hf_llama",
+    "hf_vit",
+    "llama_7b_meta",
+    "llama_meta",
+]
 
 
 class MLP(nn.Module):
@@ -73,9 +86,13 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = nn.ModuleDict(dict(c_fc=nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias),
-                                      c_proj=nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias),
-                                      dropout=nn.Dropout(cfg.dropout)))
+        self.mlp = nn.ModuleDict(
+            dict(
+                c_fc=nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias),
+                c_proj=nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias),
+                dropout=nn.Dropout(cfg.dropout),
+            )
+        )
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -140,9 +157,21 @@ def gpt_block(batch=8, seq=128, n_embd=1024, n_head=16, n_layer=1, vocab=1024, d
 
 def hf_gpt2(batch=2, seq=16, n_layer=2, n_embd=64, n_head=4, vocab=128, attn="sdpa"):
     from transformers import GPT2Config, GPT2LMHeadModel
-    cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab, n_positions=max(64, seq),
-                     use_cache=False, attn_implementation=attn, bos_token_id=0, eos_token_id=0,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+    cfg = GPT2Config(
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        vocab_size=vocab,
+        n_positions=max(64, seq),
+        use_cache=False,
+        attn_implementation=attn,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(0)
     ids = _tokens(batch, seq, vocab)
     return GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids.clone()}
@@ -150,20 +179,38 @@ def hf_gpt2(batch=2, seq=16, n_layer=2, n_embd=64, n_head=4, vocab=128, attn="sd
 
 def hf_bert(batch=2, seq=16, n_layer=2, hidden=64, heads=4, vocab=128):
     from transformers import BertConfig, BertForMaskedLM
-    cfg = BertConfig(num_hidden_layers=n_layer, hidden_size=hidden, intermediate_size=4 * hidden,
-                     num_attention_heads=heads, vocab_size=vocab, hidden_dropout_prob=0.0,
-                     attention_probs_dropout_prob=0.0)
+
+    cfg = BertConfig(
+        num_hidden_layers=n_layer,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_attention_heads=heads,
+        vocab_size=vocab,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     torch.manual_seed(0)
     ids = _tokens(batch, seq, vocab)
-    return BertForMaskedLM(cfg), {"input_ids": ids, "attention_mask": torch.ones(batch, seq, dtype=torch.long),
-                                  "labels": ids.clone()}
+    return BertForMaskedLM(cfg), {
+        "input_ids": ids,
+        "attention_mask": torch.ones(batch, seq, dtype=torch.long),
+        "labels": ids.clone(),
+    }
 
 
 def hf_llama(batch=2, seq=16, n_layer=2, hidden=64, heads=4, kv_heads=2, vocab=128, device=None):
     from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(num_hidden_layers=n_layer, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 8 * 8 or 8,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
-                      max_position_embeddings=max(64, seq), use_cache=False)
+
+    cfg = LlamaConfig(
+        num_hidden_layers=n_layer,
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3 // 8 * 8 or 8,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=max(64, seq),
+        use_cache=False,
+    )
     torch.manual_seed(0)
     if device is not None:
         with torch.device(device):
@@ -176,22 +223,50 @@ def hf_llama(batch=2, seq=16, n_layer=2, hidden=64, heads=4, kv_heads=2, vocab=1
 
 def hf_vit(batch=2, image=32, patch=8, n_layer=2, hidden=64, heads=4, labels=10):
     from transformers import ViTConfig, ViTForImageClassification
-    cfg = ViTConfig(num_hidden_layers=n_layer, hidden_size=hidden, intermediate_size=4 * hidden,
-                    num_attention_heads=heads, image_size=image, patch_size=patch, num_labels=labels,
-                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+    cfg = ViTConfig(
+        num_hidden_layers=n_layer,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_attention_heads=heads,
+        image_size=image,
+        patch_size=patch,
+        num_labels=labels,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    return ViTForImageClassification(cfg), {"pixel_values": torch.randn(batch, 3, image, image, generator=g),
-                                            "labels": torch.randint(0, labels, (batch,), generator=g)}
+    return ViTForImageClassification(cfg), {
+        "pixel_values": torch.randn(batch, 3, image, image, generator=g),
+        "labels": torch.randint(0, labels, (batch,), generator=g),
+    }
 
 
-def llama_meta(n_layer=32, hidden=4096, heads=32, kv_heads=32, intermediate=11008, vocab=32000,
-               batch=8, seq=2048, dtype=torch.bfloat16):
+def llama_meta(
+    n_layer=32,
+    hidden=4096,
+    heads=32,
+    kv_heads=32,
+    intermediate=11008,
+    vocab=32000,
+    batch=8,
+    seq=2048,
+    dtype=torch.bfloat16,
+):
     """LLaMA shapes on ``meta`` (defaults: LLaMA-7B, sequence 2048)."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(num_hidden_layers=n_layer, hidden_size=hidden, intermediate_size=intermediate,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
-                      max_position_embeddings=seq, use_cache=False)
+
+    cfg = LlamaConfig(
+        num_hidden_layers=n_layer,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=seq,
+        use_cache=False,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg).to(dtype)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")

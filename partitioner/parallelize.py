@@ -10,6 +10,7 @@ opened with ``mmap``, so a model built on ``meta`` never exists whole in one pro
 :mod:`partitioner.weights`). With ``pipeline=`` the stages are built by
 :mod:`partitioner.pipeline_parallelize` instead, from the same weight-loading steps.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -29,8 +30,8 @@ from partitioner.weights import WeightSource, load_local_weights
 from passes.analyze import analyze, info
 from passes.capture import graph_fingerprint, tied_placeholders
 from passes.capture_blocks import capture_model
-from passes.shape_check import check_divisible
 from passes.lower_to_local import lower_to_local
+from passes.shape_check import check_divisible
 from runtime.collectives import MeshComm, on_rank0
 from runtime.parallel_module import ParallelModule
 
@@ -62,15 +63,17 @@ def _device_mesh(mesh, axis_names, device_type, timeout=None):
         return mesh
     spec = MeshSpec.build(mesh if mesh is not None else (world,), axis_names)
     if spec.size != world:
-        raise ValueError(f"mesh {spec.shape} needs {spec.size} ranks but this job has {world}: choose a mesh whose "
-                         f"sizes multiply to {world} (or mesh=None to use all ranks on one axis)")
+        raise ValueError(
+            f"mesh {spec.shape} needs {spec.size} ranks but this job has {world}: choose a mesh whose "
+            f"sizes multiply to {world} (or mesh=None to use all ranks on one axis)"
+        )
     timeout = timeout or _default_timeout(device_type)
     layout = np.arange(world).reshape(spec.shape)
     rank = dist.get_rank()
     mine = []
     for axis in range(spec.ndim):
         moved = np.moveaxis(layout, axis, -1).reshape(-1, spec.shape[axis])
-        for ranks in moved:   # every rank creates every group, in the same order
+        for ranks in moved:  # every rank creates every group, in the same order
             group = dist.new_group([int(r) for r in ranks], timeout=timeout)
             if rank in ranks:
                 mine.append(group)
@@ -78,9 +81,25 @@ def _device_mesh(mesh, axis_names, device_type, timeout=None):
 
 
 @verbose_to_stderr
-def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_axis_names=None, plan=None,
-                     cluster=None, memory_budget=None, pins=None, objective="time", local_inputs=False,
-                     state_dict=None, checkpoint=None, device=None, pipeline=None, layers="auto", verbose=False):
+def auto_parallelize(
+    model: torch.nn.Module,
+    example_inputs,
+    *,
+    mesh=None,
+    mesh_axis_names=None,
+    plan=None,
+    cluster=None,
+    memory_budget=None,
+    pins=None,
+    objective="time",
+    local_inputs=False,
+    state_dict=None,
+    checkpoint=None,
+    device=None,
+    pipeline=None,
+    layers="auto",
+    verbose=False,
+):
     """Run ``model`` data / tensor / sequence parallel on the job's ranks, as a plan decides.
 
     Args:
@@ -109,9 +128,21 @@ def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_
     device = _job_device(device)
     cluster = cluster or ("cpu" if device.type == "cpu" else "h100")
     if pipeline is not None:
-        return _pipelined(model, example_inputs, pipeline, mesh=mesh, mesh_axis_names=mesh_axis_names, plan=plan,
-                          cluster=cluster, memory_budget=memory_budget, pins=pins, objective=objective,
-                          source=WeightSource(model, state_dict, checkpoint), device=device, layers=layers)
+        return _pipelined(
+            model,
+            example_inputs,
+            pipeline,
+            mesh=mesh,
+            mesh_axis_names=mesh_axis_names,
+            plan=plan,
+            cluster=cluster,
+            memory_budget=memory_budget,
+            pins=pins,
+            objective=objective,
+            source=WeightSource(model, state_dict, checkpoint),
+            device=device,
+            layers=layers,
+        )
     comm = MeshComm(_device_mesh(mesh, mesh_axis_names, device.type))
     t0 = time.perf_counter()
     # a saved plan is replayed on a capture in the mode it was made in; the module's own mode
@@ -119,14 +150,30 @@ def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_
     training = plan.data.get("training", model.training) if plan is not None else model.training
     with in_mode(model, training):
         cap = _capture(model, example_inputs, layers)
-    plan = _plan_or_replay(cap, type(model).__name__, comm, plan, cluster=cluster, memory_budget=memory_budget,
-                           pins=pins, objective=objective)
+    plan = _plan_or_replay(
+        cap,
+        type(model).__name__,
+        comm,
+        plan,
+        cluster=cluster,
+        memory_budget=memory_budget,
+        pins=pins,
+        objective=objective,
+    )
     logger.info("planned in %.2f s", time.perf_counter() - t0)
     module = _build_module(cap, plan, comm, WeightSource(model, state_dict, checkpoint), device, local_inputs)
-    module.attach_specializer(Specializer(
-        model, plan=plan, comm=comm, device=device, layers=layers, param_specs=module.stored_placements(),
-        strided=module.strided_layouts(),
-        plan_kwargs=dict(cluster=cluster, memory_budget=memory_budget, objective=objective)))
+    module.attach_specializer(
+        Specializer(
+            model,
+            plan=plan,
+            comm=comm,
+            device=device,
+            layers=layers,
+            param_specs=module.stored_placements(),
+            strided=module.strided_layouts(),
+            plan_kwargs=dict(cluster=cluster, memory_budget=memory_budget, objective=objective),
+        )
+    )
     module.train(model.training)
     logger.info("ready: %.1f MiB of parameters on this rank", module.local_parameter_bytes() / 2**20)
     return module
@@ -137,8 +184,10 @@ def auto_parallelize(model: torch.nn.Module, example_inputs, *, mesh=None, mesh_
 
 def _require_process_group():
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("auto_parallelize needs an initialised process group: launch with torchrun (or "
-                           "runtime.launch.run_on_ranks) and call torch.distributed.init_process_group first")
+        raise RuntimeError(
+            "auto_parallelize needs an initialised process group: launch with torchrun (or "
+            "runtime.launch.run_on_ranks) and call torch.distributed.init_process_group first"
+        )
 
 
 def _job_device(device) -> torch.device:
@@ -148,16 +197,41 @@ def _job_device(device) -> torch.device:
     return torch.device(device)
 
 
-def _pipelined(model, example_inputs, pipeline, *, mesh, mesh_axis_names, plan, cluster, memory_budget, pins,
-               objective, source, device, layers):
+def _pipelined(
+    model,
+    example_inputs,
+    pipeline,
+    *,
+    mesh,
+    mesh_axis_names,
+    plan,
+    cluster,
+    memory_budget,
+    pins,
+    objective,
+    source,
+    device,
+    layers,
+):
     """``pipeline=``: the first mesh axis becomes stages (:mod:`partitioner.pipeline_parallelize`)."""
     from partitioner.pipeline_parallelize import PipelineConfig, build_pipeline
+
     if plan is not None:
         raise ValueError("replaying a saved plan is not supported with pipeline=; plan again")
     config = PipelineConfig.build(pipeline)
-    return build_pipeline(model, example_inputs, device_mesh=_device_mesh(mesh, mesh_axis_names, device.type),
-                          config=config, cluster=cluster, pins=pins, memory_budget=memory_budget,
-                          objective=objective, source=source, device=device, layers=layers)
+    return build_pipeline(
+        model,
+        example_inputs,
+        device_mesh=_device_mesh(mesh, mesh_axis_names, device.type),
+        config=config,
+        cluster=cluster,
+        pins=pins,
+        memory_budget=memory_budget,
+        objective=objective,
+        source=source,
+        device=device,
+        layers=layers,
+    )
 
 
 def _capture(model, example_inputs, layers):
@@ -171,14 +245,25 @@ def _plan_or_replay(cap, model_name, comm, plan, *, cluster, memory_budget, pins
     """Plan: rank 0 searches and broadcasts (the cost model may time this machine, and ranks
     must agree on one plan); a given plan is checked against the graph and the mesh instead."""
     if plan is None:
+
         def make_plan():
-            return plan_captured(cap, model_name=model_name, mesh_shape=comm.shape, mesh_axis_names=comm.axis_names,
-                                 cluster=cluster, memory_budget=memory_budget, pins=pins,
-                                 objective=objective).to_json()
+            return plan_captured(
+                cap,
+                model_name=model_name,
+                mesh_shape=comm.shape,
+                mesh_axis_names=comm.axis_names,
+                cluster=cluster,
+                memory_budget=memory_budget,
+                pins=pins,
+                objective=objective,
+            ).to_json()
+
         return ShardingPlan.from_dict(json.loads(on_rank0(make_plan, "planning")))
     if tuple(plan.mesh_shape) != tuple(comm.shape):
         raise ValueError(f"the plan is for mesh {plan.mesh_shape}, this job's mesh is {comm.shape}")
-    if graph_fingerprint(cap) != plan.fingerprint and plan.data.get("structure") == graph_fingerprint(cap, shapes=False):
+    if graph_fingerprint(cap) != plan.fingerprint and plan.data.get("structure") == graph_fingerprint(
+        cap, shapes=False
+    ):
         # the same program at other input sizes: the plan serves it where its shards divide
         check_divisible(cap, {r["name"]: r for r in plan.records}, comm.shape, comm.axis_names)
         return plan
@@ -190,21 +275,28 @@ def _build_module(cap, plan, comm, source, device, local_inputs) -> ParallelModu
     """Lower the plan for this rank, load its weights, and wrap both as a ParallelModule."""
     records = {r["name"]: r for r in plan.records}
     program = lower_to_local(cap.graph, records, comm, device=device, bucket_grads=True)
-    weights, by_placeholder, strided = load_local_weights(cap, records, comm, source, device,
-                                                          exported=cap.exported, tied=tied_placeholders(cap))
+    weights, by_placeholder, strided = load_local_weights(
+        cap, records, comm, source, device, exported=cap.exported, tied=tied_placeholders(cap)
+    )
     # the module keys parameters and buffers by FQN, inputs by placeholder name
     specs = {(cap.params.get(name) or cap.buffers.get(name) or name): spec for name, spec in by_placeholder.items()}
-    input_specs = {n.name: by_placeholder[n.name] for n in cap.graph.nodes
-                   if n.op == "placeholder" and info(n).kind == "input"}
-    return ParallelModule(program=program, plan=plan, comm=comm, captured=cap,
-                          local_params=dict(weights.params.values()), local_buffers=dict(weights.buffers.values()),
-                          specs={**specs, **input_specs}, strided=strided, local_inputs=local_inputs,
-                          global_shapes=weights.global_shapes)
+    input_specs = {
+        n.name: by_placeholder[n.name] for n in cap.graph.nodes if n.op == "placeholder" and info(n).kind == "input"
+    }
+    return ParallelModule(
+        program=program,
+        plan=plan,
+        comm=comm,
+        captured=cap,
+        local_params=dict(weights.params.values()),
+        local_buffers=dict(weights.buffers.values()),
+        specs={**specs, **input_specs},
+        strided=strided,
+        local_inputs=local_inputs,
+        global_shapes=weights.global_shapes,
+    )
 
 
 def shard_batch(batch, model: ParallelModule):
     """Cut a global batch the way ``model``'s plan wants its inputs (for ``local_inputs=True``)."""
     return model.shard_batch(batch)
-
-
-

@@ -10,6 +10,7 @@ deadlock before anything runs). Left open, the microbatches are the most (up to 
 that divide the batch, and the schedule is the one simulated fastest with the stage plans' cost
 estimates (``passes.pipeline_schedules.choose_schedule``).
 """
+
 from __future__ import annotations
 
 import json
@@ -39,6 +40,7 @@ __all__ = ["PipelineConfig", "build_pipeline"]
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class PipelineConfig:
     degree: int = 2
@@ -52,14 +54,15 @@ class PipelineConfig:
     """Stages per rank for ``interleaved`` (>= 2 there)."""
 
     @classmethod
-    def build(cls, value) -> "PipelineConfig":
+    def build(cls, value) -> PipelineConfig:
         if isinstance(value, PipelineConfig):
             cfg = value
         elif isinstance(value, dict):
             unknown = set(value) - {"degree", "schedule", "microbatches", "virtual_stages"}
             if unknown:
-                raise ValueError(f"unknown pipeline options {sorted(unknown)}; use degree, schedule, microbatches, "
-                                 f"virtual_stages")
+                raise ValueError(
+                    f"unknown pipeline options {sorted(unknown)}; use degree, schedule, microbatches, virtual_stages"
+                )
             cfg = cls(**value)
         else:
             raise TypeError(f"pipeline must be a dict or PipelineConfig, got {type(value).__name__}")
@@ -72,15 +75,17 @@ class PipelineConfig:
             raise ValueError(f"pipeline degree must be >= 1, got {cfg.degree}")
         return cfg
 
-    def resolve(self, batch: int) -> "PipelineConfig":
+    def resolve(self, batch: int) -> PipelineConfig:
         """Fill in the microbatches when not given: the largest of 4p, 2p, p that divides the
         batch (more microbatches, a smaller bubble). The schedule, when not given, is chosen
         once the stages are planned (:func:`passes.pipeline_schedules.choose_schedule`)."""
         p = self.degree
         m = self.microbatches or next((k for k in (4 * p, 2 * p, p) if batch % k == 0), 0)
         if not m:
-            raise ValueError(f"the batch ({batch}) does not split into {p} or more equal microbatches for "
-                             f"{p} pipeline stages; give pipeline={{'microbatches': k}} with k dividing the batch")
+            raise ValueError(
+                f"the batch ({batch}) does not split into {p} or more equal microbatches for "
+                f"{p} pipeline stages; give pipeline={{'microbatches': k}} with k dividing the batch"
+            )
         return PipelineConfig(self.degree, self.schedule, m, self.virtual_stages)
 
 
@@ -105,13 +110,18 @@ def _sent_placements(graph, plan, ndim) -> dict:
 
 def _choose(config: PipelineConfig, plans, graphs):
     """The schedule simulated fastest with the stage plans' cost estimates."""
-    forward, backward, weight = ps.stage_durations([plan.estimate() for plan in plans],
-                                                   [g.takes_activations for g in graphs])
-    logger.debug("pipeline: stage seconds per microbatch: forward %s, backward %s, weight %s", forward, backward,
-                 weight)
+    forward, backward, weight = ps.stage_durations(
+        [plan.estimate() for plan in plans], [g.takes_activations for g in graphs]
+    )
+    logger.debug(
+        "pipeline: stage seconds per microbatch: forward %s, backward %s, weight %s", forward, backward, weight
+    )
     name, steps = ps.choose_schedule(config.degree, config.microbatches, forward, backward, weight)
-    logger.info("pipeline: schedule %s chosen (simulated step with the stage estimates: %s)", name,
-                ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in sorted(steps.items(), key=lambda kv: kv[1])))
+    logger.info(
+        "pipeline: schedule %s chosen (simulated step with the stage estimates: %s)",
+        name,
+        ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in sorted(steps.items(), key=lambda kv: kv[1])),
+    )
     config = PipelineConfig(config.degree, name, config.microbatches, config.virtual_stages)
     return config, _make_schedule(config)
 
@@ -123,13 +133,26 @@ def _microbatch(example_inputs, m):
                 raise ValueError(f"the batch dim ({x.shape[0]}) does not split into {m} microbatches")
             return x[: x.shape[0] // m]
         return x
+
     if isinstance(example_inputs, dict):
         return {k: cut(v) for k, v in example_inputs.items()}
     return tuple(cut(v) for v in example_inputs)
 
 
-def build_pipeline(model, example_inputs, *, device_mesh, config, cluster, pins, memory_budget, objective,
-                   source, device, layers="auto"):
+def build_pipeline(
+    model,
+    example_inputs,
+    *,
+    device_mesh,
+    config,
+    cluster,
+    pins,
+    memory_budget,
+    objective,
+    source,
+    device,
+    layers="auto",
+):
     """The pipeline runner for this rank (``auto_parallelize(..., pipeline=...)``); the steps
     are the functions below, in this order. ``source``: where full weights come from
     (:class:`partitioner.weights.WeightSource`)."""
@@ -139,18 +162,35 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, cluster, pins,
     sub = _stage_mesh(full, device_mesh)
     tied = _shared_weights(cap, graphs)
     user_pins = _stage_pins(cap, graphs, pins, sub.ndim)
-    plans = _plan_stages(graphs, sub, tied, user_pins, schedule, config, model_name=type(model).__name__,
-                         cluster=cluster, memory_budget=memory_budget, objective=objective)
+    plans = _plan_stages(
+        graphs,
+        sub,
+        tied,
+        user_pins,
+        schedule,
+        config,
+        model_name=type(model).__name__,
+        cluster=cluster,
+        memory_budget=memory_budget,
+        objective=objective,
+    )
     if schedule is None:
         config, schedule = _choose(config, plans, graphs)
     stages = _build_stages(graphs, plans, schedule, full.coords[0], sub, source, cap, tied, device)
-    return PipelineRunner(stages=stages, schedule=schedule, stage_graphs=graphs,
-                          comm_pp=(device_mesh.get_group(0), full.coords[0], full.shape[0]),
-                          peer_rank=_peer_ranks(schedule, full), microbatches=config.microbatches,
-                          input_names=list(cap.user_inputs), in_spec=cap.exported.call_spec.in_spec,
-                          loss_name=_loss_name(graphs[-1]), carried_meta=_receive_buffers(graphs, plans, sub),
-                          plan={"stages": plans, "schedule": schedule, "layers": runs},
-                          tied=_tied_groups(tied, graphs, schedule, full))
+    return PipelineRunner(
+        stages=stages,
+        schedule=schedule,
+        stage_graphs=graphs,
+        comm_pp=(device_mesh.get_group(0), full.coords[0], full.shape[0]),
+        peer_rank=_peer_ranks(schedule, full),
+        microbatches=config.microbatches,
+        input_names=list(cap.user_inputs),
+        in_spec=cap.exported.call_spec.in_spec,
+        loss_name=_loss_name(graphs[-1]),
+        carried_meta=_receive_buffers(graphs, plans, sub),
+        plan={"stages": plans, "schedule": schedule, "layers": runs},
+        tied=_tied_groups(tied, graphs, schedule, full),
+    )
 
 
 # -- the steps ---------------------------------------------------------------------------------
@@ -160,16 +200,30 @@ def _resolve_config(config: PipelineConfig, full, example_inputs) -> tuple:
     """Check the degree against the mesh and fill in the microbatches; a given schedule is built
     (and checked) before any work, an open one (None) is chosen after planning the stages."""
     if full.shape[0] != config.degree:
-        raise ValueError(f"pipeline degree {config.degree} must equal the first mesh axis ({full.shape[0]}); "
-                         f"mesh {full.shape} = (pipeline, ...)")
-    batch = next((x.shape[0] for x in (example_inputs.values() if isinstance(example_inputs, dict) else example_inputs)
-                  if isinstance(x, torch.Tensor) and x.dim() > 0), 0)
+        raise ValueError(
+            f"pipeline degree {config.degree} must equal the first mesh axis ({full.shape[0]}); "
+            f"mesh {full.shape} = (pipeline, ...)"
+        )
+    batch = next(
+        (
+            x.shape[0]
+            for x in (example_inputs.values() if isinstance(example_inputs, dict) else example_inputs)
+            if isinstance(x, torch.Tensor) and x.dim() > 0
+        ),
+        0,
+    )
     resolved = config.resolve(batch)
     schedule = _make_schedule(resolved) if resolved.schedule is not None else None
     stages = schedule.num_stages if schedule is not None else resolved.degree
     how = "given" if config.microbatches else f"chosen: the most, up to 4 per stage, that divide the batch of {batch}"
-    logger.info("pipeline: %d ranks, %d stages, %d microbatches (%s), schedule %s", resolved.degree, stages,
-                resolved.microbatches, how, resolved.schedule or "chosen after planning the stages")
+    logger.info(
+        "pipeline: %d ranks, %d stages, %d microbatches (%s), schedule %s",
+        resolved.degree,
+        stages,
+        resolved.microbatches,
+        how,
+        resolved.schedule or "chosen after planning the stages",
+    )
     return resolved, schedule
 
 
@@ -221,15 +275,18 @@ def _stage_pins(cap, graphs, pins, ndim) -> list:
             chosen[key] = value
             logger.debug("pipeline: pin %r binds in stage %d", key, g.index)
         if not any(key in chosen for chosen in per_stage):
-            resolve_pins(cap, {key: value}, ndim)   # raises the error naming what the model has
-            raise ValueError(f"pin {key!r} matches the model but no pipeline stage's graph: pin the parameter, "
-                             f"input or module inside a stage instead (a stage boundary value is placed by the "
-                             f"stage that produces it)")
+            resolve_pins(cap, {key: value}, ndim)  # raises the error naming what the model has
+            raise ValueError(
+                f"pin {key!r} matches the model but no pipeline stage's graph: pin the parameter, "
+                f"input or module inside a stage instead (a stage boundary value is placed by the "
+                f"stage that produces it)"
+            )
     return per_stage
 
 
-def _plan_stages(graphs, sub, tied, user_pins, schedule, config, *, model_name, cluster, memory_budget,
-                 objective) -> list:
+def _plan_stages(
+    graphs, sub, tied, user_pins, schedule, config, *, model_name, cluster, memory_budget, objective
+) -> list:
     """Rank 0 plans the stages in order on the stage mesh and broadcasts the plans.
 
     ``user_pins``: the user's pins per stage (:func:`_stage_pins`). Weights shared by stages are
@@ -238,19 +295,29 @@ def _plan_stages(graphs, sub, tied, user_pins, schedule, config, *, model_name, 
     plan holds as many microbatches' activations as the schedule keeps alive (for an open
     schedule: the most any automatic one does)."""
     tied_names = {n for names in tied for n in names}
-    copies = ps.stage_in_flight(schedule) if schedule is not None else \
-        ps.auto_stage_in_flight(config.degree, config.microbatches)
+    copies = (
+        ps.stage_in_flight(schedule)
+        if schedule is not None
+        else ps.auto_stage_in_flight(config.degree, config.microbatches)
+    )
 
     def plan_all():
-        plans, sent_as = [], {}    # sent_as: activation -> the placement its producing stage sends it in
+        plans, sent_as = [], {}  # sent_as: activation -> the placement its producing stage sends it in
         for g, chosen in zip(graphs, user_pins):
             stage_pins = {name: ["R"] * len(sub.shape) for name in g.inputs if name in tied_names}
             stage_pins.update(chosen)
             stage_pins.update({name: sent_as[name] for name in g.activation_inputs})
-            made = plan_captured(g.captured, model_name=f"{model_name} stage {g.index}",
-                                 mesh_shape=sub.shape, mesh_axis_names=sub.axis_names, cluster=cluster,
-                                 memory_budget=memory_budget, pins=stage_pins, objective=objective,
-                                 activation_copies=copies[g.index])
+            made = plan_captured(
+                g.captured,
+                model_name=f"{model_name} stage {g.index}",
+                mesh_shape=sub.shape,
+                mesh_axis_names=sub.axis_names,
+                cluster=cluster,
+                memory_budget=memory_budget,
+                pins=stage_pins,
+                objective=objective,
+                activation_copies=copies[g.index],
+            )
             plans.append(made.to_json())
             sent_as.update(_sent_placements(g, made, len(sub.shape)))
         return plans
@@ -266,10 +333,22 @@ def _build_stages(graphs, plans, schedule, pp_coord, sub, source, cap, tied, dev
             continue
         records = {r["name"]: r for r in plans[s].records}
         program = lower_to_local(g.captured.graph, records, sub, device=device)
-        weights, specs, strided = load_local_weights(g.captured, records, sub, source, device,
-                                                     exported=cap.exported, tied=[sorted(t) for t in tied])
-        owned[s] = StageProgram(s, program, g.inputs, g.outputs, weights.params, weights.buffers, specs, sub, plans[s],
-                                strided, activations=g.activation_inputs)
+        weights, specs, strided = load_local_weights(
+            g.captured, records, sub, source, device, exported=cap.exported, tied=[sorted(t) for t in tied]
+        )
+        owned[s] = StageProgram(
+            s,
+            program,
+            g.inputs,
+            g.outputs,
+            weights.params,
+            weights.buffers,
+            specs,
+            sub,
+            plans[s],
+            strided,
+            activations=g.activation_inputs,
+        )
     return owned
 
 
@@ -317,7 +396,7 @@ def _tied_groups(tied, graphs, schedule, full) -> list:
         if len(owners) < 2:
             continue
         group = None
-        for index in range(sub_size):   # every rank creates every group, in the same order
+        for index in range(sub_size):  # every rank creates every group, in the same order
             made = dist.new_group([o * sub_size + index for o in owners])
             if index == sub_index:
                 group = made

@@ -17,6 +17,7 @@ shows (:func:`partitioner.plan_table.shown_rows`):
 ``verbose=True`` draws every node of the first layer of each block, views and mask rows
 included.
 """
+
 from __future__ import annotations
 
 import html
@@ -26,8 +27,20 @@ from partitioner.plan_table import SHORT, block_first_index, hidden_view, mask_i
 
 __all__ = ["plan_to_dot"]
 
-_PALETTE = ["#cfe2f3", "#d9ead3", "#fff2cc", "#f4cccc", "#d9d2e9", "#fce5cd", "#d0e0e3", "#ead1dc",
-            "#b6d7a8", "#a4c2f4", "#ffe599", "#ea9999"]
+_PALETTE = [
+    "#cfe2f3",
+    "#d9ead3",
+    "#fff2cc",
+    "#f4cccc",
+    "#d9d2e9",
+    "#fce5cd",
+    "#d0e0e3",
+    "#ead1dc",
+    "#b6d7a8",
+    "#a4c2f4",
+    "#ffe599",
+    "#ea9999",
+]
 
 
 def _counterparts(records) -> dict:
@@ -90,10 +103,15 @@ def plan_to_dot(plan, *, include_params: bool = True, verbose: bool = False) -> 
             return source(r["inputs"][0], seen + (name,))
         return None, None
 
-    colours, lines = {}, ["digraph partita_plan {",
-                          '  rankdir=TB; node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=10];',
-                          f'  label="{html.escape(plan.data.get("model", "?"))} on mesh {plan.mesh_shape} '
-                          f'({", ".join(plan.axis_names)})"; labelloc=t;']
+    colours, lines = (
+        {},
+        [
+            "digraph partita_plan {",
+            '  rankdir=TB; node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=10];',
+            f'  label="{html.escape(plan.data.get("model", "?"))} on mesh {plan.mesh_shape} '
+            f'({", ".join(plan.axis_names)})"; labelloc=t;',
+        ],
+    )
     folded_into = Counter(folded.values())
     by_block = defaultdict(list)
     for r in rows:
@@ -109,15 +127,17 @@ def plan_to_dot(plan, *, include_params: bool = True, verbose: bool = False) -> 
             lines += [f"  {n}" for n in nodes]
             continue
         note = _layers_note(blocks.get(label, {"label": label, "prefix": label.rsplit(".[", 1)[0], "count": "?"}))
-        lines.append(f'  subgraph cluster_{i} {{ label="{html.escape(note)}"; style="rounded,dashed"; '
-                     f'color="#666666"; fontname="Helvetica";')
+        lines.append(
+            f'  subgraph cluster_{i} {{ label="{html.escape(note)}"; style="rounded,dashed"; '
+            f'color="#666666"; fontname="Helvetica";'
+        )
         lines += [f"    {n}" for n in nodes]
         lines.append("  }")
     drawn_edges = set()
     for r in rows + [r for r in plan.records if r["kind"] == "output"]:
         dst = r["name"] if r["kind"] != "output" else "output"
         for k, src in enumerate(r.get("inputs", [])):
-            if src in folded:       # the inputs the folded rows read, drawn dotted
+            if src in folded:  # the inputs the folded rows read, drawn dotted
                 for drawn in sorted(inputs_behind(src)):
                     edge = f'  "{drawn}" -> "{dst}" [style=dotted, label="mask/index"];'
                     if edge not in drawn_edges:
@@ -134,8 +154,12 @@ def plan_to_dot(plan, *, include_params: bool = True, verbose: bool = False) -> 
             if comm:
                 text = " ".join(f"{SHORT.get(c['kind'], c['kind'])}@{c['axis']}({c['phase']})" for c in comm)
                 attrs = [a for a in attrs if not a.startswith("label=")]
-                attrs += ["color=red", "penwidth=2", "fontcolor=red",
-                          f'label="{text}' + (f" from {html.escape(layer)}" if layer else "") + '"']
+                attrs += [
+                    "color=red",
+                    "penwidth=2",
+                    "fontcolor=red",
+                    f'label="{text}' + (f" from {html.escape(layer)}" if layer else "") + '"',
+                ]
             edge = f'  "{drawn}" -> "{dst}"' + (f" [{', '.join(attrs)}]" if attrs else "") + ";"
             if edge not in drawn_edges:
                 drawn_edges.add(edge)

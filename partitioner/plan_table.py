@@ -21,19 +21,46 @@ axis (``AR@tp x2, AG@dp``) in the last column and wrap there, over-long names ar
 from the left, and free text wraps. ``wide=True`` prints every column in full (cells up to 48
 characters, collectives with their phase and bytes) on lines as long as they need.
 """
+
 from __future__ import annotations
 
 import textwrap
 from collections import Counter
 
-__all__ = ["WIDTH", "mask_index_rows", "hidden_view", "block_first_index", "block_of", "shown_rows",
-           "relative_path", "plan_table", "short_collectives"]
+__all__ = [
+    "WIDTH",
+    "mask_index_rows",
+    "hidden_view",
+    "block_first_index",
+    "block_of",
+    "shown_rows",
+    "relative_path",
+    "plan_table",
+    "short_collectives",
+]
 
 WIDTH = 120
 SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
-_VIEW_OPS = {"aten.view", "aten.reshape", "aten.transpose", "aten.permute", "aten.unsqueeze", "aten.contiguous",
-             "aten.expand", "aten.alias", "aten.to", "aten._to_copy", "aten.slice", "aten.select",
-             "aten.squeeze", "aten.flatten", "aten.split", "aten.chunk", "aten._unsafe_view", "aten.t"}
+_VIEW_OPS = {
+    "aten.view",
+    "aten.reshape",
+    "aten.transpose",
+    "aten.permute",
+    "aten.unsqueeze",
+    "aten.contiguous",
+    "aten.expand",
+    "aten.alias",
+    "aten.to",
+    "aten._to_copy",
+    "aten.slice",
+    "aten.select",
+    "aten.squeeze",
+    "aten.flatten",
+    "aten.split",
+    "aten.chunk",
+    "aten._unsafe_view",
+    "aten.t",
+}
 
 
 def _is_float(dtype) -> bool:
@@ -49,8 +76,10 @@ def mask_index_rows(records) -> dict:
     for r in records:
         if r["kind"] != "op" or r.get("comm"):
             continue
-        if all(src in rows or (by_name.get(src, {}).get("kind") == "input" and not _is_float(by_name[src].get("dtype")))
-               for src in r.get("inputs", [])):
+        if all(
+            src in rows or (by_name.get(src, {}).get("kind") == "input" and not _is_float(by_name[src].get("dtype")))
+            for src in r.get("inputs", [])
+        ):
             rows.add(r["name"])
     consumer = {}
     for r in records:
@@ -106,7 +135,7 @@ def relative_path(path: str, base: str) -> str:
         return path or ""
     if path == base:
         return "(layer)"
-    return path[len(base) + 1:] if path.startswith(base + ".") else path
+    return path[len(base) + 1 :] if path.startswith(base + ".") else path
 
 
 def _collective_items(comm) -> list:
@@ -128,11 +157,11 @@ def _placement(r) -> str:
 
 
 def _cut_left(text: str, width: int) -> str:
-    return text if len(text) <= width else "…" + text[len(text) - width + 1:]
+    return text if len(text) <= width else "…" + text[len(text) - width + 1 :]
 
 
 def _cut_right(text: str, width: int) -> str:
-    return text if len(text) <= width else text[:width - 1] + "…"
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _wrap_items(items: list, width: int) -> list:
@@ -162,20 +191,40 @@ def _fit(widths: list, floors: list, limit: int) -> list:
 
 def _wide_table(plan, rows, heads) -> list:
     from partitioner.sharding_plan import _fmt_bytes, _fmt_time
-    header = ["node", "module", "op", "shape", "placement " + "×".join(plan.axis_names), "local shape",
-              "communication", "time", "memory"]
+
+    header = [
+        "node",
+        "module",
+        "op",
+        "shape",
+        "placement " + "×".join(plan.axis_names),
+        "local shape",
+        "communication",
+        "time",
+        "memory",
+    ]
     cells = []
     for r in rows:
         if r["name"] in heads:
             cells.append([heads[r["name"]]])
-        comm = "; ".join(f"{SHORT.get(c['kind'], c['kind'])}@{c['axis']} {c['phase']} {_fmt_bytes(c['bytes'])}"
-                         for c in r["comm"])
+        comm = "; ".join(
+            f"{SHORT.get(c['kind'], c['kind'])}@{c['axis']} {c['phase']} {_fmt_bytes(c['bytes'])}" for c in r["comm"]
+        )
         local = r.get("local_shapes") or [None]
         t = r.get("compute_s", 0.0) + sum(c["time_s"] for c in r["comm"])
-        cells.append([r["fqn"] if r["kind"] in ("param", "input", "buffer") else r["name"], r["module"] or "",
-                      r["target"].replace("aten.", "").replace(".default", ""),
-                      _dims(r["shapes"][0]) if r["shapes"] else "", _placement(r), _dims(local[0]), comm,
-                      _fmt_time(t) if t else "", _fmt_bytes(r["memory"]) if r.get("memory") else ""])
+        cells.append(
+            [
+                r["fqn"] if r["kind"] in ("param", "input", "buffer") else r["name"],
+                r["module"] or "",
+                r["target"].replace("aten.", "").replace(".default", ""),
+                _dims(r["shapes"][0]) if r["shapes"] else "",
+                _placement(r),
+                _dims(local[0]),
+                comm,
+                _fmt_time(t) if t else "",
+                _fmt_bytes(r["memory"]) if r.get("memory") else "",
+            ]
+        )
     widths = [len(h) for h in header]
     for row in cells:
         if len(row) == len(header):
@@ -186,8 +235,8 @@ def _wide_table(plan, rows, heads) -> list:
 
 def _narrow_table(plan, rows, heads, bases, limit) -> list:
     from partitioner.sharding_plan import _fmt_bytes, _fmt_time
-    header = ["node", "module", "shape", "placement " + "×".join(plan.axis_names), "time", "memory",
-              "communication"]
+
+    header = ["node", "module", "shape", "placement " + "×".join(plan.axis_names), "time", "memory", "communication"]
     cells = []
     for r in rows:
         if r["name"] in heads:
@@ -195,10 +244,17 @@ def _narrow_table(plan, rows, heads, bases, limit) -> list:
         base = bases.get(r["name"], "")
         name = r["fqn"] if r["kind"] in ("param", "input", "buffer") and r.get("fqn") else r["name"]
         t = r.get("compute_s", 0.0) + sum(c["time_s"] for c in r["comm"])
-        cells.append([relative_path(name, base), relative_path(r["module"] or "", base),
-                      _dims(r["shapes"][0]) if r["shapes"] else "", _placement(r),
-                      _fmt_time(t) if t else "", _fmt_bytes(r["memory"]) if r.get("memory") else "",
-                      _collective_items(r["comm"])])
+        cells.append(
+            [
+                relative_path(name, base),
+                relative_path(r["module"] or "", base),
+                _dims(r["shapes"][0]) if r["shapes"] else "",
+                _placement(r),
+                _fmt_time(t) if t else "",
+                _fmt_bytes(r["memory"]) if r.get("memory") else "",
+                _collective_items(r["comm"]),
+            ]
+        )
     table = [c for c in cells if not isinstance(c, str)]
     natural = [max([len(header[i])] + [len(row[i]) for row in table]) for i in range(6)]
     natural.append(max([len(header[6])] + [len(", ".join(row[6])) for row in table]))
@@ -206,8 +262,15 @@ def _narrow_table(plan, rows, heads, bases, limit) -> list:
     # How far each column may shrink: names and modules are cut from the left, shapes and
     # placements from the right, collectives wrap (no narrower than their longest item);
     # time and memory keep their width.
-    floors = [14, 12, 9, len(header[3]), widths[4], widths[5],
-              max([10] + [len(item) + 1 for row in table for item in row[6]])]
+    floors = [
+        14,
+        12,
+        9,
+        len(header[3]),
+        widths[4],
+        widths[5],
+        max([10] + [len(item) + 1 for row in table for item in row[6]]),
+    ]
     widths = _fit(widths, [min(f, w) for f, w in zip(floors, widths, strict=True)], limit)
     cut = [_cut_left, _cut_left, _cut_right, _cut_right, _cut_right, _cut_right]
 
@@ -227,6 +290,7 @@ def _narrow_table(plan, rows, heads, bases, limit) -> list:
 
 def _folded_note(plan, folded: dict, limit, wide) -> list:
     from partitioner.sharding_plan import _fmt_bytes, _fmt_time
+
     if not folded:
         return []
     by_name = {r["name"]: r for r in plan.records}
@@ -234,18 +298,22 @@ def _folded_note(plan, folded: dict, limit, wide) -> list:
     seconds = sum(by_name[n].get("compute_s", 0.0) for n in folded)
     memory = sum(by_name[n].get("memory", 0.0) for n in folded)
     order = {r["name"]: i for i, r in enumerate(plan.records)}
-    into = ", ".join(f"{c} ({n})" for c, n in sorted(per_consumer.items(), key=lambda kv: order.get(kv[0], -1))
-                     if c is not None)
+    into = ", ".join(
+        f"{c} ({n})" for c, n in sorted(per_consumer.items(), key=lambda kv: order.get(kv[0], -1)) if c is not None
+    )
     unused = f"; {per_consumer[None]} used by nothing" if per_consumer.get(None) else ""
-    text = (f"folded: {len(folded)} mask/index rows (no parameter or activation reaches them; "
-            f"{_fmt_time(seconds)}, {_fmt_bytes(memory)} in all) into the node that uses them: {into or '-'}{unused}. "
-            f"summary(verbose=True) or --verbose-table lists them.")
+    text = (
+        f"folded: {len(folded)} mask/index rows (no parameter or activation reaches them; "
+        f"{_fmt_time(seconds)}, {_fmt_bytes(memory)} in all) into the node that uses them: {into or '-'}{unused}. "
+        f"summary(verbose=True) or --verbose-table lists them."
+    )
     return [text] if wide else textwrap.wrap(text, limit, subsequent_indent="  ")
 
 
 def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = WIDTH) -> str:
     """The plan as a table, its estimate and solver statistics (see the module docstring)."""
     from partitioner.sharding_plan import _fmt_bytes
+
     blocks = {b["label"]: b for b in plan.data.get("blocks", [])}
     rows = shown_rows(plan, verbose=verbose)
     heads, bases, seen = {}, {}, set()
@@ -258,11 +326,15 @@ def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = 
         if block["label"] not in seen:
             seen.add(block["label"])
             where = "" if wide else f" (names relative to {base})"
-            heads[r["name"]] = (f"── {block['label']}  ×{block['count']} identical blocks, shown once{where}; "
-                                f"times and bytes are per block")
-    title = (f"Sharding plan for {plan.data.get('model', '?')} on mesh {plan.mesh_shape} "
-             f"({', '.join(plan.axis_names)}), cluster {plan.data['cluster']['name']}, budget "
-             f"{_fmt_bytes(plan.data['budget']) if plan.data.get('budget') else 'none'}")
+            heads[r["name"]] = (
+                f"── {block['label']}  ×{block['count']} identical blocks, shown once{where}; "
+                f"times and bytes are per block"
+            )
+    title = (
+        f"Sharding plan for {plan.data.get('model', '?')} on mesh {plan.mesh_shape} "
+        f"({', '.join(plan.axis_names)}), cluster {plan.data['cluster']['name']}, budget "
+        f"{_fmt_bytes(plan.data['budget']) if plan.data.get('budget') else 'none'}"
+    )
     lines = [title] if wide else textwrap.wrap(title, width, subsequent_indent="  ")
     lines += _wide_table(plan, rows, heads) if wide else _narrow_table(plan, rows, heads, bases, width)
     lines.append("")
@@ -271,6 +343,8 @@ def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = 
     lines += _folded_note(plan, {} if verbose else mask_index_rows(plan.records), width, wide)
     stats = plan.data.get("stats", {})
     if stats:
-        lines.append(f"solver: {stats.get('decisions')} decisions, {stats.get('options')} options, "
-                     f"{stats.get('edges')} edges; solved in {stats.get('solve_s', 0):.2f} s")
+        lines.append(
+            f"solver: {stats.get('decisions')} decisions, {stats.get('options')} options, "
+            f"{stats.get('edges')} edges; solved in {stats.get('solve_s', 0):.2f} s"
+        )
     return "\n".join(lines)

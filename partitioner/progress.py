@@ -16,6 +16,7 @@ convenience (:func:`verbose_to_stderr`): for the duration of the call, a handler
 ``partitioner`` logger writes its INFO records to stderr, prefixed ``[partita <seconds>s]``
 (``[partita rank <r> <seconds>s]`` inside a job), seconds counted from the call's start.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -85,8 +86,10 @@ def progress_to_stderr(enabled: bool = True):
 def verbose_to_stderr(fn):
     """For an API function with a ``verbose=False`` keyword: ``verbose=True`` runs the call
     inside :func:`progress_to_stderr`."""
+
     @functools.wraps(fn)
     def call(*args, **kwargs):
         with progress_to_stderr(bool(kwargs.get("verbose"))):
             return fn(*args, **kwargs)
+
     return call

@@ -10,6 +10,7 @@ graph differs.
 Communication volumes are payloads (the buffer a collective reduces or gathers), per device
 per training step, keyed by collective kind and mesh axis name.
 """
+
 from __future__ import annotations
 
 import json
@@ -68,11 +69,19 @@ class Estimate:
         return sum(v for per_axis in self.comm_bytes.values() for v in per_axis.values())
 
     def __str__(self) -> str:
-        comm = ", ".join(f"{_SHORT.get(k, k)}@{a} {_fmt_bytes(v)}" for k, axes in sorted(self.comm_bytes.items())
-                         for a, v in sorted(axes.items())) or "none"
-        return (f"step {_fmt_time(self.step_time_s)} (compute {_fmt_time(self.compute_s)}, communication "
-                f"{_fmt_time(self.comm_s)}); memory {_fmt_bytes(self.memory_bytes)} per device; "
-                f"communication per device: {comm}")
+        comm = (
+            ", ".join(
+                f"{_SHORT.get(k, k)}@{a} {_fmt_bytes(v)}"
+                for k, axes in sorted(self.comm_bytes.items())
+                for a, v in sorted(axes.items())
+            )
+            or "none"
+        )
+        return (
+            f"step {_fmt_time(self.step_time_s)} (compute {_fmt_time(self.compute_s)}, communication "
+            f"{_fmt_time(self.comm_s)}); memory {_fmt_bytes(self.memory_bytes)} per device; "
+            f"communication per device: {comm}"
+        )
 
 
 @dataclass
@@ -93,9 +102,11 @@ class PlanDiff:
         if not self.same_graph:
             lines.append("note: the plans were made for different graphs; nodes are matched by name")
         a, b = self.estimate_here, self.estimate_there
-        lines.append(f"step time {_fmt_time(a.step_time_s)} -> {_fmt_time(b.step_time_s)}; memory "
-                     f"{_fmt_bytes(a.memory_bytes)} -> {_fmt_bytes(b.memory_bytes)}; communication "
-                     f"{_fmt_bytes(a.total_comm_bytes())} -> {_fmt_bytes(b.total_comm_bytes())}")
+        lines.append(
+            f"step time {_fmt_time(a.step_time_s)} -> {_fmt_time(b.step_time_s)}; memory "
+            f"{_fmt_bytes(a.memory_bytes)} -> {_fmt_bytes(b.memory_bytes)}; communication "
+            f"{_fmt_bytes(a.total_comm_bytes())} -> {_fmt_bytes(b.total_comm_bytes())}"
+        )
         if not self:
             lines.append("placements: identical")
         for name, module, here, there in self.changed:
@@ -150,7 +161,8 @@ class ShardingPlan:
                 f"this plan was made for a different graph (plan fingerprint {self.fingerprint}, {what} has "
                 f"{fingerprint}; the plan is for {self.data.get('model', '?')} with inputs "
                 f"{self.data.get('inputs', {})}). Plan again for this model, or capture it with the same "
-                f"example input shapes the plan was made with.")
+                f"example input shapes the plan was made with."
+            )
 
     # -- estimate ------------------------------------------------------------------------
     def estimate(self) -> Estimate:
@@ -166,9 +178,15 @@ class ShardingPlan:
                 comm[c["kind"]][c["axis"]] += c["bytes"]
                 phases[c["phase"]][c["kind"]][c["axis"]] += c["bytes"]
         as_dict = lambda d: {k: dict(v) for k, v in d.items()}  # noqa: E731
-        return Estimate(step_time_s=compute + comm_t, compute_s=compute, comm_s=comm_t, memory_bytes=memory,
-                        comm_bytes=as_dict(comm), comm_bytes_by_phase={p: as_dict(v) for p, v in phases.items()},
-                        weight_grad_s=weight)
+        return Estimate(
+            step_time_s=compute + comm_t,
+            compute_s=compute,
+            comm_s=comm_t,
+            memory_bytes=memory,
+            comm_bytes=as_dict(comm),
+            comm_bytes_by_phase={p: as_dict(v) for p, v in phases.items()},
+            weight_grad_s=weight,
+        )
 
     # -- presentation ----------------------------------------------------------------------
     def summary(self, *, verbose: bool = False, wide: bool = False) -> str:
@@ -179,6 +197,7 @@ class ShardingPlan:
         ``wide=True`` every column in full. See :mod:`partitioner.plan_table`.
         """
         from partitioner.plan_table import plan_table
+
         return plan_table(self, verbose=verbose, wide=wide)
 
     def __str__(self) -> str:
@@ -186,17 +205,26 @@ class ShardingPlan:
 
     def __repr__(self) -> str:
         e = self.estimate()
-        return (f"ShardingPlan(model={self.data.get('model')}, mesh={self.mesh_shape}, "
-                f"step={_fmt_time(e.step_time_s)}, memory={_fmt_bytes(e.memory_bytes)})")
+        return (
+            f"ShardingPlan(model={self.data.get('model')}, mesh={self.mesh_shape}, "
+            f"step={_fmt_time(e.step_time_s)}, memory={_fmt_bytes(e.memory_bytes)})"
+        )
 
     def explain(self, target: str) -> str:
         """Why the node(s) of ``target`` (module path, parameter FQN or node name) are placed so."""
-        hits = [r for r in self.records
-                if r["name"] == target or r.get("fqn") == target or r["module"] == target
-                or r["module"].startswith(target + ".")]
+        hits = [
+            r
+            for r in self.records
+            if r["name"] == target
+            or r.get("fqn") == target
+            or r["module"] == target
+            or r["module"].startswith(target + ".")
+        ]
         if not hits:
-            raise KeyError(f"nothing in this plan is named {target!r}: give a module path, a parameter FQN or a "
-                           f"node name (see plan.summary(verbose=True))")
+            raise KeyError(
+                f"nothing in this plan is named {target!r}: give a module path, a parameter FQN or a "
+                f"node name (see plan.summary(verbose=True))"
+            )
         alts = self.data.get("alternatives", {})
         leader_of = {m: leader for leader, a in alts.items() for m in a["members"]}
         lines, seen = [], set()
@@ -214,14 +242,20 @@ class ShardingPlan:
             seen.add(leader)
             a = alts[leader]
             shared = f", decided once for {a['count']} identical nodes" if a["count"] > 1 else ""
-            lines += textwrap.wrap(f"{label} ({r['target']}, module {r['module'] or 'top'}){shared}: options by "
-                                   f"cost given its neighbours' choices (time includes its compute and the "
-                                   f"resharding on its edges):", 120, subsequent_indent="    ")
+            lines += textwrap.wrap(
+                f"{label} ({r['target']}, module {r['module'] or 'top'}){shared}: options by "
+                f"cost given its neighbours' choices (time includes its compute and the "
+                f"resharding on its edges):",
+                120,
+                subsequent_indent="    ",
+            )
             for o in a["options"]:
                 mark = "->" if o["chosen"] else "  "
                 ins = ", ".join("-" if s is None else s for s in o["ins"]) or "-"
-                lines.append(f"  {mark} out {o['out'][0]:<18} in {ins:<40} {_fmt_time(o['time_s']):>12}  "
-                             f"{_fmt_bytes(o['memory']):>10}")
+                lines.append(
+                    f"  {mark} out {o['out'][0]:<18} in {ins:<40} {_fmt_time(o['time_s']):>12}  "
+                    f"{_fmt_bytes(o['memory']):>10}"
+                )
         return "\n".join(lines)
 
     def diff(self, other: ShardingPlan) -> PlanDiff:
@@ -233,8 +267,9 @@ class ShardingPlan:
             elif r["out"] != o["out"] or r["ins"] != o["ins"]:
                 changed.append((r["name"], r["module"], " ".join(r["out"]), " ".join(o["out"])))
         only_there = [n for n in other._by_name if n not in self._by_name]
-        return PlanDiff(changed, only_here, only_there, self.estimate(), other.estimate(),
-                        self.fingerprint == other.fingerprint)
+        return PlanDiff(
+            changed, only_here, only_there, self.estimate(), other.estimate(), self.fingerprint == other.fingerprint
+        )
 
     # -- serialisation -----------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -256,8 +291,10 @@ class ShardingPlan:
             raise ValueError("not a Partita sharding plan (missing format marker 'partita.sharding_plan')")
         version = data.get("version")
         if version != PLAN_VERSION:
-            raise ValueError(f"sharding plan version {version} is not supported by this Partita "
-                             f"(reads version {PLAN_VERSION}); plan again with this version")
+            raise ValueError(
+                f"sharding plan version {version} is not supported by this Partita "
+                f"(reads version {PLAN_VERSION}); plan again with this version"
+            )
         return cls(data)
 
     @classmethod

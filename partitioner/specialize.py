@@ -18,6 +18,7 @@ shapes) pair, it asks a :class:`Specializer` for a program that serves it, and k
 
 Every rank makes the same calls in the same order (SPMD), so the re-plan's broadcast lines up.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,15 +59,17 @@ class Specializer:
 
     def __init__(self, model, *, plan, comm, device, layers, param_specs: dict, strided: dict, plan_kwargs: dict):
         self.model, self.plan, self.comm, self.device, self.layers = model, plan, comm, device, layers
-        self.param_specs = param_specs      # FQN -> placement the weight is stored in
-        self.strided = strided              # FQN -> {axis: pieces}
-        self.plan_kwargs = plan_kwargs      # cluster, memory_budget, objective for a re-plan
+        self.param_specs = param_specs  # FQN -> placement the weight is stored in
+        self.strided = strided  # FQN -> {axis: pieces}
+        self.plan_kwargs = plan_kwargs  # cluster, memory_budget, objective for a re-plan
         self.structure = plan.data.get("structure")
 
     def __call__(self, training: bool, args, kwargs) -> Variant:
         if args and kwargs:
-            raise TypeError("a call with both positional and keyword arguments cannot be captured again; pass the "
-                            "inputs the way the example inputs were passed")
+            raise TypeError(
+                "a call with both positional and keyword arguments cannot be captured again; pass the "
+                "inputs the way the example inputs were passed"
+            )
         with in_mode(self.model, training):
             cap = capture_model(self.model, dict(kwargs) if kwargs else tuple(args), layers=self.layers)
         analyze(cap)
@@ -91,27 +94,40 @@ class Specializer:
         shared = {}
         for node in cap.graph.nodes:
             record = old.get(node.name)
-            if record and record.get("decision") == "leader" and len(record.get("out") or ()) == 1 and record["out"][0] \
-                    and record["target"] == (op_name(node.target) if node.op == "call_function" else node.op) \
-                    and [list(s) if s is not None else None for s in info(node).out_shapes] == record["shapes"]:
+            if (
+                record
+                and record.get("decision") == "leader"
+                and len(record.get("out") or ()) == 1
+                and record["out"][0]
+                and record["target"] == (op_name(node.target) if node.op == "call_function" else node.op)
+                and [list(s) if s is not None else None for s in info(node).out_shapes] == record["shapes"]
+            ):
                 shared[node.name] = record["out"][0]
         pins = {}
         for table in (cap.params, cap.buffers):
             for placeholder, fqn in table.items():
                 if fqn not in self.param_specs:
-                    raise ValueError(f"the model in {mode} mode uses {fqn}, which the parallel model does not hold; "
-                                     f"make the parallel model in {mode} mode")
+                    raise ValueError(
+                        f"the model in {mode} mode uses {fqn}, which the parallel model does not hold; "
+                        f"make the parallel model in {mode} mode"
+                    )
                 pins[placeholder] = format_spec(self.param_specs[fqn])
         logger.info("planning the %s-mode program with the weights where they are stored", mode)
 
         def make_plan():
             def solve(fixed):
-                return plan_captured(cap, model_name=self.plan.data.get("model", "model") + f" ({mode})",
-                                     mesh_shape=self.comm.shape, mesh_axis_names=self.comm.axis_names, pins=fixed,
-                                     **self.plan_kwargs).to_json()
+                return plan_captured(
+                    cap,
+                    model_name=self.plan.data.get("model", "model") + f" ({mode})",
+                    mesh_shape=self.comm.shape,
+                    mesh_axis_names=self.comm.axis_names,
+                    pins=fixed,
+                    **self.plan_kwargs,
+                ).to_json()
+
             try:
                 return solve({**shared, **pins})
-            except ValueError as e:   # a shared node's placement is unreachable in the new graph
+            except ValueError as e:  # a shared node's placement is unreachable in the new graph
                 logger.info("the %s-mode graph cannot keep every shared placement (%s); keeping the weights'", mode, e)
                 return solve(pins)
 
@@ -120,6 +136,8 @@ class Specializer:
         strided = strided_parameters(cap.graph, records, self.comm)
         for fqn in cap.params.values():
             if strided.get(fqn) != self.strided.get(fqn):
-                raise ValueError(f"in {mode} mode {fqn} would need another layout ({strided.get(fqn)} instead of "
-                                 f"{self.strided.get(fqn)}); make the parallel model in {mode} mode")
+                raise ValueError(
+                    f"in {mode} mode {fqn} would need another layout ({strided.get(fqn)} instead of "
+                    f"{self.strided.get(fqn)}); make the parallel model in {mode} mode"
+                )
         return records

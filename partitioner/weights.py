@@ -14,6 +14,7 @@ weights the same way, in three steps:
    ``lm_head``) one local tensor, so the module built from them holds one Parameter; names the
    plan placed differently are refused.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -37,8 +38,14 @@ class WeightSource:
     """Where full weights come from (see the module docstring for the lookup order)."""
 
     def __init__(self, model: torch.nn.Module, state_dict=None, checkpoint=None):
-        self.model_state = None if on_meta(model) else {**dict(model.named_parameters(remove_duplicate=False)),
-                                                        **dict(model.named_buffers(remove_duplicate=False))}
+        self.model_state = (
+            None
+            if on_meta(model)
+            else {
+                **dict(model.named_parameters(remove_duplicate=False)),
+                **dict(model.named_buffers(remove_duplicate=False)),
+            }
+        )
         self.given = state_dict
         if checkpoint is not None:
             self.given = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
@@ -97,8 +104,10 @@ def tie_weights(weights: LocalWeights, groups, specs: dict, strided: dict) -> No
         for name in names[1:]:
             fqn = (weights.params.get(name) or weights.buffers.get(name))[0]
             if specs[name] != specs[first] or strided.get(fqn) != strided.get(first_fqn):
-                raise ValueError(f"{fqn} and {first_fqn} are one tied tensor but the plan places them differently "
-                                 f"({format_spec(specs[name])} vs {format_spec(specs[first])}); pin both alike")
+                raise ValueError(
+                    f"{fqn} and {first_fqn} are one tied tensor but the plan places them differently "
+                    f"({format_spec(specs[name])} vs {format_spec(specs[first])}); pin both alike"
+                )
             if name in table:
                 table[name] = (fqn, shared)
 
@@ -107,8 +116,11 @@ def load_local_weights(cap, records: dict, comm, source: WeightSource, device, *
     """Steps 2 and 3 for one planned graph: ``records`` (node name -> plan record) place its
     placeholders; ``tied``: groups of tied placeholder names. Returns (LocalWeights, placeholder
     name -> spec for every placeholder, FQN -> strided layout)."""
-    specs = {node.name: parse_spec(records[node.name]["out"][0], comm.ndim)
-             for node in cap.graph.nodes if node.op == "placeholder"}
+    specs = {
+        node.name: parse_spec(records[node.name]["out"][0], comm.ndim)
+        for node in cap.graph.nodes
+        if node.op == "placeholder"
+    }
     strided = strided_parameters(cap.graph, records, comm)
     weights = shard_weights(cap, specs, comm, strided, source, device, exported)
     tie_weights(weights, tied, specs, strided)

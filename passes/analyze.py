@@ -6,6 +6,7 @@ parameter / buffer / argument name, the innermost module path from ``nn_module_s
 plans read in the user's terms), output shapes and dtype, forward FLOPs from the op's rule,
 whether a gradient flows through it, and whether backward keeps it alive.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -74,8 +75,7 @@ def analyze(cap: CapturedGraph) -> None:
         if node.op == "placeholder":
             if node.name in cap.params:
                 fqn = cap.params[node.name]
-                node.meta[META_KEY] = NodeInfo("param", fqn, fqn.rpartition(".")[0], shapes, dtype,
-                                               requires_grad=True)
+                node.meta[META_KEY] = NodeInfo("param", fqn, fqn.rpartition(".")[0], shapes, dtype, requires_grad=True)
             elif node.name in cap.buffers:
                 fqn = cap.buffers[node.name]
                 node.meta[META_KEY] = NodeInfo("buffer", fqn, fqn.rpartition(".")[0], shapes, dtype)
@@ -90,8 +90,15 @@ def analyze(cap: CapturedGraph) -> None:
             rule = rule_for(node)
             grads = any(isinstance(a, fx.Node) and info(a).requires_grad for a in node.all_input_nodes)
             floating = dtype is not None and dtype.is_floating_point
-            node.meta[META_KEY] = NodeInfo("op", node.name, module_path_of(node), shapes, dtype,
-                                           flops=rule.flops(op_view(node)), requires_grad=grads and floating)
+            node.meta[META_KEY] = NodeInfo(
+                "op",
+                node.name,
+                module_path_of(node),
+                shapes,
+                dtype,
+                flops=rule.flops(op_view(node)),
+                requires_grad=grads and floating,
+            )
     for node in cap.graph.nodes:
         if node.op == "call_function" and info(node).kind == "op" and rule_for(node).saves_inputs:
             for a in node.all_input_nodes:

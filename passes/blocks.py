@@ -9,6 +9,7 @@ block k is represented by node i of the first block, and the planner decides onc
 of them (decision 5: depth is nearly free). Blocks whose signatures differ are planned node
 by node, which is slower but equally correct.
 """
+
 from __future__ import annotations
 
 import re
@@ -28,7 +29,7 @@ _LIFTED = re.compile(r"lifted_tensor_\d+")
 
 
 def _local_name(name: str, head: str) -> str:
-    return _LIFTED.sub("lifted_tensor", name[len(head):])
+    return _LIFTED.sub("lifted_tensor", name[len(head) :])
 
 
 @dataclass
@@ -117,9 +118,11 @@ def find_blocks(graph: fx.Graph, *, enabled: bool = True) -> Blocks:
             if len(indices) < 2:
                 continue
             order = {n: i for i, n in enumerate(graph.nodes)}
-            members = [sorted(params[(prefix, k)], key=lambda n, k=k: (_local_name(info(n).name, f"{prefix}.{k}."),
-                                                                        order[n])) + by_key[(prefix, k)]
-                       for k in indices]
+            members = [
+                sorted(params[(prefix, k)], key=lambda n, k=k: (_local_name(info(n).name, f"{prefix}.{k}."), order[n]))
+                + by_key[(prefix, k)]
+                for k in indices
+            ]
             sigs = [_signature(m, prefix, k) for m, k in zip(members, indices)]
             if any(s != sigs[0] for s in sigs[1:]):
                 continue

@@ -7,6 +7,7 @@ qualified names); every node carries ``meta["val"]`` (a FakeTensor: shape and dt
 example inputs are moved to ``meta`` too. A failure is re-raised as :class:`CaptureError`
 naming the construct that export could not handle and what to try.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,8 +21,15 @@ import torch
 import torch.fx as fx
 import torch.fx.config  # noqa: F401  (fx.config.do_not_emit_stack_traces)
 
-__all__ = ["CaptureError", "CapturedGraph", "capture", "describe_captured", "graph_fingerprint", "tied_placeholders",
-           "training_configs"]
+__all__ = [
+    "CaptureError",
+    "CapturedGraph",
+    "capture",
+    "describe_captured",
+    "graph_fingerprint",
+    "tied_placeholders",
+    "training_configs",
+]
 
 
 class CaptureError(RuntimeError):
@@ -62,7 +70,8 @@ def _split_inputs(example_inputs):
         return tuple(example_inputs), {}
     raise TypeError(
         f"example_inputs must be a tuple of positional arguments or a dict of keyword arguments, "
-        f"got {type(example_inputs).__name__}")
+        f"got {type(example_inputs).__name__}"
+    )
 
 
 def _on_meta(model: torch.nn.Module) -> bool:
@@ -76,8 +85,11 @@ def training_configs(model: torch.nn.Module):
     of most decoder-only and encoder-decoder families) return a key/value cache object that
     training never reads and ``torch.export`` cannot flatten; switch it off on every config in
     the model for the duration of the capture (the user's model is left as it was)."""
-    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
-               and getattr(c, "use_cache", None)}
+    configs = {
+        id(c): c
+        for m in model.modules()
+        if (c := getattr(m, "config", None)) is not None and getattr(c, "use_cache", None)
+    }
     for config in configs.values():
         config.use_cache = False
     try:
@@ -91,13 +103,17 @@ def _hint_for(message: str) -> str:
     unknown = re.search(r"Found <class '([^']+)'> in output", message)
     if unknown:
         kind = unknown.group(1).rpartition(".")[2]
-        return (f"the model returns a {kind} object, which torch.export cannot take apart; if it is a cache "
-                f"for generation, build the model with use_cache=False (Partita already switches "
-                f"config.use_cache off), else return plain tensors or register {kind} with "
-                f"torch.utils._pytree.register_pytree_node")
+        return (
+            f"the model returns a {kind} object, which torch.export cannot take apart; if it is a cache "
+            f"for generation, build the model with use_cache=False (Partita already switches "
+            f"config.use_cache off), else return plain tensors or register {kind} with "
+            f"torch.utils._pytree.register_pytree_node"
+        )
     if "data-dependent" in message or "GuardOnDataDependentSymNode" in message:
-        return ("the model branches on tensor values; replace the Python `if`/`.item()` on a tensor "
-                "with torch.where / torch.cond, or pass inputs that avoid that branch")
+        return (
+            "the model branches on tensor values; replace the Python `if`/`.item()` on a tensor "
+            "with torch.where / torch.cond, or pass inputs that avoid that branch"
+        )
     if "Unsupported" in message or "not supported" in message:
         return "rewrite that construct with plain torch ops, or capture a submodule that avoids it"
     return "check that the model runs eagerly on these example inputs; then simplify the construct named above"
@@ -120,8 +136,11 @@ def capture(model: torch.nn.Module, example_inputs, *, stack_traces: bool = Fals
     saved_flag = fx.config.do_not_emit_stack_traces
     fx.config.do_not_emit_stack_traces = not stack_traces
     # A failing export logs partial graphs from several torch loggers; our error says it once.
-    torch_logs = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
-                  if name == "torch" or name.startswith("torch.")]
+    torch_logs = [
+        logging.getLogger(name)
+        for name in list(logging.root.manager.loggerDict)
+        if name == "torch" or name.startswith("torch.")
+    ]
     saved_levels = [log.level for log in torch_logs]
     for log in torch_logs:
         log.setLevel(logging.CRITICAL)
@@ -137,7 +156,8 @@ def capture(model: torch.nn.Module, example_inputs, *, stack_traces: bool = Fals
         site = f" (at {where[-1][0]}:{where[-1][1]} in {where[-1][2]})" if where else ""
         error = CaptureError(
             f"could not capture {type(model).__name__} with torch.export: {type(exc).__name__}: "
-            f"{first[:400]}{site}. What to do: {_hint_for(message)}.")
+            f"{first[:400]}{site}. What to do: {_hint_for(message)}."
+        )
         error.partial_graph = str(getattr(exc, "partial_fx_graph", "") or "")
         raise error from exc
     finally:
@@ -153,8 +173,15 @@ def capture(model: torch.nn.Module, example_inputs, *, stack_traces: bool = Fals
     # Export names user-input placeholders after the forward's parameters (or the kwargs).
     input_names = {name: name for name in user_inputs}
     gm = exported.graph_module
-    return CapturedGraph(graph_module=gm, exported=exported, params=params, buffers=buffers,
-                         user_inputs=user_inputs, input_names=input_names, training=model.training)
+    return CapturedGraph(
+        graph_module=gm,
+        exported=exported,
+        params=params,
+        buffers=buffers,
+        user_inputs=user_inputs,
+        input_names=input_names,
+        training=model.training,
+    )
 
 
 def tied_placeholders(cap: CapturedGraph) -> list:
@@ -176,7 +203,6 @@ def describe_captured(cap: CapturedGraph) -> str:
     return f"{n} ops, {len(cap.params)} parameters, {len(cap.user_inputs)} inputs"
 
 
-
 def graph_fingerprint(cap: CapturedGraph, *, shapes: bool = True) -> str:
     """A hash of the program: ops, wiring, parameter names and (``shapes=True``) shapes and dtypes.
 
@@ -194,8 +220,9 @@ def graph_fingerprint(cap: CapturedGraph, *, shapes: bool = True) -> str:
         val = node.meta.get("val")
         vals = val if isinstance(val, (list, tuple)) else [val]
         tensors = [v for v in vals if isinstance(v, torch.Tensor)]
-        described = [(tuple(v.shape), str(v.dtype)) for v in tensors] if shapes else [(v.dim(), str(v.dtype))
-                                                                                        for v in tensors]
+        described = (
+            [(tuple(v.shape), str(v.dtype)) for v in tensors] if shapes else [(v.dim(), str(v.dtype)) for v in tensors]
+        )
         args = [index.get(a, "?") for a in node.all_input_nodes]
         name = cap.params.get(node.name) or cap.buffers.get(node.name) or ""
         h.update(repr((node.op, str(node.target), described, args, name)).encode())

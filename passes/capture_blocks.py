@@ -14,6 +14,7 @@ plus a counter, in graph order), so the result is the graph a full export gives,
 A layer whose Python code depends on its index (alternating attention kinds, say) would be
 traced as the first two only: pass ``capture(..., layers="full")`` for such models.
 """
+
 from __future__ import annotations
 
 import re
@@ -38,16 +39,20 @@ def capture_model(model: torch.nn.Module, example_inputs, *, layers: str = "auto
         if cap is not None:
             return cap
         if layers == "blocks":
-            raise ValueError(f"{type(model).__name__} has no list of 3 or more identical layers whose traces "
-                             f"agree; capture it with layers='full'")
+            raise ValueError(
+                f"{type(model).__name__} has no list of 3 or more identical layers whose traces "
+                f"agree; capture it with layers='full'"
+            )
     return capture(model, example_inputs)
 
 
 def _layout(module: torch.nn.Module):
-    return (type(module),
-            tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters()),
-            tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers()),
-            tuple((n, type(m)) for n, m in module.named_modules()))
+    return (
+        type(module),
+        tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters()),
+        tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers()),
+        tuple((n, type(m)) for n, m in module.named_modules()),
+    )
 
 
 def repeated_layers(model: torch.nn.Module, min_layers: int = 3):
@@ -90,7 +95,7 @@ def capture_by_blocks(model: torch.nn.Module, example_inputs, *, stack_traces: b
         setattr(owner, attr, layers)
 
     if getattr(short.exported.graph_signature, "buffers_to_mutate", None):
-        return None   # buffer updates (BatchNorm statistics) are outputs per layer: export them all
+        return None  # buffer updates (BatchNorm statistics) are outputs per layer: export them all
     graph = short.graph
     prefix = f"{path}."
 
@@ -113,24 +118,25 @@ def capture_by_blocks(model: torch.nn.Module, example_inputs, *, stack_traces: b
         elif node.op == "placeholder":
             fqn = short.params.get(node.name) or short.buffers.get(node.name)
             if fqn and fqn.startswith(prefix):
-                k = int(fqn[len(prefix):].split(".")[0])
+                k = int(fqn[len(prefix) :].split(".")[0])
                 params[k].append(node)
     if not ops[1] or len(ops[0]) != len(ops[1]) or len(params[0]) != len(params[1]):
         return None
     # the two layers must be one program (same ops, shapes and wiring relative to the layer)
     from passes.analyze import analyze
+
     analyze(short)
     if _signature(params[0] + ops[0], path, 0) != _signature(params[1] + ops[1], path, 1):
         return None
     position = {node: i for i, node in enumerate(ops[1])}
-    previous_of = dict(zip(ops[0], ops[1]))       # layer-0 node -> layer-1 node (same position)
+    previous_of = dict(zip(ops[0], ops[1]))  # layer-0 node -> layer-1 node (same position)
 
     new = fx.Graph()
     env = {}
     new_params, new_buffers = dict(short.params), dict(short.buffers)
-    layer_placeholders = {}                         # (layer, suffix) -> new placeholder
+    layer_placeholders = {}  # (layer, suffix) -> new placeholder
     last_param_of_layer1 = params[1][-1]
-    copies = []                                     # per added layer: {layer-1 node -> copy}
+    copies = []  # per added layer: {layer-1 node -> copy}
 
     def placeholder(name, old):
         node = new.placeholder(name)
@@ -144,10 +150,10 @@ def capture_by_blocks(model: torch.nn.Module, example_inputs, *, stack_traces: b
                 for k in range(2, n):
                     for twin, old in zip(params[0], params[1]):
                         table = short.params if old.name in short.params else short.buffers
-                        fqn = prefix + str(k) + table[old.name][len(prefix) + 1:]
+                        fqn = prefix + str(k) + table[old.name][len(prefix) + 1 :]
                         # export's name for layer k: layer 1's with its index replaced
                         at = next(i for i, (a, b) in enumerate(zip(twin.name, old.name)) if a != b)
-                        made = placeholder(old.name[:at] + str(k) + old.name[at + 1:], old)
+                        made = placeholder(old.name[:at] + str(k) + old.name[at + 1 :], old)
                         (new_params if table is short.params else new_buffers)[made.name] = fqn
                         layer_placeholders[(k, old)] = made
             continue
@@ -164,15 +170,17 @@ def capture_by_blocks(model: torch.nn.Module, example_inputs, *, stack_traces: b
                 copy = {}
                 before = copies[-1] if copies else None
                 for old in ops[1]:
+
                     def remap(a, k=k, copy=copy, before=before):
                         if a in copy:
                             return copy[a]
-                        if a in previous_of:             # a layer-0 node: the previous layer's twin
+                        if a in previous_of:  # a layer-0 node: the previous layer's twin
                             twin = previous_of[a]
                             return before[twin] if before is not None else env[twin]
                         if (k, a) in layer_placeholders:
                             return layer_placeholders[(k, a)]
                         return env[a]
+
                     margs = fx.map_arg((old.args, old.kwargs), remap)
                     made = new.create_node(old.op, old.target, margs[0], margs[1], name=old.name)
                     made.meta.update(old.meta)
@@ -180,14 +188,23 @@ def capture_by_blocks(model: torch.nn.Module, example_inputs, *, stack_traces: b
                     if stack:
                         made.meta["nn_module_stack"] = {
                             key.replace(f"{prefix}1", f"{prefix}{k}"): (
-                                (p.replace(f"{prefix}1", f"{prefix}{k}", 1) if isinstance(p, str) else p), t)
-                            for key, (p, t) in stack.items()}
+                                (p.replace(f"{prefix}1", f"{prefix}{k}", 1) if isinstance(p, str) else p),
+                                t,
+                            )
+                            for key, (p, t) in stack.items()
+                        }
                     copy[old] = made
                 copies.append(copy)
     gm = fx.GraphModule(short.graph_module, _rename_like_export(new))
-    return CapturedGraph(graph_module=gm, exported=short.exported, params=new_params, buffers=new_buffers,
-                         user_inputs=list(short.user_inputs), input_names=dict(short.input_names),
-                         training=short.training)
+    return CapturedGraph(
+        graph_module=gm,
+        exported=short.exported,
+        params=new_params,
+        buffers=new_buffers,
+        user_inputs=list(short.user_inputs),
+        input_names=dict(short.input_names),
+        training=short.training,
+    )
 
 
 def _rename_like_export(graph: fx.Graph) -> fx.Graph:

@@ -28,6 +28,7 @@ output placement (``Shard`` stays, ``Replicate`` and ``Partial`` need ``Replicat
 one rule yields Megatron's backward all-reduce (replicated input, column-sharded weight) and
 data-parallel gradient synchronisation (replicated parameter, batch-sharded compute).
 """
+
 from __future__ import annotations
 
 import math
@@ -35,8 +36,17 @@ from dataclasses import dataclass
 
 from passes.placements import Partial, is_shard, total_shard_degree, transition_steps
 
-__all__ = ["Collective", "collective_time", "reshard", "collective_kind",
-           "dtype_bytes", "local_bytes", "compute_time", "param_state_bytes", "extra_payload"]
+__all__ = [
+    "Collective",
+    "collective_time",
+    "reshard",
+    "collective_kind",
+    "dtype_bytes",
+    "local_bytes",
+    "compute_time",
+    "param_state_bytes",
+    "extra_payload",
+]
 
 
 @dataclass(frozen=True)
@@ -63,10 +73,18 @@ def local_bytes(shape, spec, mesh_shape, elem: int) -> float:
     return numel * elem / total_shard_degree(spec, mesh_shape)
 
 
-_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
-          "reduce_scatter": lambda n: n - 1, "all_to_all": lambda n: n - 1}
-_WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-         "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
+_STEPS = {
+    "all_reduce": lambda n: 2 * (n - 1),
+    "all_gather": lambda n: n - 1,
+    "reduce_scatter": lambda n: n - 1,
+    "all_to_all": lambda n: n - 1,
+}
+_WIRE = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+}
 
 
 def collective_time(c: Collective, mesh_shape, cluster) -> float:
@@ -137,4 +155,3 @@ def param_state_bytes(numel: float, elem: int, optimizer: str | None) -> float:
         return numel * (elem + grad)
     state = 8 if elem >= 4 else 12
     return numel * (elem + grad + state)
-

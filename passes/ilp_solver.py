@@ -16,6 +16,7 @@ integer ``x`` the only feasible ``f`` is the product, and the relaxation is much
 ``f >= x + x' - 1``. Classes (distinct placements on the edge) keep ``f`` small. With
 ``objective="memory"`` the memory sum is minimised instead, with time as a tie-break.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -38,13 +39,21 @@ def min_memory(costs_memory: list) -> float:
     return float(sum(np.min(m) for m in costs_memory))
 
 
-def solve_ilp(node_costs: list, memories: list, edges: list, *, budget: float | None = None,
-              objective: str = "time", time_limit: float = 60.0, gap: float = 1e-6) -> IlpResult:
+def solve_ilp(
+    node_costs: list,
+    memories: list,
+    edges: list,
+    *,
+    budget: float | None = None,
+    objective: str = "time",
+    time_limit: float = 60.0,
+    gap: float = 1e-6,
+) -> IlpResult:
     """``edges``: list of (g, h, cls_g, cls_h, matrix) as numpy arrays."""
     offsets = np.cumsum([0] + [len(c) for c in node_costs])
     n_x = int(offsets[-1])
     flow_offsets = [n_x]
-    for (_, _, _, _, m) in edges:
+    for _, _, _, _, m in edges:
         flow_offsets.append(flow_offsets[-1] + m.size)
     n = flow_offsets[-1]
 
@@ -65,15 +74,23 @@ def solve_ilp(node_costs: list, memories: list, edges: list, *, budget: float | 
     for e, (g, h, cls_g, cls_h, m) in enumerate(edges):
         base = flow_offsets[e]
         n_src, n_dst = m.shape
-        c[base:base + m.size] = m.ravel() if objective != "memory" else 1e-9 * m.ravel()
+        c[base : base + m.size] = m.ravel() if objective != "memory" else 1e-9 * m.ravel()
         flows = base + np.arange(m.size)
         # producer side: one row per source class
         rows.append(r + np.repeat(np.arange(n_src), n_dst)), cols.append(flows), vals.append(np.ones(m.size))
-        rows.append(r + np.asarray(cls_g)), cols.append(offsets[g] + np.arange(len(cls_g))), vals.append(-np.ones(len(cls_g)))
+        (
+            rows.append(r + np.asarray(cls_g)),
+            cols.append(offsets[g] + np.arange(len(cls_g))),
+            vals.append(-np.ones(len(cls_g))),
+        )
         r += n_src
         # consumer side: one row per destination class
         rows.append(r + np.tile(np.arange(n_dst), n_src)), cols.append(flows), vals.append(np.ones(m.size))
-        rows.append(r + np.asarray(cls_h)), cols.append(offsets[h] + np.arange(len(cls_h))), vals.append(-np.ones(len(cls_h)))
+        (
+            rows.append(r + np.asarray(cls_h)),
+            cols.append(offsets[h] + np.arange(len(cls_h))),
+            vals.append(-np.ones(len(cls_h))),
+        )
         r += n_dst
         lo.append(np.zeros(n_src + n_dst)), hi.append(np.zeros(n_src + n_dst))
     rows, cols, vals = np.concatenate(rows), np.concatenate(cols), np.concatenate(vals)
@@ -85,12 +102,17 @@ def solve_ilp(node_costs: list, memories: list, edges: list, *, budget: float | 
         constraints.append(LinearConstraint(mem_row.reshape(1, -1), -np.inf, budget))
     integrality = np.zeros(n)
     integrality[:n_x] = 1
-    res = milp(c, constraints=constraints, integrality=integrality, bounds=(0, 1),
-               options={"time_limit": time_limit, "mip_rel_gap": gap, "disp": False})
+    res = milp(
+        c,
+        constraints=constraints,
+        integrality=integrality,
+        bounds=(0, 1),
+        options={"time_limit": time_limit, "mip_rel_gap": gap, "disp": False},
+    )
     if res.x is None:
         return IlpResult(None, None, res.status, res.message)
-    choice = [int(np.argmax(res.x[offsets[g]:offsets[g + 1]])) for g in range(len(node_costs))]
+    choice = [int(np.argmax(res.x[offsets[g] : offsets[g + 1]])) for g in range(len(node_costs))]
     total = float(sum(node_costs[g][i] for g, i in enumerate(choice)))
-    for (g, h, cls_g, cls_h, m) in edges:
+    for g, h, cls_g, cls_h, m in edges:
         total += float(m[cls_g[choice[g]], cls_h[choice[h]]])
     return IlpResult(choice, total, res.status, res.message)

@@ -19,6 +19,7 @@ The result is a plain ``fx.GraphModule``: its ``.code`` is readable Python and i
 ordinary autograd. The plan is the only source of placements: records are looked up by node
 name, so lowering a plan made for another graph fails at the first node that differs.
 """
+
 from __future__ import annotations
 
 import operator
@@ -56,7 +57,7 @@ class LowerCall:
     in_specs: list
     local_out_shapes: list
     comm: MeshComm
-    builder: "_Builder"
+    builder: _Builder
 
     @property
     def view(self):
@@ -72,10 +73,13 @@ class LowerCall:
 
     def emit(self, target=None, args=None, kwargs=None) -> fx.Node:
         """Emit a call (by default: this node's op on its local args), named after the node."""
-        return self.builder.graph.create_node("call_function", target or self.node.target,
-                                              self.args if args is None else tuple(args),
-                                              self.kwargs if kwargs is None else dict(kwargs),
-                                              name=self.node.name)
+        return self.builder.graph.create_node(
+            "call_function",
+            target or self.node.target,
+            self.args if args is None else tuple(args),
+            self.kwargs if kwargs is None else dict(kwargs),
+            name=self.node.name,
+        )
 
     def call_module(self, module: torch.nn.Module, args, kwargs=None, *, name=None) -> fx.Node:
         return self.builder.call_module(module, tuple(args), kwargs or {}, name or self.node.name)
@@ -94,7 +98,7 @@ class _Builder:
         self.graph = fx.Graph()
         self.root = torch.nn.Module()
         self._names = set()
-        self.edges_from: dict = {}   # producer node name -> [(submodule name, Reshard)]
+        self.edges_from: dict = {}  # producer node name -> [(submodule name, Reshard)]
 
     def call_module(self, module, args, kwargs, base):
         name = base
@@ -145,8 +149,10 @@ def _strided_chains(graph: fx.Graph, records: dict, comm: MeshComm) -> dict:
             chain.append(cur)
             cur = data[0]
         if cur.op != "call_function" or not rule_for(cur).contraction:
-            raise LoweringError(f"node {node.name} splits a sharded dim, but no matmul produces it; this plan cannot "
-                                f"be lowered (pin {node.name}'s input to Replicate on that axis)")
+            raise LoweringError(
+                f"node {node.name} splits a sharded dim, but no matmul produces it; this plan cannot "
+                f"be lowered (pin {node.name}'s input to Replicate on that axis)"
+            )
         chain.append(cur)
         for n in chain:
             chains.setdefault(n, {}).update({a: pieces for a in axes})
@@ -155,9 +161,11 @@ def _strided_chains(graph: fx.Graph, records: dict, comm: MeshComm) -> dict:
             spec = _specs(records[n.name]["out"], comm.ndim)[0]
             outside = [u for u in n.users if u not in members]
             if outside and any(getattr(spec[a], "dim", None) is not None for a in axes):
-                raise LoweringError(f"{n.name} holds a strided shard (for the split {node.name}) and is also used by "
-                                    f"{outside[0].name}; this plan cannot be lowered (pin {n.name} to Replicate on "
-                                    f"mesh axes {[comm.axis_names[a] for a in axes]})")
+                raise LoweringError(
+                    f"{n.name} holds a strided shard (for the split {node.name}) and is also used by "
+                    f"{outside[0].name}; this plan cannot be lowered (pin {n.name} to Replicate on "
+                    f"mesh axes {[comm.axis_names[a] for a in axes]})"
+                )
     return chains
 
 
@@ -173,8 +181,9 @@ def strided_parameters(graph: fx.Graph, records: dict, comm: MeshComm) -> dict:
     return out
 
 
-def lower_to_local(graph: fx.Graph, records: dict, comm: MeshComm, *, device=None,
-                   bucket_grads: bool = False) -> fx.GraphModule:
+def lower_to_local(
+    graph: fx.Graph, records: dict, comm: MeshComm, *, device=None, bucket_grads: bool = False
+) -> fx.GraphModule:
     """Lower ``graph`` (captured and analysed) for this rank. ``records``: plan records by name.
 
     ``bucket_grads``: list, in ``gm.meta["partita.bucketable_grads"]``, the parameter edges whose
@@ -190,8 +199,10 @@ def lower_to_local(graph: fx.Graph, records: dict, comm: MeshComm, *, device=Non
     def record(node):
         rec = records.get(node.name)
         if rec is None:
-            raise LoweringError(f"the plan has no entry for node {node.name} ({node.target}); it was made for "
-                                f"another graph: plan again for this model")
+            raise LoweringError(
+                f"the plan has no entry for node {node.name} ({node.target}); it was made for "
+                f"another graph: plan again for this model"
+            )
         return rec
 
     for node in graph.nodes:
@@ -212,6 +223,7 @@ def lower_to_local(graph: fx.Graph, records: dict, comm: MeshComm, *, device=Non
                 if wanted is not None:
                     v = b.reshard(v, out_specs[n][0], wanted, None, "output")
                 return v
+
             b.graph.output(pytree.tree_map(lambda a: out_value(a) if isinstance(a, fx.Node) else a, node.args[0]))
             continue
 
@@ -232,14 +244,24 @@ def lower_to_local(graph: fx.Graph, records: dict, comm: MeshComm, *, device=Non
             value = env[u]
             if ins[k] is not None and src is not None:
                 strided, src_strided = _edge_strided(node, u, src, ins[k], chains, comm)
-                value = b.reshard(value, src, ins[k], grads[k] if info(u).requires_grad else None,
-                                  f"{node.name}_in{k}", strided, src_strided, producer=u.name)
+                value = b.reshard(
+                    value,
+                    src,
+                    ins[k],
+                    grads[k] if info(u).requires_grad else None,
+                    f"{node.name}_in{k}",
+                    strided,
+                    src_strided,
+                    producer=u.name,
+                )
             local_inputs.append(value)
         it = iter(local_inputs)
         args, kwargs = pytree.tree_map(lambda a: next(it) if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
         args, kwargs = _replace_devices(args, device), _replace_devices(kwargs, device)
-        local_shapes = [None if s is None or sp is None else list(local_shape(s, sp, comm.shape))
-                        for s, sp in zip(i.out_shapes, outs)]
+        local_shapes = [
+            None if s is None or sp is None else list(local_shape(s, sp, comm.shape))
+            for s, sp in zip(i.out_shapes, outs)
+        ]
         call = LowerCall(node, tuple(args), dict(kwargs), outs, ins, local_shapes, comm, b)
         result = rule_for(node).lower(call)
         if isinstance(result, fx.Node):
@@ -259,8 +281,11 @@ def _bucketable(graph, b) -> dict:
     for node in graph.nodes:
         if node.op != "placeholder" or info(node).kind != "param":
             continue
-        moving = [(name, m) for name, m in b.edges_from.get(node.name, ())
-                  if any(b.comm.shape[s[0]] > 1 for s in m.backward_steps or ())]
+        moving = [
+            (name, m)
+            for name, m in b.edges_from.get(node.name, ())
+            if any(b.comm.shape[s[0]] > 1 for s in m.backward_steps or ())
+        ]
         if len(moving) == 1 and moving[0][1].backward_is_allreduce:
             out[moving[0][0]] = node.name
     return out
@@ -271,20 +296,21 @@ def _edge_strided(node, u, src, dst, chains, comm):
     on = {a: f for a, f in chains.get(node, {}).items() if getattr(dst[a], "dim", None) is not None}
     if not on:
         return None, None
-    if u in chains:                      # inside the chain: both ends strided, nothing may move
+    if u in chains:  # inside the chain: both ends strided, nothing may move
         moved = [a for a in on if src[a] != dst[a]]
         if moved:
-            raise LoweringError(f"the edge {u.name} -> {node.name} reshards a strided shard on mesh axes "
-                                f"{[comm.axis_names[a] for a in moved]}; this plan cannot be lowered")
+            raise LoweringError(
+                f"the edge {u.name} -> {node.name} reshards a strided shard on mesh axes "
+                f"{[comm.axis_names[a] for a in moved]}; this plan cannot be lowered"
+            )
         return None, None
-    if info(u).kind == "param" and rule_for(node).contraction:   # loaded strided where it is sharded
+    if info(u).kind == "param" and rule_for(node).contraction:  # loaded strided where it is sharded
         return on, {a: f for a, f in on.items() if getattr(src[a], "dim", None) is not None}
     contiguous = [a for a in on if getattr(src[a], "dim", None) is not None]
     if contiguous:
-        raise LoweringError(f"{u.name} arrives at {node.name} sharded on mesh axes "
-                            f"{[comm.axis_names[a] for a in contiguous]} in contiguous blocks, but {node.name} needs "
-                            f"the strided layout of a later split; this plan cannot be lowered")
+        raise LoweringError(
+            f"{u.name} arrives at {node.name} sharded on mesh axes "
+            f"{[comm.axis_names[a] for a in contiguous]} in contiguous blocks, but {node.name} needs "
+            f"the strided layout of a later split; this plan cannot be lowered"
+        )
     return on, None
-
-
-

@@ -73,22 +73,45 @@ The checker
 :func:`simulate` replays the same execution with durations (seconds) to give timelines and the
 bubble (idle) fraction; :meth:`Schedule.grid` replays it with unit durations to draw the grid.
 """
+
 from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Mapping, Sequence, Union
+from typing import Union
 
 __all__ = [
-    "ActionKind", "Action", "Schedule", "SimulationResult", "TimedAction",
-    "format_action", "parse_action", "format_schedule", "parse_schedule",
-    "looped_stage_to_rank", "v_shape_stage_to_rank",
-    "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1",
-    "add_communication", "check_schedule", "assert_valid", "simulate", "peak_in_flight",
-    "stage_in_flight", "stage_durations", "choose_schedule", "auto_stage_in_flight",
-    "ScheduleKind", "SCHEDULES", "AUTO_SCHEDULES", "schedule_kind",
+    "ActionKind",
+    "Action",
+    "Schedule",
+    "SimulationResult",
+    "TimedAction",
+    "format_action",
+    "parse_action",
+    "format_schedule",
+    "parse_schedule",
+    "looped_stage_to_rank",
+    "v_shape_stage_to_rank",
+    "gpipe",
+    "one_f_one_b",
+    "interleaved_1f1b",
+    "zb_h1",
+    "add_communication",
+    "check_schedule",
+    "assert_valid",
+    "simulate",
+    "peak_in_flight",
+    "stage_in_flight",
+    "stage_durations",
+    "choose_schedule",
+    "auto_stage_in_flight",
+    "ScheduleKind",
+    "SCHEDULES",
+    "AUTO_SCHEDULES",
+    "schedule_kind",
 ]
 
 
@@ -112,8 +135,12 @@ _SENDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
 _RECVS = frozenset({ActionKind.RECV_F, ActionKind.RECV_B})
 # Where the peer of a communication action sits relative to its own stage.
 _PEER_OFFSET = {ActionKind.SEND_F: 1, ActionKind.RECV_F: -1, ActionKind.SEND_B: -1, ActionKind.RECV_B: 1}
-_COUNTERPART = {ActionKind.SEND_F: ActionKind.RECV_F, ActionKind.RECV_F: ActionKind.SEND_F,
-                ActionKind.SEND_B: ActionKind.RECV_B, ActionKind.RECV_B: ActionKind.SEND_B}
+_COUNTERPART = {
+    ActionKind.SEND_F: ActionKind.RECV_F,
+    ActionKind.RECV_F: ActionKind.SEND_F,
+    ActionKind.SEND_B: ActionKind.RECV_B,
+    ActionKind.RECV_B: ActionKind.SEND_B,
+}
 
 
 @dataclass(frozen=True)
@@ -128,8 +155,9 @@ class Action:
     def __post_init__(self):
         object.__setattr__(self, "kind", ActionKind(self.kind))
         if self.stage < 0 or self.microbatch < 0 or (self.peer is not None and self.peer < 0):
-            raise ValueError(f"stage, microbatch and peer must be >= 0, got {self.stage}, "
-                             f"{self.microbatch} and {self.peer}")
+            raise ValueError(
+                f"stage, microbatch and peer must be >= 0, got {self.stage}, {self.microbatch} and {self.peer}"
+            )
         if self.is_compute != (self.peer is None):
             need = "takes no peer" if self.is_compute else "needs the peer stage"
             raise ValueError(f"action kind {self.kind.value} {need} (got peer={self.peer})")
@@ -151,7 +179,7 @@ class Action:
         """``B`` or ``I``: the action that produces the stage's input gradient."""
         return self.kind in (ActionKind.B, ActionKind.I)
 
-    def counterpart(self) -> "Action":
+    def counterpart(self) -> Action:
         """The receive matching this send, or the send matching this receive."""
         assert not self.is_compute
         return Action(_COUNTERPART[self.kind], self.peer, self.microbatch, self.stage)
@@ -178,8 +206,10 @@ def parse_action(text: str) -> Action:
     """Inverse of :func:`format_action`; raises ``ValueError`` naming the text it cannot read."""
     match = _ACTION_RE.match(text.strip())
     if not match:
-        raise ValueError(f"cannot parse pipeline action {text!r}: expected <stage><KIND><microbatch> "
-                         "like '2F0', '1B3', '0W1', '1SEND_F0->2' or '2RECV_F0<-1'")
+        raise ValueError(
+            f"cannot parse pipeline action {text!r}: expected <stage><KIND><microbatch> "
+            "like '2F0', '1B3', '0W1', '1SEND_F0->2' or '2RECV_F0<-1'"
+        )
     stage, kind, mb, arrow, peer = match.groups()
     kind = ActionKind(kind)
     expected_arrow = "->" if kind in _SENDS else "<-" if kind in _RECVS else None
@@ -200,8 +230,10 @@ def looped_stage_to_rank(num_ranks: int, stages_per_rank: int = 1) -> tuple:
 
 def v_shape_stage_to_rank(num_ranks: int, stages_per_rank: int = 2) -> tuple:
     """Stages go down the ranks and back up: rank r holds r, 2p-1-r, 2p+r, ... (p=2: 0,1,1,0)."""
-    return tuple(s % num_ranks if (s // num_ranks) % 2 == 0 else num_ranks - 1 - s % num_ranks
-                 for s in range(num_ranks * stages_per_rank))
+    return tuple(
+        s % num_ranks if (s // num_ranks) % 2 == 0 else num_ranks - 1 - s % num_ranks
+        for s in range(num_ranks * stages_per_rank)
+    )
 
 
 @dataclass(frozen=True)
@@ -225,19 +257,22 @@ class Schedule:
         if not re.fullmatch(r"\S+", self.name):
             raise ValueError(f"schedule name must be one word without spaces, got {self.name!r}")
         if min(self.num_ranks, self.num_stages, self.num_microbatches) < 1:
-            raise ValueError(f"a schedule needs at least one rank, stage and microbatch, got "
-                             f"ranks={self.num_ranks} stages={self.num_stages} "
-                             f"microbatches={self.num_microbatches}")
+            raise ValueError(
+                f"a schedule needs at least one rank, stage and microbatch, got "
+                f"ranks={self.num_ranks} stages={self.num_stages} "
+                f"microbatches={self.num_microbatches}"
+            )
         stage_to_rank = tuple(int(r) for r in self.stage_to_rank)
         if len(stage_to_rank) != self.num_stages or not all(0 <= r < self.num_ranks for r in stage_to_rank):
-            raise ValueError(f"stage_to_rank must give a rank in [0, {self.num_ranks}) for each of the "
-                             f"{self.num_stages} stages, got {stage_to_rank}")
+            raise ValueError(
+                f"stage_to_rank must give a rank in [0, {self.num_ranks}) for each of the "
+                f"{self.num_stages} stages, got {stage_to_rank}"
+            )
         actions = self.actions
         if isinstance(actions, Mapping):
             extra = sorted(set(actions) - set(range(self.num_ranks)))
             if extra:
-                raise ValueError(f"actions given for ranks {extra}, but the schedule has "
-                                 f"{self.num_ranks} ranks")
+                raise ValueError(f"actions given for ranks {extra}, but the schedule has {self.num_ranks} ranks")
             actions = [actions.get(r, ()) for r in range(self.num_ranks)]
         if len(actions) != self.num_ranks:
             raise ValueError(f"need one action list per rank ({self.num_ranks}), got {len(actions)}")
@@ -251,12 +286,13 @@ class Schedule:
     def stages_of(self, rank: int) -> list:
         return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
 
-    def with_actions(self, rank: int, actions: Sequence[Action]) -> "Schedule":
+    def with_actions(self, rank: int, actions: Sequence[Action]) -> Schedule:
         """A copy with rank ``rank``'s program replaced (to edit schedules, e.g. in tests)."""
         new = list(self.actions)
         new[rank] = tuple(actions)
-        return Schedule(self.name, self.num_ranks, self.num_stages, self.num_microbatches,
-                        self.stage_to_rank, tuple(new))
+        return Schedule(
+            self.name, self.num_ranks, self.num_stages, self.num_microbatches, self.stage_to_rank, tuple(new)
+        )
 
     def grid(self, *, highlight=()) -> str:
         """A printable grid: one row per rank, one column per unit time step of compute actions.
@@ -287,8 +323,10 @@ class Schedule:
                     stuck.append(cell(rank, step))
             rows.append(row + (["|"] + stuck if stuck else []))
         width = max([len(c) for row in rows for c in row] + [len(str(width_t))])
-        lines = [f"{self.name}: {self.num_ranks} ranks, {self.num_stages} stages, "
-                 f"{self.num_microbatches} microbatches (one column per time step, '.' = idle)"]
+        lines = [
+            f"{self.name}: {self.num_ranks} ranks, {self.num_stages} stages, "
+            f"{self.num_microbatches} microbatches (one column per time step, '.' = idle)"
+        ]
         label = len(f"rank {self.num_ranks - 1}")
         lines.append(" " * label + " " + " ".join(str(t).rjust(width) for t in range(width_t)))
         for rank, row in enumerate(rows):
@@ -301,9 +339,11 @@ class Schedule:
 
 def format_schedule(schedule: Schedule) -> str:
     """The whole schedule as text: a header line, then ``rank r: <actions>`` per rank."""
-    lines = [f"# name={schedule.name} ranks={schedule.num_ranks} stages={schedule.num_stages} "
-             f"microbatches={schedule.num_microbatches} "
-             f"stage_to_rank={','.join(str(r) for r in schedule.stage_to_rank)}"]
+    lines = [
+        f"# name={schedule.name} ranks={schedule.num_ranks} stages={schedule.num_stages} "
+        f"microbatches={schedule.num_microbatches} "
+        f"stage_to_rank={','.join(str(r) for r in schedule.stage_to_rank)}"
+    ]
     for rank, acts in enumerate(schedule.actions):
         lines.append(" ".join([f"rank {rank}:"] + [format_action(a) for a in acts]))
     return "\n".join(lines)
@@ -313,8 +353,10 @@ def parse_schedule(text: str) -> Schedule:
     """Inverse of :func:`format_schedule`."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     if not lines or not lines[0].startswith("#"):
-        raise ValueError("a schedule's text starts with a header line "
-                         "'# name=... ranks=... stages=... microbatches=... stage_to_rank=...'")
+        raise ValueError(
+            "a schedule's text starts with a header line "
+            "'# name=... ranks=... stages=... microbatches=... stage_to_rank=...'"
+        )
     header = dict(tok.split("=", 1) for tok in lines[0][1:].split() if "=" in tok)
     missing = {"name", "ranks", "stages", "microbatches", "stage_to_rank"} - set(header)
     if missing:
@@ -328,9 +370,14 @@ def parse_schedule(text: str) -> Schedule:
         if rank in actions:
             raise ValueError(f"rank {rank} appears twice in the schedule text")
         actions[rank] = [parse_action(tok) for tok in match.group(2).split()]
-    return Schedule(header["name"], int(header["ranks"]), int(header["stages"]),
-                    int(header["microbatches"]),
-                    tuple(int(r) for r in header["stage_to_rank"].split(",")), actions)
+    return Schedule(
+        header["name"],
+        int(header["ranks"]),
+        int(header["stages"]),
+        int(header["microbatches"]),
+        tuple(int(r) for r in header["stage_to_rank"].split(",")),
+        actions,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,8 +390,14 @@ def _check_counts(name: str, p: int, m: int):
 
 
 def _from_orders(name, p, m, stage_to_rank, orders) -> Schedule:
-    return Schedule(name, p, len(stage_to_rank), m, stage_to_rank,
-                    {r: [Action(k, s, mb) for k, s, mb in order] for r, order in orders.items()})
+    return Schedule(
+        name,
+        p,
+        len(stage_to_rank),
+        m,
+        stage_to_rank,
+        {r: [Action(k, s, mb) for k, s, mb in order] for r, order in orders.items()},
+    )
 
 
 def gpipe(p: int, m: int, *, v: int = 1, layout: str = "loop") -> Schedule:
@@ -391,14 +444,17 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
     """
     _check_counts("interleaved_1f1b", p, m)
     if not isinstance(v, int) or v < 2:
-        raise ValueError(f"interleaved_1f1b needs v >= 2 stages per rank, got v={v!r} "
-                         "(for one stage per rank use one_f_one_b)")
+        raise ValueError(
+            f"interleaved_1f1b needs v >= 2 stages per rank, got v={v!r} (for one stage per rank use one_f_one_b)"
+        )
     if m % p:
         lower, upper = (m // p) * p, (m // p + 1) * p
         hint = f"m={lower} or m={upper}" if lower else f"m={upper}"
-        raise ValueError(f"interleaved_1f1b needs the number of microbatches to be a multiple of the "
-                         f"number of ranks: m={m} microbatches on p={p} ranks (fewer microbatches "
-                         f"than ranks is not supported either); use {hint}")
+        raise ValueError(
+            f"interleaved_1f1b needs the number of microbatches to be a multiple of the "
+            f"number of ranks: m={m} microbatches on p={p} ranks (fewer microbatches "
+            f"than ranks is not supported either); use {hint}"
+        )
     total = m * v
 
     def virtual(k, backward):
@@ -487,21 +543,39 @@ def _zb_h1_bubble(p, m, v):
     return 1.0 - 3 * m / max(3 * m + p - 1, 2 * (p + m) - 1)
 
 
-SCHEDULES = {kind.name: kind for kind in (
-    ScheduleKind("gpipe", lambda p, m, v: gpipe(p, m),
-                 in_flight=lambda p, m, v: {s: m for s in range(p)},
-                 bubble=_one_f_one_b_bubble),
-    ScheduleKind("1f1b", lambda p, m, v: one_f_one_b(p, m),
-                 in_flight=lambda p, m, v: {s: min(p - s, m) for s in range(p)},
-                 bubble=_one_f_one_b_bubble, automatic=True),
-    # interleaved holds an irregular count per virtual stage: counted on the generated schedule
-    ScheduleKind("interleaved", lambda p, m, v: interleaved_1f1b(p, m, v),
-                 in_flight=lambda p, m, v: stage_in_flight(interleaved_1f1b(p, m, v)),
-                 bubble=lambda p, m, v: ((p - 1) / v) / (m + (p - 1) / v), virtual=True),
-    ScheduleKind("zb-h1", lambda p, m, v: zb_h1(p, m),
-                 in_flight=lambda p, m, v: {s: min(p, m) for s in range(p)},
-                 bubble=_zb_h1_bubble, automatic=True),
-)}
+SCHEDULES = {
+    kind.name: kind
+    for kind in (
+        ScheduleKind(
+            "gpipe",
+            lambda p, m, v: gpipe(p, m),
+            in_flight=lambda p, m, v: {s: m for s in range(p)},
+            bubble=_one_f_one_b_bubble,
+        ),
+        ScheduleKind(
+            "1f1b",
+            lambda p, m, v: one_f_one_b(p, m),
+            in_flight=lambda p, m, v: {s: min(p - s, m) for s in range(p)},
+            bubble=_one_f_one_b_bubble,
+            automatic=True,
+        ),
+        # interleaved holds an irregular count per virtual stage: counted on the generated schedule
+        ScheduleKind(
+            "interleaved",
+            lambda p, m, v: interleaved_1f1b(p, m, v),
+            in_flight=lambda p, m, v: stage_in_flight(interleaved_1f1b(p, m, v)),
+            bubble=lambda p, m, v: ((p - 1) / v) / (m + (p - 1) / v),
+            virtual=True,
+        ),
+        ScheduleKind(
+            "zb-h1",
+            lambda p, m, v: zb_h1(p, m),
+            in_flight=lambda p, m, v: {s: min(p, m) for s in range(p)},
+            bubble=_zb_h1_bubble,
+            automatic=True,
+        ),
+    )
+}
 """Name -> :class:`ScheduleKind`, in the order errors list them and :func:`choose_schedule`
 breaks ties. GPipe is not automatic: never faster than 1F1B, it keeps all m microbatches'
 activations alive."""
@@ -581,8 +655,14 @@ def add_communication(schedule: Schedule) -> Schedule:
             if send is not None:
                 out.append(send)
         lowered.append(out)
-    return Schedule(schedule.name, schedule.num_ranks, schedule.num_stages,
-                    schedule.num_microbatches, schedule.stage_to_rank, tuple(lowered))
+    return Schedule(
+        schedule.name,
+        schedule.num_ranks,
+        schedule.num_stages,
+        schedule.num_microbatches,
+        schedule.stage_to_rank,
+        tuple(lowered),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -657,8 +737,10 @@ class _Index:
             dep = Action(ActionKind.F, a.stage - 1, a.microbatch)
             return self.first(dep) or f"{format_action(dep)}, which no rank runs"
         if a.is_backward and a.stage < s.num_stages - 1 and owner[a.stage + 1] != rank:
-            return (self.backward(a.stage + 1, a.microbatch)
-                    or f"the backward of stage {a.stage + 1} microbatch {a.microbatch}, which no rank runs")
+            return (
+                self.backward(a.stage + 1, a.microbatch)
+                or f"the backward of stage {a.stage + 1} microbatch {a.microbatch}, which no rank runs"
+            )
         return None
 
 
@@ -696,8 +778,10 @@ def _static_issues(schedule: Schedule, index: _Index) -> list:
     S, M, owner = schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank
     for rank, acts in enumerate(schedule.actions):
         for step, a in enumerate(acts):
+
             def issue(msg):
                 issues.append(_Issue(msg, rank, step, a))
+
             if a.stage >= S or a.microbatch >= M:
                 issue(f"out of range: the schedule has stages 0..{S - 1} and microbatches 0..{M - 1}")
                 continue
@@ -705,20 +789,23 @@ def _static_issues(schedule: Schedule, index: _Index) -> list:
                 issue(f"stage {a.stage} belongs to rank {owner[a.stage]}, not rank {rank}")
             if not a.is_compute:
                 if a.peer != a.stage + _PEER_OFFSET[a.kind]:
-                    issue(f"{a.kind.value} of stage {a.stage} must have peer stage "
-                          f"{a.stage + _PEER_OFFSET[a.kind]}, not {a.peer}")
+                    issue(
+                        f"{a.kind.value} of stage {a.stage} must have peer stage "
+                        f"{a.stage + _PEER_OFFSET[a.kind]}, not {a.peer}"
+                    )
                     continue
                 if not 0 <= a.peer < S:
                     issue(f"peer stage {a.peer} does not exist")
                     continue
                 if owner[a.peer] == owner[a.stage]:
-                    issue(f"stages {a.stage} and {a.peer} are both on rank {owner[a.stage]}: "
-                          "no communication is needed between them")
+                    issue(
+                        f"stages {a.stage} and {a.peer} are both on rank {owner[a.stage]}: "
+                        "no communication is needed between them"
+                    )
                     continue
                 if index.first(a.counterpart()) is None:
                     verb = "receives" if a.is_send else "sends"
-                    issue(f"no matching {format_action(a.counterpart())}: "
-                          f"rank {owner[a.peer]} never {verb} it")
+                    issue(f"no matching {format_action(a.counterpart())}: rank {owner[a.peer]} never {verb} it")
             seen = index.where[a]
             if len(seen) > 1 and seen[0] != (rank, step):
                 issue(f"duplicate of rank {seen[0][0]} step {seen[0][1]}")
@@ -730,8 +817,7 @@ def _static_issues(schedule: Schedule, index: _Index) -> list:
                 elif pos[0] == rank and pos[1] > step:
                     issue(f"needs {format_action(need)}, which rank {rank} runs later (step {pos[1]})")
 
-    kinds = Counter((a.kind, a.stage, a.microbatch)
-                    for acts in schedule.actions for a in acts if a.is_compute)
+    kinds = Counter((a.kind, a.stage, a.microbatch) for acts in schedule.actions for a in acts if a.is_compute)
     for s in range(S):
         for mb in range(M):
             n = {k: kinds[(k, s, mb)] for k in (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)}
@@ -758,10 +844,16 @@ def _static_issues(schedule: Schedule, index: _Index) -> list:
             sent = schedule.actions[spos[0]][spos[1]]
             got = schedule.actions[rpos[0]][rpos[1]]
             if sent.counterpart() != got:
-                issues.append(_Issue(
-                    f"messages from rank {key[0]} to rank {key[1]} are matched in order, and message "
-                    f"#{k} is {format_action(sent)} (rank {spos[0]} step {spos[1]}): the data would go "
-                    "to the wrong microbatch or stage", rpos[0], rpos[1], got))
+                issues.append(
+                    _Issue(
+                        f"messages from rank {key[0]} to rank {key[1]} are matched in order, and message "
+                        f"#{k} is {format_action(sent)} (rank {spos[0]} step {spos[1]}): the data would go "
+                        "to the wrong microbatch or stage",
+                        rpos[0],
+                        rpos[1],
+                        got,
+                    )
+                )
     return issues
 
 
@@ -774,13 +866,13 @@ class _Run:
     """rank -> the step it cannot get past (ranks that finished are absent)."""
 
 
-def _execute(schedule: Schedule, duration: Callable[[Action], float], comm_time: float = 0.0,
-             index: _Index | None = None) -> _Run:
+def _execute(
+    schedule: Schedule, duration: Callable[[Action], float], comm_time: float = 0.0, index: _Index | None = None
+) -> _Run:
     """Run every rank's list in order; an action starts when its rank is free and its remote
     dependency (if any) has finished plus ``comm_time``. Stops at the fixed point."""
     index = index or _Index(schedule)
-    waits = {(r, i): index.remote_wait(r, i)
-             for r, acts in enumerate(schedule.actions) for i in range(len(acts))}
+    waits = {(r, i): index.remote_wait(r, i) for r, acts in enumerate(schedule.actions) for i in range(len(acts))}
     ptr = [0] * schedule.num_ranks
     clock = [0.0] * schedule.num_ranks
     start, end = {}, {}
@@ -819,8 +911,10 @@ def _deadlock_issues(schedule: Schedule, index: _Index) -> list:
             if blocker == other_step:
                 why += ", which is stuck itself"
             else:
-                why += (f", which rank {other} never reaches: it is stuck at step {blocker} "
-                        f"({format_action(schedule.actions[other][blocker])})")
+                why += (
+                    f", which rank {other} never reaches: it is stuck at step {blocker} "
+                    f"({format_action(schedule.actions[other][blocker])})"
+                )
         issues.append(_Issue(f"deadlock: {why}", rank, step, schedule.actions[rank][step]))
     return issues
 
@@ -841,8 +935,12 @@ def assert_valid(schedule: Schedule) -> None:
     issues = _issues(schedule)
     if issues:
         marks = [(i.rank, i.step) for i in issues if i.step is not None]
-        raise ValueError(f"invalid pipeline schedule {schedule.name!r} ({len(issues)} errors):\n"
-                         + "\n".join(f"  - {i}" for i in issues) + "\n\n" + schedule.grid(highlight=marks))
+        raise ValueError(
+            f"invalid pipeline schedule {schedule.name!r} ({len(issues)} errors):\n"
+            + "\n".join(f"  - {i}" for i in issues)
+            + "\n\n"
+            + schedule.grid(highlight=marks)
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -904,8 +1002,13 @@ def _per_stage(value: StageTime, what: str, num_stages: int) -> list:
     return times
 
 
-def simulate(schedule: Schedule, forward_time: StageTime, backward_time: StageTime,
-             weight_time: StageTime | None = None, comm_time: float = 0.0) -> SimulationResult:
+def simulate(
+    schedule: Schedule,
+    forward_time: StageTime,
+    backward_time: StageTime,
+    weight_time: StageTime | None = None,
+    comm_time: float = 0.0,
+) -> SimulationResult:
     """Replay a valid schedule with durations in seconds.
 
     Times are per stage: a number (every stage), a dict ``{stage: seconds}`` or a callable
@@ -923,17 +1026,17 @@ def simulate(schedule: Schedule, forward_time: StageTime, backward_time: StageTi
     over = [s for s in range(S) if wgt[s] > bwd[s]]
     if over:
         raise ValueError(f"weight_time exceeds backward_time (B = I + W) for stages {over}")
-    table = {ActionKind.F: fwd, ActionKind.B: bwd, ActionKind.W: wgt,
-             ActionKind.I: [b - w for b, w in zip(bwd, wgt)]}
+    table = {ActionKind.F: fwd, ActionKind.B: bwd, ActionKind.W: wgt, ActionKind.I: [b - w for b, w in zip(bwd, wgt)]}
 
     def duration(a: Action) -> float:
         return table[a.kind][a.stage] if a.is_compute else 0.0
 
     run = _execute(schedule, duration, comm_time)
     assert not run.stuck
-    timelines = {r: tuple(TimedAction(r, i, a, run.start[(r, i)], run.end[(r, i)])
-                          for i, a in enumerate(acts) if a.is_compute)
-                 for r, acts in enumerate(schedule.actions)}
+    timelines = {
+        r: tuple(TimedAction(r, i, a, run.start[(r, i)], run.end[(r, i)]) for i, a in enumerate(acts) if a.is_compute)
+        for r, acts in enumerate(schedule.actions)
+    }
     makespan = max((t.end for tl in timelines.values() for t in tl), default=0.0)
     busy = {r: sum(t.end - t.start for t in tl) for r, tl in timelines.items()}
     return SimulationResult(timelines, makespan, busy)

@@ -6,19 +6,36 @@ the product of their sizes, outer axis first. This module holds the pure helpers
 (``"S(0)"``, ``"R"``, ``"P"``), local shapes and the divisibility test that decides whether a
 spec is admissible for a shape (Partita shards evenly, so lowering never pads).
 """
+
 from __future__ import annotations
 
 import functools
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 __all__ = [
-    "Shard", "Replicate", "Partial", "Placement", "R", "P", "Spec",
-    "format_placement", "parse_placement", "format_spec", "parse_spec",
-    "local_shape", "shard_degree", "total_shard_degree", "spec_fits", "replicated", "is_shard",
-    "is_partial", "dual_spec", "transition_steps",
+    "Shard",
+    "Replicate",
+    "Partial",
+    "Placement",
+    "R",
+    "P",
+    "Spec",
+    "format_placement",
+    "parse_placement",
+    "format_spec",
+    "parse_spec",
+    "local_shape",
+    "shard_degree",
+    "total_shard_degree",
+    "spec_fits",
+    "replicated",
+    "is_shard",
+    "is_partial",
+    "dual_spec",
+    "transition_steps",
 ]
 
 R = Replicate()

@@ -9,6 +9,7 @@ JSON-ready dicts, together with the solver's alternatives for each decision (for
 The per-record costs add up to the ILP objective exactly: the plan's estimate is the same
 arithmetic the solver optimised.
 """
+
 from __future__ import annotations
 
 import operator
@@ -48,9 +49,18 @@ def _fmt_specs(specs):
 
 
 def _collective_dicts(collectives, phase, input_index, mesh_shape, cluster, axis_names):
-    return [{"kind": c.kind, "axis": axis_names[c.axis], "bytes": float(c.payload_bytes), "phase": phase,
-             "input": input_index, "time_s": collective_time(c, mesh_shape, cluster),
-             **({"bucketed": True} if c.bucketed else {})} for c in collectives]
+    return [
+        {
+            "kind": c.kind,
+            "axis": axis_names[c.axis],
+            "bytes": float(c.payload_bytes),
+            "phase": phase,
+            "input": input_index,
+            "time_s": collective_time(c, mesh_shape, cluster),
+            **({"bucketed": True} if c.bucketed else {}),
+        }
+        for c in collectives
+    ]
 
 
 def _node_record(node, choice, space, axis_names, rep_node):
@@ -58,7 +68,9 @@ def _node_record(node, choice, space, axis_names, rep_node):
     mesh = space.mesh_shape
     cluster = space.cluster
     rec = {
-        "name": node.name, "kind": i.kind, "module": i.module_path,
+        "name": node.name,
+        "kind": i.kind,
+        "module": i.module_path,
         "target": op_name(node.target) if node.op == "call_function" else node.op,
         "fqn": i.name if i.kind in ("param", "buffer", "input") else None,
         "shapes": [list(s) if s is not None else None for s in i.out_shapes],
@@ -73,8 +85,10 @@ def _node_record(node, choice, space, axis_names, rep_node):
     rec["ins"] = _fmt_specs(choice.ins)
     if choice.strategy is not None:
         rec["grads"] = _fmt_specs([choice.strategy.grad_spec(k) for k in range(len(choice.ins))])
-    rec["local_shapes"] = [list(local_shape(s, sp, mesh)) if s is not None and sp is not None else None
-                           for s, sp in zip(i.out_shapes, choice.out)]
+    rec["local_shapes"] = [
+        list(local_shape(s, sp, mesh)) if s is not None and sp is not None else None
+        for s, sp in zip(i.out_shapes, choice.out)
+    ]
     rec["compute_s"] = float(choice.compute_s)
     if choice.weight_grad_s:
         rec["weight_grad_s"] = float(choice.weight_grad_s)
@@ -115,16 +129,37 @@ def _edge_comm(node, choices, space, axis_names):
             dst = mine.ins[k]
             grad = mine.strategy.grad_spec(k) if mine.strategy is not None else None
         ui = info(u)
-        fwd, bwd = edge_collectives(choices[u].out[0], dst, grad, ui.shape or (), dtype_bytes(ui.dtype),
-                                    mesh, ui.requires_grad, from_param=ui.kind == "param")
+        fwd, bwd = edge_collectives(
+            choices[u].out[0],
+            dst,
+            grad,
+            ui.shape or (),
+            dtype_bytes(ui.dtype),
+            mesh,
+            ui.requires_grad,
+            from_param=ui.kind == "param",
+        )
         out += _collective_dicts(fwd, "fwd", k, mesh, space.cluster, axis_names)
         out += _collective_dicts(bwd, "bwd", k, mesh, space.cluster, axis_names)
     return out
 
 
-def plan_intra_op(cap, mesh_shape, axis_names, cluster, *, budget=None, pins=None, objective="time",
-                  optimizer="adam", share_blocks=True, time_limit=60.0, max_options="auto",
-                  activation_copies=1, log=None) -> IntraOpResult:
+def plan_intra_op(
+    cap,
+    mesh_shape,
+    axis_names,
+    cluster,
+    *,
+    budget=None,
+    pins=None,
+    objective="time",
+    optimizer="adam",
+    share_blocks=True,
+    time_limit=60.0,
+    max_options="auto",
+    activation_copies=1,
+    log=None,
+) -> IntraOpResult:
     log = log or (lambda msg: None)
     graph: fx.Graph = cap.graph
     REPLICATE_FALLBACK.warned.clear()  # each plan names every op it could not shard, once
@@ -135,16 +170,28 @@ def plan_intra_op(cap, mesh_shape, axis_names, cluster, *, budget=None, pins=Non
     for node, spec in (pins or {}).items():
         r = blocks.represent(node)
         if r in rep_pins and rep_pins[r] != spec:
-            raise ValueError(f"conflicting pins for {info(node).name}: {format_spec(rep_pins[r])} and "
-                             f"{format_spec(spec)} (repeated blocks share one decision; pin all layers alike)")
+            raise ValueError(
+                f"conflicting pins for {info(node).name}: {format_spec(rep_pins[r])} and "
+                f"{format_spec(spec)} (repeated blocks share one decision; pin all layers alike)"
+            )
         rep_pins[r] = spec
-    space = build_space(graph, blocks, mesh_shape, cluster, pins=rep_pins, optimizer=optimizer,
-                        max_options=max_options, activation_copies=activation_copies)
+    space = build_space(
+        graph,
+        blocks,
+        mesh_shape,
+        cluster,
+        pins=rep_pins,
+        optimizer=optimizer,
+        max_options=max_options,
+        activation_copies=activation_copies,
+    )
     t1 = time.perf_counter()
     n_opts = sum(len(g.options) for g in space.groups)
-    log(f"strategy space: {len(space.groups)} decisions, {n_opts} options, {len(space.edges)} edges, "
+    log(
+        f"strategy space: {len(space.groups)} decisions, {n_opts} options, {len(space.edges)} edges, "
         f"{len(blocks.groups)} repeated block kind(s) ({t1 - t0:.2f} s)"
-        + (f"; {space.pruned} high-compute options pruned" if space.pruned else ""))
+        + (f"; {space.pruned} high-compute options pruned" if space.pruned else "")
+    )
 
     memories = [g.memory for g in space.groups]
     least = min_memory(memories)
@@ -152,14 +199,22 @@ def plan_intra_op(cap, mesh_shape, axis_names, cluster, *, budget=None, pins=Non
         raise InfeasibleBudgetError(
             f"no plan fits {budget / 2**30:.3f} GiB per device on mesh {tuple(mesh_shape)}: the least memory any "
             f"plan needs is {least / 2**30:.3f} GiB ({least:.0f} bytes). Raise the budget, use a larger mesh, "
-            f"or a lighter optimizer (optimizer='sgd').")
-    result = solve_ilp([g.cost for g in space.groups], memories,
-                       [(e.src, e.dst, e.src_class, e.dst_class, e.matrix) for e in space.edges],
-                       budget=budget, objective=objective, time_limit=time_limit)
+            f"or a lighter optimizer (optimizer='sgd')."
+        )
+    result = solve_ilp(
+        [g.cost for g in space.groups],
+        memories,
+        [(e.src, e.dst, e.src_class, e.dst_class, e.matrix) for e in space.edges],
+        budget=budget,
+        objective=objective,
+        time_limit=time_limit,
+    )
     t2 = time.perf_counter()
     if result.choice is None:
-        raise InfeasibleBudgetError(f"the solver found no plan within the budget ({result.message}); the least memory "
-                                    f"any plan needs is {least / 2**30:.3f} GiB")
+        raise InfeasibleBudgetError(
+            f"the solver found no plan within the budget ({result.message}); the least memory "
+            f"any plan needs is {least / 2**30:.3f} GiB"
+        )
     log(f"solve: {t2 - t1:.2f} s, estimated step {result.objective * 1e3:.3f} ms")
 
     rep_choice = {}
@@ -192,13 +247,23 @@ def plan_intra_op(cap, mesh_shape, axis_names, cluster, *, budget=None, pins=Non
 
     alternatives = _alternatives(space, result.choice, axis_names)
     t3 = time.perf_counter()
-    stats = {"build_s": t1 - t0, "solve_s": t2 - t1, "decode_s": t3 - t2, "decisions": len(space.groups),
-             "options": n_opts, "edges": len(space.edges), "objective_s": result.objective,
-             "pruned_options": space.pruned,
-             "least_memory": least}
-    return IntraOpResult(records=records, alternatives=alternatives,
-                         blocks=[{"label": g.label, "count": len(g.indices), "prefix": g.prefix} for g in blocks.groups],
-                         stats=stats)
+    stats = {
+        "build_s": t1 - t0,
+        "solve_s": t2 - t1,
+        "decode_s": t3 - t2,
+        "decisions": len(space.groups),
+        "options": n_opts,
+        "edges": len(space.edges),
+        "objective_s": result.objective,
+        "pruned_options": space.pruned,
+        "least_memory": least,
+    }
+    return IntraOpResult(
+        records=records,
+        alternatives=alternatives,
+        blocks=[{"label": g.label, "count": len(g.indices), "prefix": g.prefix} for g in blocks.groups],
+        stats=stats,
+    )
 
 
 def _tie_aliases(cap, blocks) -> None:
@@ -234,10 +299,14 @@ def _alternatives(space, choice, axis_names, keep=6) -> dict:
         options = []
         for i in picked:
             c = g.options[i][leader]
-            options.append({"out": _fmt_specs(c.out), "ins": _fmt_specs(c.ins), "time_s": float(local[gi][i]),
-                            "memory": float(g.memory[i]), "chosen": bool(i == choice[gi])})
+            options.append(
+                {
+                    "out": _fmt_specs(c.out),
+                    "ins": _fmt_specs(c.ins),
+                    "time_s": float(local[gi][i]),
+                    "memory": float(g.memory[i]),
+                    "chosen": bool(i == choice[gi]),
+                }
+            )
         out[leader.name] = {"count": g.count, "members": [m.name for m in g.members], "options": options}
     return out
-
-
-

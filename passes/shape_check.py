@@ -8,6 +8,7 @@ newly captured graph in order and reports the first place where it does not: an 
 by its argument, the dim, its new size and the mesh axes cutting it) or, for sizes that only
 an inner node gets wrong, that node and its module.
 """
+
 from __future__ import annotations
 
 from passes.analyze import info
@@ -46,13 +47,19 @@ def check_divisible(cap, records: dict, mesh_shape, axis_names) -> None:
 
 def _message(node, dim, size, axes, pieces, mesh_shape, axis_names) -> str:
     where = ", ".join(f"'{axis_names[a]}' ({mesh_shape[a]} ranks)" for a in axes)
-    what_to_do = (f"use a size divisible by {pieces} there (for the last batch of a DataLoader: drop_last=True, "
-                  f"or pad it), or make the parallel model for this shape (auto_parallelize with inputs of it)")
+    what_to_do = (
+        f"use a size divisible by {pieces} there (for the last batch of a DataLoader: drop_last=True, "
+        f"or pad it), or make the parallel model for this shape (auto_parallelize with inputs of it)"
+    )
     i = info(node)
     if i.kind == "input":
-        return (f"input '{i.name}' has size {size} on dim {dim}, but the plan cuts that dim over mesh axis {where} "
-                f"into {pieces} pieces, which does not divide it: {what_to_do}")
+        return (
+            f"input '{i.name}' has size {size} on dim {dim}, but the plan cuts that dim over mesh axis {where} "
+            f"into {pieces} pieces, which does not divide it: {what_to_do}"
+        )
     module = i.module_path or "the model's top level"
-    return (f"node {node.name} ({node.target} in {module}) has size {size} on dim {dim} at these input shapes, but "
-            f"the plan cuts that dim over mesh axis {where} into {pieces} pieces, which does not divide it: "
-            f"{what_to_do}")
+    return (
+        f"node {node.name} ({node.target} in {module}) has size {size} on dim {dim} at these input shapes, but "
+        f"the plan cuts that dim over mesh axis {where} into {pieces} pieces, which does not divide it: "
+        f"{what_to_do}"
+    )

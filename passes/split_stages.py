@@ -13,6 +13,7 @@ parameters, buffers, user inputs or activations from earlier stages, and which v
 hands on. Values that skip stages (attention masks, position ids, residuals) are carried
 through the stages in between, so every stage exchanges data only with its neighbours.
 """
+
 from __future__ import annotations
 
 import operator
@@ -51,8 +52,13 @@ class StageGraph:
         """Whether the stage's program uses floating-point values of earlier stages (analysed
         graph). If not (the first stage; one that only passes values on), a zero-bubble I pass
         has nothing to compute, and the stage's whole backward is its W."""
-        return any(n.op == "placeholder" and n.name in self.activation_inputs and info(n).dtype is not None
-                   and info(n).dtype.is_floating_point for n in self.captured.graph.nodes)
+        return any(
+            n.op == "placeholder"
+            and n.name in self.activation_inputs
+            and info(n).dtype is not None
+            and info(n).dtype.is_floating_point
+            for n in self.captured.graph.nodes
+        )
 
 
 def balance_layers(costs: list, stages: int) -> list:
@@ -86,8 +92,9 @@ def assign_stages(cap: CapturedGraph, stages: int, node_cost=None) -> tuple:
     """``node -> stage`` for every op, and the layer indices of each stage."""
     blocks = find_blocks(cap.graph)
     if not blocks.groups:
-        raise ValueError("pipeline parallelism cuts at repeated layers (an nn.ModuleList of identical blocks); "
-                         "this model has none")
+        raise ValueError(
+            "pipeline parallelism cuts at repeated layers (an nn.ModuleList of identical blocks); this model has none"
+        )
     group = max(blocks.groups, key=lambda g: len(g.indices))
     node_cost = node_cost or (lambda n: info(n).flops)
     ops = [n for n in cap.graph.nodes if n.op == "call_function"]
@@ -113,7 +120,7 @@ def assign_stages(cap: CapturedGraph, stages: int, node_cost=None) -> tuple:
         stage_of[node] = current
     runs, k = [], 0
     for length in lengths:
-        runs.append(tuple(group.indices[k:k + length]))
+        runs.append(tuple(group.indices[k : k + length]))
         k += length
     return stage_of, runs
 
@@ -129,13 +136,26 @@ def split_stages(cap: CapturedGraph, stage_of: dict, runs) -> list:
         params = {p.name: cap.params[p.name] for p in placeholders if p.name in cap.params}
         buffers = {p.name: cap.buffers[p.name] for p in placeholders if p.name in cap.buffers}
         others = [p.name for p in placeholders if p.name not in params and p.name not in buffers]
-        staged = CapturedGraph(graph_module=sub, exported=None, params=params, buffers=buffers,
-                               user_inputs=others, input_names={n: cap.input_names.get(n, n) for n in others})
+        staged = CapturedGraph(
+            graph_module=sub,
+            exported=None,
+            params=params,
+            buffers=buffers,
+            user_inputs=others,
+            input_names={n: cap.input_names.get(n, n) for n in others},
+        )
         activation = [n for n in others if n not in cap.user_inputs]
-        if k < len(calls) - 1:      # its outputs go to later stages as placed (partial sums reduced)
+        if k < len(calls) - 1:  # its outputs go to later stages as placed (partial sums reduced)
             sub.graph.find_nodes(op="output")[0].meta[STAGE_BOUNDARY] = True
-        stage_graphs.append(StageGraph(index=k, captured=staged, inputs=[p.name for p in placeholders],
-                                       activation_inputs=activation, layers=runs[k] if k < len(runs) else ()))
+        stage_graphs.append(
+            StageGraph(
+                index=k,
+                captured=staged,
+                inputs=[p.name for p in placeholders],
+                activation_inputs=activation,
+                layers=runs[k] if k < len(runs) else (),
+            )
+        )
     # outputs of each stage, named by the consumers' placeholder names
     for k, call in enumerate(calls):
         returned = getattr(top, call.target).graph.find_nodes(op="output")[0].args[0]
@@ -162,7 +182,7 @@ def split_stages(cap: CapturedGraph, stage_of: dict, runs) -> list:
             stage_graphs[last].outputs[index] = f"__output{i}"
     # carried values: produced before stage s, used at or after stage s
     for s, stage in enumerate(stage_graphs):
-        needed_later = {n for t in stage_graphs[s + 1:] for n in t.activation_inputs}
+        needed_later = {n for t in stage_graphs[s + 1 :] for n in t.activation_inputs}
         available = [n for n in (stage.receives + stage.outputs) if n in needed_later]
         stage.sends = list(dict.fromkeys(available))
         if s + 1 < len(stage_graphs):

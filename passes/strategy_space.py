@@ -20,6 +20,7 @@ Built from an analysed graph, a mesh and a cluster:
 4. **Repeated blocks** are built once: only representatives (:mod:`passes.blocks`) get groups;
    every real node and edge adds its representative's cost, weighted by how often it occurs.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,13 +34,29 @@ import torch.fx as fx
 
 from passes.analyze import info
 from passes.blocks import Blocks
-from passes.cost_model import (Collective, collective_time, compute_time, dtype_bytes, extra_payload, local_bytes,
-                               param_state_bytes, reshard)
+from passes.cost_model import (
+    Collective,
+    collective_time,
+    compute_time,
+    dtype_bytes,
+    extra_payload,
+    local_bytes,
+    param_state_bytes,
+    reshard,
+)
 from passes.placements import R, Shard, dual_spec, replicated, spec_fits
 from passes.rules import Strategy, expand_to_mesh, op_view, rule_for, tensor_input_nodes
 
-__all__ = ["NodeChoice", "Group", "EdgeCost", "StrategySpace", "build_space", "edge_collectives",
-           "required_output_spec", "STAGE_BOUNDARY"]
+__all__ = [
+    "NodeChoice",
+    "Group",
+    "EdgeCost",
+    "StrategySpace",
+    "build_space",
+    "edge_collectives",
+    "required_output_spec",
+    "STAGE_BOUNDARY",
+]
 
 
 def _is_parameter(node) -> bool:
@@ -134,7 +151,11 @@ def edge_collectives(src_spec, dst_spec, grad_spec, shape, elem, mesh_shape, req
     marked ``bucketed``.
     """
     fwd = reshard(src_spec, dst_spec, shape, mesh_shape, elem)
-    bwd = reshard(grad_spec, dual_spec(src_spec), shape, mesh_shape, elem) if requires_grad and grad_spec is not None else []
+    bwd = (
+        reshard(grad_spec, dual_spec(src_spec), shape, mesh_shape, elem)
+        if requires_grad and grad_spec is not None
+        else []
+    )
     if from_param:
         bwd = [dataclasses.replace(c, bucketed=True) for c in bwd]
     return tuple(fwd), tuple(bwd)
@@ -149,7 +170,7 @@ class _Builder:
         self.blocks = blocks
         self.mesh = tuple(mesh_shape)
         self.cluster = cluster
-        self.pins = pins            # node -> spec (output placement)
+        self.pins = pins  # node -> spec (output placement)
         self.optimizer = optimizer
         self._axis_cache = {}
         self._edge_cache = {}
@@ -176,8 +197,16 @@ class _Builder:
         key = (src_spec, dst_spec, grad_spec, shape, i.dtype, i.requires_grad, i.kind == "param")
         t = self._edge_cache.get(key)
         if t is None:
-            fwd, bwd = edge_collectives(src_spec, dst_spec, grad_spec, shape, dtype_bytes(i.dtype),
-                                        self.mesh, i.requires_grad, from_param=i.kind == "param")
+            fwd, bwd = edge_collectives(
+                src_spec,
+                dst_spec,
+                grad_spec,
+                shape,
+                dtype_bytes(i.dtype),
+                self.mesh,
+                i.requires_grad,
+                from_param=i.kind == "param",
+            )
             t = self._edge_cache[key] = self.time_of(fwd) + self.time_of(bwd)
         return t
 
@@ -214,9 +243,12 @@ class _Builder:
             if rule.contraction and any(_is_parameter(a) and info(a).requires_grad for a in self.inputs_of(node)):
                 weight = fwd
         act = 0.0
-        if i.saved:   # alive once per microbatch a pipeline schedule holds (activation_copies)
-            act = self.activation_copies * sum(local_bytes(s, spec, self.mesh, dtype_bytes(i.dtype))
-                                               for s, spec in zip(i.out_shapes, strategy.out) if s is not None)
+        if i.saved:  # alive once per microbatch a pipeline schedule holds (activation_copies)
+            act = self.activation_copies * sum(
+                local_bytes(s, spec, self.mesh, dtype_bytes(i.dtype))
+                for s, spec in zip(i.out_shapes, strategy.out)
+                if s is not None
+            )
         extra = extra_fwd + (extra_bwd if i.requires_grad else 0.0)
         return fwd + bwd, extra, act, weight
 
@@ -232,8 +264,9 @@ class _Builder:
         chosen = []
         for ax in range(len(self.mesh)):
             want = tuple(None if g is None else g[ax] for g in given)
-            exact = next((c for c in candidates
-                          if all(w is None or p is None or w == p for w, p in zip(want, c.ins))), None)
+            exact = next(
+                (c for c in candidates if all(w is None or p is None or w == p for w, p in zip(want, c.ins))), None
+            )
             if exact is None:
                 best, best_t = None, None
                 for c in candidates:
@@ -241,7 +274,7 @@ class _Builder:
                     for k, (g, p) in enumerate(zip(given, c.ins)):
                         if g is None or p is None:
                             continue
-                        target = g[:ax] + (p,) + g[ax + 1:]
+                        target = g[:ax] + (p,) + g[ax + 1 :]
                         prod = self.inputs_of(node)[k]
                         t += self.edge_time(g, target, None, prod)
                     if best_t is None or t < best_t:
@@ -250,8 +283,9 @@ class _Builder:
             chosen.append(exact)
         strategy = Strategy.from_axes(chosen)
         op = self.view_of(node)
-        fits = all(s is None or spec_fits(s, sp, self.mesh) for s, sp in zip(op.out_shapes, strategy.out)) and \
-            all(sp is None or s is None or spec_fits(s, sp, self.mesh) for s, sp in zip(op.in_shapes, strategy.ins))
+        fits = all(s is None or spec_fits(s, sp, self.mesh) for s, sp in zip(op.out_shapes, strategy.out)) and all(
+            sp is None or s is None or spec_fits(s, sp, self.mesh) for s, sp in zip(op.in_shapes, strategy.ins)
+        )
         if not fits:
             strategy = Strategy.from_axes([candidates[0]] * len(self.mesh))
         return self.choice_for(node, strategy, given)
@@ -263,8 +297,16 @@ class _Builder:
             for k, (g, want) in enumerate(zip(given, strategy.ins)):
                 if g is not None and want is not None:
                     inbound += self.edge_time(g, want, strategy.grad_spec(k), self.inputs_of(node)[k])
-        return NodeChoice(strategy=strategy, out=strategy.out, ins=strategy.ins, compute_s=compute, weight_grad_s=weight, extra_s=extra,
-                          inbound_s=inbound, memory=act)
+        return NodeChoice(
+            strategy=strategy,
+            out=strategy.out,
+            ins=strategy.ins,
+            compute_s=compute,
+            weight_grad_s=weight,
+            extra_s=extra,
+            inbound_s=inbound,
+            memory=act,
+        )
 
     # -- leaders ----------------------------------------------------------------------
     def leader_options(self, node) -> list:
@@ -289,8 +331,10 @@ class _Builder:
         if pin is not None:
             strategies = [s for s in strategies if s.out[0] == pin]
             if not strategies:
-                raise ValueError(f"pinned placement {pin} is not reachable for node {node.name} "
-                                 f"({i.module_path or 'top level'}, op {node.target}) with shape {i.shape}")
+                raise ValueError(
+                    f"pinned placement {pin} is not reachable for node {node.name} "
+                    f"({i.module_path or 'top level'}, op {node.target}) with shape {i.shape}"
+                )
         choices = [self.choice_for(node, s) for s in strategies]
         if self.max_options and len(choices) > self.max_options:
             # Keep the options that split the most work (stable: rules list R first, so ties
@@ -333,8 +377,17 @@ def _is_getitem(node):
     return node.op == "call_function" and node.target is operator.getitem
 
 
-def build_space(graph: fx.Graph, blocks: Blocks, mesh_shape, cluster, *, pins=None, optimizer="adam",
-                max_options="auto", activation_copies: int = 1) -> StrategySpace:
+def build_space(
+    graph: fx.Graph,
+    blocks: Blocks,
+    mesh_shape,
+    cluster,
+    *,
+    pins=None,
+    optimizer="adam",
+    max_options="auto",
+    activation_copies: int = 1,
+) -> StrategySpace:
     """``max_options``: cap on an op leader's options (lowest compute kept); ``"auto"`` caps at
     24 on meshes of 3 or more axes, where an op can have over 200 combinations, and not
     below that; ``None`` never caps (the solve is then exact over the whole space).
@@ -362,11 +415,19 @@ def build_space(graph: fx.Graph, blocks: Blocks, mesh_shape, cluster, *, pins=No
         rule = rule_for(node) if node.op == "call_function" else None
         source_groups = {group_of.get(rep(a)) for a in data_inputs}
         leader_here = None
-        if node.op == "call_function" and node not in b.pins and data_inputs and len(source_groups) == 1 \
-                and None not in source_groups:
+        if (
+            node.op == "call_function"
+            and node not in b.pins
+            and data_inputs
+            and len(source_groups) == 1
+            and None not in source_groups
+        ):
             gi = source_groups.pop()
-            if (_is_getitem(node) or rule.follower) and all(same_instance(a, node) for a in data_inputs) \
-                    and same_instance(groups[gi].leader, node):
+            if (
+                (_is_getitem(node) or rule.follower)
+                and all(same_instance(a, node) for a in data_inputs)
+                and same_instance(groups[gi].leader, node)
+            ):
                 leader_here = gi
         if leader_here is not None:
             g = groups[leader_here]
@@ -389,13 +450,24 @@ def build_space(graph: fx.Graph, blocks: Blocks, mesh_shape, cluster, *, pins=No
 
     for g in groups:
         g.count = blocks.count.get(g.leader, 1)
-        g.cost = np.array([sum(opt[m].compute_s + opt[m].extra_s + opt[m].inbound_s for m in g.members)
-                           for opt in g.options]) * g.count
+        g.cost = (
+            np.array(
+                [sum(opt[m].compute_s + opt[m].extra_s + opt[m].inbound_s for m in g.members) for opt in g.options]
+            )
+            * g.count
+        )
         g.memory = np.array([sum(opt[m].memory for m in g.members) for opt in g.options]) * g.count
 
     edges = _build_edges(graph, b, groups, group_of)
-    return StrategySpace(groups=groups, edges=edges, group_of=group_of, blocks=blocks,
-                         mesh_shape=tuple(mesh_shape), cluster=cluster, pruned=b.pruned)
+    return StrategySpace(
+        groups=groups,
+        edges=edges,
+        group_of=group_of,
+        blocks=blocks,
+        mesh_shape=tuple(mesh_shape),
+        cluster=cluster,
+        pruned=b.pruned,
+    )
 
 
 def _classes(values):
@@ -409,7 +481,7 @@ def _classes(values):
 
 def _build_edges(graph, b: _Builder, groups, group_of) -> list:
     rep = b.blocks.represent
-    pending: dict = {}   # (rep_u, rep_v, k) -> occurrences
+    pending: dict = {}  # (rep_u, rep_v, k) -> occurrences
     for node in graph.nodes:
         i = info(node)
         if i.kind in ("ignored",) or node.op == "placeholder":
@@ -436,14 +508,18 @@ def _build_edges(graph, b: _Builder, groups, group_of) -> list:
             groups[gu].cost = groups[gu].cost + costs * occurrences
             continue
         gv = group_of[v]
-        dst = [(opt[v].ins[k], opt[v].strategy.grad_spec(k) if opt[v].strategy is not None else None)
-               for opt in groups[gv].options]
+        dst = [
+            (opt[v].ins[k], opt[v].strategy.grad_spec(k) if opt[v].strategy is not None else None)
+            for opt in groups[gv].options
+        ]
         if all(d[0] is None for d in dst):
             continue
         src_vals, src_cls = _classes(src_specs)
         dst_vals, dst_cls = _classes(dst)
-        m = np.array([[0.0 if d is None else b.edge_time(s, d, gspec, u) for (d, gspec) in dst_vals]
-                      for s in src_vals]) * occurrences
+        m = (
+            np.array([[0.0 if d is None else b.edge_time(s, d, gspec, u) for (d, gspec) in dst_vals] for s in src_vals])
+            * occurrences
+        )
         if gu == gv:
             full = m[np.ix_(src_cls, dst_cls)]
             groups[gu].cost = groups[gu].cost + np.diag(full)
@@ -473,7 +549,7 @@ def _build_edges(graph, b: _Builder, groups, group_of) -> list:
 def _factor(src, dst, full) -> EdgeCost:
     rows, row_cls = _classes([tuple(r) for r in full])
     cols, col_cls = _classes([tuple(c) for c in full.T])
-    matrix = full[np.ix_([list(row_cls).index(i) for i in range(len(rows))],
-                         [list(col_cls).index(j) for j in range(len(cols))])]
+    matrix = full[
+        np.ix_([list(row_cls).index(i) for i in range(len(rows))], [list(col_cls).index(j) for j in range(len(cols))])
+    ]
     return EdgeCost(src, dst, row_cls, col_cls, matrix)
-

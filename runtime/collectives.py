@@ -22,6 +22,7 @@ placement, exactly the moves the cost model priced. Every collective reports its
 axis, payload bytes and phase to the active :class:`CommCounter` objects, so tests can check
 that the runtime sends what the plan says.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,7 +47,7 @@ def on_rank0(work, what: str):
     if dist.get_rank() == 0:
         try:
             payload = [("ok", work())]
-        except Exception as exc:    # noqa: BLE001 - re-raised here and on every other rank
+        except Exception as exc:  # noqa: BLE001 - re-raised here and on every other rank
             dist.broadcast_object_list([("error", _portable(exc), type(exc).__name__, str(exc))], src=0)
             raise
     dist.broadcast_object_list(payload, src=0)
@@ -58,7 +59,7 @@ def on_rank0(work, what: str):
     if exc is not None:
         try:
             rebuilt = type(exc)(message + note)
-        except Exception:   # noqa: BLE001 - an exception type that needs other arguments
+        except Exception:  # noqa: BLE001 - an exception type that needs other arguments
             rebuilt = None
         if rebuilt is not None:
             raise rebuilt
@@ -70,7 +71,7 @@ def _portable(exc):
     try:
         pickle.loads(pickle.dumps(exc))
         return exc
-    except Exception:   # noqa: BLE001 - unpicklable attributes: the type name and message go instead
+    except Exception:  # noqa: BLE001 - unpicklable attributes: the type name and message go instead
         return None
 
 
@@ -127,7 +128,7 @@ class MeshComm:
             self.coords = list(device_mesh.get_coordinate())
 
     @classmethod
-    def for_codegen(cls, shape, axis_names, rank: int) -> "MeshComm":
+    def for_codegen(cls, shape, axis_names, rank: int) -> MeshComm:
         """A rank's coordinates on a mesh without process groups: enough to lower and print
         its program (any mesh size, one process); running it needs real groups."""
         comm = cls.__new__(cls)
@@ -182,23 +183,25 @@ def _move(x, axis, p, q, comm: MeshComm, phase, src_pieces=None, dst_pieces=None
     if n == 1:
         return x
     group, coord, name = comm.groups[axis], comm.coords[axis], comm.axis_names[axis]
-    if is_shard(p) and is_shard(q):                       # all_to_all: cut along q.dim, join along p.dim
+    if is_shard(p) and is_shard(q):  # all_to_all: cut along q.dim, join along p.dim
         if src_pieces or dst_pieces:
-            raise ValueError(f"an all-to-all of a strided shard (the fused-projection layout) on mesh axis {name} "
-                             f"is not supported; pin the split's input to Replicate on {name}")
+            raise ValueError(
+                f"an all-to-all of a strided shard (the fused-projection layout) on mesh axis {name} "
+                f"is not supported; pin the split's input to Replicate on {name}"
+            )
         record_collective("all_to_all", name, _nbytes(x), phase)
         pieces = torch.stack(x.chunk(n, dim=q.dim), 0).contiguous()
         received = torch.empty_like(pieces)
         dist.all_to_all_single(received, pieces, group=group)
         return torch.cat(list(received.unbind(0)), dim=p.dim)
-    if is_shard(p):                                        # all_gather along p.dim
+    if is_shard(p):  # all_gather along p.dim
         inp = x.movedim(p.dim, 0).contiguous()
         out = inp.new_empty((n * inp.shape[0],) + tuple(inp.shape[1:]))
         record_collective("all_gather", name, _nbytes(out), phase)
         _all_gather_single(out, inp, group=group)
         out = out.movedim(0, p.dim)
         return _strided_order(out, p.dim, src_pieces, n, inverse=True) if src_pieces else out
-    if is_partial(p) and is_shard(q):                      # reduce_scatter along q.dim
+    if is_partial(p) and is_shard(q):  # reduce_scatter along q.dim
         record_collective("reduce_scatter", name, _nbytes(x), phase)
         if dst_pieces:
             x = _strided_order(x, q.dim, dst_pieces, n)
@@ -206,17 +209,17 @@ def _move(x, axis, p, q, comm: MeshComm, phase, src_pieces=None, dst_pieces=None
         out = inp.new_empty((inp.shape[0] // n,) + tuple(inp.shape[1:]))
         _reduce_scatter_single(out, inp, op=_reduce_op(p), group=group)
         return out.movedim(0, q.dim)
-    if is_partial(p):                                      # all_reduce
+    if is_partial(p):  # all_reduce
         record_collective("all_reduce", name, _nbytes(x), phase)
         out = x.contiguous().clone()
         dist.all_reduce(out, op=_reduce_op(p), group=group)
         return out
-    if is_shard(q):                                        # local slice
+    if is_shard(q):  # local slice
         if dst_pieces:
             x = _strided_order(x, q.dim, dst_pieces, n)
         size = x.shape[q.dim] // n
         return x.narrow(q.dim, coord * size, size)
-    if is_partial(q):                                      # keep one rank's share
+    if is_partial(q):  # keep one rank's share
         return x if coord == 0 or q.reduce_op != "sum" else torch.zeros_like(x)
     raise AssertionError(f"no move from {p} to {q}")
 
@@ -224,7 +227,7 @@ def _move(x, axis, p, q, comm: MeshComm, phase, src_pieces=None, dst_pieces=None
 def run_steps(x: torch.Tensor, steps, comm: MeshComm, phase: str, strided_src=None, strided_dst=None) -> torch.Tensor:
     """Perform ``steps``. ``strided_src`` / ``strided_dst``: ``{axis: pieces}`` for the axes whose
     shard is strided in the source / destination placement (see :func:`_move`)."""
-    held = dict(strided_src or {})          # axis -> pieces, for the shards now in strided order
+    held = dict(strided_src or {})  # axis -> pieces, for the shards now in strided order
     for axis, p, q in steps:
         src_pieces = held.pop(axis, None) if is_shard(p) else None
         dst_pieces = (strided_dst or {}).get(axis) if is_shard(q) else None
@@ -247,14 +250,19 @@ class _ReshardFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         module = ctx.module
-        if module.sync is not None:   # a parameter's gradient sync, bucketed (runtime/grad_sync.py)
+        if module.sync is not None:  # a parameter's gradient sync, bucketed (runtime/grad_sync.py)
             module.sync.add(module.sync_param, grad, module.sync_axes)
             return None, None
         if module.backward_steps is None:
             return None, None
-        return run_steps(grad, module.backward_steps, module.comm, "bwd",
-                         module._strided_of(module.grad, module.strided),
-                         module._strided_of(dual_spec(module.src), module.src_strided)), None
+        return run_steps(
+            grad,
+            module.backward_steps,
+            module.comm,
+            "bwd",
+            module._strided_of(module.grad, module.strided),
+            module._strided_of(dual_spec(module.src), module.src_strided),
+        ), None
 
 
 class Reshard(torch.nn.Module):
@@ -271,8 +279,8 @@ class Reshard(torch.nn.Module):
         self.src, self.dst, self.grad = tuple(src), tuple(dst), (tuple(grad) if grad is not None else None)
         self.strided, self.src_strided = dict(strided or {}), dict(src_strided or {})
         self.forward_steps = transition_steps(self.src, self.dst)
-        self.backward_steps = (transition_steps(self.grad, dual_spec(self.src)) if self.grad is not None else None)
-        self.sync = self.sync_param = None   # set when this edge's backward joins gradient buckets
+        self.backward_steps = transition_steps(self.grad, dual_spec(self.src)) if self.grad is not None else None
+        self.sync = self.sync_param = None  # set when this edge's backward joins gradient buckets
         self.sync_axes = ()
 
     @property
@@ -286,8 +294,14 @@ class Reshard(torch.nn.Module):
         return {a: f for a, f in strided.items() if spec is not None and is_shard(spec[a])}
 
     def _forward_moves(self, x):
-        return run_steps(x, self.forward_steps, self.comm, "fwd", self._strided_of(self.src, self.src_strided),
-                         self._strided_of(self.dst, self.strided))
+        return run_steps(
+            x,
+            self.forward_steps,
+            self.comm,
+            "fwd",
+            self._strided_of(self.src, self.src_strided),
+            self._strided_of(self.dst, self.strided),
+        )
 
     @property
     def is_noop(self) -> bool:

@@ -13,6 +13,7 @@ reduced gradients are added to ``.grad``, so gradient accumulation across calls 
 without buckets. The bytes sent are those the plan priced (the same payload per axis, in
 fewer, larger collectives).
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,8 @@ class GradientBuckets:
     def __init__(self, comm: MeshComm, bucket_bytes: int = 25 * 2**20):
         self.comm = comm
         self.bucket_bytes = bucket_bytes
-        self._open: dict = {}       # axes -> list of (param, grad)
-        self._launched: list = []   # (axes, entries, flat, work or None)
+        self._open: dict = {}  # axes -> list of (param, grad)
+        self._launched: list = []  # (axes, entries, flat, work or None)
         self._armed = False
 
     def add(self, param: torch.Tensor, grad: torch.Tensor, axes: tuple) -> None:
@@ -46,7 +47,7 @@ class GradientBuckets:
         for i, axis in enumerate(axes):
             record_collective("all_reduce", self.comm.axis_names[axis], flat.numel() * flat.element_size(), "bwd")
             last = i == len(axes) - 1
-            if last:   # the last (usually only) axis overlaps with the rest of backward
+            if last:  # the last (usually only) axis overlaps with the rest of backward
                 work = dist.all_reduce(flat, group=self.comm.groups[axis], async_op=True)
             else:
                 dist.all_reduce(flat, group=self.comm.groups[axis])
@@ -62,7 +63,7 @@ class GradientBuckets:
                     work.wait()
                 offset = 0
                 for param, grad in entries:
-                    piece = flat[offset:offset + grad.numel()].view_as(grad)
+                    piece = flat[offset : offset + grad.numel()].view_as(grad)
                     offset += grad.numel()
                     if param.grad is None:
                         param.grad = piece.clone()

@@ -67,7 +67,8 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -266,13 +267,10 @@ def run_on_ranks(
     if not timeout_s > 0:
         raise ValueError(f"run_on_ranks: timeout_s must be > 0, got {timeout_s!r}")
     if not collective_timeout_s > 0:
-        raise ValueError(
-            f"run_on_ranks: collective_timeout_s must be > 0, got {collective_timeout_s!r}"
-        )
+        raise ValueError(f"run_on_ranks: collective_timeout_s must be > 0, got {collective_timeout_s!r}")
     if "fork" not in multiprocessing.get_all_start_methods():
         raise RuntimeError(
-            "run_on_ranks forks its workers and this platform has no 'fork' start method; "
-            "use torchrun instead"
+            "run_on_ranks forks its workers and this platform has no 'fork' start method; use torchrun instead"
         )
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError(
@@ -291,7 +289,14 @@ def run_on_ranks(
     for attempt in range(2):
         try:
             return _run_once(
-                fn, world_size, args, kwargs, deadline, timeout_s, backend, collective_timeout_s,
+                fn,
+                world_size,
+                args,
+                kwargs,
+                deadline,
+                timeout_s,
+                backend,
+                collective_timeout_s,
                 retry_port_clash=(attempt == 0),
             )
         except _PortInUse:
@@ -300,7 +305,14 @@ def run_on_ranks(
 
 
 def _run_once(
-    fn, world_size, args, kwargs, deadline, timeout_s, backend, collective_timeout_s,
+    fn,
+    world_size,
+    args,
+    kwargs,
+    deadline,
+    timeout_s,
+    backend,
+    collective_timeout_s,
     retry_port_clash,
 ):
     ctx = multiprocessing.get_context("fork")
@@ -316,9 +328,19 @@ def _run_once(
                 target=_worker,
                 name=f"partita-rank{rank}",
                 args=(
-                    rank, world_size, port, backend, collective_timeout_s, w,
-                    os.path.join(stack_dir, f"rank{rank}.stack"), os.getpid(), release,
-                    max(0.0, deadline - time.monotonic()), fn, args, kwargs,
+                    rank,
+                    world_size,
+                    port,
+                    backend,
+                    collective_timeout_s,
+                    w,
+                    os.path.join(stack_dir, f"rank{rank}.stack"),
+                    os.getpid(),
+                    release,
+                    max(0.0, deadline - time.monotonic()),
+                    fn,
+                    args,
+                    kwargs,
                 ),
                 daemon=False,  # fn may start its own processes (e.g. DataLoader workers)
             )
@@ -326,8 +348,7 @@ def _run_once(
             w.close()  # the child holds the only write end: EOF <=> the child is gone
             procs.append(p)
             readers.append(r)
-        return _collect(procs, readers, release, deadline, timeout_s, stack_dir,
-                        retry_port_clash)
+        return _collect(procs, readers, release, deadline, timeout_s, stack_dir, retry_port_clash)
     finally:
         _kill_all(procs)
         for r in readers:
@@ -356,12 +377,18 @@ def _collect(procs, readers, release, deadline, timeout_s, stack_dir, retry_port
         _, _, phase, stamp, etype, emsg, tb = msg
         if phase == "init" and retry_port_clash and _is_port_clash(emsg):
             raise _PortInUse()
-        where = {"init": "while initialising the process group", "fn": "",
-                 "result": "while serialising its return value (must be torch.save-able)"}[phase]
+        where = {
+            "init": "while initialising the process group",
+            "fn": "",
+            "result": "while serialising its return value (must be torch.save-able)",
+        }[phase]
         summary = f"rank {rank} raised {etype}: {emsg}" + (f" {where}" if where else "")
-        failures[rank] = (stamp, summary, dict(exc_type=etype, exc_message=emsg,
-                                               worker_traceback=tb),
-                          phase != "fn" or not _looks_like_peer_loss(etype, emsg))
+        failures[rank] = (
+            stamp,
+            summary,
+            dict(exc_type=etype, exc_message=emsg, worker_traceback=tb),
+            phase != "fn" or not _looks_like_peer_loss(etype, emsg),
+        )
 
     def _record_death(rank: int) -> None:
         pending.discard(rank)
@@ -427,8 +454,7 @@ def _looks_like_peer_loss(etype: str, msg: str) -> bool:
         return True
     m = msg.lower()
     return etype == "RuntimeError" and any(
-        k in m for k in ("gloo", "nccl", "c10d", "connection closed", "connection reset",
-                         "broken pipe")
+        k in m for k in ("gloo", "nccl", "c10d", "connection closed", "connection reset", "broken pipe")
     )
 
 
@@ -480,8 +506,9 @@ def _raise_timeout(procs, unfinished, finished, timeout_s, stack_dir) -> None:
             if len(stack) > _STACK_CHARS:
                 stack = stack[:_STACK_CHARS] + "\n  ..."  # innermost frames come first
             lines += ["", f"Python stacks of rank {rank} at the timeout:", stack]
-    raise RankTimeout("\n".join(lines), unfinished=unfinished,
-                      failures={r: "did not finish in time" for r in unfinished})
+    raise RankTimeout(
+        "\n".join(lines), unfinished=unfinished, failures={r: "did not finish in time" for r in unfinished}
+    )
 
 
 def _kill_all(procs) -> None:

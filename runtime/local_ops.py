@@ -19,6 +19,7 @@ issue are the ones the rules priced (``AxisStrategy.extra``):
 * :class:`RankAttention`: ``scaled_dot_product_attention`` with ``dropout_p > 0``, its dropout
   drawn by the same rule (and off in ``eval()``, although capture baked ``dropout_p`` in).
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,15 @@ import torch.nn.functional as F
 
 from runtime.collectives import MeshComm, all_reduce_
 
-__all__ = ["VocabParallelEmbedding", "ShardedSoftmax", "ShardedCrossEntropy", "SyncBatchNorm", "RankDropout",
-           "RankAttention", "shard_offset"]
+__all__ = [
+    "VocabParallelEmbedding",
+    "ShardedSoftmax",
+    "ShardedCrossEntropy",
+    "SyncBatchNorm",
+    "RankDropout",
+    "RankAttention",
+    "shard_offset",
+]
 
 
 def shard_offset(comm: MeshComm, spec, dim: int, local_size: int) -> int:
@@ -145,8 +153,18 @@ class _ClassShardedNll(torch.autograd.Function):
 class ShardedCrossEntropy(torch.nn.Module):
     """cross_entropy / nll_loss with batch rows and/or classes split over mesh axes."""
 
-    def __init__(self, comm: MeshComm, *, class_axes, batch_axes, class_spec, reduction: int,
-                 ignore_index: int, label_smoothing: float, from_log_probs: bool):
+    def __init__(
+        self,
+        comm: MeshComm,
+        *,
+        class_axes,
+        batch_axes,
+        class_spec,
+        reduction: int,
+        ignore_index: int,
+        label_smoothing: float,
+        from_log_probs: bool,
+    ):
         super().__init__()
         self.comm = comm
         self.class_axes, self.batch_axes = list(class_axes), list(batch_axes)
@@ -217,7 +235,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
         xhat, inv_std, weight = ctx.saved_tensors
         shape, dims = ctx.shape, ctx.dims
         sums = torch.cat([g.sum(dims), (g * xhat).sum(dims)])
-        grad_w = sums[xhat.shape[1]:].clone() if weight is not None else None
+        grad_w = sums[xhat.shape[1] :].clone() if weight is not None else None
         grad_b = sums[: xhat.shape[1]].clone()
         _all_reduce_axes(sums, ctx.comm, ctx.axes, "bwd")
         g_sum, gx_sum = sums.chunk(2)
@@ -235,8 +253,9 @@ class SyncBatchNorm(torch.nn.Module):
         self.comm, self.axes, self.momentum, self.eps = comm, list(axes), momentum, eps
 
     def forward(self, x, weight=None, bias=None, running_mean=None, running_var=None):
-        return _SyncBatchNormFn.apply(x, weight, bias, running_mean, running_var, self.momentum, self.eps,
-                                      self.comm, self.axes)
+        return _SyncBatchNormFn.apply(
+            x, weight, bias, running_mean, running_var, self.momentum, self.eps, self.comm, self.axes
+        )
 
     def extra_repr(self):
         return f"statistics all-reduced on axes {self.axes}"

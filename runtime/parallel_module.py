@@ -10,6 +10,7 @@ State moves between full and sharded forms with :func:`shard_tensor` / :func:`ga
 which follow the plan's placements (and the strided layout of fused projections that are
 split after the matmul, e.g. GPT's QKV).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -96,18 +97,30 @@ class ParallelModule(torch.nn.Module):
     (mode, shapes); without one, such a call is refused with the difference named.
     """
 
-    def __init__(self, *, program, plan, comm: MeshComm, captured, local_params: dict, local_buffers: dict,
-                 specs: dict, strided: dict, local_inputs: bool, global_shapes: dict):
+    def __init__(
+        self,
+        *,
+        program,
+        plan,
+        comm: MeshComm,
+        captured,
+        local_params: dict,
+        local_buffers: dict,
+        specs: dict,
+        strided: dict,
+        local_inputs: bool,
+        global_shapes: dict,
+    ):
         super().__init__()
         object.__setattr__(self, "plan", plan)
         object.__setattr__(self, "comm", comm)
         object.__setattr__(self, "_specialize", None)
         self.local_inputs = local_inputs
-        self._specs = specs            # FQN (params, buffers) or input placeholder name -> spec
+        self._specs = specs  # FQN (params, buffers) or input placeholder name -> spec
         self._global_shapes = dict(global_shapes)  # FQN -> whole shape
-        self._strided = strided        # FQN -> {axis: pieces}
+        self._strided = strided  # FQN -> {axis: pieces}
         self._param_fqns, self._buffer_fqns = list(local_params), list(local_buffers)
-        shared = {}   # tied weights come as one local tensor under several FQNs: one Parameter
+        shared = {}  # tied weights come as one local tensor under several FQNs: one Parameter
         for fqn, value in local_params.items():
             if id(value) not in shared:
                 shared[id(value)] = torch.nn.Parameter(value)
@@ -115,6 +128,7 @@ class ParallelModule(torch.nn.Module):
         for fqn, value in local_buffers.items():
             self._owner(fqn).register_buffer(fqn.rpartition(".")[2], value)
         from runtime.grad_sync import GradientBuckets
+
         object.__setattr__(self, "_buckets", GradientBuckets(comm))
         base = Variant(program, captured, {name: specs[name] for name in captured.user_inputs if name in specs})
         object.__setattr__(self, "_base", base)
@@ -209,11 +223,14 @@ class ParallelModule(torch.nn.Module):
         in_spec = self._base.captured.exported.call_spec.in_spec
         if kwargs and in_spec is not None:
             from torch.export._tree_utils import reorder_kwargs
+
             kwargs = reorder_kwargs(kwargs, in_spec)
         flat, spec = pytree.tree_flatten((args, kwargs))
         if in_spec is not None and spec != in_spec:
-            raise TypeError(f"the parallel model was captured with inputs structured as {in_spec}; got {spec}. "
-                            "Pass the same arguments (names and nesting) as the example inputs.")
+            raise TypeError(
+                f"the parallel model was captured with inputs structured as {in_spec}; got {spec}. "
+                "Pass the same arguments (names and nesting) as the example inputs."
+            )
         return flat, args, kwargs
 
     def _variant_for(self, flat, args, kwargs) -> Variant:
@@ -224,13 +241,17 @@ class ParallelModule(torch.nn.Module):
         base_key = next(iter(self._variants))
         if self._specialize is None:
             mode = "training" if self.training else "eval"
-            raise ValueError(f"this parallel model was lowered for {base_key} and is now called in {mode} mode with "
-                             f"inputs {key[1]}; build it with auto_parallelize to serve other shapes and modes")
+            raise ValueError(
+                f"this parallel model was lowered for {base_key} and is now called in {mode} mode with "
+                f"inputs {key[1]}; build it with auto_parallelize to serve other shapes and modes"
+            )
         if not self.local_inputs:
             call_args, call_kwargs = args, kwargs
-        else:   # capture needs whole inputs: zeros of the global shapes
-            whole = [torch.zeros(shape[0], dtype=x.dtype, device=x.device) if isinstance(x, torch.Tensor) else x
-                     for x, shape in zip(flat, key[1])]
+        else:  # capture needs whole inputs: zeros of the global shapes
+            whole = [
+                torch.zeros(shape[0], dtype=x.dtype, device=x.device) if isinstance(x, torch.Tensor) else x
+                for x, shape in zip(flat, key[1])
+            ]
             call_args, call_kwargs = pytree.tree_unflatten(whole, pytree.tree_flatten((args, kwargs))[1])
         variant = self._specialize(self.training, call_args, call_kwargs)
         self._add_variant(key, variant)
@@ -267,8 +288,10 @@ class ParallelModule(torch.nn.Module):
         args, kwargs = (batch, {}) if isinstance(batch, tuple) else ((), dict(batch))
         flat, spec = pytree.tree_flatten((args, kwargs))
         base = self._base
-        pieces = [shard_tensor(x, base.input_specs[n], self.comm) if isinstance(x, torch.Tensor) else x
-                  for x, n in zip(flat, base.user_placeholders)]
+        pieces = [
+            shard_tensor(x, base.input_specs[n], self.comm) if isinstance(x, torch.Tensor) else x
+            for x, n in zip(flat, base.user_placeholders)
+        ]
         args, kwargs = pytree.tree_unflatten(pieces, spec)
         return args if isinstance(batch, tuple) else kwargs
 
@@ -317,13 +340,15 @@ class ParallelModule(torch.nn.Module):
                 continue
             shape = torch.Size(self._global_shapes[fqn])
             stride = torch.empty(shape, device="meta").stride()
-            out[fqn] = DTensor.from_local(local, self.comm.device_mesh, list(spec), run_check=False,
-                                          shape=shape, stride=stride)
+            out[fqn] = DTensor.from_local(
+                local, self.comm.device_mesh, list(spec), run_check=False, shape=shape, stride=stride
+            )
         return out
 
     def save_sharded(self, path) -> None:
         """Each rank writes its own shards (``torch.distributed.checkpoint``): no rank holds the model."""
         import torch.distributed.checkpoint as dcp
+
         dcp.save(self.sharded_state_dict(), checkpoint_id=str(path))
 
     def load_sharded(self, path) -> None:
@@ -342,4 +367,3 @@ class ParallelModule(torch.nn.Module):
 
     def local_parameter_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())
-

@@ -18,6 +18,7 @@ Values that skip stages are carried through the stages between (a carried leaf i
 itself, so its gradient comes back through the same path). Gradients land in ``.grad`` as after
 a single-device ``loss.backward()`` on the whole batch; the loss is broadcast to every rank.
 """
+
 from __future__ import annotations
 
 import time
@@ -40,8 +41,20 @@ class StageProgram(torch.nn.Module):
     it is given (whole microbatches) to its plan's placements; ``activations`` (values from the
     previous stage) arrive already as this rank's piece and are used as they are."""
 
-    def __init__(self, index, program, inputs, outputs, params: dict, buffers: dict, input_specs, comm, plan,
-                 strided=None, activations=()):
+    def __init__(
+        self,
+        index,
+        program,
+        inputs,
+        outputs,
+        params: dict,
+        buffers: dict,
+        input_specs,
+        comm,
+        plan,
+        strided=None,
+        activations=(),
+    ):
         super().__init__()
         self.strided = strided or {}
         self.activations = frozenset(activations)
@@ -50,10 +63,10 @@ class StageProgram(torch.nn.Module):
         object.__setattr__(self, "plan", plan)
         self.index, self.inputs, self.outputs = index, list(inputs), list(outputs)
         self.input_specs = input_specs
-        self._param_names, self._buffer_names = dict(params), dict(buffers)   # placeholder -> (FQN, tensor)
+        self._param_names, self._buffer_names = dict(params), dict(buffers)  # placeholder -> (FQN, tensor)
         self.weights = torch.nn.ParameterDict()
         self._keys = {}
-        shared = {}   # tied names come as one local tensor: one Parameter (its gradient sums both uses)
+        shared = {}  # tied names come as one local tensor: one Parameter (its gradient sums both uses)
         for placeholder, (fqn, value) in params.items():
             if id(value) not in shared:
                 shared[id(value)] = fqn.replace(".", "__")
@@ -119,8 +132,11 @@ class StageProgram(torch.nn.Module):
         for node in graph.nodes:
             if kind.get(node) != "data" or node.op == "placeholder":
                 continue
-            behind = set().union(*(params_of[a] for a in node.all_input_nodes if kind[a] == "param")) \
-                if any(kind[a] == "param" for a in node.all_input_nodes) else set()
+            behind = (
+                set().union(*(params_of[a] for a in node.all_input_nodes if kind[a] == "param"))
+                if any(kind[a] == "param" for a in node.all_input_nodes)
+                else set()
+            )
             if behind:
                 points.append((node, behind))
                 for name in behind:
@@ -163,8 +179,12 @@ class StageProgram(torch.nn.Module):
     def _cut(self, name, value):
         """This rank's piece of a user input under the stage plan (activations: as received)."""
         spec = self.input_specs.get(name)
-        if not isinstance(value, torch.Tensor) or spec is None or name in self.activations \
-                or tuple(spec) == replicated(len(spec)):
+        if (
+            not isinstance(value, torch.Tensor)
+            or spec is None
+            or name in self.activations
+            or tuple(spec) == replicated(len(spec))
+        ):
             return value
         return shard_tensor(value, spec, self.comm)
 
@@ -179,8 +199,7 @@ def _with_extra_outputs(program: torch.fx.GraphModule, names) -> torch.fx.GraphM
     Stage programs come from lowering, with fx's plain code generation (no pytree output spec
     that more outputs would break)."""
     if type(program.graph._codegen) is not torch.fx.graph.CodeGen:
-        raise TypeError(f"cannot add outputs to a program with {type(program.graph._codegen).__name__} code "
-                        f"generation")
+        raise TypeError(f"cannot add outputs to a program with {type(program.graph._codegen).__name__} code generation")
     graph = torch.fx.Graph()
     env = {}
     for node in program.graph.nodes:
@@ -217,31 +236,45 @@ class _Step:
     """What one ``train_step`` keeps between actions (keyed by (stage, microbatch))."""
 
     micro: list
-    received: dict = field(default_factory=dict)    # activations in, before their F
-    grads_in: dict = field(default_factory=dict)    # gradients in, before their B / I
-    ctx: dict = field(default_factory=dict)         # (leaves, produced values) between F and B
-    losses: dict = field(default_factory=dict)      # microbatch -> loss (last stage)
-    recorded: dict = field(default_factory=dict)    # weight ops' outputs, F -> I
-    deferred: dict = field(default_factory=dict)    # what W needs, I -> W
-    pending: list = field(default_factory=list)     # send works, waited at the end
+    received: dict = field(default_factory=dict)  # activations in, before their F
+    grads_in: dict = field(default_factory=dict)  # gradients in, before their B / I
+    ctx: dict = field(default_factory=dict)  # (leaves, produced values) between F and B
+    losses: dict = field(default_factory=dict)  # microbatch -> loss (last stage)
+    recorded: dict = field(default_factory=dict)  # weight ops' outputs, F -> I
+    deferred: dict = field(default_factory=dict)  # what W needs, I -> W
+    pending: list = field(default_factory=list)  # send works, waited at the end
 
 
 class PipelineRunner(torch.nn.Module):
     """Runs a schedule's actions for this rank; ``train_step(batch)`` -> the batch loss."""
 
-    def __init__(self, *, stages: dict, schedule, stage_graphs, comm_pp, peer_rank, microbatches: int,
-                 input_names: list, in_spec, loss_name: str, carried_meta: dict, plan, tied=()):
+    def __init__(
+        self,
+        *,
+        stages: dict,
+        schedule,
+        stage_graphs,
+        comm_pp,
+        peer_rank,
+        microbatches: int,
+        input_names: list,
+        in_spec,
+        loss_name: str,
+        carried_meta: dict,
+        plan,
+        tied=(),
+    ):
         super().__init__()
         self.stages = torch.nn.ModuleDict({str(k): v for k, v in stages.items()})
         object.__setattr__(self, "schedule", schedule)
         object.__setattr__(self, "plan", plan)
         self.stage_graphs = stage_graphs
-        self.comm_pp = comm_pp            # (group, this rank's pp coordinate, pp size)
-        self.peer_rank = peer_rank        # stage -> global rank of its owner at my sub-mesh coordinates
+        self.comm_pp = comm_pp  # (group, this rank's pp coordinate, pp size)
+        self.peer_rank = peer_rank  # stage -> global rank of its owner at my sub-mesh coordinates
         self.microbatches = microbatches
         self.input_names, self.in_spec, self.loss_name = input_names, in_spec, loss_name
         self.carried_meta = carried_meta  # value name -> (local shape, dtype)
-        self.tied = list(tied)            # (group of the ranks holding a tied weight, its placeholder names)
+        self.tied = list(tied)  # (group of the ranks holding a tied weight, its placeholder names)
         self.trace = []
         self._split_backward = any(a.kind == "W" for acts in schedule.actions for a in acts)
 
@@ -249,6 +282,7 @@ class PipelineRunner(torch.nn.Module):
     def _microbatch_shapes(self) -> dict:
         """User input name -> the (whole, not sharded) microbatch shape its stages were captured for."""
         from passes.analyze import info
+
         shapes = {}
         for g in self.stage_graphs:
             for node in g.captured.graph.find_nodes(op="placeholder"):
@@ -260,6 +294,7 @@ class PipelineRunner(torch.nn.Module):
         args, kwargs = (batch, {}) if isinstance(batch, (tuple, list)) else ((), dict(batch))
         if kwargs and self.in_spec is not None:
             from torch.export._tree_utils import reorder_kwargs
+
             kwargs = reorder_kwargs(kwargs, self.in_spec)
         flat, _ = pytree.tree_flatten((tuple(args), kwargs))
         m = self.microbatches
@@ -271,10 +306,12 @@ class PipelineRunner(torch.nn.Module):
                 if x.dim() and x.shape[0] % m or name in expected and tuple(shape) != expected[name]:
                     want = expected.get(name)
                     whole = (want[0] * m, *want[1:]) if want else "?"
-                    raise ValueError(f"input '{name}' has shape {tuple(x.shape)}, but this pipeline's stages were "
-                                     f"captured for {tuple(whole)} ({m} microbatches of {want}); a pipeline serves "
-                                     f"the example inputs' shapes: pass batches of that shape (for a DataLoader: "
-                                     f"drop_last=True), or build a runner for this shape")
+                    raise ValueError(
+                        f"input '{name}' has shape {tuple(x.shape)}, but this pipeline's stages were "
+                        f"captured for {tuple(whole)} ({m} microbatches of {want}); a pipeline serves "
+                        f"the example inputs' shapes: pass batches of that shape (for a DataLoader: "
+                        f"drop_last=True), or build a runner for this shape"
+                    )
                 per.append(x.chunk(m, dim=0))
             else:
                 per.append([x] * m)
@@ -283,13 +320,16 @@ class PipelineRunner(torch.nn.Module):
     def _tag(self, edge, mb, kind, i):
         """Unique per message: the stage pair (its lower stage), microbatch, direction, tensor."""
         if edge >= 64 or i >= 256:
-            raise ValueError(f"pipeline messages are tagged for up to 64 stages and 256 tensors per message; "
-                             f"got stage {edge}, tensor {i}")
+            raise ValueError(
+                f"pipeline messages are tagged for up to 64 stages and 256 tensors per message; "
+                f"got stage {edge}, tensor {i}"
+            )
         return ((mb * 64 + edge) * 2 + (kind == "B")) * 256 + i
 
     def _send(self, values, dst, stage, mb, kind):
-        return [dist.isend(v.detach().contiguous(), dst, tag=self._tag(stage, mb, kind, i))
-                for i, v in enumerate(values)]
+        return [
+            dist.isend(v.detach().contiguous(), dst, tag=self._tag(stage, mb, kind, i)) for i, v in enumerate(values)
+        ]
 
     def _post_recv(self, names, src, stage, mb, kind):
         """Post the receives for one message now; returns (buffers, works) to wait on later."""
@@ -310,8 +350,7 @@ class PipelineRunner(torch.nn.Module):
                 key = _recv_key(a)
                 graph = self.stage_graphs[a.stage]
                 names = graph.receives if key[0] == "F" else graph.sends
-                posted[key] = self._post_recv(names, self.peer_rank[a.peer], min(a.stage, a.peer), a.microbatch,
-                                              key[0])
+                posted[key] = self._post_recv(names, self.peer_rank[a.peer], min(a.stage, a.peer), a.microbatch, key[0])
         return posted
 
     @staticmethod
@@ -334,7 +373,7 @@ class PipelineRunner(torch.nn.Module):
             self.trace.append((str(action), t0, time.perf_counter()))
         for work in step.pending:
             work.wait()
-        for group, names in self.tied:    # a tied weight's gradient is the sum over the stages using it
+        for group, names in self.tied:  # a tied weight's gradient is the sum over the stages using it
             for stage in self.stages.values():
                 for _, weight in stage.tied_weights(names):
                     if weight.grad is None:
@@ -343,8 +382,7 @@ class PipelineRunner(torch.nn.Module):
         group, coord, size = self.comm_pp
         last_owner = self.schedule.stage_to_rank[len(self.stage_graphs) - 1]
         losses = step.losses
-        loss = torch.stack([losses[i].detach() for i in range(self.microbatches)]).mean() if losses \
-            else torch.zeros(())
+        loss = torch.stack([losses[i].detach() for i in range(self.microbatches)]).mean() if losses else torch.zeros(())
         dist.broadcast(loss, group_src=last_owner, group=group)
         return loss
 
@@ -355,8 +393,9 @@ class PipelineRunner(torch.nn.Module):
             self._forward(s, mb, step)
         elif kind == "SEND_F":
             _, produced = step.ctx[(s, mb)]
-            step.pending += self._send([produced[n] for n in graph.sends], self.peer_rank[action.peer],
-                                       min(s, action.peer), mb, "F")
+            step.pending += self._send(
+                [produced[n] for n in graph.sends], self.peer_rank[action.peer], min(s, action.peer), mb, "F"
+            )
         elif kind == "RECV_F":
             step.received[(s, mb)] = self._wait(posted.pop(_recv_key(action)))
         elif kind in ("B", "I"):
@@ -365,8 +404,9 @@ class PipelineRunner(torch.nn.Module):
             self._weight_pass(s, mb, step)
         elif kind == "SEND_B":
             leaves = step.ctx[(s, mb)][0]
-            out = [leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n])
-                   for n in graph.receives]
+            out = [
+                leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n]) for n in graph.receives
+            ]
             step.pending += self._send(out, self.peer_rank[action.peer], min(s, action.peer), mb, "B")
             if (s, mb) not in step.deferred:
                 step.ctx.pop((s, mb))
@@ -402,8 +442,11 @@ class PipelineRunner(torch.nn.Module):
             loss = step.losses[mb]
             tensors, grads = [loss], [torch.full_like(loss, 1.0 / self.microbatches)]
         else:
-            pairs = [(produced[n], g) for n, g in zip(graph.sends, step.grads_in.pop((s, mb), []))
-                     if produced[n].requires_grad]
+            pairs = [
+                (produced[n], g)
+                for n, g in zip(graph.sends, step.grads_in.pop((s, mb), []))
+                if produced[n].requires_grad
+            ]
             tensors, grads = [p for p, _ in pairs], [g for _, g in pairs]
         activation = [leaf for leaf in leaves.values() if leaf.requires_grad]
         step.ctx[(s, mb)] = (leaves, None)
@@ -412,9 +455,11 @@ class PipelineRunner(torch.nn.Module):
                 torch.autograd.backward(tensors, grads)
             return
         captured = {}
-        hooks = [y.register_hook(lambda g, name=name: captured.__setitem__(name, g))
-                 for name, y in step.recorded.get((s, mb), {}).items()
-                 if isinstance(y, torch.Tensor) and y.requires_grad]
+        hooks = [
+            y.register_hook(lambda g, name=name: captured.__setitem__(name, g))
+            for name, y in step.recorded.get((s, mb), {}).items()
+            if isinstance(y, torch.Tensor) and y.requires_grad
+        ]
         if tensors and activation:
             torch.autograd.backward(tensors, grads, inputs=activation, retain_graph=True)
         for hook in hooks:

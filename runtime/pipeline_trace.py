@@ -16,6 +16,7 @@ two side by side: per stage and action kind the mean duration simulated and meas
 step and the idle share, each with the ratio measured / simulated, and says when the plans
 were priced for another kind of device than the job runs on.
 """
+
 from __future__ import annotations
 
 import html
@@ -25,8 +26,18 @@ from collections import defaultdict
 
 import torch.distributed as dist
 
-__all__ = ["measured_timeline", "simulated_timeline", "chrome_trace", "timeline_svg", "idle_fraction",
-           "stage_times", "pricing_cluster", "action_durations", "step_seconds", "comparison_text"]
+__all__ = [
+    "measured_timeline",
+    "simulated_timeline",
+    "chrome_trace",
+    "timeline_svg",
+    "idle_fraction",
+    "stage_times",
+    "pricing_cluster",
+    "action_durations",
+    "step_seconds",
+    "comparison_text",
+]
 
 _COLOURS = {"F": "#6fa8dc", "B": "#93c47d", "I": "#b6d7a8", "W": "#ffd966"}
 
@@ -46,12 +57,15 @@ def stage_times(runner) -> tuple:
     """(forward, backward, weight) seconds per microbatch for each stage, from its plan's estimate
     (:func:`passes.pipeline_schedules.stage_durations`)."""
     from passes.pipeline_schedules import stage_durations
-    return stage_durations([plan.estimate() for plan in runner.plan["stages"]],
-                           [graph.takes_activations for graph in runner.stage_graphs])
+
+    return stage_durations(
+        [plan.estimate() for plan in runner.plan["stages"]], [graph.takes_activations for graph in runner.stage_graphs]
+    )
 
 
 def simulated_timeline(runner, forward=None, backward=None, weight=None) -> dict:
     from passes.pipeline_schedules import simulate
+
     f, b, w = stage_times(runner)
     result = simulate(runner.schedule, forward or f, backward or b, weight or w)
     return {r: [(str(t.action), t.start, t.end) for t in timeline] for r, timeline in result.timelines.items()}
@@ -94,13 +108,17 @@ def _ratio(measured, simulated) -> str:
 def comparison_text(measured: dict, simulated: dict, *, cluster: str, device: str, schedule: str = "") -> str:
     """The last step, simulated by the cost model and measured, side by side (see the module
     docstring); ``cluster``: the simulation's, ``device``: the device type the job ran on."""
-    lines = [f"Pipeline step{f' ({schedule})' if schedule else ''}: simulated by the cost model vs measured on "
-             f"this job's last train_step",
-             f"simulated with the stage plans' estimates, cluster {cluster} (the cluster the stage plans were "
-             f"priced with); job device: {device}"]
+    lines = [
+        f"Pipeline step{f' ({schedule})' if schedule else ''}: simulated by the cost model vs measured on "
+        f"this job's last train_step",
+        f"simulated with the stage plans' estimates, cluster {cluster} (the cluster the stage plans were "
+        f"priced with); job device: {device}",
+    ]
     if (device == "cpu") != (cluster == "cpu"):
-        lines.append(f"note: the stage plans were priced for {cluster}, not for this job's {device}: the simulated "
-                     f"column is what {cluster} would take, not a prediction for this machine")
+        lines.append(
+            f"note: the stage plans were priced for {cluster}, not for this job's {device}: the simulated "
+            f"column is what {cluster} would take, not a prediction for this machine"
+        )
     lines += ["", f"{'stage':>5}  {'action':<6}  {'simulated':>12}  {'measured':>12}  {'measured/simulated':>18}"]
     sim, real = action_durations(simulated), action_durations(measured)
     for stage, kind in sorted(set(sim) | set(real), key=lambda sk: (sk[0], "FBIW".index(sk[1]))):
@@ -109,8 +127,10 @@ def comparison_text(measured: dict, simulated: dict, *, cluster: str, device: st
     s, m = step_seconds(simulated), step_seconds(measured)
     lines.append(f"{'step':>5}  {'':<6}  {_ms(s):>12}  {_ms(m):>12}  {_ratio(m, s):>18}")
     lines.append(f"{'idle':>5}  {'':<6}  {idle_fraction(simulated):>12.1%}  {idle_fraction(measured):>12.1%}")
-    lines.append("(action times: the mean over the step's microbatches, per microbatch; idle: the share of "
-                 "rank-time not computing)")
+    lines.append(
+        "(action times: the mean over the step's microbatches, per microbatch; idle: the share of "
+        "rank-time not computing)"
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -138,8 +158,17 @@ def chrome_trace(timelines: dict) -> str:
         for rank, rows in timeline.items():
             events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": rank, "args": {"name": f"rank {rank}"}})
             for action, start, end in rows:
-                events.append({"name": action, "cat": _kind(action), "ph": "X", "pid": pid, "tid": rank,
-                               "ts": (start - origin) * 1e6, "dur": max(end - start, 0.0) * 1e6})
+                events.append(
+                    {
+                        "name": action,
+                        "cat": _kind(action),
+                        "ph": "X",
+                        "pid": pid,
+                        "tid": rank,
+                        "ts": (start - origin) * 1e6,
+                        "dur": max(end - start, 0.0) * 1e6,
+                    }
+                )
     return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
 
 
@@ -151,8 +180,10 @@ def timeline_svg(timelines: dict, *, width: int = 900, row: int = 26) -> str:
         end = max(e for rows in timeline.values() for _, _, e in rows)
         scale = (width - 90) / max(end - start, 1e-12)
         idle = idle_fraction(timeline)
-        panels.append(f'<text x="4" y="{y + 12}" font-size="13" font-weight="bold">{html.escape(name)}: '
-                      f'{(end - start) * 1e3:.2f} ms, idle {idle:.1%}</text>')
+        panels.append(
+            f'<text x="4" y="{y + 12}" font-size="13" font-weight="bold">{html.escape(name)}: '
+            f"{(end - start) * 1e3:.2f} ms, idle {idle:.1%}</text>"
+        )
         y += 20
         for rank, rows in sorted(timeline.items()):
             panels.append(f'<text x="4" y="{y + row * 0.65:.1f}" font-size="11">rank {rank}</text>')
@@ -160,16 +191,25 @@ def timeline_svg(timelines: dict, *, width: int = 900, row: int = 26) -> str:
                 x = 80 + (s - start) * scale
                 w = max((e - s) * scale, 0.5)
                 colour = _COLOURS.get(_kind(action), "#cccccc")
-                panels.append(f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{row - 4}" fill="{colour}" '
-                              f'stroke="#333" stroke-width="0.4"><title>{html.escape(action)}</title></rect>')
+                panels.append(
+                    f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{row - 4}" fill="{colour}" '
+                    f'stroke="#333" stroke-width="0.4"><title>{html.escape(action)}</title></rect>'
+                )
                 if w > 22:
-                    panels.append(f'<text x="{x + 2:.2f}" y="{y + row * 0.6:.1f}" font-size="9">'
-                                  f'{html.escape(action)}</text>')
+                    panels.append(
+                        f'<text x="{x + 2:.2f}" y="{y + row * 0.6:.1f}" font-size="9">{html.escape(action)}</text>'
+                    )
             y += row
         y += 14
-    legend = " ".join(f'<rect x="{80 + i * 90}" y="{y}" width="12" height="12" fill="{c}"/>'
-                      f'<text x="{96 + i * 90}" y="{y + 10}" font-size="11">{k}</text>'
-                      for i, (k, c) in enumerate(_COLOURS.items()))
+    legend = " ".join(
+        f'<rect x="{80 + i * 90}" y="{y}" width="12" height="12" fill="{c}"/>'
+        f'<text x="{96 + i * 90}" y="{y + 10}" font-size="11">{k}</text>'
+        for i, (k, c) in enumerate(_COLOURS.items())
+    )
     y += 24
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{y}" font-family="Helvetica">'
-            + "".join(panels) + legend + "</svg>")
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{y}" font-family="Helvetica">'
+        + "".join(panels)
+        + legend
+        + "</svg>"
+    )

@@ -3,12 +3,45 @@
 Importing this package registers every family. ``rule_for(node)`` returns the node's rule,
 or the replicate fallback (with one warning naming the op) when none is registered.
 """
-from passes.rules import (attention, contractions, elementwise, embedding_loss,  # noqa: F401
-                          normalization, reductions, structured, views)
-from passes.rules.base import (IGNORED_OPS, REPLICATE_FALLBACK, AxisStrategy, OpRule, OpView,
-                               Strategy, expand_to_mesh, has_rule, op_name, op_view, register,
-                               rule_for, tensor_input_nodes)
 
-__all__ = ["IGNORED_OPS", "REPLICATE_FALLBACK", "AxisStrategy", "OpRule", "OpView", "Strategy",
-           "expand_to_mesh", "has_rule", "op_name", "op_view", "register", "rule_for",
-           "tensor_input_nodes"]
+from passes.rules import (  # noqa: F401
+    attention,
+    contractions,
+    elementwise,
+    embedding_loss,
+    normalization,
+    reductions,
+    structured,
+    views,
+)
+from passes.rules.base import (
+    IGNORED_OPS,
+    REPLICATE_FALLBACK,
+    AxisStrategy,
+    OpRule,
+    OpView,
+    Strategy,
+    expand_to_mesh,
+    has_rule,
+    op_name,
+    op_view,
+    register,
+    rule_for,
+    tensor_input_nodes,
+)
+
+__all__ = [
+    "IGNORED_OPS",
+    "REPLICATE_FALLBACK",
+    "AxisStrategy",
+    "OpRule",
+    "OpView",
+    "Strategy",
+    "expand_to_mesh",
+    "has_rule",
+    "op_name",
+    "op_view",
+    "register",
+    "rule_for",
+    "tensor_input_nodes",
+]

@@ -8,6 +8,7 @@ sharded with keys and values whole (sequence parallel attention; not offered wit
 broadcasts over a sharded dim stays replicated. The eager ``softmax(q @ k^T) @ v`` pattern
 needs no rule of its own: the matmul, softmax and elementwise rules reach the same plans.
 """
+
 from __future__ import annotations
 
 import torch
@@ -58,8 +59,10 @@ class AttentionRule(OpRule):
         if not p:
             return call.emit()
         from runtime.local_ops import RankAttention
-        sharded = [a for a, pl in enumerate(call.out_spec) if getattr(pl, "dim", None) is not None
-                   and call.comm.shape[a] > 1]
+
+        sharded = [
+            a for a, pl in enumerate(call.out_spec) if getattr(pl, "dim", None) is not None and call.comm.shape[a] > 1
+        ]
         index = list(call.node.graph.nodes).index(call.node)
         return call.call_module(RankAttention(call.comm, p, sharded, index), call.args, call.kwargs)
 

@@ -12,6 +12,7 @@ every sharded dim divides evenly.
 
 An op with no rule gets :data:`REPLICATE_FALLBACK`: everything replicated, one warning per op.
 """
+
 from __future__ import annotations
 
 import abc
@@ -23,10 +24,23 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from passes.placements import P, R, Partial, Replicate, Shard, spec_fits
+from passes.placements import P, Partial, R, Replicate, Shard, spec_fits
 
-__all__ = ["OpView", "AxisStrategy", "Strategy", "OpRule", "register", "rule_for", "expand_to_mesh",
-           "op_view", "tensor_input_nodes", "IGNORED_OPS", "REPLICATE_FALLBACK", "op_name", "has_rule"]
+__all__ = [
+    "OpView",
+    "AxisStrategy",
+    "Strategy",
+    "OpRule",
+    "register",
+    "rule_for",
+    "expand_to_mesh",
+    "op_view",
+    "tensor_input_nodes",
+    "IGNORED_OPS",
+    "REPLICATE_FALLBACK",
+    "op_name",
+    "has_rule",
+]
 
 
 def op_name(target) -> str:
@@ -133,7 +147,7 @@ class AxisStrategy:
             return p
         if isinstance(p, Partial):
             return R
-        others = self.out + self.ins[:index] + self.ins[index + 1:]
+        others = self.out + self.ins[:index] + self.ins[index + 1 :]
         return P if any(q is not None and not isinstance(q, Replicate) for q in others) else R
 
 
@@ -148,7 +162,7 @@ class Strategy:
     """Per tensor input: a spec, or None (metadata only)."""
 
     @classmethod
-    def from_axes(cls, axes) -> "Strategy":
+    def from_axes(cls, axes) -> Strategy:
         axes = tuple(axes)
         n_out, n_in = len(axes[0].out), len(axes[0].ins)
         out = tuple(tuple(a.out[i] for a in axes) for i in range(n_out))
@@ -199,8 +213,7 @@ class OpRule(abc.ABC):
     # helpers shared by rules -------------------------------------------------
     @staticmethod
     def replicate_all(op: OpView) -> AxisStrategy:
-        return AxisStrategy(out=(R,) * len(op.out_shapes),
-                            ins=tuple(None if s is None else R for s in op.in_shapes))
+        return AxisStrategy(out=(R,) * len(op.out_shapes), ins=tuple(None if s is None else R for s in op.in_shapes))
 
 
 class _ReplicateFallback(OpRule):
@@ -214,9 +227,11 @@ class _ReplicateFallback(OpRule):
         name = op_name(op.node.target)
         if name not in self.warned:
             self.warned.add(name)
-            warnings.warn(f"partita: no sharding rule for op {name} (node {op.node.name}); "
-                          f"it runs replicated. Register a rule in passes/rules to shard it.",
-                          stacklevel=2)
+            warnings.warn(
+                f"partita: no sharding rule for op {name} (node {op.node.name}); "
+                f"it runs replicated. Register a rule in passes/rules to shard it.",
+                stacklevel=2,
+            )
         return [self.replicate_all(op)]
 
 
@@ -232,10 +247,12 @@ IGNORED_OPS = {
 
 def register(*targets):
     """Class decorator-ish: ``register(aten.add.Tensor, ...)(RuleInstance)``."""
+
     def bind(rule: OpRule) -> OpRule:
         for t in targets:
             _REGISTRY[t] = rule
         return rule
+
     return bind
 
 
@@ -258,12 +275,12 @@ def expand_to_mesh(axis_candidates: list, op: OpView, mesh_shape) -> list:
         strat = Strategy.from_axes(combo)
         if strat.axes in seen:
             continue
-        ok = all(shape is None or spec_fits(shape, spec, mesh_shape)
-                 for shape, spec in zip(op.out_shapes, strat.out))
-        ok = ok and all(spec is None or shape is None or spec_fits(shape, spec, mesh_shape)
-                        for shape, spec in zip(op.in_shapes, strat.ins))
+        ok = all(shape is None or spec_fits(shape, spec, mesh_shape) for shape, spec in zip(op.out_shapes, strat.out))
+        ok = ok and all(
+            spec is None or shape is None or spec_fits(shape, spec, mesh_shape)
+            for shape, spec in zip(op.in_shapes, strat.ins)
+        )
         if ok:
             seen.add(strat.axes)
             out.append(strat)
     return out
-

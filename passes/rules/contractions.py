@@ -15,6 +15,7 @@ An operand broadcast on a dim (size 1) stays replicated when that dim is sharded
 is aligned with the output's trailing dims; it is ``Partial`` whenever the output is (it is
 added once overall, on one rank's share).
 """
+
 from __future__ import annotations
 
 import math
@@ -101,7 +102,6 @@ class Contraction(OpRule):
         return float(self._flops(op))
 
 
-
 # -- layouts ------------------------------------------------------------------------------
 def _linear(op):
     x, w = op.in_shapes[0], op.in_shapes[1]
@@ -124,7 +124,11 @@ def _bmm(op):
 
 
 def _baddbmm(op):
-    return [(1, ["b", "m", "k"], op.in_shapes[1]), (2, ["b", "k", "n"], op.in_shapes[2])], ["b", "m", "n"], (0, op.in_shapes[0])
+    return (
+        [(1, ["b", "m", "k"], op.in_shapes[1]), (2, ["b", "k", "n"], op.in_shapes[2])],
+        ["b", "m", "n"],
+        (0, op.in_shapes[0]),
+    )
 
 
 def _matmul(op):
@@ -136,8 +140,8 @@ def _matmul(op):
         return [(0, la, a), (1, lb, b)], out, None
     n_batch = max(len(a), len(b)) - 2
     batch = _batch_labels(n_batch)
-    la = batch[n_batch - (len(a) - 2):] + ["m", "k"]
-    lb = batch[n_batch - (len(b) - 2):] + ["k", "n"]
+    la = batch[n_batch - (len(a) - 2) :] + ["m", "k"]
+    lb = batch[n_batch - (len(b) - 2) :] + ["k", "n"]
     return [(0, la, a), (1, lb, b)], batch + ["m", "n"], None
 
 
@@ -153,6 +157,7 @@ def _flops_from_layout(layout):
             if lab not in out_labels:
                 summed *= s
         return 2 * math.prod(op.out_shape) * summed
+
     return flops
 
 
@@ -186,8 +191,8 @@ class Conv2d(OpRule):
 
         strategies = [make(R, R, R, R), make(Shard(0), R, R, Shard(0)), make(P, R, P, P)]
         if groups == 1:
-            strategies.append(make(R, Shard(0), Shard(0), Shard(1)))   # output channels
-            strategies.append(make(Shard(1), Shard(1), P, P))          # input channels
+            strategies.append(make(R, Shard(0), Shard(0), Shard(1)))  # output channels
+            strategies.append(make(Shard(1), Shard(1), P, P))  # input channels
         return strategies
 
     def flops(self, op: OpView) -> float:

@@ -10,6 +10,7 @@ input stays replicated); and ``Partial`` where the op is linear in its operands:
 * ``unary``: a single tensor operand; scalars only scale it (``neg``, ``dropout``, casts,
   ``mul`` by a Python number).
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,8 +42,9 @@ def elementwise_strategies(op: OpView, partial: str | None) -> list:
         ins = tuple(None if s is None else _aligned_placement(s, out_shape, dim) for s in op.in_shapes)
         strategies.append(AxisStrategy(out=(Shard(dim),) * n_out, ins=ins))
     tensors = [i for i, s in enumerate(op.in_shapes) if s is not None]
-    scalar_operands = any(not isinstance(a, torch.fx.Node) and isinstance(a, (int, float, bool))
-                          for a in op.node.args[1:2])
+    scalar_operands = any(
+        not isinstance(a, torch.fx.Node) and isinstance(a, (int, float, bool)) for a in op.node.args[1:2]
+    )
     if partial == "sum" and tensors and not scalar_operands:
         strategies.append(AxisStrategy(out=(P,) * n_out, ins=tuple(None if s is None else P for s in op.in_shapes)))
     elif partial in ("one", "first") and len(tensors) >= 1:
@@ -65,10 +67,13 @@ class Elementwise(OpRule):
         return elementwise_strategies(op, self.partial)
 
 
-register(aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar, aten.rsub.Scalar,
-         aten.rsub.Tensor)(Elementwise("sum"))
+register(aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar, aten.rsub.Scalar, aten.rsub.Tensor)(
+    Elementwise("sum")
+)
 register(aten.mul.Tensor, aten.mul.Scalar)(Elementwise("one", saves_inputs=True))
 register(aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode)(Elementwise("first", saves_inputs=True))
+
+
 class Dropout(Elementwise):
     """Linear in its input given the mask, so Partial passes; a decision of its own (not a
     follower) because where it runs decides the size of the mask kept for backward and
@@ -84,33 +89,97 @@ class Dropout(Elementwise):
         if not train or p == 0.0:
             return call.args[0]
         from runtime.local_ops import RankDropout
-        sharded = [a for a, pl in enumerate(call.out_spec) if getattr(pl, "dim", None) is not None
-                   and call.comm.shape[a] > 1]
+
+        sharded = [
+            a for a, pl in enumerate(call.out_spec) if getattr(pl, "dim", None) is not None and call.comm.shape[a] > 1
+        ]
         index = list(call.node.graph.nodes).index(call.node)
         return call.call_module(RankDropout(call.comm, p, sharded, index), (call.args[0],))
 
 
 register(aten.dropout.default)(Dropout())
-register(aten.neg.default, aten.clone.default, aten.alias.default,
-         aten.contiguous.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
-         aten._to_copy.default, aten.lift_fresh_copy.default, aten.detach.default)(Elementwise("unary"))
+register(
+    aten.neg.default,
+    aten.clone.default,
+    aten.alias.default,
+    aten.contiguous.default,
+    aten.to.dtype,
+    aten.to.dtype_layout,
+    aten.to.device,
+    aten._to_copy.default,
+    aten.lift_fresh_copy.default,
+    aten.detach.default,
+)(Elementwise("unary"))
 _nonlinear = Elementwise(None, saves_inputs=True)
-register(aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.default,
-         aten.sigmoid.default, aten.exp.default, aten.log.default, aten.sqrt.default,
-         aten.rsqrt.default, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.cos.default,
-         aten.sin.default, aten.erf.default, aten.abs.default, aten.reciprocal.default,
-         aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.softplus.default,
-         aten.hardtanh.default, aten.leaky_relu.default, aten.elu.default, aten.gelu_.default,
-         aten.relu_.default, aten.silu_.default, aten.maximum.default, aten.minimum.default,
-         aten.min.other, aten.max.other, aten.type_as.default,
-         aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar,
-         aten.masked_fill.Scalar, aten.masked_fill.Tensor,
-         aten.square.default, aten.log1p.default, aten.expm1.default, aten.sign.default,
-         aten.floor.default, aten.ceil.default, aten.round.default, aten.trunc.default)(_nonlinear)
+register(
+    aten.gelu.default,
+    aten.silu.default,
+    aten.relu.default,
+    aten.tanh.default,
+    aten.sigmoid.default,
+    aten.exp.default,
+    aten.log.default,
+    aten.sqrt.default,
+    aten.rsqrt.default,
+    aten.pow.Tensor_Scalar,
+    aten.pow.Tensor_Tensor,
+    aten.cos.default,
+    aten.sin.default,
+    aten.erf.default,
+    aten.abs.default,
+    aten.reciprocal.default,
+    aten.clamp.default,
+    aten.clamp_min.default,
+    aten.clamp_max.default,
+    aten.softplus.default,
+    aten.hardtanh.default,
+    aten.leaky_relu.default,
+    aten.elu.default,
+    aten.gelu_.default,
+    aten.relu_.default,
+    aten.silu_.default,
+    aten.maximum.default,
+    aten.minimum.default,
+    aten.min.other,
+    aten.max.other,
+    aten.type_as.default,
+    aten.where.self,
+    aten.where.ScalarSelf,
+    aten.where.ScalarOther,
+    aten.where.Scalar,
+    aten.masked_fill.Scalar,
+    aten.masked_fill.Tensor,
+    aten.square.default,
+    aten.log1p.default,
+    aten.expm1.default,
+    aten.sign.default,
+    aten.floor.default,
+    aten.ceil.default,
+    aten.round.default,
+    aten.trunc.default,
+)(_nonlinear)
 _compare = Elementwise(None)
-register(aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt.Tensor,
-         aten.lt.Scalar, aten.le.Tensor, aten.le.Scalar, aten.gt.Tensor, aten.gt.Scalar,
-         aten.ge.Tensor, aten.ge.Scalar, aten.__and__.Tensor, aten.__or__.Tensor,
-         aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.bitwise_not.default,
-         aten.logical_and.default, aten.logical_or.default, aten.logical_not.default,
-         aten.isnan.default, aten.isinf.default)(_compare)
+register(
+    aten.eq.Tensor,
+    aten.eq.Scalar,
+    aten.ne.Tensor,
+    aten.ne.Scalar,
+    aten.lt.Tensor,
+    aten.lt.Scalar,
+    aten.le.Tensor,
+    aten.le.Scalar,
+    aten.gt.Tensor,
+    aten.gt.Scalar,
+    aten.ge.Tensor,
+    aten.ge.Scalar,
+    aten.__and__.Tensor,
+    aten.__or__.Tensor,
+    aten.bitwise_and.Tensor,
+    aten.bitwise_or.Tensor,
+    aten.bitwise_not.default,
+    aten.logical_and.default,
+    aten.logical_or.default,
+    aten.logical_not.default,
+    aten.isnan.default,
+    aten.isinf.default,
+)(_compare)

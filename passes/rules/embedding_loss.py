@@ -13,6 +13,7 @@ logit, each N elements, forward; the loss comes out replicated; nll_loss over cl
 log-probabilities comes out ``Partial``), replicated. With ``reduction="none"`` the per-sample loss
 keeps the batch sharding.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,9 +33,11 @@ class EmbeddingRule(OpRule):
     def axis_strategies(self, op: OpView) -> list:
         ids = op.in_shapes[1]
         out_rank = op.out_rank
-        strategies = [AxisStrategy(out=(R,), ins=(R, R)),
-                      AxisStrategy(out=(Shard(out_rank - 1),), ins=(Shard(1), R)),
-                      AxisStrategy(out=(P,), ins=(Shard(0), R))]
+        strategies = [
+            AxisStrategy(out=(R,), ins=(R, R)),
+            AxisStrategy(out=(Shard(out_rank - 1),), ins=(Shard(1), R)),
+            AxisStrategy(out=(P,), ins=(Shard(0), R)),
+        ]
         for d, size in enumerate(ids):
             if size > 1:
                 strategies.append(AxisStrategy(out=(Shard(d),), ins=(R, Shard(d))))
@@ -48,6 +51,7 @@ class EmbeddingRule(OpRule):
         if not call.sharded_axes(weight_spec, 0):
             return call.emit()
         from runtime.local_ops import VocabParallelEmbedding
+
         padding_idx = call.view.arg(2, "padding_idx", -1)
         return call.call_module(VocabParallelEmbedding(call.comm, weight_spec, padding_idx), call.args[:2])
 
@@ -73,20 +77,29 @@ class ClassificationLossRule(OpRule):
             if reduction == 1:
                 # mean over the batch: all-reduce (sum of losses, count of counted targets) in
                 # one collective, so ignore_index is exact and the loss comes out replicated
-                strategies.append(AxisStrategy(out=outs(R), ins=(Shard(0), Shard(0)) + rest,
-                                               extra=(("all_reduce", "fwd", 2, "none"),)))
+                strategies.append(
+                    AxisStrategy(
+                        out=outs(R), ins=(Shard(0), Shard(0)) + rest, extra=(("all_reduce", "fwd", 2, "none"),)
+                    )
+                )
             else:
                 strategies.append(AxisStrategy(out=outs(reduced_out), ins=(Shard(0), Shard(0)) + rest))
         smoothing = op.arg(5, "label_smoothing", 0.0)
-        if len(x) >= 2 and x[1] > 1 and reduction != 0 and not smoothing and (len(op.in_shapes) < 3 or op.in_shapes[2] is None):
+        if (
+            len(x) >= 2
+            and x[1] > 1
+            and reduction != 0
+            and not smoothing
+            and (len(op.in_shapes) < 3 or op.in_shapes[2] is None)
+        ):
             rows = 1
             for d, s in enumerate(x):
                 if d != 1:
                     rows *= s
-            if self.fused_softmax:   # the three row all-reduces leave every rank the full loss
+            if self.fused_softmax:  # the three row all-reduces leave every rank the full loss
                 extra = (("all_reduce", "fwd", rows, "work"),) * 3
                 strategies.append(AxisStrategy(out=outs(R), ins=(Shard(1), R) + rest, extra=extra))
-            else:                    # each rank picks the targets in its class range
+            else:  # each rank picks the targets in its class range
                 strategies.append(AxisStrategy(out=outs(P), ins=(Shard(1), R) + rest))
         return strategies
 
@@ -96,11 +109,17 @@ class ClassificationLossRule(OpRule):
         if not class_axes and not batch_axes:
             return call.emit()
         from runtime.local_ops import ShardedCrossEntropy
+
         module = ShardedCrossEntropy(
-            call.comm, class_axes=class_axes, batch_axes=batch_axes, class_spec=spec,
-            reduction=call.view.arg(3, "reduction", 1), ignore_index=call.view.arg(4, "ignore_index", -100),
+            call.comm,
+            class_axes=class_axes,
+            batch_axes=batch_axes,
+            class_spec=spec,
+            reduction=call.view.arg(3, "reduction", 1),
+            ignore_index=call.view.arg(4, "ignore_index", -100),
             label_smoothing=call.view.arg(5, "label_smoothing", 0.0) if self.fused_softmax else 0.0,
-            from_log_probs=not self.fused_softmax)
+            from_log_probs=not self.fused_softmax,
+        )
         return call.call_module(module, call.args[:2])
 
     def flops(self, op: OpView) -> float:

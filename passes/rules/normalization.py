@@ -10,6 +10,7 @@ their own collectives:
 * batch_norm with the batch dim sharded: all-reduce the per-channel sum and sum of squares
   forward and the two gradient sums backward (SyncBatchNorm), so results match one device.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,7 +23,6 @@ from passes.rules.base import AxisStrategy, OpRule, OpView, register
 aten = torch.ops.aten
 
 __all__ = ["LayerNormRule", "SoftmaxRule", "BatchNormRule"]
-
 
 
 class LayerNormRule(OpRule):
@@ -63,8 +63,11 @@ class SoftmaxRule(OpRule):
                 strategies.append(AxisStrategy(out=(Shard(d),), ins=(Shard(d),) + rest))
             else:
                 rows = math.prod(x) // x[d]
-                extra = (("all_reduce", "fwd", rows, "work"), ("all_reduce", "fwd", rows, "work"),
-                         ("all_reduce", "bwd", rows, "work"))
+                extra = (
+                    ("all_reduce", "fwd", rows, "work"),
+                    ("all_reduce", "fwd", rows, "work"),
+                    ("all_reduce", "bwd", rows, "work"),
+                )
                 strategies.append(AxisStrategy(out=(Shard(d),), ins=(Shard(d),) + rest, extra=extra))
         return strategies
 
@@ -75,6 +78,7 @@ class SoftmaxRule(OpRule):
         if not axes:
             return call.emit()
         from runtime.local_ops import ShardedSoftmax
+
         log = call.node.target in (aten.log_softmax.int, aten._log_softmax.default)
         return call.call_module(ShardedSoftmax(call.comm, dim, axes, log), (call.args[0],))
 
@@ -110,6 +114,7 @@ class BatchNormRule(OpRule):
         if not (training and axes):
             return call.emit()
         from runtime.local_ops import SyncBatchNorm
+
         a = call.args
         module = SyncBatchNorm(call.comm, axes, momentum=a[6], eps=a[7])
         return call.call_module(module, (a[0], a[1], a[2], a[3], a[4]))
@@ -119,6 +124,7 @@ class BatchNormRule(OpRule):
 
 
 register(aten.layer_norm.default, aten.rms_norm.default)(LayerNormRule())
-register(aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default,
-         aten._safe_softmax.default)(SoftmaxRule())
+register(
+    aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default, aten._safe_softmax.default
+)(SoftmaxRule())
 register(aten.batch_norm.default)(BatchNormRule())

@@ -5,11 +5,12 @@ and mean (the mean of equal shards is the mean of their means), ``Partial("max")
 Kept dims map to their new positions; partial inputs stay partial for sum and mean. Scans
 and differences run along a dim that must be whole; the other dims may be sharded.
 """
+
 from __future__ import annotations
 
 import torch
 
-from passes.placements import P, R, Partial, Shard
+from passes.placements import P, Partial, R, Shard
 from passes.rules.base import AxisStrategy, OpRule, OpView, register
 
 aten = torch.ops.aten
@@ -29,7 +30,7 @@ def _reduced_dims(op: OpView):
 
 class ReductionRule(OpRule):
     def __init__(self, reduce_op: str | None):
-        self.reduce_op = reduce_op          # "sum", "max", or None (not decomposable)
+        self.reduce_op = reduce_op  # "sum", "max", or None (not decomposable)
         self.linear = reduce_op == "sum"
         self.saves_inputs = reduce_op != "sum"
 
@@ -94,7 +95,15 @@ class ScanRule(OpRule):
 register(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default)(ReductionRule("sum"))
 register(aten.amax.default, aten.max.dim)(ReductionRule("max"))
 register(aten.amin.default, aten.min.dim)(ReductionRule("min"))
-register(aten.var.correction, aten.var.dim, aten.std.correction, aten.std.dim,
-         aten.argmax.default, aten.argmin.default, aten.all.dim, aten.any.dim)(ReductionRule(None))
+register(
+    aten.var.correction,
+    aten.var.dim,
+    aten.std.correction,
+    aten.std.dim,
+    aten.argmax.default,
+    aten.argmin.default,
+    aten.all.dim,
+    aten.any.dim,
+)(ReductionRule(None))
 register(aten.cumsum.default)(ScanRule(1))
 register(aten.diff.default)(ScanRule(2, -1))

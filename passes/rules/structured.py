@@ -9,6 +9,7 @@ and the factories (arange, full, zeros, ones, new_*, *_like).
   free; ``new_*`` and ``*_like`` read only their input's metadata.
 * ``index`` (advanced indexing) runs replicated: its index tensors may point anywhere.
 """
+
 from __future__ import annotations
 
 import torch
@@ -56,7 +57,9 @@ class KeepDimsRule(OpRule):
         keep = self.whole(op)
         strategies = [self.replicate_all(op)]
         if self.linear:
-            strategies.append(AxisStrategy(out=(P,), ins=(P,) + tuple(None if s is None else R for s in op.in_shapes[1:])))
+            strategies.append(
+                AxisStrategy(out=(P,), ins=(P,) + tuple(None if s is None else R for s in op.in_shapes[1:]))
+            )
         for d in range(len(x)):
             if d in keep or x[d] <= 1 or d >= op.out_rank or op.out_shape[d] != x[d]:
                 continue
@@ -84,21 +87,27 @@ class FactoryRule(OpRule):
     def lower(self, call):
         """Make the whole (small) tensor, then keep this rank's piece."""
         from passes.placements import replicated
+
         target = call.node.target
         if target in _LIKE_FILL:
             like = call.args[0]
             fill = call.args[1] if target is aten.full_like.default else _LIKE_FILL[target]
             dtype = call.kwargs.get("dtype") or call.view.out_dtypes[0]
-            whole = call.emit(aten.full.default, (list(call.view.out_shape), fill),
-                              {"dtype": dtype, "device": call.builder.device})
+            whole = call.emit(
+                aten.full.default, (list(call.view.out_shape), fill), {"dtype": dtype, "device": call.builder.device}
+            )
             del like
         else:
             whole = call.emit()
         return call.reshard(whole, replicated(call.comm.ndim), call.out_spec)
 
 
-_LIKE_FILL = {aten.zeros_like.default: 0, aten.ones_like.default: 1, aten.empty_like.default: 0,
-              aten.full_like.default: None}
+_LIKE_FILL = {
+    aten.zeros_like.default: 0,
+    aten.ones_like.default: 1,
+    aten.empty_like.default: 0,
+    aten.full_like.default: None,
+}
 
 
 class ReplicatedRule(OpRule):
@@ -144,18 +153,45 @@ register(aten.stack.default)(JoinRule(new_dim=True))
 register(aten.gather.default)(KeepDimsRule(lambda op: _norm_dim(op, 1, "dim")))
 register(aten.pad.default, aten.constant_pad_nd.default)(KeepDimsRule(_padded_dims))
 register(aten.tril.default, aten.triu.default)(
-    KeepDimsRule(lambda op: {len(op.in_shapes[0]) - 2, len(op.in_shapes[0]) - 1}))
+    KeepDimsRule(lambda op: {len(op.in_shapes[0]) - 2, len(op.in_shapes[0]) - 1})
+)
 register(aten.repeat_interleave.self_int, aten.roll.default, aten.flip.default)(
-    KeepDimsRule(lambda op: _norm_dim(op, 2 if op.node.target != aten.flip.default else 1, "dim", -1)))
-register(aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
-         aten.zeros.default, aten.ones.default, aten.empty.memory_format, aten.scalar_tensor.default,
-         aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
-         aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
-         aten.rand.default, aten.randn.default)(FactoryRule())
-register(aten.index.Tensor, aten.index_select.default, aten.nonzero.default, aten.sort.default,
-         aten.topk.default, aten.nll_loss_forward.default,
-         # in-place buffer updates (BatchNorm's num_batches_tracked += 1): every rank keeps the same copy
-         aten.add_.Tensor, aten.add_.Scalar, aten.copy_.default, aten.fill_.Scalar)(ReplicatedRule())
-register(aten.max_pool2d.default, aten.max_pool2d_with_indices.default,
-         aten.adaptive_max_pool2d.default)(PoolRule(linear=False))
+    KeepDimsRule(lambda op: _norm_dim(op, 2 if op.node.target != aten.flip.default else 1, "dim", -1))
+)
+register(
+    aten.arange.default,
+    aten.arange.start,
+    aten.arange.start_step,
+    aten.full.default,
+    aten.zeros.default,
+    aten.ones.default,
+    aten.empty.memory_format,
+    aten.scalar_tensor.default,
+    aten.new_ones.default,
+    aten.new_zeros.default,
+    aten.new_full.default,
+    aten.new_empty.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+    aten.full_like.default,
+    aten.rand.default,
+    aten.randn.default,
+)(FactoryRule())
+register(
+    aten.index.Tensor,
+    aten.index_select.default,
+    aten.nonzero.default,
+    aten.sort.default,
+    aten.topk.default,
+    aten.nll_loss_forward.default,
+    # in-place buffer updates (BatchNorm's num_batches_tracked += 1): every rank keeps the same copy
+    aten.add_.Tensor,
+    aten.add_.Scalar,
+    aten.copy_.default,
+    aten.fill_.Scalar,
+)(ReplicatedRule())
+register(aten.max_pool2d.default, aten.max_pool2d_with_indices.default, aten.adaptive_max_pool2d.default)(
+    PoolRule(linear=False)
+)
 register(aten.avg_pool2d.default, aten.adaptive_avg_pool2d.default)(PoolRule(linear=True))

@@ -12,6 +12,7 @@ block of its first dim on either side (``[b, s, h] -> [b, s, nh, hd]`` maps ``h`
 each rank then holds its slice of every piece, and lowering lays the producer's weight out
 to match (Megatron's fused QKV).
 """
+
 from __future__ import annotations
 
 import torch
@@ -71,10 +72,12 @@ class DimMapRule(OpRule):
             args[1] = list(call.local_out_shape)
         elif target is aten.unflatten.int:
             dim = _norm(args[1], len(call.view.in_shapes[0]))
-            args[2] = list(call.local_out_shape[dim:dim + len(args[2])])
+            args[2] = list(call.local_out_shape[dim : dim + len(args[2])])
         elif target in (aten.split.Tensor, aten.split_with_sizes.default):
-            dim = _norm(call.node.args[2] if len(call.node.args) > 2 else call.node.kwargs.get("dim", 0),
-                        len(call.view.in_shapes[0]))
+            dim = _norm(
+                call.node.args[2] if len(call.node.args) > 2 else call.node.kwargs.get("dim", 0),
+                len(call.view.in_shapes[0]),
+            )
             degree = 1
             for axis in call.sharded_axes(call.in_specs[0], dim):
                 degree *= call.comm.shape[axis]
@@ -84,8 +87,7 @@ class DimMapRule(OpRule):
     def axis_strategies(self, op: OpView) -> list:
         n_out = len(op.out_shapes)
         rest = tuple(None for _ in op.in_shapes[1:])
-        strategies = [AxisStrategy(out=(R,) * n_out, ins=(R,) + rest),
-                      AxisStrategy(out=(P,) * n_out, ins=(P,) + rest)]
+        strategies = [AxisStrategy(out=(R,) * n_out, ins=(R,) + rest), AxisStrategy(out=(P,) * n_out, ins=(P,) + rest)]
         for d_in, d_out in self.dim_map(op).items():
             if op.in_shapes[0][d_in] > 1:
                 strategies.append(AxisStrategy(out=(Shard(d_out),) * n_out, ins=(Shard(d_in),) + rest))
@@ -112,7 +114,11 @@ def _transpose(op):
     rank = len(op.in_shapes[0])
     if rank < 2:
         return _identity(op)
-    d0, d1 = (_norm(op.arg(1, "dim0", 0), rank), _norm(op.arg(2, "dim1", 1), rank)) if op.node.target != aten.t.default else (0, 1)
+    d0, d1 = (
+        (_norm(op.arg(1, "dim0", 0), rank), _norm(op.arg(2, "dim1", 1), rank))
+        if op.node.target != aten.t.default
+        else (0, 1)
+    )
     m = _identity(op)
     m[d0], m[d1] = d1, d0
     return m
@@ -187,13 +193,18 @@ def _expand(op):
 def _expand_broadcast_dims(op):
     in_shape, out_shape = op.in_shapes[0], op.out_shape
     offset = len(out_shape) - len(in_shape)
-    return [d for d in range(len(out_shape))
-            if out_shape[d] > 1 and (d < offset or in_shape[d - offset] == 1)]
+    return [d for d in range(len(out_shape)) if out_shape[d] > 1 and (d < offset or in_shape[d - offset] == 1)]
 
 
-register(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-         aten.flatten.using_ints, aten.unflatten.int, aten.view_as.default,
-         aten.reshape_as.default)(DimMapRule(_reshape))
+register(
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.flatten.using_ints,
+    aten.unflatten.int,
+    aten.view_as.default,
+    aten.reshape_as.default,
+)(DimMapRule(_reshape))
 register(aten.transpose.int, aten.t.default)(DimMapRule(_transpose))
 register(aten.permute.default)(DimMapRule(_permute))
 register(aten.numpy_T.default)(DimMapRule(_reverse_dims))
@@ -202,6 +213,7 @@ register(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)(DimMapRule(_
 register(aten.select.int)(DimMapRule(_drop_dim))
 register(aten.slice.Tensor, aten.narrow.default)(DimMapRule(_slice))
 register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)(
-    DimMapRule(lambda op: _keep_all_but(op, 2, "dim", 0), strided_dim=_split_dim))
+    DimMapRule(lambda op: _keep_all_but(op, 2, "dim", 0), strided_dim=_split_dim)
+)
 register(aten.unbind.int)(DimMapRule(_drop_dim))
 register(aten.expand.default, aten.expand_as.default)(DimMapRule(_expand, broadcast_out=_expand_broadcast_dims))
