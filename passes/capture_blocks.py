@@ -143,6 +143,11 @@ def capture_by_blocks(model: torch.nn.Module, example_inputs, *, stack_traces: b
         node.meta.update(old.meta)
         return node
 
+    def latest(a):
+        """The newest copy of a layer-1 node (the last added layer's), else the node's own copy."""
+        last = copies[-1] if copies else {}
+        return last.get(a, env[a]) if a in position else env[a]
+
     for node in graph.nodes:
         if node.op == "placeholder":
             env[node] = placeholder(node.name, node)
@@ -158,11 +163,9 @@ def capture_by_blocks(model: torch.nn.Module, example_inputs, *, stack_traces: b
                         layer_placeholders[(k, old)] = made
             continue
         if node.op == "output":
-            last = copies[-1] if copies else {}
-            new.output(fx.map_arg(node.args[0], lambda a: last.get(a, env[a]) if a in position else env[a]))
+            new.output(fx.map_arg(node.args[0], latest))
             continue
-        last = copies[-1] if copies else {}
-        mapped = fx.map_arg((node.args, node.kwargs), lambda a: last.get(a, env[a]) if a in position else env[a])
+        mapped = fx.map_arg((node.args, node.kwargs), latest)
         env[node] = new.create_node(node.op, node.target, mapped[0], mapped[1], name=node.name)
         env[node].meta.update(node.meta)
         if node is ops[1][-1]:

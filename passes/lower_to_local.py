@@ -124,6 +124,12 @@ def _replace_devices(obj, device):
     return pytree.tree_map(lambda v: device if isinstance(v, torch.device) else v, obj)
 
 
+def _fill_nodes(obj, values: list):
+    """``obj`` with its fx nodes replaced, in pytree order, by ``values``."""
+    it = iter(values)
+    return pytree.tree_map(lambda a: next(it) if isinstance(a, fx.Node) else a, obj)
+
+
 def _strided_chains(graph: fx.Graph, records: dict, comm: MeshComm) -> dict:
     """Nodes whose sharded values are strided: chain node -> {axis: pieces}.
 
@@ -217,7 +223,7 @@ def lower_to_local(
         if node.op == "output":
             counter = iter(range(10**9))
 
-            def out_value(n):
+            def out_value(n, counter=counter):
                 v = env[n]
                 wanted = required_output_spec(graph, next(counter), out_specs[n][0])
                 if wanted is not None:
@@ -255,8 +261,7 @@ def lower_to_local(
                     producer=u.name,
                 )
             local_inputs.append(value)
-        it = iter(local_inputs)
-        args, kwargs = pytree.tree_map(lambda a: next(it) if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
+        args, kwargs = _fill_nodes((node.args, node.kwargs), local_inputs)
         args, kwargs = _replace_devices(args, device), _replace_devices(kwargs, device)
         local_shapes = [
             None if s is None or sp is None else list(local_shape(s, sp, comm.shape))

@@ -81,7 +81,6 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Union
 
 __all__ = [
     "ActionKind",
@@ -747,7 +746,7 @@ class _Index:
 def _local_needs(schedule: Schedule, index: _Index, a: Action) -> list:
     """Actions that must come earlier on the same rank as ``a`` (those that exist somewhere)."""
     owner, last = schedule.stage_to_rank, schedule.num_stages - 1
-    F, B, I = ActionKind.F, ActionKind.B, ActionKind.I
+    F, B = ActionKind.F, ActionKind.B
     needs = []
     if a.kind == F and a.stage > 0:
         if owner[a.stage - 1] == owner[a.stage]:
@@ -764,7 +763,7 @@ def _local_needs(schedule: Schedule, index: _Index, a: Action) -> list:
             elif index.lowered:
                 needs.append(Action(ActionKind.RECV_B, a.stage, a.microbatch, a.stage + 1))
     elif a.kind == ActionKind.W:
-        needs.append(Action(I, a.stage, a.microbatch))
+        needs.append(Action(ActionKind.I, a.stage, a.microbatch))
     elif a.kind == ActionKind.SEND_F:
         needs.append(Action(F, a.stage, a.microbatch))
     elif a.kind == ActionKind.SEND_B:
@@ -779,7 +778,7 @@ def _static_issues(schedule: Schedule, index: _Index) -> list:
     for rank, acts in enumerate(schedule.actions):
         for step, a in enumerate(acts):
 
-            def issue(msg):
+            def issue(msg, rank=rank, step=step, a=a):
                 issues.append(_Issue(msg, rank, step, a))
 
             if a.stage >= S or a.microbatch >= M:
@@ -946,7 +945,7 @@ def assert_valid(schedule: Schedule) -> None:
 # ---------------------------------------------------------------------------------------------
 # Simulation
 
-StageTime = Union[float, Mapping[int, float], Callable[[int], float]]
+StageTime = float | Mapping[int, float] | Callable[[int], float]
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,7 @@ def split_stages(cap: CapturedGraph, stage_of: dict, runs) -> list:
     for k, call in enumerate(calls):
         returned = getattr(top, call.target).graph.find_nodes(op="output")[0].args[0]
         stage_graphs[k].outputs = [None] * (len(returned) if isinstance(returned, (list, tuple)) else 1)
-    for j, call in enumerate(calls):
+    for call in calls:
         sub = getattr(top, call.target)
         names = [n.name for n in sub.graph.nodes if n.op == "placeholder"]
         for arg, name in zip(call.args, names):
