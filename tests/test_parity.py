@@ -25,18 +25,16 @@ parameter bytes of Megatron TP. Dropout has its own test.
 import pytest
 import torch
 
-from parity_utils import run_checked, HAVE_TRANSFORMERS, MODELS, dropout_worker, glob_any, nested_approx_equal, parity_worker
+from parity_utils import run_checked, MODELS, dropout_worker, glob_any, nested_approx_equal, parity_worker
 from runtime.launch import run_on_ranks
 
 TIMEOUT_S = 240
-HF = ("gpt2", "bert", "llama", "vit")
 
 
 def _cfg(model, mesh, plan, **extra):
     cfg = dict(model=model, mesh=mesh, plan=plan, **extra)
     label = plan + ("-budget" if extra.get("budget_fraction") else "")
-    marks = [pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")] if model in HF else []
-    return pytest.param(cfg, id=f"{model}-{'x'.join(map(str, mesh))}-{label}", marks=marks)
+    return pytest.param(cfg, id=f"{model}-{'x'.join(map(str, mesh))}-{label}")
 
 
 BUDGET = 0.75   # of the replicated fp32 Adam state (16 bytes per parameter)

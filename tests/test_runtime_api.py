@@ -13,29 +13,26 @@ MEGATRON = {"idx": ["R"], "targets": ["R"], "h.*.attn.c_attn.weight": ["S(0)"], 
             "h.*.attn.c_proj.weight": ["S(1)"], "h.*.mlp.c_proj.weight": ["S(1)"]}
 
 
-def _mesh_mismatch(rank, world):
+# Configuration errors are raised before any collective: one process on the fake backend sees them.
+
+
+def test_a_world_size_the_mesh_does_not_divide_is_refused(fake_process_group):
+    fake_process_group(3)
     model, inputs = models.gpt_demo(batch=4, seq=8, n_layer=1)
-    partitioner.auto_parallelize(model, inputs, mesh=(2, 2))
+    with pytest.raises(ValueError, match=r"mesh \(2, 2\) needs 4 ranks but this job has 3"):
+        partitioner.auto_parallelize(model, inputs, mesh=(2, 2))
 
 
-def test_a_world_size_the_mesh_does_not_divide_is_refused():
-    with pytest.raises(RankFailure, match=r"mesh \(2, 2\) needs 4 ranks but this job has 3"):
-        run_on_ranks(_mesh_mismatch, 3, timeout_s=60)
-
-
-def _replay(rank, world, plan_json, other_layers):
-    model, inputs = models.gpt_demo(batch=4, seq=8, n_layer=other_layers)
-    plan = partitioner.ShardingPlan.from_dict(__import__("json").loads(plan_json))
-    pm = partitioner.auto_parallelize(model, inputs, mesh=(2,), plan=plan)
-    return pm.placement_of("h.0.mlp.c_fc.weight")
-
-
-def test_replaying_a_saved_plan_and_refusing_one_for_another_model():
+def test_replaying_a_saved_plan_and_refusing_one_for_another_model(fake_process_group):
+    fake_process_group(2)
     model, inputs = models.gpt_demo(batch=4, seq=8, n_layer=1)
     plan = partitioner.plan(model, inputs, mesh_shape=(2,), mesh_axis_names=("a0",), pins=MEGATRON)
-    assert run_on_ranks(_replay, 2, plan.to_json(), 1, timeout_s=60) == ["[S(0)]", "[S(0)]"]
-    with pytest.raises(RankFailure, match="different graph"):
-        run_on_ranks(_replay, 2, plan.to_json(), 2, timeout_s=60)
+    saved = partitioner.ShardingPlan.from_json(plan.to_json())
+    pm = partitioner.auto_parallelize(model, inputs, mesh=(2,), plan=saved)
+    assert pm.placement_of("h.0.mlp.c_fc.weight") == "[S(0)]"
+    other, other_inputs = models.gpt_demo(batch=4, seq=8, n_layer=2)
+    with pytest.raises(partitioner.PlanMismatchError, match="different graph"):
+        partitioner.auto_parallelize(other, other_inputs, mesh=(2,), plan=saved)
 
 
 def _impossible_budget(rank, world):
@@ -58,13 +55,10 @@ class _Branchy(torch.nn.Module):
         return x * 2 if x.sum() > 0 else x
 
 
-def _export_failure(rank, world):
-    partitioner.auto_parallelize(_Branchy(), (torch.randn(4),), mesh=(2,))
-
-
-def test_a_model_that_fails_to_export_names_the_construct():
-    with pytest.raises(RankFailure, match="CaptureError.*could not capture _Branchy.*What to do"):
-        run_on_ranks(_export_failure, 2, timeout_s=60)
+def test_a_model_that_fails_to_export_names_the_construct(fake_process_group):
+    fake_process_group(2)
+    with pytest.raises(partitioner.CaptureError, match="could not capture _Branchy.*What to do"):
+        partitioner.auto_parallelize(_Branchy(), (torch.randn(4),), mesh=(2,))
 
 
 class _Cumprod(torch.nn.Module):
