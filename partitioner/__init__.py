@@ -33,9 +33,13 @@ _LAZY = {
     "InfeasibleBudgetError": "passes.plan_intra_op",
     "ShapeMismatchError": "passes.shape_check",
     "hf_families": None,
+    "Precision": "partitioner.precision",
+    "grad_scaler": "partitioner.precision",
 }
 
 __all__ = [
+    "Precision",
+    "grad_scaler",
     "plan",
     "plan_captured",
     "resolve_pins",
