@@ -63,6 +63,8 @@ def _load_module(name: str):
         if folder not in sys.path:
             sys.path.append(folder)
         spec = importlib.util.spec_from_file_location(path.stem, path)
+        if spec is None or spec.loader is None:  # a suffix Python does not import (e.g. .txt)
+            raise CLIError(f"cannot import {name!r}: name a Python source file ending in .py ({_FACTORY_FORM})")
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         try:

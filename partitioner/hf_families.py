@@ -210,7 +210,7 @@ def build(
         raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
     config_name, model_name, sizes, kind = FAMILIES[family]
     config_cls = getattr(transformers, config_name)
-    overrides = dict(sizes)
+    overrides: dict[str, object] = dict(sizes)  # sizes, the vocabulary, layers and dropout
     if kind != "image":
         overrides["vocab_size"] = VOCAB
     if n_layer is not None:

@@ -89,8 +89,9 @@ class PipelineConfig:
         return PipelineConfig(self.degree, self.schedule, m, self.virtual_stages)
 
 
-def _make_schedule(cfg: PipelineConfig):
-    sched = ps.add_communication(ps.SCHEDULES[cfg.schedule].make(cfg.degree, cfg.microbatches, cfg.virtual_stages))
+def _make_schedule(cfg: PipelineConfig, name: str):
+    """The schedule ``name`` (``cfg.schedule`` once chosen) for ``cfg``'s ranks and microbatches."""
+    sched = ps.add_communication(ps.SCHEDULES[name].make(cfg.degree, cfg.microbatches, cfg.virtual_stages))
     ps.assert_valid(sched)
     return sched
 
@@ -123,7 +124,7 @@ def _choose(config: PipelineConfig, plans, graphs):
         ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in sorted(steps.items(), key=lambda kv: kv[1])),
     )
     config = PipelineConfig(config.degree, name, config.microbatches, config.virtual_stages)
-    return config, _make_schedule(config)
+    return config, _make_schedule(config, name)
 
 
 def _microbatch(example_inputs, m):
@@ -213,7 +214,7 @@ def _resolve_config(config: PipelineConfig, full, example_inputs) -> tuple:
         0,
     )
     resolved = config.resolve(batch)
-    schedule = _make_schedule(resolved) if resolved.schedule is not None else None
+    schedule = _make_schedule(resolved, resolved.schedule) if resolved.schedule is not None else None
     stages = schedule.num_stages if schedule is not None else resolved.degree
     how = "given" if config.microbatches else f"chosen: the most, up to 4 per stage, that divide the batch of {batch}"
     logger.info(

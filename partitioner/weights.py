@@ -102,7 +102,7 @@ def tie_weights(weights: LocalWeights, groups, specs: dict, strided: dict) -> No
         table = weights.params if first in weights.params else weights.buffers
         first_fqn, shared = table[first]
         for name in names[1:]:
-            fqn = (weights.params.get(name) or weights.buffers.get(name))[0]
+            fqn = (weights.params if name in weights.params else weights.buffers)[name][0]
             if specs[name] != specs[first] or strided.get(fqn) != strided.get(first_fqn):
                 raise ValueError(
                     f"{fqn} and {first_fqn} are one tied tensor but the plan places them differently "

@@ -31,7 +31,8 @@ class NodeInfo:
     module_path: str
     """Innermost module that produced the node ("" for the top level)."""
     out_shapes: tuple
-    dtype: object
+    dtype: torch.dtype | None
+    """The first tensor output's dtype (None: no tensor output)."""
     flops: float = 0.0
     requires_grad: bool = False
     saved: bool = False

@@ -83,7 +83,7 @@ def _signature(members: list, prefix: str, index: int):
             return tuple((k, ref(v)) for k, v in a.items())
         return repr(a)
 
-    sig = []
+    sig: list[tuple] = []
     for n in members:
         i = info(n)
         if n.op == "placeholder":
@@ -91,6 +91,11 @@ def _signature(members: list, prefix: str, index: int):
         else:
             sig.append((str(n.target), i.out_shapes, ref(n.args), ref(n.kwargs)))
     return tuple(sig)
+
+
+def _in_layer_order(nodes: list, head: str, order: dict) -> list:
+    """One layer's parameter placeholders, by their name inside the layer (then graph order)."""
+    return sorted(nodes, key=lambda n: (_local_name(info(n).name, head), order[n]))
 
 
 def find_blocks(graph: fx.Graph, *, enabled: bool = True) -> Blocks:
@@ -119,9 +124,7 @@ def find_blocks(graph: fx.Graph, *, enabled: bool = True) -> Blocks:
                 continue
             order = {n: i for i, n in enumerate(graph.nodes)}
             members = [
-                sorted(params[(prefix, k)], key=lambda n, k=k: (_local_name(info(n).name, f"{prefix}.{k}."), order[n]))
-                + by_key[(prefix, k)]
-                for k in indices
+                _in_layer_order(params[(prefix, k)], f"{prefix}.{k}.", order) + by_key[(prefix, k)] for k in indices
             ]
             sigs = [_signature(m, prefix, k) for m, k in zip(members, indices)]
             if any(s != sigs[0] for s in sigs[1:]):

@@ -43,8 +43,8 @@ class CapturedGraph:
     """The captured program and what each placeholder stands for."""
 
     graph_module: fx.GraphModule
-    exported: object
-    """The ``torch.export.ExportedProgram``."""
+    exported: torch.export.ExportedProgram | None
+    """The ``torch.export.ExportedProgram``; None for a pipeline stage's piece of one."""
     params: dict
     """placeholder name -> parameter FQN."""
     buffers: dict
@@ -59,6 +59,13 @@ class CapturedGraph:
     @property
     def graph(self) -> fx.Graph:
         return self.graph_module.graph
+
+    @property
+    def exported_program(self) -> torch.export.ExportedProgram:
+        """``exported``, for a capture of a whole model (a pipeline stage's piece has none)."""
+        if self.exported is None:
+            raise ValueError("this captured graph is a pipeline stage's piece: it has no ExportedProgram")
+        return self.exported
 
 
 def _split_inputs(example_inputs):

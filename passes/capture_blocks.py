@@ -94,7 +94,7 @@ def capture_by_blocks(model: torch.nn.Module, example_inputs, *, stack_traces: b
     finally:
         setattr(owner, attr, layers)
 
-    if getattr(short.exported.graph_signature, "buffers_to_mutate", None):
+    if getattr(short.exported_program.graph_signature, "buffers_to_mutate", None):
         return None  # buffer updates (BatchNorm statistics) are outputs per layer: export them all
     graph = short.graph
     prefix = f"{path}."

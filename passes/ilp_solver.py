@@ -66,10 +66,20 @@ def solve_ilp(
     else:
         c[:n_x] = x_cost
     rows, cols, vals, lo, hi = [], [], [], [], []
+
+    def add_entries(row_index, col_index, values):
+        rows.append(row_index)
+        cols.append(col_index)
+        vals.append(values)
+
+    def add_rows(low, high):
+        lo.append(low)
+        hi.append(high)
+
     n_groups = len(node_costs)
     sizes = np.diff(offsets)
-    rows.append(np.repeat(np.arange(n_groups), sizes)), cols.append(np.arange(n_x)), vals.append(np.ones(n_x))
-    lo.append(np.ones(n_groups)), hi.append(np.ones(n_groups))
+    add_entries(np.repeat(np.arange(n_groups), sizes), np.arange(n_x), np.ones(n_x))
+    add_rows(np.ones(n_groups), np.ones(n_groups))
     r = n_groups
     for e, (g, h, cls_g, cls_h, m) in enumerate(edges):
         base = flow_offsets[e]
@@ -77,25 +87,16 @@ def solve_ilp(
         c[base : base + m.size] = m.ravel() if objective != "memory" else 1e-9 * m.ravel()
         flows = base + np.arange(m.size)
         # producer side: one row per source class
-        rows.append(r + np.repeat(np.arange(n_src), n_dst)), cols.append(flows), vals.append(np.ones(m.size))
-        (
-            rows.append(r + np.asarray(cls_g)),
-            cols.append(offsets[g] + np.arange(len(cls_g))),
-            vals.append(-np.ones(len(cls_g))),
-        )
+        add_entries(r + np.repeat(np.arange(n_src), n_dst), flows, np.ones(m.size))
+        add_entries(r + np.asarray(cls_g), offsets[g] + np.arange(len(cls_g)), -np.ones(len(cls_g)))
         r += n_src
         # consumer side: one row per destination class
-        rows.append(r + np.tile(np.arange(n_dst), n_src)), cols.append(flows), vals.append(np.ones(m.size))
-        (
-            rows.append(r + np.asarray(cls_h)),
-            cols.append(offsets[h] + np.arange(len(cls_h))),
-            vals.append(-np.ones(len(cls_h))),
-        )
+        add_entries(r + np.tile(np.arange(n_dst), n_src), flows, np.ones(m.size))
+        add_entries(r + np.asarray(cls_h), offsets[h] + np.arange(len(cls_h)), -np.ones(len(cls_h)))
         r += n_dst
-        lo.append(np.zeros(n_src + n_dst)), hi.append(np.zeros(n_src + n_dst))
-    rows, cols, vals = np.concatenate(rows), np.concatenate(cols), np.concatenate(vals)
-    lo, hi = np.concatenate(lo), np.concatenate(hi)
-    constraints = [LinearConstraint(coo_matrix((vals, (rows, cols)), shape=(r, n)).tocsr(), lo, hi)]
+        add_rows(np.zeros(n_src + n_dst), np.zeros(n_src + n_dst))
+    matrix = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(r, n)).tocsr()
+    constraints = [LinearConstraint(matrix, np.concatenate(lo), np.concatenate(hi))]
     if budget is not None:
         mem_row = np.zeros(n)
         mem_row[:n_x] = x_mem

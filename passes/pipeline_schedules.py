@@ -180,7 +180,7 @@ class Action:
 
     def counterpart(self) -> Action:
         """The receive matching this send, or the send matching this receive."""
-        assert not self.is_compute
+        assert self.peer is not None, "a compute action has no counterpart"  # sends and receives have a peer
         return Action(_COUNTERPART[self.kind], self.peer, self.microbatch, self.stage)
 
     def __str__(self) -> str:
@@ -235,7 +235,7 @@ def v_shape_stage_to_rank(num_ranks: int, stages_per_rank: int = 2) -> tuple:
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Schedule:
     """Per-rank action lists plus what is needed to read them. A value: compare, hash, print.
 
@@ -248,11 +248,24 @@ class Schedule:
     num_ranks: int
     num_stages: int
     num_microbatches: int
-    stage_to_rank: tuple
+    stage_to_rank: tuple[int, ...]
     """``stage_to_rank[s]`` is the rank that owns stage ``s``."""
-    actions: tuple = field(repr=False)
+    actions: tuple[tuple[Action, ...], ...] = field(repr=False)
 
-    def __post_init__(self):
+    def __init__(
+        self,
+        name: str,
+        num_ranks: int,
+        num_stages: int,
+        num_microbatches: int,
+        stage_to_rank: Sequence[int],
+        actions: Mapping[int, Sequence[Action]] | Sequence[Sequence[Action]],
+    ):
+        # frozen: every field is set through object.__setattr__, after the checks
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "num_ranks", num_ranks)
+        object.__setattr__(self, "num_stages", num_stages)
+        object.__setattr__(self, "num_microbatches", num_microbatches)
         if not re.fullmatch(r"\S+", self.name):
             raise ValueError(f"schedule name must be one word without spaces, got {self.name!r}")
         if min(self.num_ranks, self.num_stages, self.num_microbatches) < 1:
@@ -261,13 +274,12 @@ class Schedule:
                 f"ranks={self.num_ranks} stages={self.num_stages} "
                 f"microbatches={self.num_microbatches}"
             )
-        stage_to_rank = tuple(int(r) for r in self.stage_to_rank)
+        stage_to_rank = tuple(int(r) for r in stage_to_rank)
         if len(stage_to_rank) != self.num_stages or not all(0 <= r < self.num_ranks for r in stage_to_rank):
             raise ValueError(
                 f"stage_to_rank must give a rank in [0, {self.num_ranks}) for each of the "
                 f"{self.num_stages} stages, got {stage_to_rank}"
             )
-        actions = self.actions
         if isinstance(actions, Mapping):
             extra = sorted(set(actions) - set(range(self.num_ranks)))
             if extra:
@@ -701,7 +713,7 @@ class _Index:
         owner = schedule.stage_to_rank
         for rank, acts in enumerate(schedule.actions):
             for step, a in enumerate(acts):
-                if not a.is_compute and a.peer < schedule.num_stages:
+                if a.peer is not None and a.peer < schedule.num_stages:  # a send or receive
                     key = (rank, owner[a.peer]) if a.is_send else (owner[a.peer], rank)
                     if a.is_recv:
                         self.recv_number[(rank, step)] = len(self.recvs[key])

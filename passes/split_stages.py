@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
@@ -52,11 +53,13 @@ class StageGraph:
         """Whether the stage's program uses floating-point values of earlier stages (analysed
         graph). If not (the first stage; one that only passes values on), a zero-bubble I pass
         has nothing to compute, and the stage's whole backward is its W."""
+
+        def floating(n: fx.Node) -> bool:
+            dtype = info(n).dtype
+            return dtype is not None and dtype.is_floating_point
+
         return any(
-            n.op == "placeholder"
-            and n.name in self.activation_inputs
-            and info(n).dtype is not None
-            and info(n).dtype.is_floating_point
+            n.op == "placeholder" and n.name in self.activation_inputs and floating(n)
             for n in self.captured.graph.nodes
         )
 
@@ -127,7 +130,7 @@ def assign_stages(cap: CapturedGraph, stages: int, node_cost=None) -> tuple:
 
 def split_stages(cap: CapturedGraph, stage_of: dict, runs) -> list:
     """Split with ``split_module`` and describe each stage's inputs, outputs and carried values."""
-    top = split_module(cap.graph_module, None, lambda n: stage_of[n], keep_original_order=True)
+    top = split_module(cap.graph_module, cap.graph_module, lambda n: stage_of[n], keep_original_order=True)
     calls = [n for n in top.graph.nodes if n.op == "call_module"]
     stage_graphs = []
     for k, call in enumerate(calls):
@@ -166,7 +169,7 @@ def split_stages(cap: CapturedGraph, stage_of: dict, runs) -> list:
         for arg, name in zip(call.args, names):
             src, index = arg, 0
             if isinstance(arg, fx.Node) and arg.op == "call_function" and arg.target is operator.getitem:
-                src, index = arg.args[0], arg.args[1]
+                src, index = arg.args[0], cast(int, arg.args[1])  # getitem's position
             if isinstance(src, fx.Node) and src.op == "call_module":
                 k = calls.index(src)
                 stage_graphs[k].outputs[index] = name
@@ -175,7 +178,7 @@ def split_stages(cap: CapturedGraph, stage_of: dict, runs) -> list:
     for i, value in enumerate(final if isinstance(final, (list, tuple)) else [final]):
         src, index = value, 0
         if isinstance(value, fx.Node) and value.op == "call_function" and value.target is operator.getitem:
-            src, index = value.args[0], value.args[1]
+            src, index = value.args[0], cast(int, value.args[1])
         if not (isinstance(src, fx.Node) and calls.index(src) == last):
             raise ValueError("every model output must be computed by the last pipeline stage")
         if stage_graphs[last].outputs[index] is None:

@@ -97,8 +97,10 @@ class Group:
     members: list
     options: list
     """options[i][node] -> NodeChoice for each member."""
-    cost: np.ndarray = None
-    memory: np.ndarray = None
+    cost: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    """Seconds per option (all members, times ``count``); priced once the groups are formed."""
+    memory: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    """Bytes per option, likewise."""
     count: int = 1
 
     def choice(self, i: int, node) -> NodeChoice:
@@ -415,16 +417,11 @@ def build_space(
         rule = rule_for(node) if node.op == "call_function" else None
         source_groups = {group_of.get(rep(a)) for a in data_inputs}
         leader_here = None
-        if (
-            node.op == "call_function"
-            and node not in b.pins
-            and data_inputs
-            and len(source_groups) == 1
-            and None not in source_groups
-        ):
+        if node.op == "call_function" and node not in b.pins and data_inputs and len(source_groups) == 1:
             gi = source_groups.pop()
             if (
-                (_is_getitem(node) or rule.follower)
+                gi is not None
+                and (_is_getitem(node) or (rule is not None and rule.follower))
                 and all(same_instance(a, node) for a in data_inputs)
                 and same_instance(groups[gi].leader, node)
             ):
@@ -524,13 +521,13 @@ def _build_edges(graph, b: _Builder, groups, group_of) -> list:
             full = m[np.ix_(src_cls, dst_cls)]
             groups[gu].cost = groups[gu].cost + np.diag(full)
             continue
-        key = (gu, gv)
-        if key in by_pair:
-            prev = by_pair[key]
+        pair = (gu, gv)
+        if pair in by_pair:
+            prev = by_pair[pair]
             combined = prev.full() + m[np.ix_(src_cls, dst_cls)]
-            by_pair[key] = _factor(gu, gv, combined)
+            by_pair[pair] = _factor(gu, gv, combined)
         else:
-            by_pair[key] = EdgeCost(gu, gv, src_cls, dst_cls, m)
+            by_pair[pair] = EdgeCost(gu, gv, src_cls, dst_cls, m)
     edges = []
     for e in by_pair.values():
         if not np.any(e.matrix):

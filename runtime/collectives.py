@@ -28,11 +28,15 @@ from __future__ import annotations
 import contextlib
 import pickle
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from passes.placements import dual_spec, format_spec, is_partial, is_shard, transition_steps
+
+if TYPE_CHECKING:
+    from runtime.grad_sync import GradientBuckets
 
 __all__ = ["MeshComm", "CommCounter", "run_steps", "Reshard", "record_collective", "all_reduce_", "on_rank0"]
 
@@ -43,7 +47,7 @@ def on_rank0(work, what: str):
     """Run ``work()`` on rank 0 only and return its result on every rank; if it raises, every
     rank raises that error (never the other ranks waiting for a broadcast that will not come).
     ``what`` names the work in the error the other ranks raise."""
-    payload = [None]
+    payload: list = [None]  # filled by rank 0's broadcast on the other ranks
     if dist.get_rank() == 0:
         try:
             payload = [("ok", work())]
@@ -54,11 +58,11 @@ def on_rank0(work, what: str):
     status, *value = payload[0]
     if status == "ok":
         return value[0]
-    exc, name, message = value
+    error, name, message = value
     note = f" (raised on rank 0 while {what})"
-    if exc is not None:
+    if error is not None:
         try:
-            rebuilt = type(exc)(message + note)
+            rebuilt = type(error)(message + note)
         except Exception:  # noqa: BLE001 - an exception type that needs other arguments
             rebuilt = None
         if rebuilt is not None:
@@ -280,8 +284,10 @@ class Reshard(torch.nn.Module):
         self.strided, self.src_strided = dict(strided or {}), dict(src_strided or {})
         self.forward_steps = transition_steps(self.src, self.dst)
         self.backward_steps = transition_steps(self.grad, dual_spec(self.src)) if self.grad is not None else None
-        self.sync = self.sync_param = None  # set when this edge's backward joins gradient buckets
-        self.sync_axes = ()
+        # set when this edge's backward joins gradient buckets (ParallelModule._add_variant)
+        self.sync: GradientBuckets | None = None
+        self.sync_param: torch.Tensor | None = None
+        self.sync_axes: tuple[int, ...] = ()
 
     @property
     def backward_is_allreduce(self) -> bool:

@@ -13,14 +13,21 @@ split after the matmul, e.g. GPT's QKV).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from passes.placements import format_spec, replicated, transition_steps
-from runtime.collectives import MeshComm, run_steps
+from runtime.collectives import MeshComm, Reshard, run_steps
+
+if TYPE_CHECKING:
+    from partitioner.sharding_plan import ShardingPlan
+    from passes.capture import CapturedGraph
+    from runtime.grad_sync import GradientBuckets
 
 __all__ = ["ParallelModule", "Variant", "shard_tensor", "gather_tensor"]
 
@@ -72,8 +79,8 @@ class Variant:
     """One lowered program of the module, for one training mode and one set of input shapes."""
 
     program: torch.fx.GraphModule
-    captured: object
-    """The captured graph it was lowered from (``passes.capture.CapturedGraph``)."""
+    captured: CapturedGraph
+    """The captured graph it was lowered from."""
     input_specs: dict
     """User-input placeholder name -> placement."""
 
@@ -96,6 +103,14 @@ class ParallelModule(torch.nn.Module):
     captures and lowers the model for them under the same parameter placements, once per
     (mode, shapes); without one, such a call is refused with the difference named.
     """
+
+    # Set with object.__setattr__ (kept out of nn.Module's parameter and submodule registries).
+    plan: ShardingPlan
+    comm: MeshComm
+    _specialize: Callable[[bool, tuple, dict], Variant] | None
+    _buckets: GradientBuckets
+    _base: Variant
+    _variants: dict[tuple, Variant]
 
     def __init__(
         self,
@@ -140,9 +155,9 @@ class ParallelModule(torch.nn.Module):
         """Register a lowered program; its plain gradient all-reduces join the shared buckets."""
         program, cap = variant.program, variant.captured
         for module_name, placeholder in (program.meta.get("partita.bucketable_grads") or {}).items():
-            module = program.get_submodule(module_name)
+            module = cast(Reshard, program.get_submodule(module_name))  # lower_to_local's edge modules
             module.sync, module.sync_param = self._buckets, self._get(cap.params[placeholder])
-            module.sync_axes = tuple(axis for axis, _, _ in module.backward_steps if self.comm.shape[axis] > 1)
+            module.sync_axes = tuple(axis for axis, _, _ in module.backward_steps or () if self.comm.shape[axis] > 1)
         program.train(self.training)
         self._variants[key] = variant
 
@@ -161,7 +176,7 @@ class ParallelModule(torch.nn.Module):
 
     # -- structure ---------------------------------------------------------------------------
     def _owner(self, fqn: str) -> torch.nn.Module:
-        module = self
+        module: torch.nn.Module = self
         for part in fqn.split(".")[:-1]:
             child = module._modules.get(part)
             if child is None:
@@ -202,7 +217,7 @@ class ParallelModule(torch.nn.Module):
         """Whole shapes of the user's flat inputs (``local``, by default ``local_inputs``:
         pieces scaled back up by the number of shards)."""
         local = self.local_inputs if local is None else local
-        shapes = []
+        shapes: list[str | tuple[tuple[int, ...], str]] = []  # repr of a non-tensor, or (shape, dtype)
         for name, x in zip(variant.user_placeholders, flat):
             if not isinstance(x, torch.Tensor):
                 shapes.append(repr(x))
@@ -220,7 +235,7 @@ class ParallelModule(torch.nn.Module):
         return (bool(training), tuple(shapes))
 
     def _flatten(self, args, kwargs):
-        in_spec = self._base.captured.exported.call_spec.in_spec
+        in_spec = self._base.captured.exported_program.call_spec.in_spec
         if kwargs and in_spec is not None:
             from torch.export._tree_utils import reorder_kwargs
 
@@ -275,13 +290,13 @@ class ParallelModule(torch.nn.Module):
                 values.append(x)
         outputs = variant.program(*values)
         flat_out = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-        sig = cap.exported.graph_signature
+        sig = cap.exported_program.graph_signature
         mutations = dict(getattr(sig, "buffers_to_mutate", {}) or {})
         n_mut = len(flat_out) - len(sig.user_outputs)
         for value, (_, fqn) in zip(flat_out[:n_mut], mutations.items()):
             with torch.no_grad():
                 self._get(fqn).copy_(value)
-        return pytree.tree_unflatten(flat_out[n_mut:], cap.exported.call_spec.out_spec)
+        return pytree.tree_unflatten(flat_out[n_mut:], cap.exported_program.call_spec.out_spec)
 
     def shard_batch(self, batch):
         """Cut a global batch (same structure as the example inputs) to this rank's pieces."""

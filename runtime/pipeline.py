@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,10 @@ from torch.utils import _pytree as pytree
 
 from passes.placements import replicated
 from runtime.parallel_module import gather_tensor, shard_tensor
+
+if TYPE_CHECKING:
+    from partitioner.sharding_plan import ShardingPlan
+    from runtime.collectives import MeshComm
 
 __all__ = ["StageProgram", "PipelineRunner"]
 
@@ -40,6 +45,11 @@ class StageProgram(torch.nn.Module):
     ``input_specs``: placeholder -> the stage plan's placement. The stage cuts the user inputs
     it is given (whole microbatches) to its plan's placements; ``activations`` (values from the
     previous stage) arrive already as this rank's piece and are used as they are."""
+
+    # Set with object.__setattr__ (kept out of nn.Module's submodule registry).
+    program: torch.fx.GraphModule
+    comm: MeshComm
+    plan: ShardingPlan
 
     def __init__(
         self,
@@ -491,8 +501,8 @@ class PipelineRunner(torch.nn.Module):
     def _everywhere(self, grads: bool) -> dict:
         mine = {}
         for stage in self.stages.values():
-            mine.update(stage.gathered(grads))
-        parts = [None] * self.comm_pp[2]
+            mine.update(cast(StageProgram, stage).gathered(grads))
+        parts: list = [None] * self.comm_pp[2]  # filled by all_gather_object
         dist.all_gather_object(parts, mine, group=self.comm_pp[0])
         out = {}
         for part in parts:

@@ -45,7 +45,7 @@ _COLOURS = {"F": "#6fa8dc", "B": "#93c47d", "I": "#b6d7a8", "W": "#ffd966"}
 def measured_timeline(runner) -> dict:
     """pipeline rank -> [(action, start s, end s)] of compute actions, from every rank (collective)."""
     mine = (runner.comm_pp[1], [t for t in runner.trace if t[0].lstrip("0123456789")[:1] in ("F", "B", "I", "W")])
-    parts = [None] * dist.get_world_size()
+    parts: list = [None] * dist.get_world_size()  # filled by all_gather_object
     dist.all_gather_object(parts, mine)
     out = {}
     for pp_rank, trace in parts:

@@ -154,6 +154,14 @@ def test_bad_plan_files(tmp_path):
     assert_usage_error(code, err, "cannot read plan file", "missing.json")
 
 
+def test_factory_file_that_is_not_python(tmp_path):
+    notes = tmp_path / "models.txt"
+    notes.write_text("def build():\n    pass\n")
+    code, out, err = run_main(["plan", f"{notes}:build", "--mesh", "2"])
+    assert_usage_error(code, err, str(notes), "ending in .py", "MODULE:FACTORY")
+    assert out == ""
+
+
 def test_argparse_errors_return_2(capsys):
     assert main([]) == 2
     assert main(["plan", "partitioner.models:gpt_demo"]) == 2  # --mesh is required

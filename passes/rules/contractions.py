@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from passes.placements import P, R, Shard
+from passes.placements import P, Placement, R, Shard
 from passes.rules.base import AxisStrategy, OpRule, OpView, register
 
 aten = torch.ops.aten
@@ -68,10 +68,7 @@ def einsum_strategies(operands, out_labels, out_shape, bias=None, n_inputs=None,
         if size <= 1:
             continue
         per = [_placement_for(labels, shape, lab) for _, labels, shape in operands]
-        if lab in out_labels:
-            out_p = Shard(out_labels.index(lab))
-        else:
-            out_p = P
+        out_p: Placement = Shard(out_labels.index(lab)) if lab in out_labels else P
         strategies.append(build(per, out_p, bias_placement(out_p)))
     for k in range(len(operands)):
         per = [P if i == k else R for i in range(len(operands))]
