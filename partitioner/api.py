@@ -15,6 +15,7 @@ import torch
 
 from partitioner.cluster import get_cluster, parse_bytes
 from partitioner.mesh import MeshSpec
+from partitioner.precision import Precision
 from partitioner.progress import verbose_to_stderr
 from partitioner.sharding_plan import PLAN_FORMAT, PLAN_VERSION, ShardingPlan
 from passes.analyze import analyze, info
@@ -91,6 +92,7 @@ def plan(
     share_blocks: bool = True,
     time_limit: float = 60.0,
     layers: str = "auto",
+    precision="fp32",
     verbose: bool = False,
 ) -> ShardingPlan:
     """Choose data / tensor / sequence splits for every node of ``model`` on a device mesh.
@@ -111,6 +113,9 @@ def plan(
         layers: ``"auto"`` captures deep models (8+ identical layers) by exporting two layers and
             repeating them in the graph (node for node what a full export gives, much faster);
             ``"full"`` always exports every layer (for layers whose code depends on their index).
+        precision: ``"fp32"``, ``"bf16"``, ``"fp16"`` or a MixedPrecisionPolicy: the model is
+            captured under ``torch.autocast`` in that dtype and priced as it computes (fp32 master
+            weights and optimizer state; see :mod:`partitioner.precision`).
         verbose: show progress (capture, analysis, solve) on stderr for this call; the same
             records go to the ``partitioner`` logger at INFO in any case (see
             :mod:`partitioner.progress`).
@@ -124,8 +129,9 @@ def plan(
         print(plan.explain("model.layers.0.mlp.down_proj"))
     """
     t0 = time.perf_counter()
+    precision = Precision.build(precision)
     logger.info("capturing %s with torch.export ...", type(model).__name__)
-    cap = capture_model(model, example_inputs, layers=layers)
+    cap = capture_model(model, example_inputs, layers=layers, autocast_dtype=precision.autocast_dtype)
     t1 = time.perf_counter()
     logger.info("capture: %.2f s (%s)", t1 - t0, describe_captured(cap))
     analyze(cap)
@@ -144,6 +150,7 @@ def plan(
         share_blocks=share_blocks,
         time_limit=time_limit,
         timings={"capture_s": t1 - t0, "analysis_s": t2 - t1, "start": t0},
+        precision=precision,
     )
 
 
@@ -162,15 +169,22 @@ def plan_captured(
     time_limit=60.0,
     timings=None,
     activation_copies=1,
+    precision=None,
 ) -> ShardingPlan:
     """:func:`plan` for a graph already captured and analysed (``passes.capture`` +
     ``passes.analyze``); ``auto_parallelize`` uses it so the model is captured once.
     ``activation_copies``: microbatches whose saved activations are alive at once (a pipeline
-    stage under its schedule): the activation memory counts that many."""
+    stage under its schedule): the activation memory counts that many. ``precision``: recorded
+    in the plan (default: the autocast dtype ``cap`` was captured under, fp32 reductions)."""
     if objective not in _OBJECTIVES:
         raise ValueError(f"objective must be one of {_OBJECTIVES}, got {objective!r}")
     if optimizer not in ("adam", "sgd", None):
         raise ValueError(f"optimizer must be 'adam', 'sgd' or None, got {optimizer!r}")
+    precision = (
+        Precision.build(precision) if precision is not None else Precision(compute=cap.autocast_dtype or torch.float32)
+    )
+    if precision.autocast_dtype != cap.autocast_dtype:
+        raise ValueError(f"the graph was captured under autocast {cap.autocast_dtype}, not for precision {precision}")
     timings = dict(timings or {})
     t0 = timings.pop("start", time.perf_counter())
     mesh = MeshSpec.build(mesh_shape, mesh_axis_names)
@@ -207,6 +221,7 @@ def plan_captured(
         "fingerprint": graph_fingerprint(cap),
         "structure": graph_fingerprint(cap, shapes=False),
         "training": cap.training,
+        "precision": precision.to_dict(),
         "model": model_name,
         "inputs": inputs,
         "mesh": mesh.to_dict(),

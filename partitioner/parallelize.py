@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from partitioner.api import plan_captured
 from partitioner.mesh import MeshSpec
+from partitioner.precision import Precision
 from partitioner.progress import verbose_to_stderr
 from partitioner.sharding_plan import ShardingPlan
 from partitioner.specialize import Specializer, in_mode
@@ -98,6 +99,7 @@ def auto_parallelize(
     device=None,
     pipeline=None,
     layers="auto",
+    precision=None,
     verbose=False,
 ):
     """Run ``model`` data / tensor / sequence parallel on the job's ranks, as a plan decides.
@@ -116,6 +118,9 @@ def auto_parallelize(
             ``train_step(batch)`` runs forward and backward over all microbatches.
         state_dict / checkpoint: full weights to slice (a dict, or a ``torch.save`` file opened
             with ``mmap``); default: the model's own weights.
+        precision: ``"fp32"`` (default), ``"bf16"``, ``"fp16"`` or a MixedPrecisionPolicy: fp32
+            master weights and optimizer state, ops under ``torch.autocast`` (see
+            :mod:`partitioner.precision`); a replayed plan brings its own.
         verbose: show progress on stderr for this call; the same records go to the
             ``partitioner`` logger at INFO in any case (see :mod:`partitioner.progress`).
 
@@ -127,6 +132,7 @@ def auto_parallelize(
     _require_process_group()
     device = _job_device(device)
     cluster = cluster or ("cpu" if device.type == "cpu" else "h100")
+    precision = _resolve_precision(precision, plan)
     if pipeline is not None:
         return _pipelined(
             model,
@@ -142,6 +148,7 @@ def auto_parallelize(
             source=WeightSource(model, state_dict, checkpoint),
             device=device,
             layers=layers,
+            precision=precision,
         )
     comm = MeshComm(_device_mesh(mesh, mesh_axis_names, device.type))
     t0 = time.perf_counter()
@@ -149,7 +156,7 @@ def auto_parallelize(
     # (below) then picks the program it runs (see partitioner/specialize.py)
     training = plan.data.get("training", model.training) if plan is not None else model.training
     with in_mode(model, training):
-        cap = _capture(model, example_inputs, layers)
+        cap = _capture(model, example_inputs, layers, precision)
     plan = _plan_or_replay(
         cap,
         type(model).__name__,
@@ -159,6 +166,7 @@ def auto_parallelize(
         memory_budget=memory_budget,
         pins=pins,
         objective=objective,
+        precision=precision,
     )
     logger.info("planned in %.2f s", time.perf_counter() - t0)
     module = _build_module(cap, plan, comm, WeightSource(model, state_dict, checkpoint), device, local_inputs)
@@ -171,7 +179,7 @@ def auto_parallelize(
             layers=layers,
             param_specs=module.stored_placements(),
             strided=module.strided_layouts(),
-            plan_kwargs=dict(cluster=cluster, memory_budget=memory_budget, objective=objective),
+            plan_kwargs=dict(cluster=cluster, memory_budget=memory_budget, objective=objective, precision=precision),
         )
     )
     module.train(model.training)
@@ -212,6 +220,7 @@ def _pipelined(
     source,
     device,
     layers,
+    precision,
 ):
     """``pipeline=``: the first mesh axis becomes stages (:mod:`partitioner.pipeline_parallelize`)."""
     from partitioner.pipeline_parallelize import PipelineConfig, build_pipeline
@@ -231,17 +240,30 @@ def _pipelined(
         source=source,
         device=device,
         layers=layers,
+        precision=precision,
     )
 
 
-def _capture(model, example_inputs, layers):
+def _resolve_precision(precision, plan) -> Precision:
+    """The precision asked for; a replayed plan's own when none is asked (a different one is refused)."""
+    if plan is None:
+        return Precision.build(precision)
+    if precision is not None and Precision.build(precision) != plan.precision:
+        raise ValueError(
+            f"the plan was made for precision {plan.precision}, not {Precision.build(precision)}: plan again "
+            f"for {Precision.build(precision)}, or leave precision= out to replay it as it is"
+        )
+    return plan.precision
+
+
+def _capture(model, example_inputs, layers, precision):
     """Capture: every rank exports the model (the graph is needed to lower) and analyses it."""
-    cap = capture_model(model, example_inputs, layers=layers)
+    cap = capture_model(model, example_inputs, layers=layers, autocast_dtype=precision.autocast_dtype)
     analyze(cap)
     return cap
 
 
-def _plan_or_replay(cap, model_name, comm, plan, *, cluster, memory_budget, pins, objective) -> ShardingPlan:
+def _plan_or_replay(cap, model_name, comm, plan, *, cluster, memory_budget, pins, objective, precision) -> ShardingPlan:
     """Plan: rank 0 searches and broadcasts (the cost model may time this machine, and ranks
     must agree on one plan); a given plan is checked against the graph and the mesh instead."""
     if plan is None:
@@ -256,6 +278,7 @@ def _plan_or_replay(cap, model_name, comm, plan, *, cluster, memory_budget, pins
                 memory_budget=memory_budget,
                 pins=pins,
                 objective=objective,
+                precision=precision,
             ).to_json()
 
         return ShardingPlan.from_dict(json.loads(on_rank0(make_plan, "planning")))

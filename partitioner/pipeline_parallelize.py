@@ -153,13 +153,14 @@ def build_pipeline(
     source,
     device,
     layers="auto",
+    precision=None,
 ):
     """The pipeline runner for this rank (``auto_parallelize(..., pipeline=...)``); the steps
     are the functions below, in this order. ``source``: where full weights come from
     (:class:`partitioner.weights.WeightSource`)."""
     full = MeshComm(device_mesh)
     config, schedule = _resolve_config(config, full, example_inputs)
-    cap, graphs, runs = _capture_stages(model, example_inputs, config, schedule, layers)
+    cap, graphs, runs = _capture_stages(model, example_inputs, config, schedule, layers, precision)
     sub = _stage_mesh(full, device_mesh)
     tied = _shared_weights(cap, graphs)
     user_pins = _stage_pins(cap, graphs, pins, sub.ndim)
@@ -174,6 +175,7 @@ def build_pipeline(
         cluster=cluster,
         memory_budget=memory_budget,
         objective=objective,
+        precision=precision,
     )
     if schedule is None:
         config, schedule = _choose(config, plans, graphs)
@@ -228,10 +230,13 @@ def _resolve_config(config: PipelineConfig, full, example_inputs) -> tuple:
     return resolved, schedule
 
 
-def _capture_stages(model, example_inputs, config, schedule, layers) -> tuple:
+def _capture_stages(model, example_inputs, config, schedule, layers, precision=None) -> tuple:
     """Capture on one microbatch (``layers``: as :func:`passes.capture_blocks.capture_model`) and
     cut at layer boundaries: (capture, stage graphs, layer runs)."""
-    cap = capture_model(model, _microbatch(example_inputs, config.microbatches), layers=layers)
+    autocast_dtype = precision.autocast_dtype if precision is not None else None
+    cap = capture_model(
+        model, _microbatch(example_inputs, config.microbatches), layers=layers, autocast_dtype=autocast_dtype
+    )
     analyze(cap)
     stage_of, runs = assign_stages(cap, schedule.num_stages if schedule is not None else config.degree)
     graphs = split_stages(cap, stage_of, runs)
@@ -286,7 +291,7 @@ def _stage_pins(cap, graphs, pins, ndim) -> list:
 
 
 def _plan_stages(
-    graphs, sub, tied, user_pins, schedule, config, *, model_name, cluster, memory_budget, objective
+    graphs, sub, tied, user_pins, schedule, config, *, model_name, cluster, memory_budget, objective, precision=None
 ) -> list:
     """Rank 0 plans the stages in order on the stage mesh and broadcasts the plans.
 
@@ -318,6 +323,7 @@ def _plan_stages(
                 pins=stage_pins,
                 objective=objective,
                 activation_copies=copies[g.index],
+                precision=precision,
             )
             plans.append(made.to_json())
             sent_as.update(_sent_placements(g, made, len(sub.shape)))
@@ -349,6 +355,7 @@ def _build_stages(graphs, plans, schedule, pp_coord, sub, source, cap, tied, dev
             plans[s],
             strided,
             activations=g.activation_inputs,
+            autocast_dtype=g.captured.autocast_dtype,
         )
     return owned
 

@@ -333,7 +333,8 @@ def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = 
     title = (
         f"Sharding plan for {plan.data.get('model', '?')} on mesh {plan.mesh_shape} "
         f"({', '.join(plan.axis_names)}), cluster {plan.data['cluster']['name']}, budget "
-        f"{_fmt_bytes(plan.data['budget']) if plan.data.get('budget') else 'none'}"
+        f"{_fmt_bytes(plan.data['budget']) if plan.data.get('budget') else 'none'}, precision "
+        f"{plan.precision_name}"
     )
     lines = [title] if wide else textwrap.wrap(title, width, subsequent_indent="  ")
     lines += _wide_table(plan, rows, heads) if wide else _narrow_table(plan, rows, heads, bases, width)

@@ -142,6 +142,19 @@ class ShardingPlan:
     def records(self) -> list:
         return self.data["records"]
 
+    @property
+    def precision(self):
+        """The :class:`partitioner.precision.Precision` the plan was made for (imports torch)."""
+        from partitioner.precision import Precision
+
+        return Precision.from_dict(self.data.get("precision"))
+
+    @property
+    def precision_name(self) -> str:
+        """``fp32``, ``bf16`` or ``fp16``: the dtype ops compute in (no torch import)."""
+        compute = (self.data.get("precision") or {}).get("compute", "float32")
+        return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(compute, compute)
+
     def record(self, name: str) -> dict:
         if name not in self._by_name:
             raise KeyError(f"no node named {name!r} in this plan")

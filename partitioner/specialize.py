@@ -71,7 +71,12 @@ class Specializer:
                 "inputs the way the example inputs were passed"
             )
         with in_mode(self.model, training):
-            cap = capture_model(self.model, dict(kwargs) if kwargs else tuple(args), layers=self.layers)
+            cap = capture_model(
+                self.model,
+                dict(kwargs) if kwargs else tuple(args),
+                layers=self.layers,
+                autocast_dtype=self.plan.precision.autocast_dtype,
+            )
         analyze(cap)
         shapes = {info(n).name: info(n).shape for n in cap.graph.nodes if info(n).kind == "input"}
         mode = "train" if training else "eval"

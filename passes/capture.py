@@ -55,6 +55,8 @@ class CapturedGraph:
     """placeholder name -> the user's argument name (``input_ids``, ``idx``, ...)."""
     training: bool = True
     """The model's mode when captured (``aten.dropout`` and batch-norm ops bake it in)."""
+    autocast_dtype: object = None
+    """The ``torch.autocast`` dtype it was captured (and must run) under; None: none."""
 
     @property
     def graph(self) -> fx.Graph:
@@ -126,12 +128,54 @@ def _hint_for(message: str) -> str:
     return "check that the model runs eagerly on these example inputs; then simplify the construct named above"
 
 
-def capture(model: torch.nn.Module, example_inputs, *, stack_traces: bool = False) -> CapturedGraph:
+@contextlib.contextmanager
+def _on_fake_cpu(model: torch.nn.Module, args, kwargs):
+    """The model's ``meta`` parameters and buffers swapped for fake CPU tensors (no memory), and
+    the inputs made fake CPU tensors of the same mode, for the block: autocast has no ``meta``
+    device, so a model on ``meta`` is captured under mixed precision as if on the CPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    fakes: dict = {}  # id(original) -> fake: tied weights stay one tensor
+    saved = []
+
+    def fake(t, parameter=False):
+        if id(t) not in fakes:
+            with mode:
+                made = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            fakes[id(t)] = torch.nn.Parameter(made, requires_grad=t.requires_grad) if parameter else made
+        return fakes[id(t)]
+
+    for module in model.modules():
+        for table, parameter in ((module._parameters, True), (module._buffers, False)):
+            for name, t in list(table.items()):
+                if t is not None:
+                    saved.append((table, name, t))
+                    table[name] = fake(t, parameter)
+    to_fake = lambda t: fake(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    try:
+        yield torch.utils._pytree.tree_map(to_fake, args), torch.utils._pytree.tree_map(to_fake, kwargs)
+    finally:
+        for table, name, t in saved:
+            table[name] = t
+
+
+def _device_type(model: torch.nn.Module) -> str:
+    tensor = next(iter(list(model.parameters()) + list(model.buffers())), None)
+    return tensor.device.type if tensor is not None else "cpu"
+
+
+def capture(
+    model: torch.nn.Module, example_inputs, *, stack_traces: bool = False, autocast_dtype=None
+) -> CapturedGraph:
     """Export ``model`` on ``example_inputs`` (a tuple of positional args or a dict of kwargs).
 
     ``stack_traces=True`` keeps each node's Python stack trace in ``meta["stack_trace"]``;
     off by default because collecting them costs about a third of the export time, and
-    plans name nodes by module path instead.
+    plans name nodes by module path instead. ``autocast_dtype`` (``torch.bfloat16`` or
+    ``torch.float16``): capture under ``torch.autocast`` on the model's device type, so the
+    graph's values carry the dtypes mixed precision computes in (the lowered program runs
+    under the same autocast); a model on ``meta`` is autocast as on the CPU.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -152,8 +196,14 @@ def capture(model: torch.nn.Module, example_inputs, *, stack_traces: bool = Fals
     for log in torch_logs:
         log.setLevel(logging.CRITICAL)
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), contextlib.ExitStack() as stack:
             warnings.simplefilter("ignore")
+            if autocast_dtype is not None and autocast_dtype != torch.float32:
+                device_type = _device_type(model)
+                if device_type == "meta":
+                    args, kwargs = stack.enter_context(_on_fake_cpu(model, args, kwargs))
+                    device_type = "cpu"
+                stack.enter_context(torch.autocast(device_type, dtype=autocast_dtype))
             with training_configs(model):
                 exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # export raises many types; all become one clear error
@@ -188,6 +238,7 @@ def capture(model: torch.nn.Module, example_inputs, *, stack_traces: bool = Fals
         user_inputs=user_inputs,
         input_names=input_names,
         training=model.training,
+        autocast_dtype=autocast_dtype if autocast_dtype != torch.float32 else None,
     )
 
 

@@ -27,7 +27,9 @@ from passes.capture import CapturedGraph, capture
 __all__ = ["repeated_layers", "capture_by_blocks", "capture_model"]
 
 
-def capture_model(model: torch.nn.Module, example_inputs, *, layers: str = "auto", min_layers: int = 8):
+def capture_model(
+    model: torch.nn.Module, example_inputs, *, layers: str = "auto", min_layers: int = 8, autocast_dtype=None
+):
     """Capture ``model``: ``layers="full"`` exports every layer; ``"blocks"`` exports two and
     repeats them (an error if the model has no identical layers); ``"auto"`` does that for
     models with ``min_layers`` or more identical layers and exports small ones whole."""
@@ -35,7 +37,7 @@ def capture_model(model: torch.nn.Module, example_inputs, *, layers: str = "auto
         raise ValueError(f"layers must be 'auto', 'full' or 'blocks', got {layers!r}")
     if layers != "full":
         found = repeated_layers(model, min_layers=3 if layers == "blocks" else min_layers)
-        cap = capture_by_blocks(model, example_inputs) if found is not None else None
+        cap = capture_by_blocks(model, example_inputs, autocast_dtype=autocast_dtype) if found is not None else None
         if cap is not None:
             return cap
         if layers == "blocks":
@@ -43,7 +45,7 @@ def capture_model(model: torch.nn.Module, example_inputs, *, layers: str = "auto
                 f"{type(model).__name__} has no list of 3 or more identical layers whose traces "
                 f"agree; capture it with layers='full'"
             )
-    return capture(model, example_inputs)
+    return capture(model, example_inputs, autocast_dtype=autocast_dtype)
 
 
 def _layout(module: torch.nn.Module):
@@ -77,7 +79,7 @@ def _parent(model, path):
 _SUFFIX = re.compile(r"_\d+$")
 
 
-def capture_by_blocks(model: torch.nn.Module, example_inputs, *, stack_traces: bool = False):
+def capture_by_blocks(model: torch.nn.Module, example_inputs, *, stack_traces: bool = False, autocast_dtype=None):
     """Capture through two layers and repeat them; None when the model has no such layers or
     the two traced layers differ (the caller then exports the whole model)."""
     from passes.blocks import _signature
@@ -90,7 +92,7 @@ def capture_by_blocks(model: torch.nn.Module, example_inputs, *, stack_traces: b
     owner, attr = _parent(model, path)
     setattr(owner, attr, torch.nn.ModuleList(list(layers)[:2]))
     try:
-        short = capture(model, example_inputs, stack_traces=stack_traces)
+        short = capture(model, example_inputs, stack_traces=stack_traces, autocast_dtype=autocast_dtype)
     finally:
         setattr(owner, attr, layers)
 
@@ -207,6 +209,7 @@ def capture_by_blocks(model: torch.nn.Module, example_inputs, *, stack_traces: b
         user_inputs=list(short.user_inputs),
         input_names=dict(short.input_names),
         training=short.training,
+        autocast_dtype=short.autocast_dtype,
     )
 
 

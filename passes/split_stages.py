@@ -146,6 +146,8 @@ def split_stages(cap: CapturedGraph, stage_of: dict, runs) -> list:
             buffers=buffers,
             user_inputs=others,
             input_names={n: cap.input_names.get(n, n) for n in others},
+            training=cap.training,
+            autocast_dtype=cap.autocast_dtype,
         )
         activation = [n for n in others if n not in cap.user_inputs]
         if k < len(calls) - 1:  # its outputs go to later stages as placed (partial sums reduced)

@@ -163,6 +163,22 @@ def edge_collectives(src_spec, dst_spec, grad_spec, shape, elem, mesh_shape, req
     return tuple(fwd), tuple(bwd)
 
 
+def _compute_copy_bytes(param) -> int:
+    """Bytes per element of the low-precision compute copy autocast makes of a parameter (and
+    keeps for backward) when an op using it computes in a narrower float dtype; 0 otherwise.
+    Counted at the stored piece's size (a weight gathered for use copies the gathered size)."""
+    elem = dtype_bytes(info(param).dtype)
+    narrower = [
+        dtype_bytes(info(user).dtype)
+        for user in param.users
+        if user.op == "call_function"
+        and info(user).dtype is not None
+        and info(user).dtype.is_floating_point
+        and dtype_bytes(info(user).dtype) < elem
+    ]
+    return min(narrower) if narrower else 0
+
+
 class _Builder:
     def __init__(self, graph, blocks, mesh_shape, cluster, pins, optimizer, max_options=None, activation_copies=1):
         self.graph = graph
@@ -324,6 +340,7 @@ class _Builder:
                 if i.kind == "param":
                     numel = local_bytes(i.shape, spec, self.mesh, 1)
                     mem = param_state_bytes(numel, elem, self.optimizer)
+                    mem += numel * _compute_copy_bytes(node)
                 else:
                     mem = local_bytes(i.shape, spec, self.mesh, elem)
                 choices.append(NodeChoice(strategy=None, out=(spec,), ins=(), memory=mem))

@@ -74,6 +74,16 @@ def gather_tensor(local: torch.Tensor, spec, comm: MeshComm, strided=None) -> to
     return cur
 
 
+def run_under_autocast(program, values: list, dtype):
+    """``program(*values)``, under ``torch.autocast`` in ``dtype`` (the one the graph was captured
+    under, so the local ops compute in the dtypes the plan priced) unless ``dtype`` is None."""
+    if dtype is None:
+        return program(*values)
+    device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    with torch.autocast(device.type, dtype=dtype):
+        return program(*values)
+
+
 @dataclass
 class Variant:
     """One lowered program of the module, for one training mode and one set of input shapes."""
@@ -288,7 +298,7 @@ class ParallelModule(torch.nn.Module):
                 if isinstance(x, torch.Tensor) and not self.local_inputs:
                     x = shard_tensor(x, variant.input_specs[name], self.comm)
                 values.append(x)
-        outputs = variant.program(*values)
+        outputs = run_under_autocast(variant.program, values, cap.autocast_dtype)
         flat_out = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
         sig = cap.exported_program.graph_signature
         mutations = dict(getattr(sig, "buffers_to_mutate", {}) or {})

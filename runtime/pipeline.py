@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from passes.placements import replicated
-from runtime.parallel_module import gather_tensor, shard_tensor
+from runtime.parallel_module import gather_tensor, run_under_autocast, shard_tensor
 
 if TYPE_CHECKING:
     from partitioner.sharding_plan import ShardingPlan
@@ -64,8 +64,10 @@ class StageProgram(torch.nn.Module):
         plan,
         strided=None,
         activations=(),
+        autocast_dtype=None,
     ):
         super().__init__()
+        self.autocast_dtype = autocast_dtype  # the graph was captured, and runs, under autocast in it
         self.strided = strided or {}
         self.activations = frozenset(activations)
         object.__setattr__(self, "program", program)
@@ -170,7 +172,7 @@ class StageProgram(torch.nn.Module):
         cache = self.__dict__.setdefault("_recording_programs", {})
         if names not in cache:
             cache[names] = _with_extra_outputs(self.program, names)
-        out = cache[names](*self._args(values))
+        out = run_under_autocast(cache[names], self._args(values), self.autocast_dtype)
         out = list(out) if isinstance(out, (list, tuple)) else [out]
         n = len(out) - len(names)
         return dict(zip(self.outputs, out[:n])), dict(zip(names, out[n:]))
@@ -199,7 +201,7 @@ class StageProgram(torch.nn.Module):
         return shard_tensor(value, spec, self.comm)
 
     def run(self, values: dict) -> dict:
-        out = self.program(*self._args(values))
+        out = run_under_autocast(self.program, self._args(values), self.autocast_dtype)
         out = list(out) if isinstance(out, (list, tuple)) else [out]
         return dict(zip(self.outputs, out))
 
