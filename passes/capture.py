@@ -137,7 +137,7 @@ def _on_fake_cpu(model: torch.nn.Module, args, kwargs):
 
     mode = FakeTensorMode()
     fakes: dict = {}  # id(original) -> fake: tied weights stay one tensor
-    saved = []
+    saved: list[tuple[dict, str, torch.Tensor]] = []  # (a module's parameter or buffer table, name, original)
 
     def fake(t, parameter=False):
         if id(t) not in fakes:
@@ -156,8 +156,8 @@ def _on_fake_cpu(model: torch.nn.Module, args, kwargs):
     try:
         yield torch.utils._pytree.tree_map(to_fake, args), torch.utils._pytree.tree_map(to_fake, kwargs)
     finally:
-        for table, name, t in saved:
-            table[name] = t
+        for original_table, name, original in saved:
+            original_table[name] = original
 
 
 def _device_type(model: torch.nn.Module) -> str:

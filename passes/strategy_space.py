@@ -168,14 +168,8 @@ def _compute_copy_bytes(param) -> int:
     keeps for backward) when an op using it computes in a narrower float dtype; 0 otherwise.
     Counted at the stored piece's size (a weight gathered for use copies the gathered size)."""
     elem = dtype_bytes(info(param).dtype)
-    narrower = [
-        dtype_bytes(info(user).dtype)
-        for user in param.users
-        if user.op == "call_function"
-        and info(user).dtype is not None
-        and info(user).dtype.is_floating_point
-        and dtype_bytes(info(user).dtype) < elem
-    ]
+    user_dtypes = [info(user).dtype for user in param.users if user.op == "call_function"]
+    narrower = [dtype_bytes(d) for d in user_dtypes if d is not None and d.is_floating_point and dtype_bytes(d) < elem]
     return min(narrower) if narrower else 0
 
 
