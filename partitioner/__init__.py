@@ -35,11 +35,13 @@ _LAZY = {
     "hf_families": None,
     "Precision": "partitioner.precision",
     "grad_scaler": "partitioner.precision",
+    "clip_grad_norm_": "partitioner.clip",
 }
 
 __all__ = [
     "Precision",
     "grad_scaler",
+    "clip_grad_norm_",
     "plan",
     "plan_captured",
     "resolve_pins",

@@ -275,6 +275,10 @@ def lower_to_local(
         out_specs[node] = outs
     gm = fx.GraphModule(b.root, b.graph, class_name="PartitaRankProgram")
     gm.graph.lint()
+    for node in graph.find_nodes(op="placeholder"):
+        if info(node).kind == "param":  # these edges' backward syncs the parameter's gradient
+            for _, edge in b.edges_from.get(node.name, ()):
+                edge.param_edge = node.name
     gm.meta["partita.bucketable_grads"] = _bucketable(graph, b) if bucket_grads else {}
     return gm
 

@@ -20,7 +20,14 @@ tensor from its producer's placement to the placement its consumer needs; its ba
 moves the gradient from the placement the consumer produces to the dual of the producer's
 placement, exactly the moves the cost model priced. Every collective reports its kind, mesh
 axis, payload bytes and phase to the active :class:`CommCounter` objects, so tests can check
-that the runtime sends what the plan says.
+that the runtime sends what the plan says; those that sync a parameter's gradient (the
+backward of an edge whose input is a parameter, and the gradient buckets) are also counted
+apart, as gradient syncs.
+
+A parameter edge's backward can be deferred (``ParallelModule.no_sync``, through the
+``deferred`` object set on the edge, :class:`runtime.grad_sync.DeferredSyncs`): the incoming
+gradient is kept, unreduced, instead of being moved, and added to the next synced one before
+its moves, which are linear, so one collective sends the sum.
 """
 
 from __future__ import annotations
@@ -36,11 +43,31 @@ import torch.distributed as dist
 from passes.placements import dual_spec, format_spec, is_partial, is_shard, transition_steps
 
 if TYPE_CHECKING:
-    from runtime.grad_sync import GradientBuckets
+    from runtime.grad_sync import DeferredSyncs, GradientBuckets
 
-__all__ = ["MeshComm", "CommCounter", "run_steps", "Reshard", "record_collective", "all_reduce_", "on_rank0"]
+__all__ = [
+    "MeshComm",
+    "CommCounter",
+    "run_steps",
+    "Reshard",
+    "record_collective",
+    "grad_sync_scope",
+    "all_reduce_",
+    "on_rank0",
+]
 
 _COUNTERS: list = []
+_GRAD_SYNC = [0]  # > 0 while the collectives being recorded sync parameter gradients
+
+
+@contextlib.contextmanager
+def grad_sync_scope():
+    """Collectives recorded inside count as gradient syncs (:attr:`CommCounter.grad_sync`)."""
+    _GRAD_SYNC[0] += 1
+    try:
+        yield
+    finally:
+        _GRAD_SYNC[0] -= 1
 
 
 def on_rank0(work, what: str):
@@ -80,11 +107,13 @@ def _portable(exc):
 
 
 class CommCounter(contextlib.AbstractContextManager):
-    """Counts payload bytes per (kind, axis name) and per phase while active."""
+    """Counts payload bytes per (kind, axis name) and per phase while active; ``grad_sync``:
+    the part that synced parameter gradients, per (kind, axis name)."""
 
     def __init__(self):
         self.bytes = defaultdict(lambda: defaultdict(float))
         self.by_phase = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
+        self.grad_sync = defaultdict(lambda: defaultdict(float))
         self.calls = 0
 
     def __enter__(self):
@@ -98,6 +127,8 @@ class CommCounter(contextlib.AbstractContextManager):
     def record(self, kind, axis, nbytes, phase):
         self.bytes[kind][axis] += nbytes
         self.by_phase[phase][kind][axis] += nbytes
+        if _GRAD_SYNC[0]:
+            self.grad_sync[kind][axis] += nbytes
         self.calls += 1
 
     def as_dict(self) -> dict:
@@ -105,6 +136,9 @@ class CommCounter(contextlib.AbstractContextManager):
 
     def phase_dict(self) -> dict:
         return {p: {k: dict(v) for k, v in kinds.items()} for p, kinds in self.by_phase.items()}
+
+    def grad_sync_dict(self) -> dict:
+        return {k: dict(v) for k, v in self.grad_sync.items()}
 
 
 def record_collective(kind, axis_name, nbytes, phase):
@@ -254,19 +288,16 @@ class _ReshardFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         module = ctx.module
+        if module.deferred is not None:  # a parameter's gradient sync, held back under no_sync
+            grad = module.deferred.take(module, grad)
+            if grad is None:
+                return None, None
         if module.sync is not None:  # a parameter's gradient sync, bucketed (runtime/grad_sync.py)
             module.sync.add(module.sync_param, grad, module.sync_axes)
             return None, None
         if module.backward_steps is None:
             return None, None
-        return run_steps(
-            grad,
-            module.backward_steps,
-            module.comm,
-            "bwd",
-            module._strided_of(module.grad, module.strided),
-            module._strided_of(dual_spec(module.src), module.src_strided),
-        ), None
+        return module.backward_moves(grad), None
 
 
 class Reshard(torch.nn.Module):
@@ -288,6 +319,29 @@ class Reshard(torch.nn.Module):
         self.sync: GradientBuckets | None = None
         self.sync_param: torch.Tensor | None = None
         self.sync_axes: tuple[int, ...] = ()
+        self.param_edge: str | None = None  # set by lowering: the parameter placeholder this edge reads
+        # set when ``no_sync`` may hold back this edge's backward (ParallelModule._add_variant)
+        self.deferred: DeferredSyncs | None = None
+
+    @property
+    def backward_communicates(self) -> bool:
+        """True when the backward moves send anything (not only local slices and zeros)."""
+        moves = [m for m in self.backward_steps or () if self.comm.shape[m[0]] > 1]
+        return any(is_shard(p) or is_partial(p) for _, p, _ in moves)
+
+    def backward_moves(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient moved from the consumer's placement to the dual of the producer's (a
+        parameter's edge: counted as a gradient sync)."""
+        sync = grad_sync_scope() if self.param_edge is not None else contextlib.nullcontext()
+        with sync:
+            return run_steps(
+                grad,
+                self.backward_steps,
+                self.comm,
+                "bwd",
+                self._strided_of(self.grad, self.strided),
+                self._strided_of(dual_spec(self.src), self.src_strided),
+            )
 
     @property
     def backward_is_allreduce(self) -> bool:

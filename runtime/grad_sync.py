@@ -12,16 +12,29 @@ is flattened and all-reduced asynchronously while backward goes on; at the end o
 reduced gradients are added to ``.grad``, so gradient accumulation across calls behaves as
 without buckets. The bytes sent are those the plan priced (the same payload per axis, in
 fewer, larger collectives).
+
+Accumulation without communication (``ParallelModule.no_sync``, as DDP and FSDP have it):
+:class:`DeferredSyncs` holds, per parameter edge whose backward communicates (a bucketed
+all-reduce, or any other move such as the reduce-scatter of a weight stored sharded and
+gathered for use), the sum of the unreduced gradients that arrived while deferring, in the
+consumer's layout (for a gathered weight: full size), and gives the edge nothing to add to
+``.grad``. The first synced backward through the edge adds the held sum to its incoming
+gradient before the edge's moves: every move is linear, so one collective per step sends the
+sum of all micro-steps. Held sums whose edge the synced backward does not reach (a micro-step
+that ran another lowered program, for other input shapes) are moved and added to ``.grad`` at
+the end of that backward, in the order they were first held (the same on every rank).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
-from runtime.collectives import MeshComm, record_collective
+from runtime.collectives import MeshComm, grad_sync_scope, record_collective
 
-__all__ = ["GradientBuckets"]
+__all__ = ["GradientBuckets", "DeferredSyncs"]
 
 
 class GradientBuckets:
@@ -45,7 +58,8 @@ class GradientBuckets:
         flat = torch.cat([g.reshape(-1) for _, g in entries])
         work = None
         for i, axis in enumerate(axes):
-            record_collective("all_reduce", self.comm.axis_names[axis], flat.numel() * flat.element_size(), "bwd")
+            with grad_sync_scope():
+                record_collective("all_reduce", self.comm.axis_names[axis], flat.numel() * flat.element_size(), "bwd")
             last = i == len(axes) - 1
             if last:  # the last (usually only) axis overlaps with the rest of backward
                 work = dist.all_reduce(flat, group=self.comm.groups[axis], async_op=True)
@@ -71,3 +85,51 @@ class GradientBuckets:
                         param.grad.add_(piece)
         self._launched.clear()
         self._armed = False
+
+
+class DeferredSyncs:
+    """Per-edge sums of the parameter gradients held back while ``deferring`` (see above)."""
+
+    def __init__(self):
+        self.deferring = False
+        self._held: dict = {}  # Reshard edge -> the unreduced gradient sum, in arrival order
+        self._armed = False
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Hold back every deferrable gradient sync inside (nests; restores on exit)."""
+        previous, self.deferring = self.deferring, True
+        try:
+            yield
+        finally:
+            self.deferring = previous
+
+    @property
+    def pending(self) -> bool:
+        """True while some gradient is held back (a synced backward has not run since)."""
+        return bool(self._held)
+
+    def take(self, edge, grad: torch.Tensor) -> torch.Tensor | None:
+        """The gradient ``edge`` should move now: None while deferring (``grad`` is held), else
+        ``grad`` plus what was held for the edge."""
+        if self.deferring:
+            held = self._held.get(edge)
+            if held is None:
+                self._held[edge] = grad.detach().clone()
+            else:
+                held.add_(grad)
+            return None
+        held = self._held.pop(edge, None)
+        if self._held and not self._armed:
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+            self._armed = True
+        return grad if held is None else held.add_(grad)
+
+    def _flush(self) -> None:
+        """End of a synced backward: move the sums of edges it did not reach into ``.grad``."""
+        held, self._held, self._armed = self._held, {}, False
+        with torch.no_grad():
+            for edge, grad in held.items():
+                moved = edge.backward_moves(grad)
+                param = edge.sync_param
+                param.grad = moved if param.grad is None else param.grad.add_(moved)

@@ -27,7 +27,7 @@ from runtime.collectives import MeshComm, Reshard, run_steps
 if TYPE_CHECKING:
     from partitioner.sharding_plan import ShardingPlan
     from passes.capture import CapturedGraph
-    from runtime.grad_sync import GradientBuckets
+    from runtime.grad_sync import DeferredSyncs, GradientBuckets
 
 __all__ = ["ParallelModule", "Variant", "shard_tensor", "gather_tensor"]
 
@@ -119,6 +119,7 @@ class ParallelModule(torch.nn.Module):
     comm: MeshComm
     _specialize: Callable[[bool, tuple, dict], Variant] | None
     _buckets: GradientBuckets
+    _deferred: DeferredSyncs
     _base: Variant
     _variants: dict[tuple, Variant]
 
@@ -152,9 +153,10 @@ class ParallelModule(torch.nn.Module):
             self._owner(fqn).register_parameter(fqn.rpartition(".")[2], shared[id(value)])
         for fqn, value in local_buffers.items():
             self._owner(fqn).register_buffer(fqn.rpartition(".")[2], value)
-        from runtime.grad_sync import GradientBuckets
+        from runtime.grad_sync import DeferredSyncs, GradientBuckets
 
         object.__setattr__(self, "_buckets", GradientBuckets(comm))
+        object.__setattr__(self, "_deferred", DeferredSyncs())
         base = Variant(program, captured, {name: specs[name] for name in captured.user_inputs if name in specs})
         object.__setattr__(self, "_base", base)
         object.__setattr__(self, "_variants", {})
@@ -168,8 +170,20 @@ class ParallelModule(torch.nn.Module):
             module = cast(Reshard, program.get_submodule(module_name))  # lower_to_local's edge modules
             module.sync, module.sync_param = self._buckets, self._get(cap.params[placeholder])
             module.sync_axes = tuple(axis for axis, _, _ in module.backward_steps or () if self.comm.shape[axis] > 1)
+        for edge in program.modules():  # every parameter edge whose backward sends: no_sync defers it
+            if isinstance(edge, Reshard) and edge.param_edge is not None and edge.backward_communicates:
+                edge.sync_param, edge.deferred = self._get(cap.params[edge.param_edge]), self._deferred
         program.train(self.training)
         self._variants[key] = variant
+
+    def no_sync(self):
+        """A context in which backward accumulates gradients without syncing them (as DDP's and
+        FSDP's ``no_sync``), for all but the last micro-step of an optimizer step: each parameter
+        edge whose backward communicates keeps its unreduced gradient, summed over the calls (for
+        a weight stored sharded and gathered for use: at full size), and adds nothing to ``.grad``;
+        the first backward outside syncs those sums with its own gradient, in one collective per
+        edge. Activation collectives (Megatron's all-reduces) still run in every call."""
+        return self._deferred.deferred()
 
     def attach_specializer(self, specialize) -> None:
         """``specialize(training, args, kwargs) -> Variant``: lowers the model for a call whose mode

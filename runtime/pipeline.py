@@ -102,6 +102,11 @@ class StageProgram(torch.nn.Module):
         for _, fqn, p in self._distinct_params():
             yield fqn, p
 
+    def placed_parameters(self):
+        """(placeholder, Parameter, its placement on the stage mesh), once per Parameter."""
+        for placeholder, _, p in self._distinct_params():
+            yield placeholder, p, self.input_specs[placeholder]
+
     def tied_weights(self, names):
         for placeholder, _, p in self._distinct_params():
             if placeholder in names:
@@ -496,6 +501,14 @@ class PipelineRunner(torch.nn.Module):
             torch.autograd.backward(tensors, grads, inputs=leftover)
 
     # -- state ---------------------------------------------------------------------------------
+    def stages_holding(self, placeholder: str) -> int:
+        """How many stages hold a copy of this parameter (more than one for a weight shared by
+        stages on several ranks, whose copies each hold the whole gradient after a step)."""
+        for _, names in self.tied:
+            if placeholder in names:
+                return sum(1 for g in self.stage_graphs if names & set(g.inputs))
+        return 1
+
     def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
         for stage in self.stages.values():
             yield from stage.named_fqn_parameters()
