@@ -33,6 +33,10 @@ _LAZY = {
     "InfeasibleBudgetError": "passes.plan_intra_op",
     "ShapeMismatchError": "passes.shape_check",
     "hf_families": None,
+    "save_checkpoint": "partitioner.checkpoint",
+    "load_checkpoint": "partitioner.checkpoint",
+    "latest_checkpoint": "partitioner.checkpoint",
+    "shard_optimizer_state": "runtime.sharded_state",
     "Precision": "partitioner.precision",
     "grad_scaler": "partitioner.precision",
     "clip_grad_norm_": "partitioner.clip",
@@ -62,6 +66,10 @@ __all__ = [
     "InfeasibleBudgetError",
     "ShapeMismatchError",
     "hf_families",
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "shard_optimizer_state",
 ]
 
 

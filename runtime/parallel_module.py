@@ -162,6 +162,7 @@ class ParallelModule(torch.nn.Module):
         object.__setattr__(self, "_variants", {})
         example = self._global_inputs(base, self._example_flat(captured), local=False)
         self._add_variant(self._key(captured.training, example), base)
+        self._install_state_hooks()
 
     def _add_variant(self, key, variant: Variant) -> None:
         """Register a lowered program; its plain gradient all-reduces join the shared buckets."""
@@ -365,24 +366,57 @@ class ParallelModule(torch.nn.Module):
                 if fqn in state:
                     self._get(fqn).copy_(shard_tensor(state[fqn], self._specs[fqn], self.comm, self._strided.get(fqn)))
 
+    # state as checkpoints see it: the global view (runtime/sharded_state.py)
+    def state_layouts(self) -> dict:
+        """FQN -> (this rank's tensor, its ``TensorLayout``) for every parameter and buffer (tied
+        names: one tensor under each name)."""
+        from runtime.sharded_state import TensorLayout
+
+        def layout(fqn):
+            shape = tuple(self._global_shapes[fqn])
+            return TensorLayout(self.comm, tuple(self._specs[fqn]), shape, self._strided.get(fqn) or {})
+
+        return {fqn: (self._get(fqn), layout(fqn)) for fqn in self._param_fqns + self._buffer_fqns}
+
+    def _install_state_hooks(self) -> None:
+        """``state_dict()`` gives the global view, ``load_state_dict()`` takes any form back, and
+        the parameters join the registry optimizers' state hooks read."""
+        from runtime.sharded_state import register_parameters
+
+        self.register_state_dict_post_hook(ParallelModule._state_dict_to_global)
+        self.register_load_state_dict_pre_hook(ParallelModule._state_dict_to_local)
+        layouts = self.state_layouts()
+        register_parameters((fqn, *layouts[fqn]) for fqn in self._param_fqns)
+
+    @staticmethod
+    def _state_dict_to_global(module, state_dict, prefix, local_metadata) -> None:
+        """State-dict post-hook: each parameter and buffer as a DTensor over the job's mesh (strided
+        or 1-device ones whole, gathered: a collective), as ``torch.distributed.checkpoint`` needs."""
+        for fqn, (_, layout) in module.state_layouts().items():
+            if prefix + fqn in state_dict:
+                state_dict[prefix + fqn] = layout.to_global(state_dict[prefix + fqn])
+
+    @staticmethod
+    def _state_dict_to_local(module, state_dict, prefix, *unused) -> None:
+        """Load pre-hook: DTensors of any layout, whole tensors or this rank's pieces, to this
+        rank's pieces (the checks of ``load_state_dict`` then see local shapes)."""
+        for fqn, (_, layout) in module.state_layouts().items():
+            if prefix + fqn in state_dict:
+                state_dict[prefix + fqn] = layout.to_local(state_dict[prefix + fqn], prefix + fqn)
+
     def sharded_state_dict(self) -> dict:
         """Parameters and buffers as DTensors over this job's DeviceMesh (for
-        ``torch.distributed.checkpoint``); strided-layout tensors are stored whole."""
-        from torch.distributed.tensor import DTensor
+        ``torch.distributed.checkpoint``); strided-layout tensors are stored whole. The same view
+        ``state_dict()`` gives, keyed by FQN."""
+        return {fqn: layout.to_global(tensor.detach()) for fqn, (tensor, layout) in self.state_layouts().items()}
 
-        out = {}
-        for fqn in self._param_fqns + self._buffer_fqns:
-            local = self._get(fqn).detach()
-            spec = self._specs[fqn]
-            if fqn in self._strided or self.comm.device_mesh is None:
-                out[fqn] = gather_tensor(local, spec, self.comm, self._strided.get(fqn))
-                continue
-            shape = torch.Size(self._global_shapes[fqn])
-            stride = torch.empty(shape, device="meta").stride()
-            out[fqn] = DTensor.from_local(
-                local, self.comm.device_mesh, list(spec), run_check=False, shape=shape, stride=stride
-            )
-        return out
+    def load_sharded_state_dict(self, state: dict) -> None:
+        """Copy this rank's pieces out of ``state`` (FQN -> a DTensor of any layout, a whole
+        tensor or this rank's piece); FQNs it lacks are left as they are."""
+        with torch.no_grad():
+            for fqn, (tensor, layout) in self.state_layouts().items():
+                if fqn in state:
+                    tensor.copy_(layout.to_local(state[fqn], fqn))
 
     def save_sharded(self, path) -> None:
         """Each rank writes its own shards (``torch.distributed.checkpoint``): no rank holds the model."""
@@ -393,16 +427,10 @@ class ParallelModule(torch.nn.Module):
     def load_sharded(self, path) -> None:
         """Read a checkpoint written by ``save_sharded`` under any plan or mesh; reshards on load."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.tensor import DTensor
 
         state = self.sharded_state_dict()
         dcp.load(state, checkpoint_id=str(path))
-        with torch.no_grad():
-            for fqn, value in state.items():
-                if isinstance(value, DTensor):
-                    self._get(fqn).copy_(value.to_local())
-                else:
-                    self._get(fqn).copy_(shard_tensor(value, self._specs[fqn], self.comm, self._strided.get(fqn)))
+        self.load_sharded_state_dict(state)
 
     def local_parameter_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())

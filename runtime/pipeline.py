@@ -120,6 +120,26 @@ class StageProgram(torch.nn.Module):
             out[fqn] = gather_tensor(value, self.input_specs[placeholder], self.comm, self.strided.get(fqn))
         return out
 
+    def state_layouts(self) -> dict:
+        """FQN -> (this rank's tensor, its ``TensorLayout`` on the stage mesh) for the stage's
+        parameters (every name of a tied one) and buffers."""
+        from runtime.sharded_state import TensorLayout
+
+        out = {}
+        for placeholder, (fqn, _) in self._param_names.items():
+            tensor = self.param(placeholder)
+            out[fqn] = (
+                tensor,
+                TensorLayout.from_local(self.comm, self.input_specs[placeholder], tensor, self.strided.get(fqn)),
+            )
+        for placeholder, (fqn, _) in self._buffer_names.items():
+            tensor = getattr(self, self._keys[placeholder])
+            out[fqn] = (
+                tensor,
+                TensorLayout.from_local(self.comm, self.input_specs[placeholder], tensor, self.strided.get(fqn)),
+            )
+        return out
+
     def weight_meeting_points(self):
         """For a real input/weight split of backward: the ops whose inputs join data (stage
         inputs) with parameter-only values, each with the parameters behind those values.
@@ -294,6 +314,7 @@ class PipelineRunner(torch.nn.Module):
         self.tied = list(tied)  # (group of the ranks holding a tied weight, its placeholder names)
         self.trace = []
         self._split_backward = any(a.kind == "W" for acts in schedule.actions for a in acts)
+        self._register_parameters()
 
     # -- helpers -----------------------------------------------------------------------------
     def _microbatch_shapes(self) -> dict:
@@ -531,3 +552,54 @@ class PipelineRunner(torch.nn.Module):
     def full_grads(self) -> dict:
         """Every parameter's gradient, whole, on every rank."""
         return self._everywhere(grads=True)
+
+    # state as checkpoints see it: the global view of each stage's tensors (runtime/sharded_state.py)
+    def _own_stages(self) -> list[StageProgram]:
+        return [cast(StageProgram, stage) for stage in self.stages.values()]
+
+    def _register_parameters(self) -> None:
+        """The stages' parameters join the registry optimizers' state hooks read."""
+        from runtime.sharded_state import register_parameters
+
+        for stage in self._own_stages():
+            params = {id(p) for _, p in stage.named_fqn_parameters()}
+            register_parameters(
+                (fqn, t, layout) for fqn, (t, layout) in stage.state_layouts().items() if id(t) in params
+            )
+
+    def state_layouts(self) -> dict:
+        """FQN -> (this rank's tensor, its ``TensorLayout``) for the parameters and buffers of this
+        rank's stages (a weight two of its stages use: the first stage's tensor)."""
+        out: dict = {}
+        for stage in self._own_stages():
+            for fqn, entry in stage.state_layouts().items():
+                out.setdefault(fqn, entry)
+        return out
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's stages' parameters and buffers, FQN -> DTensor over the stage mesh (whole
+        tensors where the stage mesh is one device or the layout is strided)."""
+        return {fqn: layout.to_global(t.detach()) for fqn, (t, layout) in self.state_layouts().items()}
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        """Copy this rank's pieces out of ``state`` (FQN -> a DTensor of any layout, a whole tensor
+        or this rank's piece) into every stage holding the FQN."""
+        with torch.no_grad():
+            for stage in self._own_stages():
+                for fqn, (tensor, layout) in stage.state_layouts().items():
+                    if fqn in state:
+                        tensor.copy_(layout.to_local(state[fqn], fqn))
+
+    def save_sharded(self, path) -> None:
+        """Each rank writes its stages' shards (``torch.distributed.checkpoint``, a collective)."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.sharded_state_dict(), checkpoint_id=str(path))
+
+    def load_sharded(self, path) -> None:
+        """Read a checkpoint of the same model written under any plan, mesh or pipeline."""
+        import torch.distributed.checkpoint as dcp
+
+        state = self.sharded_state_dict()
+        dcp.load(state, checkpoint_id=str(path))
+        self.load_sharded_state_dict(state)
