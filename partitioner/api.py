@@ -206,6 +206,7 @@ def plan_captured(
         share_blocks=share_blocks,
         time_limit=time_limit,
         activation_copies=activation_copies,
+        grad_reduce_bytes=precision.grad_reduce_bytes,
         log=logger.info,
     )
     t3 = time.perf_counter()

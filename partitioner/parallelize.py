@@ -182,6 +182,7 @@ def auto_parallelize(
             plan_kwargs=dict(cluster=cluster, memory_budget=memory_budget, objective=objective, precision=precision),
         )
     )
+    module.reduce_gradients_in(precision.grad_reduce_dtype)
     module.train(model.training)
     logger.info("ready: %.1f MiB of parameters on this rank", module.local_parameter_bytes() / 2**20)
     return module

@@ -33,7 +33,7 @@ from passes.lower_to_local import lower_to_local
 from passes.placements import dual_spec, format_spec, local_shape, parse_spec
 from passes.rules import tensor_input_nodes
 from passes.split_stages import assign_stages, split_stages
-from runtime.collectives import MeshComm, on_rank0
+from runtime.collectives import MeshComm, Reshard, on_rank0
 from runtime.pipeline import PipelineRunner, StageProgram
 
 __all__ = ["PipelineConfig", "build_pipeline"]
@@ -179,7 +179,7 @@ def build_pipeline(
     )
     if schedule is None:
         config, schedule = _choose(config, plans, graphs)
-    stages = _build_stages(graphs, plans, schedule, full.coords[0], sub, source, cap, tied, device)
+    stages = _build_stages(graphs, plans, schedule, full.coords[0], sub, source, cap, tied, device, precision)
     return PipelineRunner(
         stages=stages,
         schedule=schedule,
@@ -332,14 +332,18 @@ def _plan_stages(
     return [ShardingPlan.from_dict(json.loads(text)) for text in on_rank0(plan_all, "planning the stages")]
 
 
-def _build_stages(graphs, plans, schedule, pp_coord, sub, source, cap, tied, device) -> dict:
-    """Lower this rank's stages and load their weights: stage index -> stage program."""
+def _build_stages(graphs, plans, schedule, pp_coord, sub, source, cap, tied, device, precision=None) -> dict:
+    """Lower this rank's stages and load their weights: stage index -> stage program (parameter
+    gradients synced in the precision's reduce dtype)."""
     owned = {}
     for s, g in enumerate(graphs):
         if schedule.stage_to_rank[s] != pp_coord:
             continue
         records = {r["name"]: r for r in plans[s].records}
         program = lower_to_local(g.captured.graph, records, sub, device=device)
+        for edge in program.modules():
+            if isinstance(edge, Reshard) and edge.param_edge is not None and precision is not None:
+                edge.reduce_dtype = precision.grad_reduce_dtype
         weights, specs, strided = load_local_weights(
             g.captured, records, sub, source, device, exported=cap.exported, tied=[sorted(t) for t in tied]
         )

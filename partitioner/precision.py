@@ -66,6 +66,16 @@ class Precision:
         """The dtype to capture and run under ``torch.autocast``; None for fp32."""
         return None if self.compute == torch.float32 else self.compute
 
+    @property
+    def grad_reduce_dtype(self):
+        """The dtype parameter gradients are cast to for their reductions; None: their own (fp32)."""
+        return None if self.reduce == torch.float32 else self.reduce
+
+    @property
+    def grad_reduce_bytes(self) -> int | None:
+        dtype = self.grad_reduce_dtype
+        return None if dtype is None else torch.empty((), dtype=dtype).element_size()
+
     def to_dict(self) -> dict:
         return {"compute": str(self.compute).removeprefix("torch."), "reduce": str(self.reduce).removeprefix("torch.")}
 

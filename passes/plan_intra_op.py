@@ -138,6 +138,7 @@ def _edge_comm(node, choices, space, axis_names):
             mesh,
             ui.requires_grad,
             from_param=ui.kind == "param",
+            grad_reduce_bytes=space.grad_reduce_bytes,
         )
         out += _collective_dicts(fwd, "fwd", k, mesh, space.cluster, axis_names)
         out += _collective_dicts(bwd, "bwd", k, mesh, space.cluster, axis_names)
@@ -158,6 +159,7 @@ def plan_intra_op(
     time_limit=60.0,
     max_options="auto",
     activation_copies=1,
+    grad_reduce_bytes=None,
     log=None,
 ) -> IntraOpResult:
     log = log or (lambda msg: None)
@@ -184,6 +186,7 @@ def plan_intra_op(
         optimizer=optimizer,
         max_options=max_options,
         activation_copies=activation_copies,
+        grad_reduce_bytes=grad_reduce_bytes,
     )
     t1 = time.perf_counter()
     n_opts = sum(len(g.options) for g in space.groups)

@@ -134,6 +134,8 @@ class StrategySpace:
     cluster: object
     pruned: int = 0
     """Options dropped by the ``max_options`` cap (0: the space is complete)."""
+    grad_reduce_bytes: int | None = None
+    """Bytes per element parameter gradients are reduced in (None: the parameter's own dtype)."""
 
 
 def _options_for_placeholder(shape, mesh_shape) -> list:
@@ -146,15 +148,18 @@ def _options_for_placeholder(shape, mesh_shape) -> list:
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def edge_collectives(src_spec, dst_spec, grad_spec, shape, elem, mesh_shape, requires_grad, from_param=False):
+def edge_collectives(
+    src_spec, dst_spec, grad_spec, shape, elem, mesh_shape, requires_grad, from_param=False, grad_reduce_bytes=None
+):
     """(forward collectives, backward collectives) for a tensor moving along one edge.
 
     Backward collectives on an edge leaving a parameter are its gradient synchronisation,
-    marked ``bucketed``.
+    marked ``bucketed``, sent in ``grad_reduce_bytes`` per element when given (a reduce dtype).
     """
     fwd = reshard(src_spec, dst_spec, shape, mesh_shape, elem)
+    grad_elem = grad_reduce_bytes if from_param and grad_reduce_bytes else elem
     bwd = (
-        reshard(grad_spec, dual_spec(src_spec), shape, mesh_shape, elem)
+        reshard(grad_spec, dual_spec(src_spec), shape, mesh_shape, grad_elem)
         if requires_grad and grad_spec is not None
         else []
     )
@@ -174,8 +179,20 @@ def _compute_copy_bytes(param) -> int:
 
 
 class _Builder:
-    def __init__(self, graph, blocks, mesh_shape, cluster, pins, optimizer, max_options=None, activation_copies=1):
+    def __init__(
+        self,
+        graph,
+        blocks,
+        mesh_shape,
+        cluster,
+        pins,
+        optimizer,
+        max_options=None,
+        activation_copies=1,
+        grad_reduce_bytes=None,
+    ):
         self.graph = graph
+        self.grad_reduce_bytes = grad_reduce_bytes
         self.activation_copies = activation_copies
         self.max_options = max_options
         self.pruned = 0
@@ -218,6 +235,7 @@ class _Builder:
                 self.mesh,
                 i.requires_grad,
                 from_param=i.kind == "param",
+                grad_reduce_bytes=self.grad_reduce_bytes,
             )
             t = self._edge_cache[key] = self.time_of(fwd) + self.time_of(bwd)
         return t
@@ -400,17 +418,21 @@ def build_space(
     optimizer="adam",
     max_options="auto",
     activation_copies: int = 1,
+    grad_reduce_bytes: int | None = None,
 ) -> StrategySpace:
     """``max_options``: cap on an op leader's options (lowest compute kept); ``"auto"`` caps at
     24 on meshes of 3 or more axes, where an op can have over 200 combinations, and not
     below that; ``None`` never caps (the solve is then exact over the whole space).
     ``activation_copies``: how many microbatches' saved activations are alive at once (a
-    pipeline stage under its schedule; 1 otherwise), multiplying the activation memory."""
+    pipeline stage under its schedule; 1 otherwise), multiplying the activation memory.
+    ``grad_reduce_bytes``: bytes per element of parameter gradient syncs (a reduce dtype)."""
     if max_options == "auto":
         max_options = 24 if len(mesh_shape) >= 3 else None
     if activation_copies < 1:
         raise ValueError(f"activation_copies must be >= 1, got {activation_copies}")
-    b = _Builder(graph, blocks, mesh_shape, cluster, pins or {}, optimizer, max_options, activation_copies)
+    b = _Builder(
+        graph, blocks, mesh_shape, cluster, pins or {}, optimizer, max_options, activation_copies, grad_reduce_bytes
+    )
     rep = blocks.represent
     group_of: dict = {}
     groups: list = []
@@ -468,6 +490,7 @@ def build_space(
 
     edges = _build_edges(graph, b, groups, group_of)
     return StrategySpace(
+        grad_reduce_bytes=grad_reduce_bytes,
         groups=groups,
         edges=edges,
         group_of=group_of,

@@ -320,6 +320,7 @@ class Reshard(torch.nn.Module):
         self.sync_param: torch.Tensor | None = None
         self.sync_axes: tuple[int, ...] = ()
         self.param_edge: str | None = None  # set by lowering: the parameter placeholder this edge reads
+        self.reduce_dtype: torch.dtype | None = None  # a parameter edge's gradient sync dtype (precision)
         # set when ``no_sync`` may hold back this edge's backward (ParallelModule._add_variant)
         self.deferred: DeferredSyncs | None = None
 
@@ -333,15 +334,17 @@ class Reshard(torch.nn.Module):
         """The gradient moved from the consumer's placement to the dual of the producer's (a
         parameter's edge: counted as a gradient sync)."""
         sync = grad_sync_scope() if self.param_edge is not None else contextlib.nullcontext()
+        dtype = self.reduce_dtype if self.param_edge is not None and self.reduce_dtype is not None else grad.dtype
         with sync:
-            return run_steps(
-                grad,
+            moved = run_steps(
+                grad.to(dtype),
                 self.backward_steps,
                 self.comm,
                 "bwd",
                 self._strided_of(self.grad, self.strided),
                 self._strided_of(dual_spec(self.src), self.src_strided),
             )
+        return moved.to(grad.dtype)
 
     @property
     def backward_is_allreduce(self) -> bool:

@@ -44,6 +44,7 @@ class GradientBuckets:
         self._open: dict = {}  # axes -> list of (param, grad)
         self._launched: list = []  # (axes, entries, flat, work or None)
         self._armed = False
+        self.reduce_dtype: torch.dtype | None = None  # gradients reduced in this dtype (None: their own)
 
     def add(self, param: torch.Tensor, grad: torch.Tensor, axes: tuple) -> None:
         if not self._armed:
@@ -56,6 +57,8 @@ class GradientBuckets:
 
     def _launch(self, axes, entries) -> None:
         flat = torch.cat([g.reshape(-1) for _, g in entries])
+        if self.reduce_dtype is not None:  # reduced in the plan's reduce dtype, added back in the grads'
+            flat = flat.to(self.reduce_dtype)
         work = None
         for i, axis in enumerate(axes):
             with grad_sync_scope():
@@ -77,7 +80,7 @@ class GradientBuckets:
                     work.wait()
                 offset = 0
                 for param, grad in entries:
-                    piece = flat[offset : offset + grad.numel()].view_as(grad)
+                    piece = flat[offset : offset + grad.numel()].view_as(grad).to(grad.dtype)
                     offset += grad.numel()
                     if param.grad is None:
                         param.grad = piece.clone()

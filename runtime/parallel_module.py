@@ -174,8 +174,19 @@ class ParallelModule(torch.nn.Module):
         for edge in program.modules():  # every parameter edge whose backward sends: no_sync defers it
             if isinstance(edge, Reshard) and edge.param_edge is not None and edge.backward_communicates:
                 edge.sync_param, edge.deferred = self._get(cap.params[edge.param_edge]), self._deferred
+            if isinstance(edge, Reshard) and edge.param_edge is not None:
+                edge.reduce_dtype = self._buckets.reduce_dtype
         program.train(self.training)
         self._variants[key] = variant
+
+    def reduce_gradients_in(self, dtype: torch.dtype | None) -> None:
+        """Reduce parameter gradients across ranks in ``dtype`` (the precision's reduce dtype; None:
+        in their own dtype), in every program, the bucketed all-reduces included."""
+        self._buckets.reduce_dtype = dtype
+        for variant in self._variants.values():
+            for edge in variant.program.modules():
+                if isinstance(edge, Reshard) and edge.param_edge is not None:
+                    edge.reduce_dtype = dtype
 
     def no_sync(self):
         """A context in which backward accumulates gradients without syncing them (as DDP's and

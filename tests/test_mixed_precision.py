@@ -234,3 +234,63 @@ def test_replaying_a_plan_in_another_precision_is_refused(fake_process_group):
         partitioner.auto_parallelize(model, inputs, mesh=(2,), plan=plan, precision="fp16")
     pm = partitioner.auto_parallelize(model, inputs, mesh=(2,), plan=plan)
     assert pm.plan.precision.compute == torch.bfloat16
+
+
+def pipeline_precision_worker(rank, world, cfg):
+    checks = Checks(rank)
+    model, inputs = models.gpt_demo(batch=8, seq=16, n_layer=2)
+    ref = copy.deepcopy(model)
+    runner = partitioner.auto_parallelize(
+        model, inputs, mesh=(2,), cluster="h100", precision="bf16",
+        pipeline={"degree": 2, "schedule": "1f1b", "microbatches": 2},
+    )
+    loss = runner.train_step(inputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = ref(*inputs)
+    expected.backward()
+    checks.close("pipeline loss", loss, expected.detach(), rtol=4 * U["bf16"], atol=0.0)
+    grads = runner.full_grads()
+    for name, p in ref.named_parameters():
+        if name in grads:
+            _normwise(checks, f"pipeline grad of {name}", grads[name], p.grad, 4 * U["bf16"])
+    checks.true("the stages run under autocast", all(s.autocast_dtype == torch.bfloat16 for s in runner.stages.values()))
+    return {"rank": rank, "failures": checks.failures}
+
+
+def test_bf16_pipeline_parity():
+    run_checked(pipeline_precision_worker, {"mesh": (2,)}, TIMEOUT_S)
+
+
+def reduce_dtype_worker(rank, world, cfg):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    checks = Checks(rank)
+    model, inputs = models.gpt_demo(batch=8, seq=16, n_layer=2)
+    ref = copy.deepcopy(model)
+    counted = {}
+    for reduce in (torch.float32, torch.bfloat16):
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
+        pm = partitioner.auto_parallelize(
+            copy.deepcopy(model), inputs, mesh=(2,), pins=pins_for("gpt", "dp", (2,)), cluster="h100", precision=policy
+        )
+        with CommCounter() as counter:
+            pm(*inputs).backward()
+        counted[str(reduce)] = counter.grad_sync_dict()
+        for diff in nested_approx_equal(counter.as_dict(), pm.plan.estimate().comm_bytes):
+            checks.true(f"reduce {reduce}: communication {diff}", False)
+        grads = pm.full_grads()
+        checks.true("gradients stay fp32", all(g.dtype == torch.float32 for g in grads.values()))
+        if reduce == torch.bfloat16:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                expected = ref(*inputs)
+            expected.backward()
+            for name, p in ref.named_parameters():   # one more bf16 rounding of each gradient: 2u more
+                _normwise(checks, f"grad of {name} reduced in bf16", grads[name], p.grad, 6 * U["bf16"])
+    return {"rank": rank, "failures": checks.failures, "counted": counted}
+
+
+def test_gradients_reduce_in_the_policys_dtype():
+    results = run_checked(reduce_dtype_worker, {"mesh": (2,)}, TIMEOUT_S)
+    fp32, bf16 = results[0]["counted"]["torch.float32"], results[0]["counted"]["torch.bfloat16"]
+    assert fp32["all_reduce"]["a0"] > 0
+    assert bf16["all_reduce"]["a0"] == fp32["all_reduce"]["a0"] / 2
