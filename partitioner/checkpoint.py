@@ -59,7 +59,7 @@ def save_checkpoint(path, model, optimizer=None, **extra) -> None:
     if optimizer is not None:
         optim_tensors, rank_state["optimizer"] = _optimizer_state(optimizer)
         tensors.update(optim_tensors)
-    rank_state["extra"] = {name: _save_extra(name, value) for name, value in extra.items()}
+    rank_state["extra"] = {name: _save_extra(value) for name, value in extra.items()}
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     torch.save(rank_state, folder / f"rank{_world()[0]}.pt")
@@ -198,26 +198,24 @@ def _optimizer_targets(optimizer, saved) -> dict:
     a scalar."""
     from runtime.sharded_state import layout_of
 
+    by_fqn: dict = {}  # FQN -> {state name: DCP key} (state names hold no dot)
+    for key, meta in saved.items():
+        if key.startswith(_OPTIM) and hasattr(meta, "size"):
+            fqn, _, name = key[len(_OPTIM) :].rpartition(".")
+            by_fqn.setdefault(fqn, {})[name] = key
     out = {}
     for param in _ordered_params(optimizer):
         layout = layout_of(param)
-        for fqn in _fqns(param, optimizer):
-            prefix = f"{_OPTIM}{fqn}."
-            keys = [k for k in saved if k.startswith(prefix)]
-            if not keys:
-                continue
-            entry = {}
-            for key in keys:
-                meta = saved[key]
-                if not hasattr(meta, "size"):
-                    continue
-                dtype = meta.properties.dtype
-                if layout is not None and tuple(meta.size) == tuple(layout.global_shape) and len(meta.size) > 0:
-                    entry[key[len(prefix) :]] = (key, layout.empty_global(dtype, param.device))
-                else:
-                    entry[key[len(prefix) :]] = (key, torch.empty(tuple(meta.size), dtype=dtype, device=param.device))
+        keys = next((by_fqn[fqn] for fqn in _fqns(param, optimizer) if fqn in by_fqn), {})
+        entry = {}
+        for name, key in keys.items():
+            size, dtype = tuple(saved[key].size), saved[key].properties.dtype
+            if layout is not None and size == tuple(layout.global_shape) and size:
+                entry[name] = (key, layout.empty_global(dtype, param.device))
+            else:
+                entry[name] = (key, torch.empty(size, dtype=dtype, device=param.device))
+        if entry:
             out[param] = entry
-            break
     return out
 
 
@@ -299,7 +297,8 @@ def _set_dropout_counters(model, counters: dict) -> None:
                 module.calls = saved[m]
 
 
-def _save_extra(name: str, value) -> tuple:
+def _save_extra(value) -> tuple:
+    """('state_dict', its state dict) for an object that has one, else ('value', the value)."""
     if callable(getattr(value, "state_dict", None)):
         return ("state_dict", value.state_dict())
     return ("value", value)

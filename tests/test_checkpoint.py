@@ -183,6 +183,10 @@ def _dcp_worker(rank, world, cfg):
     ref = copy.deepcopy(model)
     ref_opt, _ = _optimizer(ref.parameters(), scheduled=False)
     pm = partitioner.auto_parallelize(model, inputs, mesh=(2, 2), cluster="h100", pins=pins_for("gpt", "dp_tp", (2, 2)))
+    moved = {name: value + 0.5 for name, value in ref.state_dict().items()}
+    pm.load_state_dict(moved)                        # a single-device state dict loads as it is
+    _check_equal(checks, "after load_state_dict of a whole state dict:", pm.full_state_dict(), moved, moved)
+    pm.load_state_dict(ref.state_dict())
     opt, _ = _optimizer(pm.parameters(), scheduled=False)
     _lockstep(_forward_backward(pm, inputs), opt, None, ref, ref_opt, None, inputs, STEPS, checks, "before saving")
 
