@@ -2,14 +2,14 @@
 
 Run under torchrun with restarts::
 
-    python -m torch.distributed.run --nproc-per-node 4 --max-restarts 1 \\
-        --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT tests/fault_train.py OUT --kill-at 7
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 python -m torch.distributed.run --nproc-per-node 4 \\
+        --max-restarts 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT tests/fault_train.py OUT --kill-at 7
 
 Each rank trains ``gpt_demo`` auto-parallelized on a (2, 2) mesh (gloo) for ``--steps`` steps:
-AdamW with a step LR schedule, over a small fixed token set shuffled at each epoch from torch's
-global RNG (:class:`ShuffledBatches`: its position is the epoch, the batch index and the
-epoch's order). Every ``--every`` steps it saves a checkpoint (model, optimizer, scheduler,
-data position, RNG) to ``OUT/ckpt/step_<n>``. On the first attempt
+AdamW with a step LR schedule, over a small fixed token set shuffled at each epoch and
+rolled at each batch from torch's global RNG (:class:`ShuffledBatches`: its position is the
+epoch, the batch index and the epoch's order). Every ``--every`` steps it saves a checkpoint
+(model, optimizer, scheduler, data position, RNG) to ``OUT/ckpt/step_<n>``. On the first attempt
 (``TORCHELASTIC_RESTART_COUNT`` 0) rank 3 kills itself with SIGKILL as step ``--kill-at``
 starts; torchrun stops the others and starts the group again, and every attempt resumes from
 the latest complete checkpoint. Rank 0 appends ``attempt step loss`` to ``OUT/losses.txt``
@@ -39,8 +39,9 @@ LR, ADAM_EPS = 1e-2, 1e-3  # as the parity tests (tests/parity_utils.py explains
 
 
 class ShuffledBatches:
-    """Batches of ``(idx, targets)`` from fixed token rows, reshuffled with ``torch.randperm`` (the
-    global RNG) at the start of each epoch; ``state_dict()`` is the data position."""
+    """Batches of ``(idx, targets)`` from fixed token rows, reshuffled with ``torch.randperm`` at
+    the start of each epoch and rolled by a random shift at each batch (both from torch's global
+    RNG, so a resumed run needs it restored); ``state_dict()`` is the data position."""
 
     def __init__(self, rows: torch.Tensor, batch: int):
         self.rows, self.batch = rows, batch
@@ -50,6 +51,7 @@ class ShuffledBatches:
         if self.index * self.batch >= len(self.rows):
             self.epoch, self.index, self.order = self.epoch + 1, 0, torch.randperm(len(self.rows))
         chosen = self.rows[self.order[self.index * self.batch : (self.index + 1) * self.batch]]
+        chosen = chosen.roll(int(torch.randint(0, chosen.shape[1], ())), dims=1)  # an "augmentation": RNG every step
         self.index += 1
         return chosen[:, :-1].contiguous(), chosen[:, 1:].contiguous()
 

@@ -334,7 +334,7 @@ def test_a_killed_rank_resumes_from_the_last_checkpoint_with_the_same_losses(tmp
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--max-restarts", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{find_free_port()}",
                "--monitor-interval", "0.1", fault_train.__file__, str(tmp_path),
-               "--steps", "12", "--every", "4", "--kill-at", "7", "--collective-timeout-s", "30"]
+               "--steps", "12", "--every", "4", "--kill-at", "7", "--collective-timeout-s", "60"]
     # the restarted workers must not meet the first attempt's keys in torchrun's shared store
     # (pytorch/pytorch#135712): each attempt gets its own
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
