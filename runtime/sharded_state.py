@@ -6,10 +6,11 @@ state a checkpoint sees is the *global* view, and loading turns it back into loc
 
 * :class:`TensorLayout` says how one tensor is stored: the mesh, the placement, the whole
   shape and the strided layout of fused projections. ``to_global(local)`` is a ``DTensor`` over
-  the job's ``DeviceMesh`` wrapping the local piece (no copy); a strided or 1-device tensor has
-  no DTensor placement and is gathered whole (a collective), which DCP stores once as
-  replicated. ``to_local(value)`` takes a DTensor of any layout (resharded), a whole tensor
-  (sliced) or this rank's piece (kept) and returns this rank's piece.
+  the job's ``DeviceMesh`` wrapping the local piece (no copy); a strided tensor (its shard is not
+  one block) is gathered whole (a collective), and a tensor on a 1-device mesh is given as it is:
+  DCP stores such plain tensors once, as replicated. ``to_local(value)`` takes a DTensor of any
+  layout (gathered if not this one, then sliced), a whole tensor (sliced) or this rank's piece
+  (kept) and returns this rank's piece.
 * Every parallel model registers its parameters here (parameter -> layout and FQNs, weakly).
   :func:`shard_optimizer_state` hooks an optimizer so that its ``state_dict()`` returns the state
   tensors shaped like a parameter in that parameter's global view (scalars such as Adam's
