@@ -37,9 +37,14 @@ def build(args):
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        num_hidden_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.hidden // 64,
-        num_key_value_heads=args.hidden // 64, intermediate_size=args.hidden * 8 // 3 // 64 * 64,
-        vocab_size=args.vocab, max_position_embeddings=args.seq, use_cache=False,
+        num_hidden_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 64,
+        intermediate_size=args.hidden * 8 // 3 // 64 * 64,
+        vocab_size=args.vocab,
+        max_position_embeddings=args.seq,
+        use_cache=False,
     )
     model = LlamaForCausalLM(cfg)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
@@ -90,8 +95,9 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = tempfile.NamedTemporaryFile(delete=False).name
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}",
-                            rank=0, world_size=1)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}", rank=0, world_size=1
+    )
     try:
         model, batch = build(args)
         ref = copy.deepcopy(model).to(device)
@@ -107,9 +113,12 @@ def main(argv=None) -> int:
             expected = ref(**batch).loss
         expected.backward()
         grads = pm.full_grads()
-        worst = max(((grads[n] - q.grad).norm() / q.grad.norm().clamp_min(1e-30)).item()
-                    for n, q in ref.named_parameters())
-        print(f"loss: partita {loss.item():.6f}, plain {expected.item():.6f}; worst gradient error (norm-wise) {worst:.2e}")
+        worst = max(
+            ((grads[n] - q.grad).norm() / q.grad.norm().clamp_min(1e-30)).item() for n, q in ref.named_parameters()
+        )
+        print(
+            f"loss: partita {loss.item():.6f}, plain {expected.item():.6f}; worst gradient error (norm-wise) {worst:.2e}"
+        )
         ok = abs(loss.item() - expected.item()) <= 2**-6 * abs(expected.item()) and worst <= 2**-4
 
         # speed
@@ -122,18 +131,25 @@ def main(argv=None) -> int:
                     out = module(**batch).loss
                 out.backward()
                 opt.step()
+
             return step
 
         t_plain = timed(step_of(ref, True), args.steps, device)
-        t_partita = timed(step_of(pm, False), args.steps, device)   # the program runs under its own autocast
+        t_partita = timed(step_of(pm, False), args.steps, device)  # the program runs under its own autocast
         flops = model_flops(ref, args.batch, args.seq)
         peak = get_cluster(cluster).flops_for("bfloat16")
-        print(f"step time: partita {t_partita * 1e3:.2f} ms, plain {t_plain * 1e3:.2f} ms, "
-              f"ratio {t_partita / t_plain:.3f} (bar <= 1.05)")
-        print(f"estimate: {pm.plan.estimate().step_time_s * 1e3:.2f} ms (cluster {cluster}), "
-              f"measured {t_partita * 1e3:.2f} ms")
-        print(f"MFU: partita {flops / t_partita / peak:.1%}, plain {flops / t_plain / peak:.1%} "
-              f"({flops / 1e12:.2f} TFLOP per step, peak {peak / 1e12:.0f} TFLOP/s)")
+        print(
+            f"step time: partita {t_partita * 1e3:.2f} ms, plain {t_plain * 1e3:.2f} ms, "
+            f"ratio {t_partita / t_plain:.3f} (bar <= 1.05)"
+        )
+        print(
+            f"estimate: {pm.plan.estimate().step_time_s * 1e3:.2f} ms (cluster {cluster}), "
+            f"measured {t_partita * 1e3:.2f} ms"
+        )
+        print(
+            f"MFU: partita {flops / t_partita / peak:.1%}, plain {flops / t_plain / peak:.1%} "
+            f"({flops / 1e12:.2f} TFLOP per step, peak {peak / 1e12:.0f} TFLOP/s)"
+        )
         if not ok:
             print("gpu_check: parity FAILED")
             return 1
