@@ -42,6 +42,7 @@ bench: setup
 	$(BIN)/python benchmarks/runtime_overhead.py
 	$(BIN)/python benchmarks/memory_cap.py
 	$(BIN)/python benchmarks/pipeline.py
+	$(BIN)/python benchmarks/convergence.py
 
 clean:
 	rm -rf $(VENV) out
