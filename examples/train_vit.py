@@ -75,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--patch", type=int, default=7)
+    p.add_argument("--patch", type=int, default=0, help="patch side (0: a quarter of the image's, 7 or 8)")
     p.add_argument("--mesh", default=None, help="mesh shape such as 2x2 or 4 (default: all ranks on one axis)")
     p.add_argument(
         "--pipeline",
@@ -158,7 +158,7 @@ def build_model(args, channels: int, image: int, classes: int) -> torch.nn.Modul
 
     cfg = ViTConfig(  # type: ignore[call-arg]  # num_labels: a PretrainedConfig argument ViTConfig passes on
         image_size=image,
-        patch_size=args.patch,
+        patch_size=args.patch or image // 4,
         num_channels=channels,
         num_labels=classes,
         hidden_size=args.hidden,

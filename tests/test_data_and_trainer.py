@@ -116,6 +116,14 @@ def test_cifar10_reads_both_official_layouts(tmp_path, kind, subfolder):
     torch.testing.assert_close(same, data.cifar10(tmp_path, "test")[0])
 
 
+def test_trainer_runs_on_cifar10_files(tmp_path):
+    _write_cifar(tmp_path / "cifar-10-batches-bin", "bin", per_file=16)
+    run = "--dataset cifar10 --batch 16 --steps 3 --hidden 32 --layers 1 --heads 2 --cluster h100".split()
+    history = train_vit.main(run + ["--data-dir", str(tmp_path)])
+    assert len(history["losses"]) == 3 and all(0 < loss < 10 for loss in history["losses"])
+    assert history["evals"][-1]["step"] == 3 and 0 <= history["test_accuracy"] <= 1
+
+
 def test_cifar10_missing_or_broken_files_say_what_to_do(tmp_path):
     with pytest.raises(data.DatasetNotFoundError, match="cifar-10-binary.tar.gz"):
         data.cifar10(tmp_path, "train")
