@@ -26,10 +26,11 @@ accuracy is measured after every epoch on the plain model loaded with the traine
 (``full_state_dict()``, gathered on every rank; a parallel module returns the logits as each
 rank's pieces, a pipeline runner only trains), each rank scoring its share of the test batches.
 
-Rank 0 logs every ``--log-every`` steps: the epoch's progress, the loss, samples per second,
-the peak memory (resident set on CPUs, allocated on a GPU) beside the plan's estimate, and the
-measured step time beside the plan's estimated one (the cost model's ``step_time_s``; for a
-pipeline, its schedule simulated with the stage estimates).
+Rank 0 logs every ``--log-every`` steps: the epoch's progress, the loss (and the gradients'
+global norm with ``--clip-grad``, from ``partitioner.clip_grad_norm_`` on a parallel job),
+samples per second, the peak memory (resident set on CPUs, allocated on a GPU) beside the plan's
+estimate, and the measured step time beside the plan's estimated one (the cost model's
+``step_time_s``; for a pipeline, its schedule simulated with the stage estimates).
 """
 
 from __future__ import annotations
