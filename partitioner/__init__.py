@@ -8,7 +8,7 @@ cost model and an ILP, and show the plan::
                             memory_budget="80GiB")
     print(plan.summary())
     plan.save("plan.json"); partitioner.ShardingPlan.load("plan.json")
-    est = plan.estimate()        # step_time_s, memory_bytes, comm_bytes[kind][axis]
+    est = plan.estimate()        # step_time_s, memory_bytes (peak), memory (breakdown), comm_bytes
     print(plan.explain("model.layers.0.mlp.down_proj"))
     print(plan.diff(other_plan))
 
@@ -41,12 +41,18 @@ _LAZY = {
     "Precision": "partitioner.precision",
     "grad_scaler": "partitioner.precision",
     "clip_grad_norm_": "partitioner.clip",
+    "measure_memory": "runtime.memory_probe",
+    "MemoryMeasurement": "runtime.memory_probe",
+    "MemoryBreakdown": "partitioner.memory",
 }
 
 __all__ = [
     "Precision",
     "grad_scaler",
     "clip_grad_norm_",
+    "measure_memory",
+    "MemoryMeasurement",
+    "MemoryBreakdown",
     "plan",
     "plan_captured",
     "resolve_pins",

@@ -19,6 +19,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from partitioner.memory import MemoryBreakdown, memory_breakdown
+
 __all__ = ["ShardingPlan", "Estimate", "PlanDiff", "PlanMismatchError", "PLAN_FORMAT", "PLAN_VERSION"]
 
 PLAN_FORMAT = "partita.sharding_plan"
@@ -56,7 +58,8 @@ class Estimate:
     compute_s: float
     comm_s: float
     memory_bytes: float
-    """Peak per device: parameter + gradient + optimizer state, and saved activations."""
+    """Peak per device over the step (``memory.peak``): state, inputs, what backward keeps and
+    the largest transient, in the order the step runs (:mod:`partitioner.memory`)."""
     comm_bytes: dict
     """``comm_bytes[kind][axis_name]``: payload bytes per device per step (forward + backward)."""
     comm_bytes_by_phase: dict = field(default_factory=dict)
@@ -64,6 +67,9 @@ class Estimate:
     weight_grad_s: float = 0.0
     """The part of ``compute_s`` spent on parameter gradients (contractions' weight products):
     what a zero-bubble pipeline schedule defers to its W pass."""
+    memory: MemoryBreakdown = field(default_factory=MemoryBreakdown)
+    """Per device: parameters, gradients, optimizer state, inputs, saved activations, gathered
+    buffers, offloaded bytes, and the forward and backward peaks."""
 
     def total_comm_bytes(self) -> float:
         return sum(v for per_axis in self.comm_bytes.values() for v in per_axis.values())
@@ -179,26 +185,27 @@ class ShardingPlan:
 
     # -- estimate ------------------------------------------------------------------------
     def estimate(self) -> Estimate:
-        compute = comm_t = memory = weight = 0.0
+        compute = comm_t = weight = 0.0
         comm = defaultdict(lambda: defaultdict(float))
         phases = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
         for r in self.records:
             compute += r.get("compute_s", 0.0)
             weight += r.get("weight_grad_s", 0.0)
-            memory += r.get("memory", 0.0)
             for c in r.get("comm", []):
                 comm_t += c["time_s"]
                 comm[c["kind"]][c["axis"]] += c["bytes"]
                 phases[c["phase"]][c["kind"]][c["axis"]] += c["bytes"]
         as_dict = lambda d: {k: dict(v) for k, v in d.items()}  # noqa: E731
+        memory = memory_breakdown(self.records)
         return Estimate(
             step_time_s=compute + comm_t,
             compute_s=compute,
             comm_s=comm_t,
-            memory_bytes=memory,
+            memory_bytes=memory.peak,
             comm_bytes=as_dict(comm),
             comm_bytes_by_phase={p: as_dict(v) for p, v in phases.items()},
             weight_grad_s=weight,
+            memory=memory,
         )
 
     # -- presentation ----------------------------------------------------------------------
@@ -269,6 +276,13 @@ class ShardingPlan:
                     f"  {mark} out {o['out'][0]:<18} in {ins:<40} {_fmt_time(o['time_s']):>12}  "
                     f"{_fmt_bytes(o['memory']):>10}"
                 )
+        redone = sorted({r["block"] for r in hits if r.get("recompute")})
+        if redone:
+            lines.append(
+                f"recomputed in backward (activation checkpointing, recompute="
+                f"{self.data.get('recompute', 'auto')!r}): {', '.join(redone)} keep only what leaves each "
+                f"layer; backward reruns the layer's forward, its collectives included (priced in the estimate)"
+            )
         return "\n".join(lines)
 
     def diff(self, other: ShardingPlan) -> PlanDiff:

@@ -4,20 +4,24 @@ Writes ``node.meta["partita.info"]`` (a :class:`NodeInfo`) on every node of a ca
 the node's kind (parameter, buffer, input, op, output, or an ignored assertion), the
 parameter / buffer / argument name, the innermost module path from ``nn_module_stack`` (so
 plans read in the user's terms), output shapes and dtype, forward FLOPs from the op's rule,
-whether a gradient flows through it, and whether backward keeps it alive.
+whether a gradient flows through it, and what backward keeps: each op's saved inputs, outputs
+and buffers (:mod:`passes.saved_tensors`, found by running the op on fake tensors), and on each
+value whose storage some op keeps (following views to the value that owns the storage), ``saved``.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from passes.capture import CapturedGraph
-from passes.rules import IGNORED_OPS, op_view, rule_for
+from passes.rules import IGNORED_OPS, op_view, rule_for, tensor_input_nodes
+from passes.saved_tensors import Saves, saves_of
 
-__all__ = ["NodeInfo", "analyze", "info"]
+__all__ = ["NodeInfo", "analyze", "info", "storage_owner"]
 
 META_KEY = "partita.info"
 
@@ -36,7 +40,10 @@ class NodeInfo:
     flops: float = 0.0
     requires_grad: bool = False
     saved: bool = False
-    """Some consumer needs this value in backward (it counts as activation memory)."""
+    """Some op keeps this value's storage for backward (it counts as activation memory); views
+    are not marked, the value whose storage they share is."""
+    saves: Saves | None = None
+    """What this op keeps for backward (ops only)."""
 
     @property
     def shape(self):
@@ -100,7 +107,26 @@ def analyze(cap: CapturedGraph) -> None:
                 flops=rule.flops(op_view(node)),
                 requires_grad=grads and floating,
             )
+    autocast = getattr(cap, "autocast_dtype", None)
     for node in cap.graph.nodes:
-        if node.op == "call_function" and info(node).kind == "op" and rule_for(node).saves_inputs:
-            for a in node.all_input_nodes:
-                a.meta[META_KEY].saved = True
+        i = info(node)
+        if node.op == "call_function" and i.kind == "op":
+            i.saves = saves_of(node, [info(a).requires_grad for a in tensor_input_nodes(node)], autocast)
+    for node in cap.graph.nodes:
+        saves = info(node).saves
+        if saves is None:
+            continue
+        inputs = tensor_input_nodes(node)
+        for k in saves.inputs:
+            info(storage_owner(inputs[k])).saved = True
+        if saves.outputs:
+            info(node).saved = True
+
+
+def storage_owner(node: fx.Node) -> fx.Node:
+    """The node whose output storage ``node``'s value lives in (itself unless it is a view)."""
+    while True:
+        saves = info(node).saves
+        if saves is None or saves.alias is None:
+            return node
+        node = tensor_input_nodes(node)[0 if node.target is operator.getitem else saves.alias]

@@ -45,6 +45,9 @@ __all__ = [
     "local_bytes",
     "compute_time",
     "param_state_bytes",
+    "param_state_parts",
+    "saved_bytes",
+    "largest_share",
     "extra_payload",
 ]
 
@@ -143,15 +146,44 @@ def extra_payload(elements, scaling, itemsize, n_axis, split) -> float:
 
 
 def param_state_bytes(numel: float, elem: int, optimizer: str | None) -> float:
-    """Parameter + gradient + optimizer state per parameter.
+    """Parameter + gradient + optimizer state per parameter (the sum of :func:`param_state_parts`)."""
+    return sum(param_state_parts(numel, elem, optimizer))
+
+
+def param_state_parts(numel: float, elem: int, optimizer: str | None) -> tuple:
+    """(parameter, gradient, optimizer state) bytes of ``numel`` elements of ``elem`` bytes.
 
     fp32 Adam: 4 + 4 + 8 = 16 bytes. Low-precision parameters keep an fp32 master copy and
-    fp32 moments: 2 + 2 + 4 + 8. SGD keeps no state; ``None`` counts the parameter only.
+    fp32 moments: 2 + 2 + (4 + 8). SGD keeps no state; ``None`` counts the parameter only.
     """
     if optimizer is None:
-        return numel * elem
-    grad = elem
+        return (numel * elem, 0.0, 0.0)
     if optimizer == "sgd":
-        return numel * (elem + grad)
+        return (numel * elem, numel * elem, 0.0)
     state = 8 if elem >= 4 else 12
-    return numel * (elem + grad + state)
+    return (numel * elem, numel * elem, numel * state)
+
+
+def saved_bytes(node_info, out_specs, mesh_shape, inputs=()) -> float:
+    """Bytes an op keeps for backward of its own, placed ``out_specs``: its output when some op
+    keeps it (``node_info.saved``) and its own saved buffers (masks, statistics), at the share of
+    the graph's size its largest input has here (``inputs``: (global shape, placement) pairs).
+    What consumers keep of their inputs through new edge buffers depends on both ends'
+    placements: :mod:`passes.memory_accounting` counts it once the plan is chosen."""
+    elem = dtype_bytes(node_info.dtype)
+    outs = [(s, spec) for s, spec in zip(node_info.out_shapes, out_specs) if s is not None and spec is not None]
+    total = sum(local_bytes(s, spec, mesh_shape, elem) for s, spec in outs) if node_info.saved else 0.0
+    saves = getattr(node_info, "saves", None)
+    if saves is not None and saves.extra_bytes:
+        total += saves.extra_bytes * largest_share(list(inputs) or outs, mesh_shape)
+    return total
+
+
+def largest_share(shapes_specs, mesh_shape) -> float:
+    """The fraction of its whole a device holds of the largest of ``(shape, placement)`` pairs
+    (1.0 for none): how an op's own buffers (masks, statistics) scale with its placement."""
+    placed = [(math.prod(s) if s else 1, spec) for s, spec in shapes_specs if s is not None and spec is not None]
+    if not placed:
+        return 1.0
+    _, spec = max(placed, key=lambda p: p[0])
+    return 1.0 / total_shard_degree(spec, mesh_shape)

@@ -23,6 +23,7 @@ from passes.analyze import info
 from passes.blocks import find_blocks
 from passes.cost_model import Collective, collective_time, dtype_bytes, extra_payload
 from passes.ilp_solver import min_memory, solve_ilp
+from passes.memory_accounting import memory_fields
 from passes.placements import format_spec, local_shape
 from passes.rules import REPLICATE_FALLBACK, op_name, tensor_input_nodes
 from passes.strategy_space import build_space, edge_collectives, required_output_spec
@@ -247,6 +248,10 @@ def plan_intra_op(
         if node in block_label:
             rec["block"], rec["block_index"] = block_label[node]
         records.append(rec)
+
+    exact = memory_fields(graph, choices, space.mesh_shape, optimizer=optimizer, activation_copies=activation_copies)
+    for rec in records:
+        rec.update(exact.get(rec["name"], {}))
 
     alternatives = _alternatives(space, result.choice, axis_names)
     t3 = time.perf_counter()

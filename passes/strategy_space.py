@@ -43,6 +43,7 @@ from passes.cost_model import (
     local_bytes,
     param_state_bytes,
     reshard,
+    saved_bytes,
 )
 from passes.placements import R, Shard, dual_spec, replicated, spec_fits
 from passes.rules import Strategy, expand_to_mesh, op_view, rule_for, tensor_input_nodes
@@ -272,13 +273,7 @@ class _Builder:
             bwd = factor * fwd
             if rule.contraction and any(_is_parameter(a) and info(a).requires_grad for a in self.inputs_of(node)):
                 weight = fwd
-        act = 0.0
-        if i.saved:  # alive once per microbatch a pipeline schedule holds (activation_copies)
-            act = self.activation_copies * sum(
-                local_bytes(s, spec, self.mesh, dtype_bytes(i.dtype))
-                for s, spec in zip(i.out_shapes, strategy.out)
-                if s is not None
-            )
+        act = self.activation_copies * saved_bytes(i, strategy.out, self.mesh, zip(op.in_shapes, strategy.ins))
         extra = extra_fwd + (extra_bwd if i.requires_grad else 0.0)
         return fwd + bwd, extra, act, weight
 

@@ -282,7 +282,11 @@ class _ReshardFn(torch.autograd.Function):
         out = module._forward_moves(x)
         # A slice of the input (Replicate -> Shard) or the input itself would leave autograd a
         # view made inside a custom Function, which the model may not modify in place (Falcon's
-        # ``mlp_output += attention_output``): hand out a tensor of its own.
+        # ``mlp_output += attention_output``): hand out a tensor of its own. A parameter that
+        # does not move is passed through (no weight is modified in place; a copy would double
+        # the weights' memory for the step).
+        if out is x and module.param_edge is not None:
+            return out
         return out.clone() if out is x or out._is_view() else out
 
     @staticmethod

@@ -227,7 +227,8 @@ def test_memory_objective_uses_less_memory(gpt, plan):
     model, inputs = gpt
     lean = partitioner.plan(model, inputs, mesh_shape=(2, 4), cluster="h100", objective="memory")
     assert lean.estimate().memory_bytes < plan.estimate().memory_bytes
-    assert lean.estimate().memory_bytes == pytest.approx(lean.data["stats"]["least_memory"], rel=1e-6)
+    # the solver reached its least memory row (the estimate's peak adds what the row cannot see)
+    assert sum(r["memory"] for r in lean.records) == pytest.approx(lean.data["stats"]["least_memory"], rel=1e-6)
 
 
 def test_repeated_blocks_make_depth_nearly_free():
@@ -297,5 +298,6 @@ def test_activation_copies_multiply_activation_memory_only():
     assert ops and all(b["memory"] == pytest.approx(3 * a["memory"]) for a, b in ops)
     params = [(a, b) for a, b in zip(one.records, three.records, strict=True) if a["kind"] == "param"]
     assert params and all(b["memory"] == a["memory"] for a, b in params)
-    activations = sum(a["memory"] for a, _ in ops)
-    assert three.estimate().memory_bytes == pytest.approx(one.estimate().memory_bytes + 2 * activations)
+    m1, m3 = one.estimate().memory, three.estimate().memory
+    assert m1.saved > 0 and m3.saved == pytest.approx(3 * m1.saved)
+    assert (m3.parameters, m3.gradients, m3.optimizer_state) == (m1.parameters, m1.gradients, m1.optimizer_state)

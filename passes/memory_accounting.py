@@ -1,0 +1,170 @@
+"""Exact memory of a solved plan, per node: what each rank's lowered program keeps, by storage.
+
+Given every node's chosen placements, this follows what the runtime allocates and autograd
+keeps (:mod:`passes.saved_tensors` says what each op saves) and counts each storage once:
+
+* **A value's storage.** An op that is not a view allocates its output; a view (``split``,
+  ``transpose``, ``getitem`` of a view, ...) shares its input's storage. Placeholders are state
+  (parameters, buffers) or the batch, never activations.
+* **An edge's storage.** The edge ``u -> c`` (input ``k`` of ``c``) runs a
+  :class:`runtime.collectives.Reshard` when its placements move. It allocates a new tensor
+  (``u``'s shape at ``c``'s input placement) when a move sends data (all-gather, all-to-all,
+  all-reduce, reduce-scatter), and when the value needs a gradient (the runtime hands out a
+  copy, not a view made inside autograd), except a parameter whose forward does not move (passed
+  through). Otherwise the consumer sees ``u``'s storage (a local slice of a value without
+  gradient is a view).
+* **Saved.** An op saving input ``k`` keeps the edge's storage; saving output ``j`` keeps its
+  output's storage; its own buffers (masks, statistics) are counted at its share of the
+  graph's size (its local output over its global output). A storage kept by several ops, or
+  through several views, counts once. Storages made by edges are *gathered buffers* (e.g. a
+  weight stored sharded and gathered for use, kept by the matmul for backward); the rest are
+  *saved activations*. Each counts ``activation_copies`` times (microbatches alive at once).
+* **Transients.** Forward: what a node allocates that nothing keeps (its output and its
+  edges' buffers), alive while it runs. Backward: the gradients of its output and of its
+  inputs that need one, alive while its backward runs.
+
+:func:`memory_fields` returns, per node name, the fields :mod:`partitioner.memory` turns into
+the plan's breakdown and peaks.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from passes.analyze import info
+from passes.cost_model import dtype_bytes, largest_share, local_bytes, param_state_parts
+from passes.placements import dual_spec, is_partial, is_shard, transition_steps
+from passes.rules import tensor_input_nodes
+
+__all__ = ["edge_allocates", "memory_fields"]
+
+
+def _moves(src, dst, mesh_shape):
+    if src is None or dst is None:
+        return []
+    return [(a, p, q) for a, p, q in transition_steps(tuple(src), tuple(dst)) if mesh_shape[a] > 1]
+
+
+def edge_allocates(src, dst, grad, mesh_shape, *, requires_grad: bool, from_param: bool) -> bool:
+    """Whether the edge moving a value placed ``src`` to ``dst`` (gradient back from ``grad``)
+    gives its consumer a new storage (see the module docstring), as the runtime does."""
+    forward = _moves(src, dst, mesh_shape)
+    backward = _moves(grad, dual_spec(tuple(src)), mesh_shape) if requires_grad and grad is not None else []
+    if not forward and not backward:
+        return False  # no Reshard at all
+    if any(is_shard(p) or is_partial(p) for _, p, _ in forward):
+        return True  # a collective writes a new buffer
+    if not forward:
+        return requires_grad and not from_param  # passed through, or copied out of autograd's way
+    return requires_grad  # a local slice: a view, copied when it needs a gradient
+
+
+def memory_fields(graph: fx.Graph, choices: dict, mesh_shape, *, optimizer, activation_copies: int = 1) -> dict:
+    """Node name -> memory fields (bytes per device) for a solved plan; ``choices``: node ->
+    NodeChoice (the solver's decision for every node that has one)."""
+    mesh = tuple(mesh_shape)
+    fields: dict = {}
+
+    def out_spec(n, j=0):
+        c = choices.get(n)
+        return c.out[j] if c is not None and j < len(c.out) else None
+
+    def value_bytes(n, j=0):
+        i = info(n)
+        spec = out_spec(n, j)
+        if spec is None or j >= len(i.out_shapes) or i.out_shapes[j] is None:
+            return 0.0
+        return local_bytes(i.out_shapes[j], spec, mesh, dtype_bytes(i.dtype))
+
+    def edge(c, k):
+        u = tensor_input_nodes(c)[k]
+        mine = choices.get(c)
+        if mine is None or mine.strategy is None or k >= len(mine.ins) or mine.ins[k] is None:
+            return None
+        src, dst = out_spec(u), mine.ins[k]
+        ui = info(u)
+        grad = mine.strategy.grad_spec(k) if ui.requires_grad else None
+        if src is None or not edge_allocates(
+            src, dst, grad, mesh, requires_grad=ui.requires_grad, from_param=ui.kind == "param"
+        ):
+            return None
+        return ("edge", c, k), local_bytes(ui.shape or (), dst, mesh, dtype_bytes(ui.dtype))
+
+    def base(n, j=0):
+        """The storage value ``n`` (output ``j``) lives in: (key, bytes, owner) or None (state, batch)."""
+        while True:
+            i = info(n)
+            if n.op == "placeholder":
+                return None
+            saves = i.saves
+            if saves is not None and saves.alias is not None:
+                if n.target is operator.getitem:
+                    parent = n.args[0]
+                    if info(parent).saves is not None and info(parent).saves.alias is not None:
+                        n, j = parent, 0
+                        continue
+                    return ("value", parent, n.args[1]), value_bytes(parent, n.args[1]), parent
+                e = edge(n, saves.alias)
+                if e is not None:
+                    return e[0], e[1], n
+                n, j = tensor_input_nodes(n)[saves.alias], 0
+                continue
+            return ("value", n, j), value_bytes(n, j), n
+
+    kept: dict = {}  # storage key -> (bytes, owner node)
+    edge_buffers: dict = {}  # consumer -> bytes of its edges' buffers
+
+    def keep(found):
+        if found is not None:
+            key, nbytes, owner = found
+            kept.setdefault(key, (nbytes, owner))
+
+    for c in graph.nodes:
+        i = info(c)
+        if c.op != "call_function" or i.kind != "op" or i.saves is None or choices.get(c) is None:
+            continue
+        ins = tensor_input_nodes(c)
+        for k in i.saves.inputs:
+            e = edge(c, k)
+            if e is not None:
+                keep((e[0], e[1], c))
+            else:
+                keep(base(ins[k]))
+        for j in i.saves.outputs:
+            keep(base(c, j))
+        if i.saves.extra_bytes:
+            mine = choices[c]
+            placed = [(info(u).shape, spec) for u, spec in zip(ins, mine.ins)] or [(i.shape, out_spec(c))]
+            kept[("extra", c)] = (i.saves.extra_bytes * largest_share(placed, mesh), c)
+        for k in range(len(ins)):
+            e = edge(c, k)
+            if e is not None and e[0] not in kept:
+                edge_buffers[c] = edge_buffers.get(c, 0.0) + e[1]
+
+    for key, (nbytes, owner) in kept.items():
+        f = fields.setdefault(owner.name, {})
+        name = "gathered_buffers" if key[0] == "edge" else "saved_activations"
+        f[name] = f.get(name, 0.0) + nbytes * activation_copies
+    kept_values = {key[1] for key in kept if key[0] == "value"}
+    for n in graph.nodes:
+        i = info(n)
+        f = fields.setdefault(n.name, {})
+        spec = out_spec(n)
+        if n.op == "placeholder" and spec is not None:
+            if i.kind == "param":
+                numel = local_bytes(i.shape, spec, mesh, 1)
+                p, g, s = param_state_parts(numel, dtype_bytes(i.dtype), optimizer)
+                f.update(parameters=p, gradients=g, optimizer_state=s)
+            else:
+                f["input_bytes"] = local_bytes(i.shape, spec, mesh, dtype_bytes(i.dtype))
+            continue
+        if n.op != "call_function" or i.kind != "op" or spec is None:
+            continue
+        own = 0.0 if (i.saves is not None and i.saves.alias is not None) or n in kept_values else value_bytes(n)
+        f["transient_fwd"] = own + edge_buffers.get(n, 0.0)
+        if i.requires_grad:
+            grads_in = sum(value_bytes(u) for u in tensor_input_nodes(n) if info(u).requires_grad)
+            f["transient_bwd"] = value_bytes(n) + grads_in
+    return {name: f for name, f in fields.items() if f}
