@@ -23,6 +23,7 @@ from passes.capture import describe_captured, graph_fingerprint
 from passes.capture_blocks import capture_model
 from passes.placements import format_spec, parse_spec
 from passes.plan_intra_op import plan_intra_op
+from passes.recompute import check_recompute_mode
 
 __all__ = ["plan", "plan_captured", "resolve_pins"]
 
@@ -93,6 +94,7 @@ def plan(
     time_limit: float = 60.0,
     layers: str = "auto",
     precision="fp32",
+    recompute: str = "auto",
     verbose: bool = False,
 ) -> ShardingPlan:
     """Choose data / tensor / sequence splits for every node of ``model`` on a device mesh.
@@ -116,6 +118,10 @@ def plan(
         precision: ``"fp32"``, ``"bf16"``, ``"fp16"`` or a MixedPrecisionPolicy: the model is
             captured under ``torch.autocast`` in that dtype and priced as it computes (fp32 master
             weights and optimizer state; see :mod:`partitioner.precision`).
+        recompute: activation checkpointing of repeated blocks (transformer layers): ``"auto"``
+            lets the solver recompute a block kind in backward when the memory budget needs it
+            (never otherwise: it only adds time), ``"all"`` recomputes every repeated block,
+            ``"none"`` never does (see :mod:`passes.recompute`).
         verbose: show progress (capture, analysis, solve) on stderr for this call; the same
             records go to the ``partitioner`` logger at INFO in any case (see
             :mod:`partitioner.progress`).
@@ -130,6 +136,7 @@ def plan(
     """
     t0 = time.perf_counter()
     precision = Precision.build(precision)
+    check_recompute_mode(recompute)
     logger.info("capturing %s with torch.export ...", type(model).__name__)
     cap = capture_model(model, example_inputs, layers=layers, autocast_dtype=precision.autocast_dtype)
     t1 = time.perf_counter()
@@ -151,6 +158,7 @@ def plan(
         time_limit=time_limit,
         timings={"capture_s": t1 - t0, "analysis_s": t2 - t1, "start": t0},
         precision=precision,
+        recompute=recompute,
     )
 
 
@@ -170,12 +178,15 @@ def plan_captured(
     timings=None,
     activation_copies=1,
     precision=None,
+    recompute="none",
 ) -> ShardingPlan:
     """:func:`plan` for a graph already captured and analysed (``passes.capture`` +
     ``passes.analyze``); ``auto_parallelize`` uses it so the model is captured once.
     ``activation_copies``: microbatches whose saved activations are alive at once (a pipeline
     stage under its schedule): the activation memory counts that many. ``precision``: recorded
-    in the plan (default: the autocast dtype ``cap`` was captured under, fp32 reductions)."""
+    in the plan (default: the autocast dtype ``cap`` was captured under, fp32 reductions).
+    ``recompute``: ``"auto"``, ``"all"`` or ``"none"`` (see :func:`plan`; pipeline stages keep
+    the default, ``"none"``)."""
     if objective not in _OBJECTIVES:
         raise ValueError(f"objective must be one of {_OBJECTIVES}, got {objective!r}")
     if optimizer not in ("adam", "sgd", None):
@@ -207,6 +218,7 @@ def plan_captured(
         time_limit=time_limit,
         activation_copies=activation_copies,
         grad_reduce_bytes=precision.grad_reduce_bytes,
+        recompute=recompute,
         log=logger.info,
     )
     t3 = time.perf_counter()
@@ -231,6 +243,7 @@ def plan_captured(
         "objective": objective,
         "optimizer": optimizer,
         "activation_copies": activation_copies,
+        "recompute": recompute,
         "pins": {n.name: format_spec(s) for n, s in pinned.items()},
         "records": result.records,
         "alternatives": result.alternatives,

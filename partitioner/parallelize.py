@@ -100,6 +100,7 @@ def auto_parallelize(
     pipeline=None,
     layers="auto",
     precision=None,
+    recompute="auto",
     verbose=False,
 ):
     """Run ``model`` data / tensor / sequence parallel on the job's ranks, as a plan decides.
@@ -121,6 +122,9 @@ def auto_parallelize(
         precision: ``"fp32"`` (default), ``"bf16"``, ``"fp16"`` or a MixedPrecisionPolicy: fp32
             master weights and optimizer state, ops under ``torch.autocast`` (see
             :mod:`partitioner.precision`); a replayed plan brings its own.
+        recompute: activation checkpointing of repeated blocks, ``"auto"`` (the solver recomputes
+            a block kind when the memory budget needs it), ``"all"`` or ``"none"`` (see
+            :func:`partitioner.plan`); a replayed plan brings its own choice.
         verbose: show progress on stderr for this call; the same records go to the
             ``partitioner`` logger at INFO in any case (see :mod:`partitioner.progress`).
 
@@ -167,6 +171,7 @@ def auto_parallelize(
         pins=pins,
         objective=objective,
         precision=precision,
+        recompute=recompute,
     )
     logger.info("planned in %.2f s", time.perf_counter() - t0)
     module = _build_module(cap, plan, comm, WeightSource(model, state_dict, checkpoint), device, local_inputs)
@@ -179,7 +184,13 @@ def auto_parallelize(
             layers=layers,
             param_specs=module.stored_placements(),
             strided=module.strided_layouts(),
-            plan_kwargs=dict(cluster=cluster, memory_budget=memory_budget, objective=objective, precision=precision),
+            plan_kwargs=dict(
+                cluster=cluster,
+                memory_budget=memory_budget,
+                objective=objective,
+                precision=precision,
+                recompute=recompute,
+            ),
         )
     )
     module.reduce_gradients_in(precision.grad_reduce_dtype)
@@ -264,7 +275,9 @@ def _capture(model, example_inputs, layers, precision):
     return cap
 
 
-def _plan_or_replay(cap, model_name, comm, plan, *, cluster, memory_budget, pins, objective, precision) -> ShardingPlan:
+def _plan_or_replay(
+    cap, model_name, comm, plan, *, cluster, memory_budget, pins, objective, precision, recompute="auto"
+) -> ShardingPlan:
     """Plan: rank 0 searches and broadcasts (the cost model may time this machine, and ranks
     must agree on one plan); a given plan is checked against the graph and the mesh instead."""
     if plan is None:
@@ -280,6 +293,7 @@ def _plan_or_replay(cap, model_name, comm, plan, *, cluster, memory_budget, pins
                 pins=pins,
                 objective=objective,
                 precision=precision,
+                recompute=recompute,
             ).to_json()
 
         return ShardingPlan.from_dict(json.loads(on_rank0(make_plan, "planning")))

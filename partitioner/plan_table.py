@@ -326,9 +326,10 @@ def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = 
         if block["label"] not in seen:
             seen.add(block["label"])
             where = "" if wide else f" (names relative to {base})"
+            redo = "; recomputed in backward (activation checkpointing)" if block.get("recompute") else ""
             heads[r["name"]] = (
                 f"── {block['label']}  ×{block['count']} identical blocks, shown once{where}; "
-                f"times and bytes are per block"
+                f"times and bytes are per block{redo}"
             )
     title = (
         f"Sharding plan for {plan.data.get('model', '?')} on mesh {plan.mesh_shape} "
@@ -336,6 +337,12 @@ def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = 
         f"{_fmt_bytes(plan.data['budget']) if plan.data.get('budget') else 'none'}, precision "
         f"{plan.precision_name}"
     )
+    recomputed = [b["label"] for b in blocks.values() if b.get("recompute")]
+    if recomputed:
+        title += (
+            f"; recomputed in backward: {', '.join(recomputed)} (activation checkpointing, "
+            f"recompute={plan.data.get('recompute', 'auto')!r})"
+        )
     lines = [title] if wide else textwrap.wrap(title, width, subsequent_indent="  ")
     lines += _wide_table(plan, rows, heads) if wide else _narrow_table(plan, rows, heads, bases, width)
     lines.append("")

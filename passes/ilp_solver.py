@@ -9,11 +9,14 @@ producer's option and the class ``s = cls_h(j)`` of the consumer's option (``C_e
                 sum_s f[e,o,s] = sum_{i: cls_g(i)=o} x[g,i]         (flow leaves the producer's class)
                 sum_o f[e,o,s] = sum_{j: cls_h(j)=s} x[h,j]         (and arrives at the consumer's)
                 sum_{g,i} m[g,i] x[g,i] <= budget                  (memory per device)
+                sum_{i in A} x[g,i] = sum_{j in B} x[h,j]          (links: chosen together)
                 x binary, f >= 0
 
 The two flow families are the transportation form of the product ``x[g,i] x[h,j]``: at an
 integer ``x`` the only feasible ``f`` is the product, and the relaxation is much tighter than
-``f >= x + x' - 1``. Classes (distinct placements on the edge) keep ``f`` small. With
+``f >= x + x' - 1``. Classes (distinct placements on the edge) keep ``f`` small. Links tie
+decisions that must agree (every group of one repeated block recomputes, or none does:
+:mod:`passes.recompute`). With
 ``objective="memory"`` the memory sum is minimised instead, with time as a tie-break.
 """
 
@@ -45,11 +48,13 @@ def solve_ilp(
     edges: list,
     *,
     budget: float | None = None,
+    links: list | None = None,
     objective: str = "time",
     time_limit: float = 60.0,
     gap: float = 1e-6,
 ) -> IlpResult:
-    """``edges``: list of (g, h, cls_g, cls_h, matrix) as numpy arrays."""
+    """``edges``: list of (g, h, cls_g, cls_h, matrix) as numpy arrays; ``links``: list of
+    (g, options of g, h, options of h) whose sums of ``x`` must be equal."""
     offsets = np.cumsum([0] + [len(c) for c in node_costs])
     n_x = int(offsets[-1])
     flow_offsets = [n_x]
@@ -95,6 +100,11 @@ def solve_ilp(
         add_entries(r + np.asarray(cls_h), offsets[h] + np.arange(len(cls_h)), -np.ones(len(cls_h)))
         r += n_dst
         add_rows(np.zeros(n_src + n_dst), np.zeros(n_src + n_dst))
+    for g, opts_g, h, opts_h in links or ():
+        add_entries(np.full(len(opts_g), r), offsets[g] + np.asarray(opts_g), np.ones(len(opts_g)))
+        add_entries(np.full(len(opts_h), r), offsets[h] + np.asarray(opts_h), -np.ones(len(opts_h)))
+        add_rows(np.zeros(1), np.zeros(1))
+        r += 1
     matrix = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(r, n)).tocsr()
     constraints = [LinearConstraint(matrix, np.concatenate(lo), np.concatenate(hi))]
     if budget is not None:

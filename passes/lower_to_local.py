@@ -13,7 +13,11 @@ graph in order and emit a new fx graph:
   local tensors with shape arguments rewritten to local shapes, or a local kernel from
   :mod:`runtime.local_ops` where the sharded form needs one;
 * outputs the plan replicates are resharded to ``Replicate``; device arguments baked in at
-  capture time (``meta``) are replaced by this rank's device.
+  capture time (``meta``) are replaced by this rank's device;
+* the nodes emitted for each layer the plan recomputes (records marked ``recompute``: the
+  layer's ops and the resharding into them, from its first to its last emitted node) move into
+  a :class:`runtime.recompute.CheckpointRegion` (:func:`outline_recomputed`): its inputs are
+  the values the range uses from before it, its outputs those used after it.
 
 The result is a plain ``fx.GraphModule``: its ``.code`` is readable Python and it trains with
 ordinary autograd. The plan is the only source of placements: records are looked up by node
@@ -34,8 +38,9 @@ from passes.placements import local_shape, parse_spec
 from passes.rules import op_view, rule_for, tensor_input_nodes
 from passes.strategy_space import required_output_spec
 from runtime.collectives import MeshComm, Reshard
+from runtime.recompute import CheckpointRegion
 
-__all__ = ["LowerCall", "lower_to_local", "LoweringError", "strided_parameters"]
+__all__ = ["LowerCall", "lower_to_local", "LoweringError", "outline_recomputed", "strided_parameters"]
 
 
 class LoweringError(ValueError):
@@ -201,6 +206,8 @@ def lower_to_local(
     env: dict = {}
     out_specs: dict = {}
     chains = _strided_chains(graph, records, comm)
+    layers: dict = {}  # recomputed layer -> [node before its first emitted node, its last emitted node]
+    open_layer = None
 
     def record(node):
         rec = records.get(node.name)
@@ -213,6 +220,9 @@ def lower_to_local(
 
     for node in graph.nodes:
         i = info(node)
+        if open_layer is not None:  # the previous node was in a recomputed layer: it ends here so far
+            layers[open_layer][1] = _last(b.graph)
+            open_layer = None
         if node.op == "placeholder":
             env[node] = b.graph.placeholder(node.name)
             env[node].meta.update(node.meta)
@@ -234,6 +244,9 @@ def lower_to_local(
             continue
 
         rec = record(node)
+        if rec.get("recompute"):
+            open_layer = f"{rec['block']}[{rec['block_index']}]"
+            layers.setdefault(open_layer, [_last(b.graph), None])
         ins = _specs(rec.get("ins", []), ndim)
         grads = _specs(rec.get("grads", [None] * len(ins)), ndim)
         outs = _specs(rec["out"], ndim)
@@ -279,8 +292,59 @@ def lower_to_local(
         if info(node).kind == "param":  # these edges' backward syncs the parameter's gradient
             for _, edge in b.edges_from.get(node.name, ()):
                 edge.param_edge = node.name
-    gm.meta["partita.bucketable_grads"] = _bucketable(graph, b) if bucket_grads else {}
+    bucketable = _bucketable(graph, b) if bucket_grads else {}
+    spans = {layer: (before.next, end) for layer, (before, end) in layers.items() if end is not before}
+    moved = outline_recomputed(gm, spans)
+    gm.meta["partita.bucketable_grads"] = {moved.get(name, name): param for name, param in bucketable.items()}
     return gm
+
+
+def _last(graph: fx.Graph) -> fx.Node:
+    return next(iter(reversed(graph.nodes)))
+
+
+def outline_recomputed(gm: fx.GraphModule, spans: dict) -> dict:
+    """Move each span (layer name -> (first, last) node of ``gm.graph``) into a
+    :class:`CheckpointRegion` submodule called in its place. Returns the new qualified names of
+    the submodules that moved (``reshard_x`` -> ``recompute_3.body.reshard_x``)."""
+    moved: dict = {}
+    for k, (layer, (first, last)) in enumerate(spans.items()):
+        nodes, n = [], first
+        while True:
+            nodes.append(n)
+            if n is last:
+                break
+            n = n.next
+        moved.update(_outline(gm, f"recompute_{k}", layer, nodes))
+    if spans:
+        gm.delete_all_unused_submodules()
+        gm.graph.lint()
+        gm.recompile()
+    return moved
+
+
+def _outline(gm: fx.GraphModule, name: str, layer: str, nodes: list) -> dict:
+    """Replace the consecutive ``nodes`` by a call of a :class:`CheckpointRegion` running them."""
+    graph = gm.graph
+    inside = set(nodes)
+    inputs: list = []
+    for n in nodes:
+        inputs += [a for a in n.all_input_nodes if a not in inside and a not in inputs]
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    body_graph = fx.Graph()
+    env = {a: body_graph.placeholder(a.name) for a in inputs}
+    for n in nodes:
+        env[n] = body_graph.node_copy(n, lambda a: env[a])
+    body_graph.output(tuple(env[o] for o in outputs))
+    gm.add_submodule(name, CheckpointRegion(fx.GraphModule(gm, body_graph, class_name="RecomputedLayer"), layer))
+    with graph.inserting_before(nodes[0]):
+        call = graph.call_module(name, tuple(inputs))
+        for j, o in enumerate(outputs):
+            value = graph.call_function(operator.getitem, (call, j))
+            o.replace_all_uses_with(value, delete_user_cb=lambda user: user not in inside)
+    for n in reversed(nodes):
+        graph.erase_node(n)
+    return {n.target: f"{name}.body.{n.target}" for n in nodes if n.op == "call_module"}
 
 
 def _bucketable(graph, b) -> dict:

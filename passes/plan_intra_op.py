@@ -25,6 +25,13 @@ from passes.cost_model import Collective, collective_time, dtype_bytes, extra_pa
 from passes.ilp_solver import min_memory, solve_ilp
 from passes.memory_accounting import memory_fields
 from passes.placements import format_spec, local_shape
+from passes.recompute import (
+    RecomputeChoice,
+    add_recompute_options,
+    boundary_bytes,
+    check_recompute_mode,
+    least_memory,
+)
 from passes.rules import REPLICATE_FALLBACK, op_name, tensor_input_nodes
 from passes.strategy_space import build_space, edge_collectives, required_output_spec
 
@@ -161,9 +168,13 @@ def plan_intra_op(
     max_options="auto",
     activation_copies=1,
     grad_reduce_bytes=None,
+    recompute="auto",
     log=None,
 ) -> IntraOpResult:
+    """``recompute``: activation checkpointing of repeated blocks, ``"auto"`` (chosen by the
+    solver when the budget needs it), ``"all"`` or ``"none"`` (:mod:`passes.recompute`)."""
     log = log or (lambda msg: None)
+    check_recompute_mode(recompute)
     graph: fx.Graph = cap.graph
     REPLICATE_FALLBACK.warned.clear()  # each plan names every op it could not shard, once
     t0 = time.perf_counter()
@@ -197,28 +208,42 @@ def plan_intra_op(
         + (f"; {space.pruned} high-compute options pruned" if space.pruned else "")
     )
 
-    memories = [g.memory for g in space.groups]
-    least = min_memory(memories)
-    if budget is not None and least > budget:
-        raise InfeasibleBudgetError(
-            f"no plan fits {budget / 2**30:.3f} GiB per device on mesh {tuple(mesh_shape)}: the least memory any "
-            f"plan needs is {least / 2**30:.3f} GiB ({least:.0f} bytes). Raise the budget, use a larger mesh, "
-            f"or a lighter optimizer (optimizer='sgd')."
+    def solve(limit, redo):
+        return solve_ilp(
+            [g.cost for g in space.groups],
+            [g.memory for g in space.groups],
+            [(e.src, e.dst, e.src_class, e.dst_class, e.matrix) for e in space.edges],
+            budget=limit,
+            links=redo.rows(),
+            objective=objective,
+            time_limit=time_limit,
         )
-    result = solve_ilp(
-        [g.cost for g in space.groups],
-        memories,
-        [(e.src, e.dst, e.src_class, e.dst_class, e.matrix) for e in space.edges],
-        budget=budget,
-        objective=objective,
-        time_limit=time_limit,
-    )
+
+    redo = RecomputeChoice()
+    least_kept = min_memory([g.memory for g in space.groups])
+    least = least_kept
+    result = None
+    if recompute == "auto" and blocks.groups:
+        # Recomputation only adds time: when the best plan without it fits, it is the best plan.
+        free = solve(None, redo)
+        used = free.choice is not None and sum(g.memory[i] for g, i in zip(space.groups, free.choice))
+        if free.choice is not None and (budget is None or used <= budget):
+            result = free
+    if result is None:
+        redo = add_recompute_options(space, graph, recompute, activation_copies)
+        least = least_memory(space, redo)
+        if budget is not None and least > budget:
+            raise InfeasibleBudgetError(_infeasible(budget, mesh_shape, least_kept, least, recompute, blocks))
+        result = solve(budget, redo)
     t2 = time.perf_counter()
     if result.choice is None:
         raise InfeasibleBudgetError(
             f"the solver found no plan within the budget ({result.message}); the least memory "
             f"any plan needs is {least / 2**30:.3f} GiB"
         )
+    recomputed = redo.decode(result.choice)
+    if any(recomputed.values()):
+        log(f"recomputed in backward: {', '.join(label for label, on in recomputed.items() if on)}")
     log(f"solve: {t2 - t1:.2f} s, estimated step {result.objective * 1e3:.3f} ms")
 
     rep_choice = {}
@@ -247,13 +272,15 @@ def plan_intra_op(
         rec["decision"] = "leader" if rep in leaders else ("output" if node.op == "output" else "follower")
         if node in block_label:
             rec["block"], rec["block_index"] = block_label[node]
+            if recomputed.get(rec["block"]) and node.op == "call_function":
+                _mark_recomputed(rec, node, choices.get(node), blocks, activation_copies, space.mesh_shape)
         records.append(rec)
 
     exact = memory_fields(graph, choices, space.mesh_shape, optimizer=optimizer, activation_copies=activation_copies)
     for rec in records:
         rec.update(exact.get(rec["name"], {}))
 
-    alternatives = _alternatives(space, result.choice, axis_names)
+    alternatives = _alternatives(space, result.choice, axis_names, redo)
     t3 = time.perf_counter()
     stats = {
         "build_s": t1 - t0,
@@ -265,13 +292,56 @@ def plan_intra_op(
         "objective_s": result.objective,
         "pruned_options": space.pruned,
         "least_memory": least,
+        "least_memory_without_recompute": least_kept,
     }
     return IntraOpResult(
         records=records,
         alternatives=alternatives,
-        blocks=[{"label": g.label, "count": len(g.indices), "prefix": g.prefix} for g in blocks.groups],
+        blocks=[
+            {"label": g.label, "count": len(g.indices), "prefix": g.prefix, "recompute": recomputed.get(g.label, False)}
+            for g in blocks.groups
+        ],
         stats=stats,
     )
+
+
+def _infeasible(budget, mesh_shape, least_kept, least, recompute, blocks) -> str:
+    text = (
+        f"no plan fits {budget / 2**30:.3f} GiB per device on mesh {tuple(mesh_shape)}: the least memory any "
+        f"plan needs is "
+    )
+    if recompute == "none" or not blocks.groups:
+        text += f"{least / 2**30:.3f} GiB ({least:.0f} bytes) without recomputation"
+        if blocks.groups:
+            return text + (
+                " (recompute='none'). Allow activation checkpointing (recompute='auto'), raise the budget, "
+                "use a larger mesh, or a lighter optimizer (optimizer='sgd')."
+            )
+        return text + (
+            " (no repeated blocks to recompute). Raise the budget, use a larger mesh, or a lighter optimizer "
+            "(optimizer='sgd')."
+        )
+    return text + (
+        f"{least / 2**30:.3f} GiB ({least:.0f} bytes) with the repeated blocks recomputed in backward "
+        f"({least_kept / 2**30:.3f} GiB without). Recomputation is not enough: what is needed next is less "
+        f"parameter and optimizer state per device (a larger mesh, or a lighter optimizer: optimizer='sgd'), "
+        f"or a larger budget."
+    )
+
+
+def _mark_recomputed(rec, node, choice, blocks, copies, mesh_shape) -> None:
+    """A node of a recomputed layer: backward reruns its forward (compute and collectives again)
+    and only what leaves the layer stays saved (plus, for the first layer, the activations
+    alive while one layer is recomputed): the terms :mod:`passes.recompute` gave the solver."""
+    group, k = blocks.block_of[node]
+    rec["recompute"] = True
+    if choice is None:
+        return
+    rec["recompute_s"] = float(choice.forward_s)
+    rec["compute_s"] += float(choice.forward_s)
+    rec["comm"] = rec["comm"] + [dict(c, recompute=True) for c in rec["comm"] if c["phase"] == "fwd"]
+    kept = boundary_bytes(node, choice, set(group.members[k]), copies, mesh_shape)
+    rec["memory"] = float(kept + (choice.memory if k == 0 else 0.0))
 
 
 def _tie_aliases(cap, blocks) -> None:
@@ -289,7 +359,7 @@ def _tie_aliases(cap, blocks) -> None:
             blocks.count[first] = blocks.count.get(first, 1) + blocks.count.pop(node, 1)
 
 
-def _alternatives(space, choice, axis_names, keep=6) -> dict:
+def _alternatives(space, choice, axis_names, redo, keep=6) -> dict:
     """For each decision: its options' cost given its neighbours' chosen options."""
     local = [g.cost.astype(float).copy() for g in space.groups]
     for e in space.edges:
@@ -314,6 +384,7 @@ def _alternatives(space, choice, axis_names, keep=6) -> dict:
                     "time_s": float(local[gi][i]),
                     "memory": float(g.memory[i]),
                     "chosen": bool(i == choice[gi]),
+                    **({"recompute": bool(redo.recomputed[gi][i])} if gi in redo.recomputed else {}),
                 }
             )
         out[leader.name] = {"count": g.count, "members": [m.name for m in g.members], "options": options}

@@ -90,6 +90,11 @@ class NodeChoice:
     inbound_s: float = 0.0
     """Resharding into this node inside its group (followers only)."""
     memory: float = 0.0
+    forward_s: float = 0.0
+    """The forward part of ``compute_s``: what recomputing the node (activation checkpointing)
+    runs again."""
+    forward_comm_s: float = 0.0
+    """The forward part of ``extra_s + inbound_s``: the collectives a recomputation repeats."""
 
 
 @dataclass
@@ -243,7 +248,8 @@ class _Builder:
 
     def op_cost(self, node, strategy: Strategy):
         """(compute seconds fwd+bwd, own collectives' seconds, activation bytes, seconds of the
-        backward that make parameter gradients) for an op node under a strategy."""
+        backward that make parameter gradients, (forward compute, forward collectives' seconds))
+        for an op node under a strategy."""
         rule = rule_for(node)
         i = info(node)
         op = self.view_of(node)
@@ -275,7 +281,7 @@ class _Builder:
                 weight = fwd
         act = self.activation_copies * saved_bytes(i, strategy.out, self.mesh, zip(op.in_shapes, strategy.ins))
         extra = extra_fwd + (extra_bwd if i.requires_grad else 0.0)
-        return fwd + bwd, extra, act, weight
+        return fwd + bwd, extra, act, weight, (fwd, extra_fwd)
 
     # -- followers --------------------------------------------------------------------
     def axis_candidates(self, node):
@@ -316,12 +322,13 @@ class _Builder:
         return self.choice_for(node, strategy, given)
 
     def choice_for(self, node, strategy: Strategy, given=None) -> NodeChoice:
-        compute, extra, act, weight = self.op_cost(node, strategy)
+        compute, extra, act, weight, (forward, forward_comm) = self.op_cost(node, strategy)
         inbound = 0.0
         if given is not None:  # resharding inside the group, on the way into this node
             for k, (g, want) in enumerate(zip(given, strategy.ins)):
                 if g is not None and want is not None:
                     inbound += self.edge_time(g, want, strategy.grad_spec(k), self.inputs_of(node)[k])
+                    forward_comm += self.edge_time(g, want, None, self.inputs_of(node)[k])
         return NodeChoice(
             strategy=strategy,
             out=strategy.out,
@@ -331,6 +338,8 @@ class _Builder:
             extra_s=extra,
             inbound_s=inbound,
             memory=act,
+            forward_s=forward,
+            forward_comm_s=forward_comm,
         )
 
     # -- leaders ----------------------------------------------------------------------
