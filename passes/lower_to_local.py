@@ -205,6 +205,7 @@ def lower_to_local(
     ndim = comm.ndim
     env: dict = {}
     out_specs: dict = {}
+    output_specs: list = []  # the placement of each value the program returns
     chains = _strided_chains(graph, records, comm)
     layers: dict = {}  # recomputed layer -> [node before its first emitted node, its last emitted node]
     open_layer = None
@@ -238,6 +239,7 @@ def lower_to_local(
                 wanted = required_output_spec(graph, next(counter), out_specs[n][0])
                 if wanted is not None:
                     v = b.reshard(v, out_specs[n][0], wanted, None, "output")
+                output_specs.append(wanted or out_specs[n][0])
                 return v
 
             b.graph.output(pytree.tree_map(lambda a: out_value(a) if isinstance(a, fx.Node) else a, node.args[0]))
@@ -295,6 +297,7 @@ def lower_to_local(
     bucketable = _bucketable(graph, b) if bucket_grads else {}
     spans = {layer: (before.next, end) for layer, (before, end) in layers.items() if end is not before}
     moved = outline_recomputed(gm, spans)
+    gm.meta["partita.output_specs"] = output_specs  # placement of each returned value, in order
     gm.meta["partita.bucketable_grads"] = {moved.get(name, name): param for name, param in bucketable.items()}
     return gm
 

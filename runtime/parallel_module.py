@@ -275,6 +275,14 @@ class ParallelModule(torch.nn.Module):
         if kwargs and in_spec is not None:
             from torch.export._tree_utils import reorder_kwargs
 
+            expected = set(in_spec.children_specs[1].context)
+            if set(kwargs) != expected:
+                raise TypeError(
+                    f"the parallel model was captured with the keyword arguments {sorted(expected)}; got "
+                    f"{sorted(kwargs)} (missing {sorted(expected - set(kwargs))}, unexpected "
+                    f"{sorted(set(kwargs) - expected)}). Pass the same arguments as the example inputs, or make "
+                    f"the parallel model with example inputs of this form."
+                )
             kwargs = reorder_kwargs(kwargs, in_spec)
         flat, spec = pytree.tree_flatten((args, kwargs))
         if in_spec is not None and spec != in_spec:
@@ -325,6 +333,7 @@ class ParallelModule(torch.nn.Module):
                     x = shard_tensor(x, variant.input_specs[name], self.comm)
                 values.append(x)
         outputs = run_under_autocast(variant.program, values, cap.autocast_dtype)
+        object.__setattr__(self, "_last_variant", variant)
         flat_out = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
         sig = cap.exported_program.graph_signature
         mutations = dict(getattr(sig, "buffers_to_mutate", {}) or {})
@@ -333,6 +342,21 @@ class ParallelModule(torch.nn.Module):
             with torch.no_grad():
                 self._get(fqn).copy_(value)
         return pytree.tree_unflatten(flat_out[n_mut:], cap.exported_program.call_spec.out_spec)
+
+    def gather_outputs(self, outputs):
+        """``outputs`` of the last call as one device returns them: every tensor this rank holds a
+        piece of (logits under a plan that cuts the batch or the vocabulary) gathered whole, on
+        every rank (a collective: every rank must call it). The loss is replicated already. The
+        gathered values are detached (for evaluation and logging; train through the loss)."""
+        variant = getattr(self, "_last_variant", self._base)
+        specs = variant.program.meta.get("partita.output_specs", [])
+        flat, tree = pytree.tree_flatten(outputs)
+        specs = specs[len(specs) - len(flat) :]  # buffer updates come first in the program's outputs
+        whole = [
+            gather_tensor(x.detach(), spec, self.comm) if isinstance(x, torch.Tensor) and spec is not None else x
+            for x, spec in zip(flat, specs)
+        ]
+        return pytree.tree_unflatten(whole, tree)
 
     def shard_batch(self, batch):
         """Cut a global batch (same structure as the example inputs) to this rank's pieces."""

@@ -274,3 +274,27 @@ def test_data_parallel_gradients_are_bucketed_and_overlapped():
     for kind in planned:                                   # the same bytes the plan priced
         assert counted[kind] == pytest.approx(planned[kind])
     assert worst < 1e-5
+
+
+def _gathered_outputs(rank, world):
+    from parity_utils import pins_for
+
+    model, inputs = models.hf_gpt2(batch=4, seq=16)
+    ref = __import__("copy").deepcopy(model)
+    pm = partitioner.auto_parallelize(model, inputs, mesh=(2,), cluster="h100", pins=pins_for("gpt2", "tp", (2,)))
+    out = pm(**inputs)
+    whole = pm.gather_outputs(out)
+    try:
+        pm(input_ids=inputs["input_ids"])
+        message = None
+    except TypeError as e:
+        message = str(e)
+    return tuple(out.logits.shape), whole.logits, ref(**inputs).logits.detach(), whole.loss.item(), message
+
+
+def test_outputs_gather_whole_and_wrong_keywords_are_named():
+    for local_shape, logits, ref_logits, loss, message in run_on_ranks(_gathered_outputs, 2, timeout_s=90):
+        assert local_shape == (4, 16, 64), local_shape       # vocabulary-parallel head: each rank half the vocab
+        torch.testing.assert_close(logits, ref_logits)
+        assert loss > 0
+        assert message is not None and "missing ['labels']" in message, message
