@@ -43,6 +43,7 @@ bench: setup
 	$(BIN)/python benchmarks/memory_cap.py
 	$(BIN)/python benchmarks/pipeline.py
 	$(BIN)/python benchmarks/convergence.py
+	$(BIN)/python benchmarks/char_lm.py
 
 clean:
 	rm -rf $(VENV) out
