@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 
 from passes.placements import format_spec, replicated, transition_steps
 from runtime.collectives import MeshComm, Reshard, run_steps
+from runtime.sharded_io import ShardedCheckpointIO
 
 if TYPE_CHECKING:
     from partitioner.sharding_plan import ShardingPlan
@@ -104,7 +105,7 @@ class Variant:
         return [n for n in self.placeholder_order if n not in cap.params and n not in cap.buffers]
 
 
-class ParallelModule(torch.nn.Module):
+class ParallelModule(ShardedCheckpointIO, torch.nn.Module):
     """A rank's share of a model, running the plan's lowered program.
 
     Note: the program bakes in the training mode and the input shapes it was captured with.
@@ -452,20 +453,6 @@ class ParallelModule(torch.nn.Module):
             for fqn, (tensor, layout) in self.state_layouts().items():
                 if fqn in state:
                     tensor.copy_(layout.to_local(state[fqn], fqn))
-
-    def save_sharded(self, path) -> None:
-        """Each rank writes its own shards (``torch.distributed.checkpoint``): no rank holds the model."""
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(self.sharded_state_dict(), checkpoint_id=str(path))
-
-    def load_sharded(self, path) -> None:
-        """Read a checkpoint written by ``save_sharded`` under any plan or mesh; reshards on load."""
-        import torch.distributed.checkpoint as dcp
-
-        state = self.sharded_state_dict()
-        dcp.load(state, checkpoint_id=str(path))
-        self.load_sharded_state_dict(state)
 
     def local_parameter_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())

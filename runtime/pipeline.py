@@ -30,11 +30,12 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from passes.placements import replicated
+from runtime.collectives import MeshComm
 from runtime.parallel_module import gather_tensor, run_under_autocast, shard_tensor
+from runtime.sharded_io import ShardedCheckpointIO
 
 if TYPE_CHECKING:
     from partitioner.sharding_plan import ShardingPlan
-    from runtime.collectives import MeshComm
 
 __all__ = ["StageProgram", "PipelineRunner"]
 
@@ -282,7 +283,7 @@ class _Step:
     pending: list = field(default_factory=list)  # send works, waited at the end
 
 
-class PipelineRunner(torch.nn.Module):
+class PipelineRunner(ShardedCheckpointIO, torch.nn.Module):
     """Runs a schedule's actions for this rank; ``train_step(batch)`` -> the batch loss."""
 
     def __init__(
@@ -589,17 +590,3 @@ class PipelineRunner(torch.nn.Module):
                 for fqn, (tensor, layout) in stage.state_layouts().items():
                     if fqn in state:
                         tensor.copy_(layout.to_local(state[fqn], fqn))
-
-    def save_sharded(self, path) -> None:
-        """Each rank writes its stages' shards (``torch.distributed.checkpoint``, a collective)."""
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(self.sharded_state_dict(), checkpoint_id=str(path))
-
-    def load_sharded(self, path) -> None:
-        """Read a checkpoint of the same model written under any plan, mesh or pipeline."""
-        import torch.distributed.checkpoint as dcp
-
-        state = self.sharded_state_dict()
-        dcp.load(state, checkpoint_id=str(path))
-        self.load_sharded_state_dict(state)
