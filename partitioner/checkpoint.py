@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from runtime.sharded_state import parameter_fqns, state_entry_to_global, state_entry_to_local
+from runtime.sharded_state import ordered_params, parameter_fqns, state_entry_to_global, state_entry_to_local
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint"]
 
@@ -154,16 +154,6 @@ def _model_targets(layouts: dict, saved, folder) -> tuple:
 # -- the optimizer -------------------------------------------------------------------------------
 
 
-def _ordered_params(optimizer) -> list:
-    seen, out = set(), []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
-
-
 def _fqns(param, optimizer) -> list:
     fqns = parameter_fqns(param)
     if not fqns:
@@ -177,7 +167,7 @@ def _fqns(param, optimizer) -> list:
 def _optimizer_state(optimizer) -> tuple:
     """(DCP key -> global view of each state tensor, this rank's record: groups and the rest)."""
     tensors, other, groups = {}, {}, []
-    for param in _ordered_params(optimizer):
+    for param in ordered_params(optimizer):
         fqns = _fqns(param, optimizer)
         entry = state_entry_to_global(optimizer, param, optimizer.state.get(param, {}))
         for fqn in fqns:  # every name of a tied weight: a layout holding only one finds it
@@ -204,7 +194,7 @@ def _optimizer_targets(optimizer, saved) -> dict:
             fqn, _, name = key[len(_OPTIM) :].rpartition(".")
             by_fqn.setdefault(fqn, {})[name] = key
     out = {}
-    for param in _ordered_params(optimizer):
+    for param in ordered_params(optimizer):
         layout = layout_of(param)
         keys = next((by_fqn[fqn] for fqn in _fqns(param, optimizer) if fqn in by_fqn), {})
         entry = {}
@@ -226,7 +216,7 @@ def _load_optimizer(optimizer, targets: dict, record: dict, folder) -> None:
             f"checkpoint {folder} has {len(groups)} optimizer parameter groups, this {type(optimizer).__name__} "
             f"has {len(optimizer.param_groups)}: build the optimizer with the groups it was saved with"
         )
-    ids = {id(p): i for i, p in enumerate(_ordered_params(optimizer))}
+    ids = {id(p): i for i, p in enumerate(ordered_params(optimizer))}
     state = {}
     for param, entry in targets.items():
         values = {name: loaded for name, (_, loaded) in entry.items()}

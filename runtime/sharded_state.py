@@ -36,7 +36,7 @@ from passes.placements import Shard, local_shape
 from runtime.collectives import MeshComm
 from runtime.parallel_module import gather_tensor, shard_tensor
 
-__all__ = ["TensorLayout", "register_parameters", "parameter_fqns", "layout_of", "shard_optimizer_state"]
+__all__ = ["TensorLayout", "register_parameters", "parameter_fqns", "layout_of", "shard_optimizer_state", "ordered_params"]
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
         raise TypeError(f"shard_optimizer_state: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if getattr(optimizer, "_partita_state_hooks", None) is not None:
         return optimizer
-    if not any(p in _PARAMETERS for p in _ordered_params(optimizer)):
+    if not any(p in _PARAMETERS for p in ordered_params(optimizer)):
         raise ValueError(
             f"the {type(optimizer).__name__} holds no parameter of a parallel model: build it over "
             "the parameters of the module (or pipeline runner) auto_parallelize returned"
@@ -168,12 +168,12 @@ def _hook_on_first_step(optimizer, args, kwargs) -> None:
     if getattr(optimizer, "_partita_checked", None) == count:
         return None
     optimizer._partita_checked = count
-    if any(p in _PARAMETERS for p in _ordered_params(optimizer)):
+    if any(p in _PARAMETERS for p in ordered_params(optimizer)):
         shard_optimizer_state(optimizer)
     return None
 
 
-def _ordered_params(optimizer) -> list:
+def ordered_params(optimizer) -> list:
     """The parameters in the order ``Optimizer.state_dict()`` numbers them."""
     seen, out = set(), []
     for group in optimizer.param_groups:
