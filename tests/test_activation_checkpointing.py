@@ -1,7 +1,7 @@
 """Activation checkpointing: recomputed repeated blocks, forced or chosen by the solver.
 
 Multi-process (4 gloo ranks, meshes (4,) and (2, 2)): with ``recompute="all"`` every layer of
-GPT and HF LLaMA runs in a checkpointed region; loss, every gradient and the parameters after
+GPT, HF LLaMA and HF ViT runs in a checkpointed region; loss, every gradient and the parameters after
 3 AdamW steps equal one device; the collectives counted in forward + backward (the recompute
 reruns the layer's forward collectives) equal the plan's estimate; the bytes saved for
 backward (``saved_tensors_hooks``, unique storages) drop against the same plan without
@@ -97,7 +97,8 @@ def _cfg(model, mesh, plan):
 
 
 @pytest.mark.parametrize("cfg", [_cfg("gpt", (4,), "tp"), _cfg("gpt", (2, 2), "dp_tp"),
-                                 _cfg("llama", (4,), "tp"), _cfg("llama", (2, 2), "dp_tp")])
+                                 _cfg("llama", (4,), "tp"), _cfg("llama", (2, 2), "dp_tp"),
+                                 _cfg("vit", (2, 2), "dp_tp")])
 def test_recomputed_layers_match_one_device(cfg):
     results = run_checked(recompute_worker, cfg, TIMEOUT_S)
     for r in results:
