@@ -302,6 +302,7 @@ def _cmd_plan(args) -> int:
             optimizer=None if args.optimizer == "none" else args.optimizer,
             share_blocks=not args.no_share_blocks,
             time_limit=args.time_limit,
+            recompute=args.recompute,
             verbose=not args.quiet,
         )
     except (partitioner.CaptureError, partitioner.InfeasibleBudgetError) as exc:
@@ -383,6 +384,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--budget", metavar="BYTES", help="memory per device, e.g. 80GiB (default: the device memory)")
     p.add_argument("--objective", choices=("time", "memory"), default="time", help="what to minimise")
+    p.add_argument(
+        "--recompute",
+        choices=("auto", "all", "none"),
+        default="auto",
+        help="activation checkpointing of repeated blocks: auto (when the budget needs it), all, none",
+    )
     p.add_argument(
         "--optimizer",
         choices=("adam", "sgd", "none"),

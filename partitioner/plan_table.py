@@ -337,13 +337,14 @@ def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = 
         f"{_fmt_bytes(plan.data['budget']) if plan.data.get('budget') else 'none'}, precision "
         f"{plan.precision_name}"
     )
+    lines = [title] if wide else textwrap.wrap(title, width, subsequent_indent="  ")
     recomputed = [b["label"] for b in blocks.values() if b.get("recompute")]
     if recomputed:
-        title += (
-            f"; recomputed in backward: {', '.join(recomputed)} (activation checkpointing, "
-            f"recompute={plan.data.get('recompute', 'auto')!r})"
+        redo = (
+            f"recomputed in backward (activation checkpointing, recompute="
+            f"{plan.data.get('recompute', 'auto')!r}): {', '.join(recomputed)}"
         )
-    lines = [title] if wide else textwrap.wrap(title, width, subsequent_indent="  ")
+        lines += [redo] if wide else textwrap.wrap(redo, width, subsequent_indent="  ")
     lines += _wide_table(plan, rows, heads) if wide else _narrow_table(plan, rows, heads, bases, width)
     lines.append("")
     estimate = "estimate: " + str(plan.estimate())

@@ -213,7 +213,19 @@ def test_bad_recompute_mode_is_refused():
 def test_summary_and_explain_say_which_blocks_are_recomputed():
     model, inputs = _gpt(layers=2)
     plan = _plan(model, inputs, recompute="all")
-    assert "recomputed in backward: h.[0-1]" in plan.summary()
+    assert "recomputed in backward (activation checkpointing, recompute='all'): h.[0-1]" in plan.summary()
     assert "recomputed in backward" in plan.explain("h.0.mlp")
     plain = _plan(model, inputs, recompute="none")
     assert "recomputed" not in plain.summary()
+
+
+def test_cli_plan_recompute_all(tmp_path, capsys):
+    from partitioner.__main__ import main
+
+    path = tmp_path / "plan.json"
+    code = main(["plan", "partitioner.models:gpt_demo", "--mesh", "4", "--cluster", "h100", "--recompute", "all",
+                 "--quiet", "--json", str(path)])
+    assert code == 0
+    plan = partitioner.ShardingPlan.load(path)
+    assert plan.data["recompute"] == "all" and all(b["recompute"] for b in plan.data["blocks"])
+    assert "recomputed in backward (activation checkpointing, recompute='all'): h.[0-1]" in capsys.readouterr().out
