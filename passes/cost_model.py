@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from passes.placements import Partial, is_shard, total_shard_degree, transition_steps
+from passes.placements import Partial, dual_spec, is_partial, is_shard, total_shard_degree, transition_steps
 
 __all__ = [
     "Collective",
@@ -47,6 +47,7 @@ __all__ = [
     "param_state_bytes",
     "param_state_parts",
     "saved_bytes",
+    "edge_allocates",
     "largest_share",
     "extra_payload",
 ]
@@ -187,3 +188,26 @@ def largest_share(shapes_specs, mesh_shape) -> float:
         return 1.0
     _, spec = max(placed, key=lambda p: p[0])
     return 1.0 / total_shard_degree(spec, mesh_shape)
+
+
+def _moves(src, dst, mesh_shape):
+    if src is None or dst is None:
+        return []
+    return [(a, p, q) for a, p, q in transition_steps(tuple(src), tuple(dst)) if mesh_shape[a] > 1]
+
+
+def edge_allocates(src, dst, grad, mesh_shape, *, requires_grad: bool, from_param: bool) -> bool:
+    """Whether the edge moving a value placed ``src`` to ``dst`` (gradient back from ``grad``)
+    gives its consumer a new storage, as the runtime's ``Reshard`` does: when a move sends data
+    (a collective writes a new buffer), or the value needs a gradient (a copy is handed out, not a
+    view made inside autograd) unless it is a parameter whose forward does not move (passed
+    through). Otherwise (no move; a local slice of a value without gradient) it shares ``src``'s."""
+    forward = _moves(src, dst, mesh_shape)
+    backward = _moves(grad, dual_spec(tuple(src)), mesh_shape) if requires_grad and grad is not None else []
+    if not forward and not backward:
+        return False  # no Reshard at all
+    if any(is_shard(p) or is_partial(p) for _, p, _ in forward):
+        return True  # a collective writes a new buffer
+    if not forward:
+        return requires_grad and not from_param  # passed through, or copied out of autograd's way
+    return requires_grad  # a local slice: a view, copied when it needs a gradient

@@ -8,7 +8,7 @@ producer's option and the class ``s = cls_h(j)`` of the consumer's option (``C_e
     subject to  sum_i x[g,i] = 1                                   (one option per group)
                 sum_s f[e,o,s] = sum_{i: cls_g(i)=o} x[g,i]         (flow leaves the producer's class)
                 sum_o f[e,o,s] = sum_{j: cls_h(j)=s} x[h,j]         (and arrives at the consumer's)
-                sum_{g,i} m[g,i] x[g,i] <= budget                  (memory per device)
+                sum_{g,i} m[g,i] x[g,i] + sum_{e,o,s} M_e[o,s] f[e,o,s] <= budget   (memory)
                 sum_{i in A} x[g,i] = sum_{j in B} x[h,j]          (links: chosen together)
                 x binary, f >= 0
 
@@ -38,7 +38,8 @@ class IlpResult:
 
 
 def min_memory(costs_memory: list) -> float:
-    """The least memory any assignment needs (memory has no edge terms, so it separates)."""
+    """The least memory of the groups' own terms (they separate): what any assignment needs at
+    least (edge terms, buffers kept for backward, only add to it)."""
     return float(sum(np.min(m) for m in costs_memory))
 
 
@@ -58,13 +59,17 @@ def solve_ilp(
     offsets = np.cumsum([0] + [len(c) for c in node_costs])
     n_x = int(offsets[-1])
     flow_offsets = [n_x]
-    for _, _, _, _, m in edges:
-        flow_offsets.append(flow_offsets[-1] + m.size)
+    for edge in edges:
+        flow_offsets.append(flow_offsets[-1] + edge[4].size)
     n = flow_offsets[-1]
 
     c = np.zeros(n)
     x_cost = np.concatenate(node_costs) if node_costs else np.zeros(0)
     x_mem = np.concatenate(memories) if memories else np.zeros(0)
+    flow_mem = np.zeros(n - n_x)  # bytes an edge's buffers keep, on its flow variables
+    for e, edge in enumerate(edges):
+        if len(edge) > 5 and edge[5] is not None:
+            flow_mem[flow_offsets[e] - n_x : flow_offsets[e + 1] - n_x] = edge[5].ravel()
     if objective == "memory":
         scale = max(1.0, float(np.abs(x_mem).max(initial=1.0)))
         c[:n_x] = x_mem / scale + 1e-9 * x_cost
@@ -86,10 +91,13 @@ def solve_ilp(
     add_entries(np.repeat(np.arange(n_groups), sizes), np.arange(n_x), np.ones(n_x))
     add_rows(np.ones(n_groups), np.ones(n_groups))
     r = n_groups
-    for e, (g, h, cls_g, cls_h, m) in enumerate(edges):
+    for e, (g, h, cls_g, cls_h, m, *_) in enumerate(edges):
         base = flow_offsets[e]
         n_src, n_dst = m.shape
-        c[base : base + m.size] = m.ravel() if objective != "memory" else 1e-9 * m.ravel()
+        if objective == "memory":
+            c[base : base + m.size] = flow_mem[base - n_x : base - n_x + m.size] / scale + 1e-9 * m.ravel()
+        else:
+            c[base : base + m.size] = m.ravel()
         flows = base + np.arange(m.size)
         # producer side: one row per source class
         add_entries(r + np.repeat(np.arange(n_src), n_dst), flows, np.ones(m.size))
@@ -110,6 +118,7 @@ def solve_ilp(
     if budget is not None:
         mem_row = np.zeros(n)
         mem_row[:n_x] = x_mem
+        mem_row[n_x:] = flow_mem
         constraints.append(LinearConstraint(mem_row.reshape(1, -1), -np.inf, budget))
     integrality = np.zeros(n)
     integrality[:n_x] = 1
@@ -124,6 +133,6 @@ def solve_ilp(
         return IlpResult(None, None, res.status, res.message)
     choice = [int(np.argmax(res.x[offsets[g] : offsets[g + 1]])) for g in range(len(node_costs))]
     total = float(sum(node_costs[g][i] for g, i in enumerate(choice)))
-    for g, h, cls_g, cls_h, m in edges:
+    for g, h, cls_g, cls_h, m, *_ in edges:
         total += float(m[cls_g[choice[g]], cls_h[choice[h]]])
     return IlpResult(choice, total, res.status, res.message)

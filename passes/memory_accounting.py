@@ -22,6 +22,9 @@ keeps (:mod:`passes.saved_tensors` says what each op saves) and counts each stor
 * **Transients.** Forward: what a node allocates that nothing keeps (its output and its
   edges' buffers), alive while it runs. Backward: the gradients of its output and of its
   inputs that need one, alive while its backward runs.
+* **Recomputed layers** (activation checkpointing): what their ops keep is rebuilt while the
+  layer's backward reruns it (a backward transient, on the layer's first node); the checkpoint
+  keeps the values entering the layer.
 
 :func:`memory_fields` returns, per node name, the fields :mod:`partitioner.memory` turns into
 the plan's breakdown and peaks.
@@ -34,36 +37,23 @@ import operator
 import torch.fx as fx
 
 from passes.analyze import info
-from passes.cost_model import dtype_bytes, largest_share, local_bytes, param_state_parts
-from passes.placements import dual_spec, is_partial, is_shard, transition_steps
+from passes.cost_model import dtype_bytes, edge_allocates, largest_share, local_bytes, param_state_parts
 from passes.rules import tensor_input_nodes
 
-__all__ = ["edge_allocates", "memory_fields"]
+__all__ = ["memory_fields"]
 
 
-def _moves(src, dst, mesh_shape):
-    if src is None or dst is None:
-        return []
-    return [(a, p, q) for a, p, q in transition_steps(tuple(src), tuple(dst)) if mesh_shape[a] > 1]
-
-
-def edge_allocates(src, dst, grad, mesh_shape, *, requires_grad: bool, from_param: bool) -> bool:
-    """Whether the edge moving a value placed ``src`` to ``dst`` (gradient back from ``grad``)
-    gives its consumer a new storage (see the module docstring), as the runtime does."""
-    forward = _moves(src, dst, mesh_shape)
-    backward = _moves(grad, dual_spec(tuple(src)), mesh_shape) if requires_grad and grad is not None else []
-    if not forward and not backward:
-        return False  # no Reshard at all
-    if any(is_shard(p) or is_partial(p) for _, p, _ in forward):
-        return True  # a collective writes a new buffer
-    if not forward:
-        return requires_grad and not from_param  # passed through, or copied out of autograd's way
-    return requires_grad  # a local slice: a view, copied when it needs a gradient
-
-
-def memory_fields(graph: fx.Graph, choices: dict, mesh_shape, *, optimizer, activation_copies: int = 1) -> dict:
+def memory_fields(
+    graph: fx.Graph, choices: dict, mesh_shape, *, optimizer, activation_copies: int = 1, tied=(), recomputed=None
+) -> dict:
     """Node name -> memory fields (bytes per device) for a solved plan; ``choices``: node ->
-    NodeChoice (the solver's decision for every node that has one)."""
+    NodeChoice (the solver's decision for every node that has one); ``tied``: lists of placeholder
+    names that are one tensor (tied weights: its state counts once, on the first name);
+    ``recomputed``: node -> its layer, for the nodes of layers recomputed in backward (what they
+    keep is rebuilt while their layer's backward runs: a backward transient; the checkpoint keeps
+    the layer's inputs)."""
+    recomputed = recomputed or {}
+    again = {name for names in tied for name in names[1:]}
     mesh = tuple(mesh_shape)
     fields: dict = {}
 
@@ -116,28 +106,38 @@ def memory_fields(graph: fx.Graph, choices: dict, mesh_shape, *, optimizer, acti
     kept: dict = {}  # storage key -> (bytes, owner node)
     edge_buffers: dict = {}  # consumer -> bytes of its edges' buffers
 
-    def keep(found):
+    layer_kept: dict = {}  # recomputed layer -> {storage key: bytes}, rebuilt in its backward
+    first_of: dict = {}  # recomputed layer -> its first node
+
+    def keep(found, into=kept):
         if found is not None:
             key, nbytes, owner = found
-            kept.setdefault(key, (nbytes, owner))
+            into.setdefault(key, (nbytes, owner))
 
     for c in graph.nodes:
         i = info(c)
         if c.op != "call_function" or i.kind != "op" or i.saves is None or choices.get(c) is None:
             continue
         ins = tensor_input_nodes(c)
+        layer = recomputed.get(c)
+        into = kept if layer is None else layer_kept.setdefault(layer, {})
+        if layer is not None:
+            first_of.setdefault(layer, c)
+            for u in ins:  # the checkpoint keeps what enters the layer
+                if recomputed.get(u) != layer:
+                    keep(base(u))
         for k in i.saves.inputs:
             e = edge(c, k)
             if e is not None:
-                keep((e[0], e[1], c))
+                keep((e[0], e[1], c), into)
             else:
-                keep(base(ins[k]))
+                keep(base(ins[k]), into)
         for j in i.saves.outputs:
-            keep(base(c, j))
+            keep(base(c, j), into)
         if i.saves.extra_bytes:
             mine = choices[c]
             placed = [(info(u).shape, spec) for u, spec in zip(ins, mine.ins)] or [(i.shape, out_spec(c))]
-            kept[("extra", c)] = (i.saves.extra_bytes * largest_share(placed, mesh), c)
+            into[("extra", c)] = (i.saves.extra_bytes * largest_share(placed, mesh), c)
         for k in range(len(ins)):
             e = edge(c, k)
             if e is not None and e[0] not in kept:
@@ -152,7 +152,7 @@ def memory_fields(graph: fx.Graph, choices: dict, mesh_shape, *, optimizer, acti
         i = info(n)
         f = fields.setdefault(n.name, {})
         spec = out_spec(n)
-        if n.op == "placeholder" and spec is not None:
+        if n.op == "placeholder" and spec is not None and n.name not in again:
             if i.kind == "param":
                 numel = local_bytes(i.shape, spec, mesh, 1)
                 p, g, s = param_state_parts(numel, dtype_bytes(i.dtype), optimizer)
@@ -167,4 +167,8 @@ def memory_fields(graph: fx.Graph, choices: dict, mesh_shape, *, optimizer, acti
         if i.requires_grad:
             grads_in = sum(value_bytes(u) for u in tensor_input_nodes(n) if info(u).requires_grad)
             f["transient_bwd"] = value_bytes(n) + grads_in
+    for layer, storages in layer_kept.items():  # alive while the layer's backward reruns it
+        rebuilt = sum(nbytes for key, (nbytes, _) in storages.items() if key not in kept)
+        f = fields.setdefault(first_of[layer].name, {})
+        f["transient_bwd"] = f.get("transient_bwd", 0.0) + rebuilt
     return {name: f for name, f in fields.items() if f}

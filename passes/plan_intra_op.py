@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from passes.analyze import info
 from passes.blocks import find_blocks
+from passes.capture import tied_placeholders
 from passes.cost_model import Collective, collective_time, dtype_bytes, extra_payload
 from passes.ilp_solver import min_memory, solve_ilp
 from passes.memory_accounting import memory_fields
@@ -212,7 +213,7 @@ def plan_intra_op(
         return solve_ilp(
             [g.cost for g in space.groups],
             [g.memory for g in space.groups],
-            [(e.src, e.dst, e.src_class, e.dst_class, e.matrix) for e in space.edges],
+            [(e.src, e.dst, e.src_class, e.dst_class, e.matrix, e.memory) for e in space.edges],
             budget=limit,
             links=redo.rows(),
             objective=objective,
@@ -220,13 +221,14 @@ def plan_intra_op(
         )
 
     redo = RecomputeChoice()
+    peak_of = _peak_of(space, cap, optimizer, activation_copies, lambda: redo)
     least_kept = min_memory([g.memory for g in space.groups])
     least = least_kept
     result = None
     if recompute == "auto" and blocks.groups:
         # Recomputation only adds time: when the best plan without it fits, it is the best plan.
         free = solve(None, redo)
-        used = free.choice is not None and sum(g.memory[i] for g, i in zip(space.groups, free.choice))
+        used = free.choice is not None and peak_of(free.choice)[0]
         if free.choice is not None and (budget is None or used <= budget):
             result = free
     if result is None:
@@ -241,6 +243,8 @@ def plan_intra_op(
             f"the solver found no plan within the budget ({result.message}); the least memory "
             f"any plan needs is {least / 2**30:.3f} GiB"
         )
+    if budget is not None:
+        result = _fit_peak(result, budget, lambda limit: solve(limit, redo), peak_of)
     recomputed = redo.decode(result.choice)
     if any(recomputed.values()):
         log(f"recomputed in backward: {', '.join(label for label, on in recomputed.items() if on)}")
@@ -276,7 +280,15 @@ def plan_intra_op(
                 _mark_recomputed(rec, node, choices.get(node), blocks, activation_copies, space.mesh_shape)
         records.append(rec)
 
-    exact = memory_fields(graph, choices, space.mesh_shape, optimizer=optimizer, activation_copies=activation_copies)
+    exact = memory_fields(
+        graph,
+        choices,
+        space.mesh_shape,
+        optimizer=optimizer,
+        activation_copies=activation_copies,
+        tied=tied_placeholders(cap),
+        recomputed=_recomputed_layers(blocks, recomputed),
+    )
     for rec in records:
         rec.update(exact.get(rec["name"], {}))
 
@@ -342,6 +354,60 @@ def _mark_recomputed(rec, node, choice, blocks, copies, mesh_shape) -> None:
     rec["comm"] = rec["comm"] + [dict(c, recompute=True) for c in rec["comm"] if c["phase"] == "fwd"]
     kept = boundary_bytes(node, choice, set(group.members[k]), copies, mesh_shape)
     rec["memory"] = float(kept + (choice.memory if k == 0 else 0.0))
+
+
+def _recomputed_layers(blocks, recomputed: dict) -> dict:
+    """node -> (block kind, layer index) for the nodes of the layers recomputed in backward."""
+    return {n: (grp.label, k) for n, (grp, k) in blocks.block_of.items() if recomputed.get(grp.label)}
+
+
+def _peak_of(space, cap, optimizer, activation_copies, redo):
+    """choice -> (the plan's peak per device, the part of it no ILP row sees: transients)."""
+    from partitioner.memory import memory_breakdown
+
+    graph, represent = cap.graph, space.blocks.represent
+    tied = tied_placeholders(cap)
+
+    def peak(choice):
+        picked = {m: g.options[i][m] for g, i in zip(space.groups, choice) for m in g.members}
+        choices = {n: picked[represent(n)] for n in graph.nodes if represent(n) in picked}
+        fields = memory_fields(
+            graph,
+            choices,
+            space.mesh_shape,
+            optimizer=optimizer,
+            activation_copies=activation_copies,
+            tied=tied,
+            recomputed=_recomputed_layers(space.blocks, redo().decode(choice)),
+        )
+        m = memory_breakdown([dict(fields.get(n.name, {}), name=n.name) for n in graph.nodes])
+        return m.peak, m.peak - (m.state + m.inputs + m.saved)
+
+    return peak
+
+
+def _fit_peak(result, budget, solve, peak_of):
+    """The ILP row holds state, inputs and what backward keeps; the peak adds a transient (an
+    op's output and edge buffers in forward, gradients in backward). Re-solve with the budget less
+    the largest transient seen until the plan's peak fits; no such plan: InfeasibleBudgetError."""
+    margin = 0.0
+    for _ in range(4):
+        peak, transient = peak_of(result.choice)
+        if peak <= budget:
+            return result
+        margin = max(margin, transient)
+        retry = solve(budget - margin)
+        if retry.choice is None:
+            break
+        result = retry
+    peak, transient = peak_of(result.choice)
+    if peak <= budget:
+        return result
+    raise InfeasibleBudgetError(
+        f"no plan found whose peak fits {budget / 2**30:.4f} GiB per device ({budget:.0f} bytes): the best needs "
+        f"{peak:.0f} bytes at its peak, {transient:.0f} of them transient (an op's output and gradients). Raise "
+        f"the budget, use a larger mesh, or a lighter optimizer (optimizer='sgd')."
+    )
 
 
 def _tie_aliases(cap, blocks) -> None:

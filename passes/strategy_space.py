@@ -39,6 +39,7 @@ from passes.cost_model import (
     collective_time,
     compute_time,
     dtype_bytes,
+    edge_allocates,
     extra_payload,
     local_bytes,
     param_state_bytes,
@@ -124,9 +125,17 @@ class EdgeCost:
     dst_class: np.ndarray
     matrix: np.ndarray
     """[src classes, dst classes] seconds (already multiplied by occurrence counts)."""
+    memory: np.ndarray | None = None
+    """[src classes, dst classes] bytes of the buffers the edge makes that backward keeps (a
+    weight gathered for use and saved by its matmul), likewise multiplied; None: none."""
 
     def full(self) -> np.ndarray:
         return self.matrix[np.ix_(self.src_class, self.dst_class)]
+
+    def full_memory(self) -> np.ndarray:
+        if self.memory is None:
+            return np.zeros((len(self.src_class), len(self.dst_class)))
+        return self.memory[np.ix_(self.src_class, self.dst_class)]
 
 
 @dataclass
@@ -223,6 +232,18 @@ class _Builder:
         return self._views[node]
 
     # -- costs of one node ------------------------------------------------------------
+    def edge_memory(self, u, src, dst, grad, consumer, k) -> float:
+        """Bytes of the buffer the edge ``u -> consumer`` (input ``k``) makes, when ``consumer``
+        keeps that input for backward (see :func:`passes.cost_model.edge_allocates`)."""
+        saves = info(consumer).saves
+        if saves is None or k not in saves.inputs or src is None or dst is None:
+            return 0.0
+        ui = info(u)
+        grad = grad if ui.requires_grad else None
+        if not edge_allocates(src, dst, grad, self.mesh, requires_grad=ui.requires_grad, from_param=ui.kind == "param"):
+            return 0.0
+        return self.activation_copies * local_bytes(ui.shape or (), dst, self.mesh, dtype_bytes(ui.dtype))
+
     def time_of(self, collectives) -> float:
         return sum(collective_time(c, self.mesh, self.cluster) for c in collectives)
 
@@ -327,7 +348,9 @@ class _Builder:
         if given is not None:  # resharding inside the group, on the way into this node
             for k, (g, want) in enumerate(zip(given, strategy.ins)):
                 if g is not None and want is not None:
-                    inbound += self.edge_time(g, want, strategy.grad_spec(k), self.inputs_of(node)[k])
+                    u = self.inputs_of(node)[k]
+                    inbound += self.edge_time(g, want, strategy.grad_spec(k), u)
+                    act += self.edge_memory(u, g, want, strategy.grad_spec(k), node, k)
                     forward_comm += self.edge_time(g, want, None, self.inputs_of(node)[k])
         return NodeChoice(
             strategy=strategy,
@@ -555,36 +578,45 @@ def _build_edges(graph, b: _Builder, groups, group_of) -> list:
             np.array([[0.0 if d is None else b.edge_time(s, d, gspec, u) for (d, gspec) in dst_vals] for s in src_vals])
             * occurrences
         )
+        mem = (
+            np.array([[b.edge_memory(u, s, d, gspec, v, k) for (d, gspec) in dst_vals] for s in src_vals]) * occurrences
+        )
         if gu == gv:
-            full = m[np.ix_(src_cls, dst_cls)]
-            groups[gu].cost = groups[gu].cost + np.diag(full)
+            groups[gu].cost = groups[gu].cost + np.diag(m[np.ix_(src_cls, dst_cls)])
+            groups[gu].memory = groups[gu].memory + np.diag(mem[np.ix_(src_cls, dst_cls)])
             continue
         pair = (gu, gv)
         if pair in by_pair:
             prev = by_pair[pair]
             combined = prev.full() + m[np.ix_(src_cls, dst_cls)]
-            by_pair[pair] = _factor(gu, gv, combined)
+            by_pair[pair] = _factor(gu, gv, combined, prev.full_memory() + mem[np.ix_(src_cls, dst_cls)])
         else:
-            by_pair[pair] = EdgeCost(gu, gv, src_cls, dst_cls, m)
+            by_pair[pair] = EdgeCost(gu, gv, src_cls, dst_cls, m, mem if np.any(mem) else None)
     edges = []
     for e in by_pair.values():
-        if not np.any(e.matrix):
+        if not np.any(e.matrix) and e.memory is None:
             continue
-        full = e.full()
+        full, full_mem = e.full(), e.full_memory()
         # A cost that depends on one side only is a node cost, not an edge.
-        if (full == full[:, :1]).all():
+        if (full == full[:, :1]).all() and (full_mem == full_mem[:, :1]).all():
             groups[e.src].cost = groups[e.src].cost + full[:, 0]
-        elif (full == full[:1, :]).all():
+            groups[e.src].memory = groups[e.src].memory + full_mem[:, 0]
+        elif (full == full[:1, :]).all() and (full_mem == full_mem[:1, :]).all():
             groups[e.dst].cost = groups[e.dst].cost + full[0, :]
+            groups[e.dst].memory = groups[e.dst].memory + full_mem[0, :]
         else:
             edges.append(e)
     return edges
 
 
-def _factor(src, dst, full) -> EdgeCost:
-    rows, row_cls = _classes([tuple(r) for r in full])
-    cols, col_cls = _classes([tuple(c) for c in full.T])
-    matrix = full[
-        np.ix_([list(row_cls).index(i) for i in range(len(rows))], [list(col_cls).index(j) for j in range(len(cols))])
-    ]
-    return EdgeCost(src, dst, row_cls, col_cls, matrix)
+def _factor(src, dst, full, full_memory=None) -> EdgeCost:
+    """An edge from its option x option matrices (seconds; bytes kept), through classes."""
+    both = full if full_memory is None else np.concatenate([full, full_memory], axis=1)
+    both_t = full.T if full_memory is None else np.concatenate([full.T, full_memory.T], axis=1)
+    rows, row_cls = _classes([tuple(r) for r in both])
+    cols, col_cls = _classes([tuple(c) for c in both_t])
+    pick = np.ix_(
+        [list(row_cls).index(i) for i in range(len(rows))], [list(col_cls).index(j) for j in range(len(cols))]
+    )
+    memory = full_memory[pick] if full_memory is not None and np.any(full_memory) else None
+    return EdgeCost(src, dst, row_cls, col_cls, full[pick], memory)

@@ -348,7 +348,10 @@ class Reshard(torch.nn.Module):
                 self._strided_of(self.grad, self.strided),
                 self._strided_of(dual_spec(self.src), self.src_strided),
             )
-        return moved.to(grad.dtype)
+        moved = moved.to(grad.dtype)
+        # a parameter's gradient cut out of a whole one (Replicate -> Shard) is a view: the
+        # parameter's .grad would keep the whole gradient's storage alive; keep the piece only
+        return moved.clone() if self.param_edge is not None and moved._base is not None else moved
 
     @property
     def backward_is_allreduce(self) -> bool:

@@ -227,8 +227,9 @@ def test_memory_objective_uses_less_memory(gpt, plan):
     model, inputs = gpt
     lean = partitioner.plan(model, inputs, mesh_shape=(2, 4), cluster="h100", objective="memory")
     assert lean.estimate().memory_bytes < plan.estimate().memory_bytes
-    # the solver reached its least memory row (the estimate's peak adds what the row cannot see)
-    assert sum(r["memory"] for r in lean.records) == pytest.approx(lean.data["stats"]["least_memory"], rel=1e-6)
+    lean_m, fast_m = lean.estimate().memory, plan.estimate().memory
+    assert lean_m.state + lean_m.saved < fast_m.state + fast_m.saved
+    assert 0 < lean.data["stats"]["least_memory"] <= lean_m.state + lean_m.inputs + lean_m.saved
 
 
 def test_repeated_blocks_make_depth_nearly_free():
