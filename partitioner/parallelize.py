@@ -32,6 +32,7 @@ from passes.analyze import analyze, info
 from passes.capture import graph_fingerprint, tied_placeholders
 from passes.capture_blocks import capture_model
 from passes.lower_to_local import lower_to_local
+from passes.recompute import check_recompute_mode
 from passes.shape_check import check_divisible
 from runtime.collectives import MeshComm, on_rank0
 from runtime.parallel_module import ParallelModule
@@ -137,7 +138,14 @@ def auto_parallelize(
     device = _job_device(device)
     cluster = cluster or ("cpu" if device.type == "cpu" else "h100")
     precision = _resolve_precision(precision, plan)
+    check_recompute_mode(recompute)
     if pipeline is not None:
+        if recompute == "all":
+            raise ValueError(
+                "recompute='all' is not available with pipeline= yet: pipeline stages keep their layers' "
+                "activations (their schedule bounds how many microbatches are alive); use recompute='auto' "
+                "or 'none' with a pipeline"
+            )
         return _pipelined(
             model,
             example_inputs,

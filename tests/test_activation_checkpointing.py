@@ -229,3 +229,13 @@ def test_cli_plan_recompute_all(tmp_path, capsys):
     plan = partitioner.ShardingPlan.load(path)
     assert plan.data["recompute"] == "all" and all(b["recompute"] for b in plan.data["blocks"])
     assert "recomputed in backward (activation checkpointing, recompute='all'): h.[0-1]" in capsys.readouterr().out
+
+
+def test_forced_recompute_with_a_pipeline_and_a_bad_mode_are_refused(fake_process_group):
+    fake_process_group(4)
+    model, inputs = models.gpt_demo(batch=8, seq=16, n_layer=2)
+    with pytest.raises(ValueError, match=r"recompute='all' is not available with pipeline="):
+        partitioner.auto_parallelize(model, inputs, mesh=(2, 2), cluster="h100", recompute="all",
+                                     pipeline={"degree": 2, "schedule": "1f1b", "microbatches": 2})
+    with pytest.raises(ValueError, match=r"recompute must be one of .*'yes'"):
+        partitioner.auto_parallelize(model, inputs, mesh=(4,), cluster="h100", recompute="yes")
