@@ -173,6 +173,7 @@ def test_the_solver_recomputes_only_under_a_budget_that_needs_it():
     tight = _plan(model, inputs, memory_budget=int(least_kept * 0.9))   # no plan fits without recompute
     assert [b["recompute"] for b in tight.data["blocks"]] == [True]
     assert _solver_memory(tight) <= least_kept * 0.9
+    assert tight.estimate().memory_bytes <= least_kept * 0.9                # the estimated peak fits too
     # every op of every layer is recomputed, nothing outside the layers
     ops = [r for r in tight.records if r["kind"] == "op"]
     assert all(bool(r.get("recompute")) == ("block" in r) for r in ops)
@@ -191,6 +192,7 @@ def test_the_solver_recomputes_only_under_a_budget_that_needs_it():
         added += sum(c["time_s"] for r in forced.records for c in r["comm"] if c.get("recompute"))
         assert forced.estimate().step_time_s == pytest.approx(plain.estimate().step_time_s + added, rel=1e-9)
     assert _solver_memory(forced) < _solver_memory(plain)
+    assert forced.estimate().memory.saved_activations < plain.estimate().memory.saved_activations / 4
 
 
 def test_an_impossible_budget_names_the_least_memory_with_recompute():
