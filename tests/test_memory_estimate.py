@@ -100,3 +100,34 @@ def test_peak_follows_the_step():
     assert m.peak == m.backward_peak
     legacy = memory_breakdown([{"name": "w", "memory": 7.0}, {"name": "a", "memory": 3.0}])
     assert legacy.peak == 10.0
+
+
+def test_measure_memory_counts_each_storage_once():
+    """A plain two-layer MLP: the ReLU keeps its output and the second matmul keeps the same
+    tensor (one storage, counted once); inputs and parameters are not activations."""
+    import torch
+
+    import partitioner
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    m = partitioner.measure_memory(model, (torch.randn(2, 8),), loss_fn=lambda out: out.sum(), by_node=True)
+    param_bytes = 4 * (8 * 16 + 16 + 16 * 4 + 4)
+    assert (m.parameters, m.gradients, m.optimizer_state) == (param_bytes, param_bytes, 2 * param_bytes)
+    assert m.saved_activations == 2 * 16 * 4 and m.inputs == 2 * 8 * 4
+    assert m.state == 4 * param_bytes and m.peak_allocated is None
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert partitioner.measure_memory(model, (torch.randn(2, 8),), optimizer=sgd,
+                                      loss_fn=lambda out: out.sum()).optimizer_state == 0
+
+
+def test_measure_memory_bad_input_says_what_to_pass():
+    import torch
+
+    import partitioner
+
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(TypeError, match="batch must be a tuple"):
+        partitioner.measure_memory(model, torch.randn(3, 4))
+    with pytest.raises(ValueError, match="loss_fn="):
+        partitioner.measure_memory(model, (torch.randn(3, 4),))
