@@ -36,7 +36,14 @@ from passes.placements import Shard, local_shape
 from runtime.collectives import MeshComm
 from runtime.parallel_module import gather_tensor, shard_tensor
 
-__all__ = ["TensorLayout", "register_parameters", "parameter_fqns", "layout_of", "shard_optimizer_state", "ordered_params"]
+__all__ = [
+    "TensorLayout",
+    "register_parameters",
+    "parameter_fqns",
+    "layout_of",
+    "shard_optimizer_state",
+    "ordered_params",
+]
 
 
 @dataclass(frozen=True)
