@@ -1,8 +1,8 @@
 """The memory estimate is the truth: measured per rank, on real gloo ranks, against the plan.
 
 For parity configs (the models and pins of ``parity_utils``: data parallel, Megatron, DP x TP,
-sequence parallel, and the solver under a budget on GPT, GPT-2, LLaMA and the MLP, whose plans
-gather weights for use), each rank plans, runs one forward + backward through
+sequence parallel on GPT, BERT, LLaMA and ViT, and the solver under a budget on GPT, GPT-2,
+LLaMA and the MLP, whose plans gather weights for use), each rank plans, runs one forward + backward through
 ``partitioner.measure_memory`` (saved-tensor hooks, each storage counted once) and compares with
 ``plan.estimate().memory``:
 
@@ -62,10 +62,12 @@ def memory_worker(rank, world, mesh, configs):
 BUDGET = 0.75  # of the replicated fp32 Adam state, as the parity tests: the solver must shard
 
 RUNS = [
-    pytest.param((2,), [("gpt", "dp", None), ("bert", "dp", None), ("mlp", "free", BUDGET)], id="2"),
-    pytest.param((4,), [("gpt", "tp", None), ("gpt", "free", BUDGET), ("gpt2", "free", BUDGET),
+    pytest.param((2,), [("gpt", "dp", None), ("bert", "dp", None), ("llama", "tp", None), ("mlp", "free", BUDGET)],
+                 id="2"),
+    pytest.param((4,), [("gpt", "tp", None), ("vit", "tp", None), ("gpt", "free", BUDGET), ("gpt2", "free", BUDGET),
                         ("llama", "free", BUDGET)], id="4"),
-    pytest.param((2, 2), [("gpt", "dp_tp", None), ("gpt", "tp_sp", None)], id="2x2"),
+    pytest.param((2, 2), [("gpt", "dp_tp", None), ("gpt", "tp_sp", None), ("bert", "dp_tp", None),
+                          ("llama", "tp_sp", None)], id="2x2"),
 ]
 
 
