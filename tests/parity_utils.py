@@ -407,7 +407,8 @@ def run_checked(worker, cfg, timeout_s):
 
     from runtime.launch import run_on_ranks
 
-    results = run_on_ranks(worker, math.prod(cfg["mesh"]), cfg, timeout_s=timeout_s)
+    # the other ranks wait in a broadcast while rank 0 plans: up to the ILP's 60 s time limit
+    results = run_on_ranks(worker, math.prod(cfg["mesh"]), cfg, timeout_s=timeout_s, collective_timeout_s=150)
     failures = [f for r in results for f in r["failures"]]
     assert not failures, f"{len(failures)} mismatches, first ones:\n" + "\n".join(failures[:12])
     return results
