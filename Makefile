@@ -22,7 +22,7 @@ demo: setup
 	$(BIN)/python -m partitioner demo
 
 test: setup
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests --durations=25
 
 # The fast tier: everything but the tests that start processes (ranks, CLI subprocesses).
 test-fast: setup
