@@ -355,5 +355,6 @@ def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = 
         lines.append(
             f"solver: {stats.get('decisions')} decisions, {stats.get('options')} options, "
             f"{stats.get('edges')} edges; solved in {stats.get('solve_s', 0):.2f} s"
+            + (f" (node limit reached: within {100 * stats['ilp_gap']:.2f}% of optimal)" if stats.get("ilp_gap") else "")
         )
     return "\n".join(lines)
