@@ -352,9 +352,10 @@ def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = 
     lines += _folded_note(plan, {} if verbose else mask_index_rows(plan.records), width, wide)
     stats = plan.data.get("stats", {})
     if stats:
+        gap = stats.get("ilp_gap")
         lines.append(
             f"solver: {stats.get('decisions')} decisions, {stats.get('options')} options, "
             f"{stats.get('edges')} edges; solved in {stats.get('solve_s', 0):.2f} s"
-            + (f" (node limit reached: within {100 * stats['ilp_gap']:.2f}% of optimal)" if stats.get("ilp_gap") else "")
+            + (f" (node limit reached: within {100 * gap:.2f}% of optimal)" if gap else "")
         )
     return "\n".join(lines)

@@ -249,7 +249,8 @@ def plan_intra_op(
     recomputed = redo.decode(result.choice)
     if any(recomputed.values()):
         log(f"recomputed in backward: {', '.join(label for label, on in recomputed.items() if on)}")
-    proven = "" if result.optimal else f" (search stopped at its node limit, within {100 * (result.gap or 0):.2f}% of optimal)"
+    gap = 100 * (result.gap or 0)
+    proven = "" if result.optimal else f" (search stopped at its node limit, within {gap:.2f}% of optimal)"
     log(f"solve: {t2 - t1:.2f} s, estimated step {result.objective * 1e3:.3f} ms{proven}")
 
     rep_choice = {}
