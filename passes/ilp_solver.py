@@ -20,7 +20,7 @@ decisions that must agree (every group of one repeated block recomputes, or none
 ``objective="memory"`` the memory sum is minimised instead, with time as a tie-break.
 
 Search limits. Branch and bound stops at a relative gap of ``gap`` (1e-6: optimal), after
-``node_limit`` nodes, or after ``time_limit`` seconds, whichever comes first. The node limit is
+``node_limit`` nodes (1,000 by default), or after ``time_limit`` seconds, whichever comes first. The node limit is
 the one that normally binds on a hard budgeted problem: HiGHS usually finds its best plan in
 the first few hundred nodes and then spends minutes proving it; a node count, unlike a clock,
 stops at the same point on every machine, so the plan chosen does not depend on the machine's
@@ -37,7 +37,7 @@ from scipy.sparse import coo_matrix
 __all__ = ["IlpResult", "solve_ilp", "min_memory"]
 
 
-NODE_LIMIT = 2000
+NODE_LIMIT = 1000
 
 
 class IlpResult:
