@@ -83,8 +83,10 @@ def plan(
     model: torch.nn.Module,
     example_inputs,
     *,
-    mesh_shape=(1,),
+    mesh_shape=None,
     mesh_axis_names=None,
+    devices: int | None = None,
+    global_batch: int | None = None,
     cluster="h100",
     memory_budget=None,
     pins: dict | None = None,
@@ -103,8 +105,13 @@ def plan(
         model: any ``nn.Module``; it may live on the ``meta`` device (nothing is allocated).
         example_inputs: a tuple of positional arguments or a dict of keyword arguments
             (HuggingFace style: ``input_ids``, ``attention_mask``, ``labels``, ``pixel_values``).
-        mesh_shape: devices per mesh axis, e.g. ``(8, 8)`` or ``"8x8"``.
+        mesh_shape: devices per mesh axis, e.g. ``(8, 8)`` or ``"8x8"`` (default ``(1,)``).
         mesh_axis_names: names for the axes (default ``a0, a1, ...``).
+        devices: plan for this many devices with no mesh given: the whole configuration
+            (pipeline x data x tensor degrees, microbatches, schedule, recomputation) is searched
+            (:mod:`partitioner.config_search`); ``plan.config`` holds it, ``plan.explain()`` the
+            runner-ups. With ``mesh_shape`` too, the two must agree (the mesh is then used).
+        global_batch: samples per step for the search (default: the example inputs' batch).
         cluster: ``"h100"``, ``"h200"``, ``"a100"``, ``"cpu"`` (measured here) or a ClusterSpec.
         memory_budget: bytes per device (``"80GiB"``); default: the cluster's device memory.
         pins: fixed placements, e.g. ``{"input_ids": ["S(0)", "R"], "lm_head.weight": ["R", "S(0)"]}``
@@ -134,6 +141,25 @@ def plan(
         plan.estimate().comm_bytes["all_reduce"]     # bytes per mesh axis
         print(plan.explain("model.layers.0.mlp.down_proj"))
     """
+    if devices is not None or global_batch is not None:
+        searched = _plan_for_devices(
+            model,
+            example_inputs,
+            mesh_shape=mesh_shape,
+            devices=devices,
+            global_batch=global_batch,
+            cluster=cluster,
+            memory_budget=memory_budget,
+            pins=pins,
+            optimizer=optimizer,
+            time_limit=time_limit,
+            layers=layers,
+            precision=precision,
+            recompute=recompute,
+        )
+        if searched is not None:
+            return searched
+    mesh_shape = (1,) if mesh_shape is None else mesh_shape
     t0 = time.perf_counter()
     precision = Precision.build(precision)
     check_recompute_mode(recompute)
@@ -250,5 +276,36 @@ def plan_captured(
         "blocks": result.blocks,
         "stats": stats,
     }
+    data["model_flops"] = training_flops(cap)
     logger.info("plan ready: %.2f s in all", t3 - t0)
     return ShardingPlan(data)
+
+
+# -- the whole configuration for N devices (partitioner/config_search.py) ------------------------
+
+
+def training_flops(cap) -> float:
+    """FLOPs of one training step of the captured graph: 3x its forward (backward = 2x forward)."""
+    return 3.0 * sum(info(n).flops for n in cap.graph.nodes if n.op == "call_function" and info(n).kind == "op")
+
+
+def _plan_for_devices(
+    model, example_inputs, *, mesh_shape, devices, global_batch, pins, **search
+) -> ShardingPlan | None:
+    """``plan(devices=N)``: the configuration search; None when a mesh given with it decides."""
+    from partitioner.config_search import check_devices, search_config
+
+    if devices is None:
+        raise ValueError("global_batch= is for the configuration search: give devices=N with it")
+    check_devices(devices)
+    if mesh_shape is not None:
+        mesh = MeshSpec.build(mesh_shape)
+        if mesh.size != devices:
+            raise ValueError(
+                f"devices={devices} and mesh_shape={mesh.shape} ({mesh.size} devices) disagree: give one of them "
+                f"(devices= alone searches the configuration)"
+            )
+        return None
+    if pins:
+        raise ValueError("pins= need a mesh: give mesh_shape= with pins, or leave pins out for devices=")
+    return search_config(model, example_inputs, devices=devices, global_batch=global_batch, **search)

@@ -109,7 +109,10 @@ def auto_parallelize(
     Args:
         model: the user's model (on ``cpu``/``cuda``, or ``meta`` with ``state_dict``/``checkpoint``).
         example_inputs: a tuple of positional args or a dict of kwargs, as for :func:`partitioner.plan`.
-        mesh: a shape like ``(2, 2)``, a ``DeviceMesh``, or None (all ranks on one axis).
+        mesh: a shape like ``(2, 2)``, a ``DeviceMesh``, or None: the whole configuration for the
+            job's world size is searched (pipeline x data x tensor degrees, microbatches,
+            schedule; :mod:`partitioner.config_search`) and run. ``mesh=(world_size,)`` gives
+            all ranks one axis (what None meant before the search).
         plan: a ShardingPlan to replay instead of searching (its fingerprint must match).
         cluster: cost model preset; default ``"cpu"`` (measured) on CPUs, ``"h100"`` on GPUs.
         local_inputs: each rank passes only its own piece of the batch (as with DDP).
@@ -139,6 +142,10 @@ def auto_parallelize(
     cluster = cluster or ("cpu" if device.type == "cpu" else "h100")
     precision = _resolve_precision(precision, plan)
     check_recompute_mode(recompute)
+    if mesh is None and plan is None and pipeline is None:
+        mesh, mesh_axis_names, plan, pipeline = _searched_configuration(
+            model, example_inputs, cluster, memory_budget, precision, recompute, layers
+        )
     if pipeline is not None:
         if recompute == "all":
             raise ValueError(
@@ -262,6 +269,40 @@ def _pipelined(
         layers=layers,
         precision=precision,
     )
+
+
+def _searched_configuration(model, example_inputs, cluster, memory_budget, precision, recompute, layers):
+    """``mesh=None``: rank 0 searches the configuration for the world size and broadcasts the
+    plan; returns (mesh, axis names, plan to replay or None, pipeline config or None). A
+    pipelined choice is built by the pipeline builder (which plans its stages again, on rank 0);
+    pipelined candidates that recompute are left out (the runtime's stages keep activations)."""
+    from partitioner.config_search import search_config
+
+    def search():
+        return search_config(
+            model,
+            example_inputs,
+            devices=dist.get_world_size(),
+            cluster=cluster,
+            memory_budget=memory_budget,
+            precision=precision,
+            recompute=recompute,
+            layers=layers,
+            pipeline_recompute=False,
+        ).to_json()
+
+    chosen = ShardingPlan.from_dict(json.loads(on_rank0(search, "searching the configuration")))
+    config = chosen.config
+    logger.info("configuration: %s", config.describe())
+    if config.pipeline > 1:
+        pipeline = {
+            "degree": config.pipeline,
+            "schedule": config.schedule,
+            "microbatches": config.microbatches,
+            "virtual_stages": config.virtual_stages,
+        }
+        return config.mesh_shape, config.axis_names, None, pipeline
+    return config.mesh_shape, config.axis_names, chosen, None
 
 
 def _resolve_precision(precision, plan) -> Precision:

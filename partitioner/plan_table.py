@@ -314,6 +314,8 @@ def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = 
     """The plan as a table, its estimate and solver statistics (see the module docstring)."""
     from partitioner.sharding_plan import _fmt_bytes
 
+    if "pipeline" in plan.data:
+        return pipeline_table(plan, width=width)
     blocks = {b["label"]: b for b in plan.data.get("blocks", [])}
     rows = shown_rows(plan, verbose=verbose)
     heads, bases, seen = {}, {}, set()
@@ -338,6 +340,7 @@ def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = 
         f"{plan.precision_name}"
     )
     lines = [title] if wide else textwrap.wrap(title, width, subsequent_indent="  ")
+    lines += config_lines(plan, width)
     recomputed = [b["label"] for b in blocks.values() if b.get("recompute")]
     if recomputed:
         redo = (
@@ -358,4 +361,49 @@ def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = 
             f"{stats.get('edges')} edges; solved in {stats.get('solve_s', 0):.2f} s"
             + (f" (node limit reached: within {100 * gap:.2f}% of optimal)" if gap else "")
         )
+    return "\n".join(lines)
+
+
+# -- the whole configuration (partitioner.config_search) ---------------------------------------
+
+
+def config_lines(plan, width: int = WIDTH) -> list:
+    """``configuration: ...`` for a plan a search chose (``plan.config``), else nothing."""
+    config = plan.config
+    if config is None:
+        return []
+    text = f"configuration: {config.describe()} (runner-ups: plan.explain())"
+    return textwrap.wrap(text, width, subsequent_indent="  ")
+
+
+def pipeline_table(plan, *, width: int = WIDTH) -> str:
+    """A pipelined plan: its configuration, the stages (layers, mesh, per-microbatch estimate)
+    and the schedule's step; each stage's own table is ``plan.stage_plans[s].summary()``."""
+    from partitioner.sharding_plan import _fmt_bytes, _fmt_time
+
+    pipe = plan.data["pipeline"]
+    title = (
+        f"Pipelined plan for {plan.data.get('model', '?')} on mesh {plan.mesh_shape} "
+        f"({', '.join(plan.axis_names)}), cluster {plan.data['cluster']['name']}, budget "
+        f"{_fmt_bytes(plan.data['budget']) if plan.data.get('budget') else 'none'}, precision {plan.precision_name}"
+    )
+    lines = textwrap.wrap(title, width, subsequent_indent="  ") + config_lines(plan, width)
+    lines.append(
+        f"schedule {pipe['schedule']}: {pipe['microbatches']} microbatches, simulated step "
+        f"{_fmt_time(pipe['step_time_s'])}, bubble {100 * pipe['bubble_fraction']:.1f}% of rank-time, "
+        f"point-to-point {_fmt_time(pipe['p2p_time_s'])} per message"
+    )
+    lines.append(f"{'stage':>5}  {'layers':<16} {'per microbatch: step':>22} {'memory (in flight)':>20}  shared with")
+    first_of: dict = {}
+    for s, (rep, layers) in enumerate(zip(pipe["stage_map"], pipe["layers"])):
+        est = plan.stage_plans[s].estimate()
+        span = f"{layers[0]}-{layers[-1]}" if layers else "-"
+        shared = f"stage {first_of[rep]}" if rep in first_of else ""
+        first_of.setdefault(rep, s)
+        lines.append(
+            f"{s:>5}  {span:<16} {_fmt_time(est.step_time_s):>22} {_fmt_bytes(est.memory_bytes):>20}  {shared}"
+        )
+    lines.append("")
+    lines += textwrap.wrap("estimate: " + str(plan.estimate()), width, subsequent_indent="  ")
+    lines.append("each stage's table: plan.stage_plans[s].summary()")
     return "\n".join(lines)

@@ -71,6 +71,18 @@ class Estimate:
     """Per device: parameters, gradients, optimizer state, inputs, saved activations, gathered
     buffers, offloaded bytes, and the forward and backward peaks."""
 
+    # -- throughput: what the plan expects to achieve ------------------------------------------
+    model_flops: float = 0.0
+    """Training FLOPs of one step over all devices: forward and backward, 3x the forward's
+    (recomputation not counted, so MFU compares across recomputation choices)."""
+    devices: int = 1
+    tflops_per_device: float = 0.0
+    """``model_flops / devices / step_time_s`` in TFLOP/s."""
+    mfu: float = 0.0
+    """Model FLOPs utilisation: ``tflops_per_device`` over the preset's peak for the compute dtype."""
+    bubble_s: float = 0.0
+    """Pipelines: the busiest rank's idle time in the simulated schedule (0 without a pipeline)."""
+
     def total_comm_bytes(self) -> float:
         return sum(v for per_axis in self.comm_bytes.values() for v in per_axis.values())
 
@@ -83,11 +95,18 @@ class Estimate:
             )
             or "none"
         )
-        return (
+        text = (
             f"step {_fmt_time(self.step_time_s)} (compute {_fmt_time(self.compute_s)}, communication "
             f"{_fmt_time(self.comm_s)}); memory {_fmt_bytes(self.memory_bytes)} per device; "
             f"communication per device: {comm}"
         )
+        return text + self.throughput_text()
+
+    def throughput_text(self) -> str:
+        if not self.model_flops:
+            return ""
+        bubble = f", pipeline bubble {_fmt_time(self.bubble_s)}" if self.bubble_s else ""
+        return f"; {self.tflops_per_device:.1f} TFLOP/s per device (MFU {100 * self.mfu:.1f}%){bubble}"
 
 
 @dataclass
@@ -185,6 +204,11 @@ class ShardingPlan:
 
     # -- estimate ------------------------------------------------------------------------
     def estimate(self) -> Estimate:
+        if "pipeline" in self.data:
+            return self._with_throughput(self._pipeline_estimate())
+        return self._with_throughput(self._intra_op_estimate())
+
+    def _intra_op_estimate(self) -> Estimate:
         compute = comm_t = weight = 0.0
         comm = defaultdict(lambda: defaultdict(float))
         phases = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
@@ -208,6 +232,94 @@ class ShardingPlan:
             memory=memory,
         )
 
+    # -- the whole configuration (partitioner.config_search) -----------------------------------
+    @property
+    def config(self):
+        """The :class:`partitioner.parallel_config.ParallelConfig` this plan was made for (degrees,
+        mesh, microbatches, schedule, recompute); None for a plan made on a given mesh."""
+        from partitioner.parallel_config import ParallelConfig
+
+        raw = self.data.get("config")
+        return ParallelConfig.from_dict(raw) if raw is not None else None
+
+    @property
+    def stage_plans(self) -> list:
+        """A pipelined plan's stage plans, one per stage (identical stages share one); else []."""
+        pipe = self.data.get("pipeline")
+        if not pipe:
+            return []
+        plans = [ShardingPlan(d) for d in pipe["stage_plans"]]
+        return [plans[i] for i in pipe["stage_map"]]
+
+    def _pipeline_estimate(self) -> Estimate:
+        """The schedule's simulated step (bubble and point-to-point time included) on the busiest
+        rank: its stages' per-microbatch compute and collectives times the microbatches, plus
+        the activations and gradients it sends to its neighbours (``send_recv`` on ``pp``)."""
+        pipe = self.data["pipeline"]
+        stages = [p.estimate() for p in self.stage_plans]
+        m = pipe["microbatches"]
+        busiest = stages[pipe.get("busiest_stage", 0)]
+        comm = {k: {a: v * m for a, v in axes.items()} for k, axes in busiest.comm_bytes.items()}
+        comm["send_recv"] = {"pp": float(pipe["p2p_bytes"])}
+        phases = {
+            ph: {k: {a: v * m for a, v in axes.items()} for k, axes in kinds.items()}
+            for ph, kinds in busiest.comm_bytes_by_phase.items()
+        }
+        return Estimate(
+            step_time_s=pipe["step_time_s"],
+            compute_s=busiest.compute_s * m,
+            comm_s=busiest.comm_s * m + 2 * m * pipe["p2p_time_s"],
+            memory_bytes=pipe["memory_bytes"],
+            comm_bytes=comm,
+            comm_bytes_by_phase=phases,
+            weight_grad_s=busiest.weight_grad_s * m,
+            memory=busiest.memory,
+            bubble_s=max(0.0, pipe["step_time_s"] - pipe["busy_s"]),
+        )
+
+    def _with_throughput(self, est: Estimate) -> Estimate:
+        """Model FLOPs, TFLOP/s per device and MFU against the cluster's peak for the compute dtype."""
+        flops = float(self.data.get("model_flops") or 0.0)
+        devices = 1
+        for n in self.mesh_shape:
+            devices *= n
+        est.devices = devices
+        if flops and est.step_time_s > 0:
+            est.model_flops = flops
+            est.tflops_per_device = flops / devices / est.step_time_s / 1e12
+            compute = (self.data.get("precision") or {}).get("compute", "float32")
+            peaks = self.data.get("cluster", {}).get("peak_flops", {})
+            peak = peaks.get(compute) or peaks.get("float32") or 0.0
+            est.mfu = est.tflops_per_device * 1e12 / peak if peak else 0.0
+        return est
+
+    def explain_search(self) -> str:
+        """The configurations the search weighed: the chosen one, the runner-ups with their
+        estimates and why they lost (over budget, slower by x%), and what was not planned."""
+        search = self.data.get("search")
+        if not search:
+            return "this plan was made on a given mesh, not chosen by a configuration search (plan(..., devices=N))"
+        from partitioner.parallel_config import ParallelConfig
+
+        counts = ", ".join(f"{n} {status}" for status, n in sorted(search["counts"].items()))
+        lines = [
+            f"configuration search for {search['devices']} devices, global batch {search['global_batch']}: "
+            f"{sum(search['counts'].values())} configurations ({counts}); {search['plannings']} planned with the "
+            f"intra-op solver in {search['seconds']:.1f} s",
+        ]
+        for row in search["rows"]:
+            cfg = ParallelConfig.from_dict(row["config"])
+            if row["step_time_s"] is not None:
+                what = f"step {_fmt_time(row['step_time_s'])}, {_fmt_bytes(row['memory_bytes'])} per device"
+            else:
+                what = f"bound: step >= {_fmt_time(row['time_lower_bound_s'])}, memory >= " + _fmt_bytes(
+                    row["memory_lower_bound"]
+                )
+            mark = "->" if row["status"] == "chosen" else "  "
+            why = f" - {row['status']}" + (f": {row['reason']}" if row["reason"] else "")
+            lines += textwrap.wrap(f"{mark} {cfg.describe()}: {what}{why}", 120, subsequent_indent="      ")
+        return "\n".join(lines)
+
     # -- presentation ----------------------------------------------------------------------
     def summary(self, *, verbose: bool = False, wide: bool = False) -> str:
         """A table of the plan with its estimate; repeated blocks are shown once with their count.
@@ -230,8 +342,21 @@ class ShardingPlan:
             f"step={_fmt_time(e.step_time_s)}, memory={_fmt_bytes(e.memory_bytes)})"
         )
 
-    def explain(self, target: str) -> str:
-        """Why the node(s) of ``target`` (module path, parameter FQN or node name) are placed so."""
+    def explain(self, target: str | None = None) -> str:
+        """Why the node(s) of ``target`` (module path, parameter FQN or node name) are placed so;
+        without a target, the configurations a search weighed (:meth:`explain_search`)."""
+        if target is None:
+            return self.explain_search()
+        if "pipeline" in self.data:
+            found = []
+            for s, stage in enumerate(self.stage_plans):
+                try:
+                    found.append(f"stage {s}:\n" + stage.explain(target))
+                except KeyError:
+                    continue
+            if not found:
+                raise KeyError(f"nothing in this pipeline's stage plans is named {target!r}")
+            return "\n".join(found)
         hits = [
             r
             for r in self.records

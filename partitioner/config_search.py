@@ -1,0 +1,696 @@
+"""Choose the whole configuration for N devices: pipeline x data x tensor degrees, microbatches,
+schedule and activation checkpointing (``partitioner.plan(..., devices=N)``).
+
+Algorithm
+---------
+1. **Facts.** The model is captured once at the global batch and analysed: parameter elements,
+   forward FLOPs, the repeated layers (their count ``L``, and per layer the bytes backward keeps
+   and the bytes of the value entering the next layer).
+2. **Enumerate.** Every factorisation ``N = p * d * t`` with ``t`` dividing the cluster's
+   ``devices_per_node`` (tensor groups are consecutive ranks, so they stay inside a node) and
+   ``p <= L``; without a pipeline (``p = 1``) one microbatch; with one, every number of
+   microbatches ``m >= p`` that divides the global batch into microbatches ``d`` data-parallel
+   ranks can share, each schedule of ``passes.pipeline_schedules`` but GPipe (never faster than
+   1F1B and heavier) - 1F1B, ZB-H1, and interleaved with 2 stages per rank where ``m`` is a
+   multiple of ``p`` and ``L >= 2p`` - and recomputation ``none`` or ``all`` (without a
+   pipeline the intra-op solver decides it, ``recompute="auto"``).
+3. **Lower bounds, cheap.** Memory per device: parameter state (weights, gradients, optimizer
+   state) over all ``N`` devices, plus the activations the schedule keeps alive for the layers
+   of the first stage, spread over the stage's ``d * t`` devices (with recomputation only each
+   layer's input, plus one layer's). Time: training FLOPs (3 forwards, 4 when recomputing) over
+   ``N`` devices at the preset's peak times its matmul efficiency, divided by ``1 - bubble``
+   with the schedule's closed-form bubble. A candidate whose memory bound exceeds the budget is
+   dropped (``over budget``).
+4. **Quick estimate.** A closed-form step time (the time bound plus Megatron-style tensor
+   all-reduces per layer, the data-parallel gradient all-reduce, and the stage-to-stage sends,
+   on the links the mesh axes cross) orders the survivors; it is never reported as a plan's
+   estimate.
+5. **Plan the survivors with the real planner**, in that order: the intra-op ILP
+   (:func:`partitioner.api.plan_captured`) on the ``(d, t)`` mesh, and for a pipeline the
+   stages cut at layer boundaries (:mod:`passes.split_stages`), each stage planned with its
+   inputs pinned to what the stage before sends and its activations counted for the
+   microbatches the schedule keeps alive; identical stages (same position, layers and incoming
+   placements) are planned once. The pipeline's step is the schedule simulated with the
+   stages' per-microbatch estimates and the point-to-point time of the largest boundary
+   message on the link the pipeline axis crosses. 1F1B and ZB-H1 share one set of stage plans
+   (planned for the most microbatches either keeps alive). Stop when the next candidate's time
+   bound exceeds the best step found, or after ``max_plans`` distinct plannings (each extra
+   one costs seconds at large scale); the rest are listed as not planned, with their bounds.
+6. The fastest plan that fits is returned with its :class:`ParallelConfig` (``plan.config``)
+   and the search's table (``plan.explain()``: runner-ups, their estimates, why they lost).
+
+A pipelined plan is one :class:`ShardingPlan` whose ``data["pipeline"]`` holds the stage plans
+(``stage_plans``, shared by ``stage_map``), the schedule and its simulated step;
+``plan.estimate()`` then reports the schedule's step (bubble included) and the point-to-point
+bytes (``comm_bytes["send_recv"]["pp"]``). The search's captures and stage splits are cached
+by microbatch size, so a size is captured once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from partitioner.cluster import get_cluster, parse_bytes
+from partitioner.mesh import MeshSpec
+from partitioner.parallel_config import ParallelConfig
+from partitioner.precision import Precision
+from partitioner.sharding_plan import ShardingPlan
+from passes import pipeline_schedules as ps
+from passes.analyze import analyze, info
+from passes.blocks import find_blocks
+from passes.capture import describe_captured, graph_fingerprint
+from passes.capture_blocks import capture_model
+from passes.plan_intra_op import InfeasibleBudgetError
+from passes.recompute import check_recompute_mode
+
+__all__ = ["search_config", "plan_config", "ModelFacts", "enumerate_configs", "check_devices"]
+
+logger = logging.getLogger(__name__)
+
+_PIPELINE_SCHEDULES = ("1f1b", "zb-h1", "interleaved")
+
+
+def check_devices(devices) -> int:
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be a positive int (the number of devices to plan for), got {devices!r}")
+    return devices
+
+
+def _divisors(n: int) -> list:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _batch_of(example_inputs) -> int:
+    values = example_inputs.values() if isinstance(example_inputs, dict) else example_inputs
+    for x in values:
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return int(x.shape[0])
+    raise ValueError("the example inputs have no tensor with a batch dimension: pass global_batch= and batched inputs")
+
+
+def _at_batch(example_inputs, batch: int, size: int):
+    """The example inputs with every tensor whose first dim is ``batch`` cut or repeated to ``size``."""
+
+    def resize(x):
+        if not (isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch) or size == batch:
+            return x
+        if size < batch:
+            return x[:size]
+        reps = -(-size // batch)
+        return x.repeat((reps,) + (1,) * (x.dim() - 1))[:size]
+
+    if isinstance(example_inputs, dict):
+        return {k: resize(v) for k, v in example_inputs.items()}
+    return tuple(resize(v) for v in example_inputs)
+
+
+def _bytes_of(node) -> float:
+    shape, dtype = info(node).shape, info(node).dtype
+    if shape is None or dtype is None:
+        return 0.0
+    return float(math.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class ModelFacts:
+    """What the bounds need, per sample of the batch (from one analysed capture)."""
+
+    params: int
+    fwd_flops_per_sample: float
+    layers: int
+    layer_saved_per_sample: float
+    """Bytes backward keeps for one layer."""
+    boundary_per_sample: float
+    """Bytes of the value one layer hands the next (what a checkpoint keeps, what a stage sends)."""
+    other_saved_per_sample: float
+    layer_params: int
+
+    @classmethod
+    def of(cls, model, cap, batch: int) -> ModelFacts:
+        params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        ops = [n for n in cap.graph.nodes if n.op == "call_function" and info(n).kind == "op"]
+        flops = sum(info(n).flops for n in ops)
+        saved_all = sum(_bytes_of(n) for n in cap.graph.nodes if info(n).saved and info(n).kind == "op")
+        blocks = find_blocks(cap.graph)
+        layers = layer_saved = boundary = 0.0
+        layer_params = 0
+        if blocks.groups:
+            group = max(blocks.groups, key=lambda g: len(g.indices))
+            layers = len(group.indices)
+            first = group.members[0]
+            layer_saved = sum(_bytes_of(n) for n in first if n.op == "call_function" and info(n).saved)
+            order = {n: i for i, n in enumerate(cap.graph.nodes)}
+            last_op = max((n for n in first if n.op == "call_function"), key=order.__getitem__)
+            boundary = _bytes_of(last_op)
+            layer_params = sum(
+                math.prod(info(n).shape or ()) for n in first if n.op == "placeholder" and info(n).kind == "param"
+            )
+        return cls(
+            params=params,
+            fwd_flops_per_sample=flops / batch,
+            layers=int(layers),
+            layer_saved_per_sample=layer_saved / batch,
+            boundary_per_sample=boundary / batch,
+            other_saved_per_sample=max(0.0, saved_all - layers * layer_saved) / batch,
+            layer_params=int(layer_params),
+        )
+
+
+def _state_bytes_per_param(optimizer) -> int:
+    return 4 + (4 if optimizer is not None else 0) + (8 if optimizer == "adam" else 0)
+
+
+def enumerate_configs(devices, global_batch, layers, devices_per_node, *, recompute="auto", pipelines=True):
+    """Every configuration step 2 of the module docstring lists (pipelined recomputation only
+    where ``recompute`` allows it: ``"auto"`` tries ``none`` and ``all``)."""
+    out = []
+    pipe_rc = ("none", "all") if recompute == "auto" else (recompute,)
+    for t in _divisors(devices):
+        if devices_per_node % t and t > 1:
+            continue
+        if t > devices_per_node:
+            continue
+        for p in _divisors(devices // t):
+            d = devices // (t * p)
+            if p == 1:
+                if global_batch % d == 0:
+                    out.append(ParallelConfig(1, d, t, 1, None, 1, recompute, global_batch))
+                continue
+            if not pipelines or p > layers:
+                continue
+            for m in _divisors(global_batch):
+                if m < p or (global_batch // m) % d:
+                    continue
+                for name in _PIPELINE_SCHEDULES:
+                    v = 2 if name == "interleaved" else 1
+                    if name == "interleaved" and (m % p or layers < 2 * p):
+                        continue
+                    for rc in pipe_rc:
+                        if rc == "all" and layers // (p * v) < 2:
+                            continue  # a stage of one layer has no repeated block to recompute
+                        out.append(ParallelConfig(p, d, t, m, name, v, rc, global_batch))
+    return out
+
+
+@dataclass
+class Candidate:
+    config: ParallelConfig
+    memory_lb: float
+    time_lb: float
+    quick_s: float
+    status: str = "not planned"
+    reason: str = ""
+    step_time_s: float = math.inf
+    """The real plan's estimate (inf until planned)."""
+    memory_bytes: float = 0.0
+    plan: ShardingPlan | None = field(default=None, repr=False)
+
+    def row(self) -> dict:
+        return {
+            "config": self.config.to_dict(),
+            "status": self.status,
+            "reason": self.reason,
+            "step_time_s": self.step_time_s if self.plan is not None else None,
+            "memory_bytes": self.memory_bytes if self.plan is not None else None,
+            "time_lower_bound_s": self.time_lb,
+            "memory_lower_bound": self.memory_lb,
+            "quick_estimate_s": self.quick_s,
+        }
+
+
+class _Bounds:
+    """Steps 3 and 4 of the module docstring for one model, cluster and batch."""
+
+    def __init__(self, facts: ModelFacts, spec, precision: Precision, optimizer, global_batch: int):
+        self.f, self.spec, self.batch = facts, spec, global_batch
+        name = str(precision.compute).replace("torch.", "")
+        self.peak = spec.flops_for(name) * spec.matmul_efficiency
+        self.state = facts.params * _state_bytes_per_param(optimizer)
+        self.reduce_bytes = precision.grad_reduce_bytes or 4
+
+    def _bubble(self, c: ParallelConfig) -> float:
+        if c.pipeline == 1:
+            return 0.0
+        return ps.SCHEDULES[c.schedule or "1f1b"].bubble(c.pipeline, c.microbatches, c.virtual_stages)
+
+    def memory(self, c: ParallelConfig) -> float:
+        f, n = self.f, c.devices
+        mb = self.batch / c.microbatches
+        share = c.data * c.tensor
+        if c.pipeline == 1:
+            kept_layer = f.boundary_per_sample if c.recompute != "none" else f.layer_saved_per_sample
+            acts = f.layers * kept_layer * mb + f.other_saved_per_sample * mb
+        else:
+            per_stage = f.layers // c.pipeline
+            copies = min(c.pipeline, c.microbatches)
+            if c.recompute == "all":
+                acts = copies * per_stage * f.boundary_per_sample * mb + f.layer_saved_per_sample * mb
+            else:
+                acts = copies * per_stage * f.layer_saved_per_sample * mb
+        return self.state / n + acts / share
+
+    def time(self, c: ParallelConfig) -> float:
+        passes = 4 if c.recompute == "all" else 3
+        compute = self.f.fwd_flops_per_sample * self.batch * passes / (c.devices * self.peak)
+        return compute / (1.0 - self._bubble(c))
+
+    def quick(self, c: ParallelConfig) -> float:
+        f, spec = self.f, self.spec
+        shape = (c.pipeline, c.data, c.tensor)
+        mb = self.batch / c.microbatches
+        per_stage_layers = max(1, f.layers // c.pipeline) if f.layers else 1
+        overhead = spec.collective_overhead_s
+        per_micro = 0.0
+        if c.tensor > 1:  # Megatron: two all-reduces forward and two backward per layer (three with a rerun)
+            link = spec.link_for_axis(shape, 2)
+            ar = 2 * (c.tensor - 1) / c.tensor * f.boundary_per_sample * mb / c.data / link.bandwidth
+            per_micro += per_stage_layers * (6 if c.recompute == "all" else 4) * (ar + overhead + link.latency_s)
+        if c.data > 1:  # the stage's gradients, all-reduced once per microbatch (bucketed)
+            link = spec.link_for_axis(shape, 1)
+            grads = f.params / (c.pipeline * c.tensor) * self.reduce_bytes
+            per_micro += 2 * (c.data - 1) / c.data * grads / link.bandwidth + overhead + link.latency_s
+        if c.pipeline > 1:  # an activation forward and its gradient back, per microbatch
+            link = spec.link_for_axis(shape, 0)
+            per_micro += 2 * (f.boundary_per_sample * mb / (c.data * c.tensor) / link.bandwidth + link.latency_s)
+        compute = self.time(c) * (1.0 - self._bubble(c)) / c.microbatches
+        return (compute + per_micro) * c.microbatches / (1.0 - self._bubble(c))
+
+
+class _Planner:
+    """Step 5: real plans for configurations, with captures and stage splits cached."""
+
+    def __init__(self, model, example_inputs, batch, *, spec, budget, precision, optimizer, layers, time_limit):
+        self.model, self.inputs, self.batch = model, example_inputs, batch
+        self.spec, self.budget, self.precision = spec, budget, precision
+        self.optimizer, self.layers, self.time_limit = optimizer, layers, time_limit
+        self.name = type(model).__name__
+        self._caps: dict = {}
+        self._splits: dict = {}
+        self._stage_sets: dict = {}
+        self.plannings = 0
+
+    def capture(self, size: int):
+        if size not in self._caps:
+            t0 = time.perf_counter()
+            cap = capture_model(
+                self.model,
+                _at_batch(self.inputs, self.batch, size),
+                layers=self.layers,
+                autocast_dtype=self.precision.autocast_dtype,
+            )
+            analyze(cap)
+            logger.info(
+                "search: captured at batch %d in %.2f s (%s)", size, time.perf_counter() - t0, describe_captured(cap)
+            )
+            self._caps[size] = cap
+        return self._caps[size]
+
+    def _plan(self, cap, name, shape, names, *, pins=None, copies=1, recompute="none", budget=None):
+        from partitioner.api import plan_captured
+
+        return plan_captured(
+            cap,
+            model_name=name,
+            mesh_shape=shape,
+            mesh_axis_names=names,
+            cluster=self.spec,
+            memory_budget=self.budget if budget is None else budget,
+            pins=pins,
+            optimizer=self.optimizer,
+            time_limit=self.time_limit,
+            activation_copies=copies,
+            precision=self.precision,
+            recompute=recompute,
+        )
+
+    def plan(self, c: ParallelConfig) -> ShardingPlan:
+        """The real plan for ``c`` (raises InfeasibleBudgetError when nothing fits)."""
+        if c.pipeline == 1:
+            self.plannings += 1
+            made = self._plan(
+                self.capture(self.batch), self.name, c.stage_mesh_shape, c.stage_axis_names, recompute=c.recompute
+            )
+            made.data["config"] = c.to_dict()
+            return made
+        return self._pipeline(c)
+
+    # -- pipelines ---------------------------------------------------------------------------
+    def _split(self, size: int, stages: int):
+        from passes.split_stages import assign_stages, split_stages
+
+        key = (size, stages)
+        if key not in self._splits:
+            cap = self.capture(size)
+            stage_of, runs = assign_stages(cap, stages)
+            graphs = split_stages(cap, stage_of, runs)
+            for g in graphs:
+                analyze(g.captured)
+            self._splits[key] = (cap, graphs, runs)
+        return self._splits[key]
+
+    def _stage_plans(self, c: ParallelConfig):
+        """Stage plans for ``c``'s microbatch, degrees and recomputation (shared by 1F1B and
+        ZB-H1): (capture, graphs, runs, plans per stage, representative index per stage)."""
+        from partitioner.pipeline_parallelize import _sent_placements, _shared_weights
+
+        size = c.microbatch_size
+        stages = c.pipeline * c.virtual_stages
+        if c.schedule == "interleaved":
+            copies = ps.SCHEDULES["interleaved"].in_flight(c.pipeline, c.microbatches, c.virtual_stages)
+        else:
+            copies = ps.auto_stage_in_flight(c.pipeline, c.microbatches)
+        family = "interleaved" if c.schedule == "interleaved" else "auto"
+        key = (size, c.pipeline, c.data, c.tensor, c.virtual_stages, c.recompute, family)
+        if key in self._stage_sets:
+            return self._stage_sets[key]
+        self.plannings += 1
+        cap, graphs, runs = self._split(size, stages)
+        tied = {n for names in _shared_weights(cap, graphs) for n in names}
+        shape, names = c.stage_mesh_shape, c.stage_axis_names
+        budget = self.budget / c.virtual_stages
+        plans, owners, stage_map, reps, sent_as = [], [], [], {}, {}
+        for g in graphs:
+            incoming = tuple(sent_as.get(a) for a in g.activation_inputs)
+            rep_key = (g.index == 0, g.index == len(graphs) - 1, len(runs[g.index]), incoming, copies[g.index])
+            if rep_key not in reps:
+                pins = {n: ["R"] * len(shape) for n in g.inputs if n in tied}
+                pins.update({a: sent_as[a] for a in g.activation_inputs})
+                made = self._plan(
+                    g.captured,
+                    f"{self.name} stage {g.index}",
+                    shape,
+                    names,
+                    pins=pins,
+                    copies=copies[g.index],
+                    recompute=c.recompute,
+                    budget=budget,
+                )
+                reps[rep_key] = len(plans)
+                plans.append(made)
+                owners.append(g)
+            r = reps[rep_key]
+            stage_map.append(r)
+            # a shared plan's records carry its own stage's node names: map its sends by position
+            own = _sent_placements(owners[r], plans[r], len(shape))
+            for mine, theirs in zip(g.outputs, owners[r].outputs):
+                if mine is not None and theirs in own:
+                    sent_as[mine] = own[theirs]
+        result = (cap, graphs, runs, plans, stage_map, sent_as)
+        self._stage_sets[key] = result
+        return result
+
+    def _p2p(self, c, graphs, sent_as) -> tuple:
+        """(largest boundary message per device in bytes, its seconds on the pipeline link, bytes
+        sent per device per step by the busiest rank)."""
+        shape = c.stage_mesh_shape
+        largest = 0.0
+        grads = 0.0
+        for g in graphs[1:]:
+            total = grad = 0.0
+            for node in g.captured.graph.nodes:
+                if node.op != "placeholder" or node.name not in g.activation_inputs:
+                    continue
+                spec = sent_as.get(node.name) or ""
+                cut = math.prod(n for n, s in zip(shape, _split_spec(spec)) if s.startswith("S("))
+                size = _bytes_of(node) / max(cut, 1)
+                total += size
+                dtype = info(node).dtype
+                if dtype is not None and dtype.is_floating_point:
+                    grad += size
+            if total > largest:
+                largest, grads = total, grad
+        link = self.spec.link_for_axis(c.mesh_shape, 0)
+        seconds = largest / link.bandwidth + link.latency_s if largest else 0.0
+        per_rank = c.virtual_stages * c.microbatches * (largest + grads)
+        return largest, seconds, per_rank
+
+    def _pipeline(self, c: ParallelConfig) -> ShardingPlan:
+        cap, graphs, runs, plans, stage_map, sent_as = self._stage_plans(c)
+        ests = [plans[r].estimate() for r in stage_map]
+        forward, backward, weight = ps.stage_durations(ests, [g.takes_activations for g in graphs])
+        _, p2p_s, p2p_bytes = self._p2p(c, graphs, sent_as)
+        sched = ps.SCHEDULES[c.schedule or "1f1b"].make(c.pipeline, c.microbatches, c.virtual_stages)
+        sim = ps.simulate(sched, forward, backward, weight, comm_time=p2p_s)
+        per_rank_memory = [0.0] * c.pipeline
+        for s, est in enumerate(ests):
+            per_rank_memory[sched.stage_to_rank[s]] += est.memory_bytes
+        memory = max(per_rank_memory)
+        if memory > self.budget:
+            raise InfeasibleBudgetError(
+                f"the stages of {c.describe()} need {memory / 2**30:.3f} GiB on one rank, over the budget"
+            )
+        model_flops = c.microbatches * sum(float(plans[r].data.get("model_flops", 0.0)) for r in stage_map)
+        first = plans[0].data
+        data = {
+            **{k: first[k] for k in ("format", "version", "training", "precision", "cluster", "budget", "objective")},
+            "optimizer": self.optimizer,
+            "fingerprint": graph_fingerprint(cap),
+            "structure": graph_fingerprint(cap, shapes=False),
+            "model": self.name,
+            "inputs": {k: [self.batch] + v[1:] for k, v in _inputs_of(cap).items()},
+            "mesh": MeshSpec.build(c.mesh_shape, c.axis_names).to_dict(),
+            "activation_copies": 1,
+            "recompute": c.recompute,
+            "pins": {},
+            "records": [],
+            "alternatives": {},
+            "blocks": [],
+            "stats": {},
+            "model_flops": model_flops,
+            "config": c.to_dict(),
+            "pipeline": {
+                "degree": c.pipeline,
+                "schedule": c.schedule,
+                "microbatches": c.microbatches,
+                "virtual_stages": c.virtual_stages,
+                "layers": [list(r) for r in runs],
+                "stage_map": stage_map,
+                "stage_plans": [p.data for p in plans],
+                "step_time_s": sim.makespan,
+                "bubble_fraction": sim.bubble_fraction,
+                "busy_s": max(sim.busy.values()),
+                "p2p_time_s": p2p_s,
+                "p2p_bytes": p2p_bytes,
+                "memory_bytes": memory,
+                "busiest_stage": max(range(len(ests)), key=lambda s: ests[s].step_time_s),
+            },
+        }
+        return ShardingPlan(data)
+
+
+def _split_spec(spec: str) -> list:
+    return [s.strip() for s in spec.strip("[]").split(",")] if spec else []
+
+
+def _inputs_of(cap) -> dict:
+    return {
+        info(n).name: list(info(n).shape or ())
+        for n in cap.graph.nodes
+        if n.op == "placeholder" and info(n).kind == "input"
+    }
+
+
+def _fmt_gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def plan_config(
+    model,
+    example_inputs,
+    config: ParallelConfig,
+    *,
+    cluster="h100",
+    memory_budget=None,
+    precision="fp32",
+    optimizer="adam",
+    layers="auto",
+    time_limit=60.0,
+) -> ShardingPlan:
+    """The real plan for one given configuration (a published one, say), as the search plans
+    its candidates; ``config.global_batch`` 0 takes the example inputs' batch."""
+    precision = Precision.build(precision)
+    spec = get_cluster(cluster)
+    budget = parse_bytes(memory_budget) if memory_budget is not None else spec.memory_bytes
+    batch = _batch_of(example_inputs)
+    if not config.global_batch:
+        config = replace(config, global_batch=batch)
+    planner = _Planner(
+        model,
+        example_inputs,
+        batch if config.global_batch == batch else config.global_batch,
+        spec=spec,
+        budget=budget,
+        precision=precision,
+        optimizer=optimizer,
+        layers=layers,
+        time_limit=time_limit,
+    )
+    planner.inputs = _at_batch(example_inputs, batch, config.global_batch)
+    return planner.plan(config)
+
+
+def search_config(
+    model,
+    example_inputs,
+    *,
+    devices: int,
+    cluster="h100",
+    memory_budget=None,
+    precision="fp32",
+    global_batch: int | None = None,
+    optimizer="adam",
+    layers="auto",
+    recompute="auto",
+    time_limit=60.0,
+    max_plans: int = 4,
+    pipelines: bool = True,
+    pipeline_recompute: bool = True,
+) -> ShardingPlan:
+    """The best configuration for ``devices`` devices and its plan (the module docstring's
+    steps). ``pipelines=False`` leaves pipelines out; ``pipeline_recompute=False`` leaves out
+    pipelined candidates that recompute (what ``auto_parallelize`` can run today)."""
+    t0 = time.perf_counter()
+    devices = check_devices(devices)
+    check_recompute_mode(recompute)
+    precision = Precision.build(precision)
+    spec = get_cluster(cluster)
+    budget = parse_bytes(memory_budget) if memory_budget is not None else spec.memory_bytes
+    example_batch = _batch_of(example_inputs)
+    batch = example_batch if global_batch is None else global_batch
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"global_batch must be a positive int, got {global_batch!r}")
+    inputs = _at_batch(example_inputs, example_batch, batch)
+    planner = _Planner(
+        model,
+        inputs,
+        batch,
+        spec=spec,
+        budget=budget,
+        precision=precision,
+        optimizer=optimizer,
+        layers=layers,
+        time_limit=time_limit,
+    )
+    facts = ModelFacts.of(model, planner.capture(batch), batch)
+    bounds = _Bounds(facts, spec, precision, optimizer, batch)
+    configs = enumerate_configs(
+        devices, batch, facts.layers, spec.devices_per_node, recompute=recompute, pipelines=pipelines
+    )
+    if not pipeline_recompute:
+        configs = [c for c in configs if c.pipeline == 1 or c.recompute == "none"]
+    if not configs:
+        raise ValueError(
+            f"no configuration of {devices} devices divides the global batch of {batch}: choose a batch that "
+            f"{devices} (or a divisor of it) divides"
+        )
+    cands = [Candidate(c, bounds.memory(c), bounds.time(c), bounds.quick(c)) for c in configs]
+    for cand in cands:
+        if cand.memory_lb > budget:
+            cand.status = "over budget"
+            cand.reason = f"needs at least {_fmt_gib(cand.memory_lb)} per device (bound), budget {_fmt_gib(budget)}"
+    alive = sorted((c for c in cands if c.status != "over budget"), key=lambda c: (c.quick_s, c.time_lb))
+    t1 = time.perf_counter()
+    logger.info(
+        "search: %d configurations for %d devices, %d within the memory bound (%.2f s)",
+        len(cands),
+        devices,
+        len(alive),
+        t1 - t0,
+    )
+    best: Candidate | None = None
+    least_seen: tuple | None = None
+    for cand in alive:
+        if best is not None and cand.time_lb > best.step_time_s:
+            cand.status = "pruned"
+            cand.reason = f"its time bound {_fmt_s(cand.time_lb)} exceeds the best step {_fmt_s(best.step_time_s)}"
+            continue
+        if planner.plannings >= max_plans and not _cached(planner, cand.config):
+            cand.reason = f"search limit ({max_plans} plannings); quick estimate {_fmt_s(cand.quick_s)}"
+            continue
+        try:
+            made = planner.plan(cand.config)
+        except InfeasibleBudgetError as exc:
+            cand.status = "over budget"
+            cand.reason = str(exc).split(". ")[0]
+            if least_seen is None or cand.memory_lb < least_seen[0]:
+                least_seen = (cand.memory_lb, cand.reason)
+            continue
+        est = made.estimate()
+        cand.status, cand.plan = "planned", made
+        cand.step_time_s, cand.memory_bytes = est.step_time_s, est.memory_bytes
+        logger.info(
+            "search: %s -> step %s, %s per device",
+            cand.config.describe(),
+            _fmt_s(est.step_time_s),
+            _fmt_gib(est.memory_bytes),
+        )
+        if best is None or est.step_time_s < best.step_time_s:
+            best = cand
+    if best is None:
+        least = min(cands, key=lambda c: c.memory_lb)
+        need = math.ceil(facts.params * _state_bytes_per_param(optimizer) / budget) if budget > 0 else 0
+        raise InfeasibleBudgetError(
+            f"no configuration of {devices} devices fits the budget of {_fmt_gib(budget)} per device: the least "
+            f"memory any needs is at least {_fmt_gib(least.memory_lb)} ({least.config.describe()})"
+            + (f"; planned: {least_seen[1]}" if least_seen else "")
+            + f". The parameter state alone ({facts.params:,} parameters, optimizer {optimizer!r}) needs at least "
+            f"{need} devices of this budget at batch {batch} in {precision}; raise the budget or the device count"
+        )
+    for cand in cands:
+        if cand.status == "planned" and cand is not best:
+            slower = 100 * (cand.step_time_s / best.step_time_s - 1)
+            cand.reason = f"slower by {slower:.1f}%"
+    best.status, best.reason = "chosen", ""
+    plan = best.plan
+    assert plan is not None
+    t2 = time.perf_counter()
+    plan.data["config"] = best.config.to_dict()
+    plan.data["search"] = _search_table(cands, best, devices, batch, t2 - t0, planner.plannings)
+    plan.data.setdefault("stats", {})["search_s"] = t2 - t0
+    logger.info("search: chose %s in %.2f s", best.config.describe(), t2 - t0)
+    return plan
+
+
+def _cached(planner: _Planner, c: ParallelConfig) -> bool:
+    if c.pipeline == 1:
+        return False
+    family = "interleaved" if c.schedule == "interleaved" else "auto"
+    return (
+        c.microbatch_size,
+        c.pipeline,
+        c.data,
+        c.tensor,
+        c.virtual_stages,
+        c.recompute,
+        family,
+    ) in planner._stage_sets
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:.3f} s"
+
+
+def _search_table(cands, best, devices, batch, seconds, plannings) -> dict:
+    """What ``plan.explain()`` shows: every planned candidate, the best few unplanned, and the
+    counts of the rest by status."""
+    planned = sorted((c for c in cands if c.status in ("chosen", "planned")), key=lambda c: c.step_time_s)
+    refused = [c for c in cands if c.status == "over budget" and c.reason and not c.reason.startswith("needs at least")]
+    others = sorted((c for c in cands if c.status in ("not planned", "pruned")), key=lambda c: c.quick_s)[:8]
+    bound_over = [c for c in cands if c.status == "over budget" and c.reason.startswith("needs at least")]
+    counts: dict = {}
+    for c in cands:
+        counts[c.status] = counts.get(c.status, 0) + 1
+    return {
+        "devices": devices,
+        "global_batch": batch,
+        "seconds": seconds,
+        "plannings": plannings,
+        "counts": counts,
+        "rows": [c.row() for c in planned + refused + others]
+        + [c.row() for c in sorted(bound_over, key=lambda c: c.memory_lb)[:3]],
+    }

@@ -1,0 +1,106 @@
+"""``ParallelConfig``: the whole configuration of a training job on N devices, as one value.
+
+Degrees (pipeline x data x tensor), the mesh they make (axis names ``pp``, ``dp``, ``tp``; an
+axis of size 1 is left out), the microbatches per step, the pipeline schedule and activation
+checkpointing. :mod:`partitioner.config_search` chooses one; a :class:`ShardingPlan` made by the
+search carries it (``plan.config``) and shows it in its summary. Plain data, no torch import:
+JSON in, JSON out.
+
+The mesh is laid out row-major, so the last axis (``tp``) is the innermost: its groups are
+consecutive ranks, inside one node when ``tensor <= devices_per_node``. The axis names state the
+search's intent (the batch split on ``dp``, tensor groups inside a node on ``tp``); the
+intra-op solver places every tensor on each axis freely, so a plan may also shard weights on
+``dp`` (FSDP-style) or activations on ``tp`` (sequence parallelism).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = ["ParallelConfig"]
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    pipeline: int = 1
+    """Pipeline stages (ranks along ``pp``)."""
+    data: int = 1
+    """Ranks along ``dp`` in every stage."""
+    tensor: int = 1
+    """Ranks along ``tp`` in every stage (consecutive ranks: inside a node first)."""
+    microbatches: int = 1
+    """Microbatches per training step (1 without a pipeline)."""
+    schedule: str | None = None
+    """Pipeline schedule name (``passes.pipeline_schedules.SCHEDULES``); None without a pipeline."""
+    virtual_stages: int = 1
+    """Stages per rank (``interleaved`` only)."""
+    recompute: str = "none"
+    """Activation checkpointing of repeated blocks: ``none``, ``all`` or, without a pipeline,
+    ``auto`` (the intra-op solver decides)."""
+    global_batch: int = 0
+    """Samples per training step (all microbatches, all data-parallel ranks)."""
+
+    def __post_init__(self):
+        for name in ("pipeline", "data", "tensor", "microbatches", "virtual_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ParallelConfig.{name} must be a positive int, got {value!r}")
+
+    @property
+    def devices(self) -> int:
+        return self.pipeline * self.data * self.tensor
+
+    @property
+    def stage_mesh_shape(self) -> tuple:
+        """The mesh one pipeline stage is planned on (``dp``, ``tp``; size-1 axes left out)."""
+        shape = tuple(n for n in (self.data, self.tensor) if n > 1)
+        return shape or (1,)
+
+    @property
+    def stage_axis_names(self) -> tuple:
+        names = tuple(a for a, n in (("dp", self.data), ("tp", self.tensor)) if n > 1)
+        return names or ("dp",)
+
+    @property
+    def mesh_shape(self) -> tuple:
+        """The whole job's mesh: ``(pipeline, data, tensor)`` without size-1 axes."""
+        if self.pipeline > 1:
+            return (self.pipeline,) + tuple(n for n in (self.data, self.tensor) if n > 1)
+        return self.stage_mesh_shape
+
+    @property
+    def axis_names(self) -> tuple:
+        if self.pipeline > 1:
+            return ("pp",) + tuple(a for a, n in (("dp", self.data), ("tp", self.tensor)) if n > 1)
+        return self.stage_axis_names
+
+    @property
+    def microbatch_size(self) -> int:
+        """Samples in one microbatch (all data-parallel ranks together)."""
+        return self.global_batch // self.microbatches if self.global_batch else 0
+
+    def describe(self) -> str:
+        parts = [
+            f"pipeline {self.pipeline} x data {self.data} x tensor {self.tensor} = {self.devices} devices, "
+            f"mesh {self.mesh_shape} ({', '.join(self.axis_names)})"
+        ]
+        if self.pipeline > 1:
+            virtual = f", {self.virtual_stages} stages per rank" if self.virtual_stages > 1 else ""
+            parts.append(
+                f"{self.microbatches} microbatches of {self.microbatch_size} samples, schedule {self.schedule}{virtual}"
+            )
+        elif self.global_batch:
+            parts.append(f"batch {self.global_batch}")
+        parts.append(f"recompute {self.recompute}")
+        return "; ".join(parts)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ParallelConfig:
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        return cls(**known)

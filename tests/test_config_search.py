@@ -1,0 +1,164 @@
+"""The whole configuration for N devices (``plan(..., devices=N)``, partitioner/config_search.py):
+known answers, the chosen configuration as a value, pipelined plans as one ShardingPlan, bad
+input, and ``auto_parallelize`` without ``mesh=`` on 4 gloo ranks against one process."""
+
+import copy
+import json
+
+import pytest
+from parity_utils import Checks, adam_in_lockstep, check_grads_by_alias, nested_approx_equal, run_checked
+
+import partitioner
+from partitioner import models
+from partitioner.config_search import plan_config
+from partitioner.parallel_config import ParallelConfig
+from passes.plan_intra_op import InfeasibleBudgetError
+
+
+def _state_bytes(model) -> int:
+    return 16 * sum(p.numel() for p in model.parameters())  # fp32 weights, gradients, Adam moments
+
+
+@pytest.mark.parametrize("devices", [4, 8])
+def test_search_returns_a_plan_for_n_devices_with_its_configuration_and_runner_ups(devices, tmp_path):
+    model, inputs = models.gpt_demo(batch=32, seq=32, n_layer=2)
+    plan = partitioner.plan(model, inputs, devices=devices, cluster="h100")
+    config = plan.config
+    assert config.devices == devices and config.global_batch == 32
+    size = 1
+    for n in plan.mesh_shape:
+        size *= n
+    assert size == devices and plan.mesh_shape == config.mesh_shape and plan.axis_names == config.axis_names
+    est = plan.estimate()
+    assert est.step_time_s > 0 and est.memory_bytes <= 80 * 2**30
+    assert est.model_flops > 0 and est.devices == devices
+    assert est.tflops_per_device == pytest.approx(est.model_flops / devices / est.step_time_s / 1e12)
+    assert 0 < est.mfu < 1
+    assert f"configuration: {config.describe()}" in plan.summary().replace("\n  ", " ")
+    why = plan.explain()
+    assert why.count("-> ") == 1 and "chosen" in why
+    search = plan.data["search"]
+    planned = [r for r in search["rows"] if r["status"] == "planned"]
+    assert planned and "slower by" in why
+    # every runner-up that was planned is no faster than the chosen one
+    assert all(r["step_time_s"] >= est.step_time_s for r in planned)
+    # the configuration round-trips through save / load
+    loaded = partitioner.ShardingPlan.load(plan.save(tmp_path / "plan.json"))
+    assert loaded.config == config
+    assert loaded.estimate().step_time_s == pytest.approx(est.step_time_s)
+    assert loaded.explain() == why
+
+
+def test_pure_data_parallel_wins_for_a_small_model_on_a_large_batch():
+    # 134k parameters (a 0.5 MB gradient: one bucketed all-reduce, ~11 us on NVLink) against
+    # ~0.5 ms of compute for 16k tokens: splitting the batch 4 ways is the whole gain; a pipeline
+    # adds its bubble, tensor parallelism an all-reduce of 16k-token activations per layer
+    model, inputs = models.gpt_demo(batch=256, seq=64, n_layer=2)
+    plan = partitioner.plan(model, inputs, devices=4, cluster="h100")
+    assert (plan.config.pipeline, plan.config.data, plan.config.tensor) == (1, 4, 1)
+    assert plan.mesh_shape == (4,) and plan.axis_names == ("dp",)
+    assert plan.placement_of("idx") == "[S(0)]"
+    assert all(plan.placement_of(name) == "[R]" for name, _ in model.named_parameters())
+
+
+def test_a_budget_under_half_the_state_forces_the_weights_apart():
+    # no device can hold the replicated parameter state: every device's share of it must be
+    # cut, by pipeline stages or by sharded weights, and the plan's peak must fit
+    model, inputs = models.gpt_demo(batch=8, seq=16, n_layer=2, n_embd=128, vocab_size=512)
+    state = _state_bytes(model)
+    budget = int(0.5 * state)
+    plan = partitioner.plan(model, inputs, devices=4, cluster="h100", memory_budget=budget)
+    est = plan.estimate()
+    assert est.memory_bytes <= budget
+    held = est.memory.parameters + est.memory.gradients + est.memory.optimizer_state
+    assert held < state / 2
+    if plan.config.pipeline == 1:  # then the solver sharded the weights themselves
+        assert any("S(" in plan.placement_of(name) for name, _ in model.named_parameters())
+
+
+def test_a_pipelined_plan_is_one_sharding_plan_with_bubble_and_send_recv(tmp_path):
+    model, inputs = models.gpt_demo(batch=8, seq=16, n_layer=4)
+    config = ParallelConfig(pipeline=2, data=2, microbatches=4, schedule="1f1b")
+    plan = plan_config(model, inputs, config, cluster="h100")
+    assert plan.config == ParallelConfig(2, 2, 1, 4, "1f1b", 1, "none", 8)
+    assert plan.mesh_shape == (2, 2) and plan.axis_names == ("pp", "dp")
+    stages = plan.stage_plans
+    assert len(stages) == 2 and all(s.mesh_shape == (2,) for s in stages)
+    est = plan.estimate()
+    per_micro = [s.estimate().step_time_s for s in stages]
+    # the 1F1B step covers 4 microbatches of the slowest stage, and its bubble is idle time
+    assert est.step_time_s >= 4 * max(per_micro)
+    assert est.bubble_s > 0 and est.step_time_s >= est.compute_s
+    # point-to-point: each microbatch sends a (4, 16, 64) fp32 activation cut on dp, and its gradient back
+    assert est.comm_bytes["send_recv"]["pp"] == pytest.approx(4 * 2 * (4 * 16 * 64 * 4) / 2)
+    assert est.model_flops == pytest.approx(4 * sum(s.data["model_flops"] for s in stages))
+    text = plan.summary()
+    assert "schedule 1f1b: 4 microbatches" in text and "configuration: pipeline 2 x data 2" in text
+    loaded = partitioner.ShardingPlan.load(plan.save(tmp_path / "pipe.json"))
+    assert loaded.config == plan.config
+    assert loaded.estimate().step_time_s == pytest.approx(est.step_time_s)
+    assert loaded.estimate().comm_bytes == est.comm_bytes
+    assert "stage 0" in loaded.explain("h.0.attn.c_attn")
+
+
+def test_bad_input_is_refused_with_what_to_do():
+    model, inputs = models.gpt_demo(batch=8, seq=16, n_layer=2)
+    for bad in (0, -2, 2.5, True, "4"):
+        with pytest.raises(ValueError, match="devices must be a positive int"):
+            partitioner.plan(model, inputs, devices=bad, cluster="h100")
+    with pytest.raises(ValueError, match=r"devices=4 and mesh_shape=\(2,\) \(2 devices\) disagree"):
+        partitioner.plan(model, inputs, devices=4, mesh_shape=(2,), cluster="h100")
+    with pytest.raises(ValueError, match="give devices=N with it"):
+        partitioner.plan(model, inputs, global_batch=8, cluster="h100")
+    with pytest.raises(InfeasibleBudgetError, match="the least memory any needs is at least") as err:
+        partitioner.plan(model, inputs, devices=2, cluster="h100", memory_budget="64KiB")
+    assert "needs at least" in str(err.value) and "devices of this budget" in str(err.value)
+    # a mesh that agrees with devices is planned as given
+    plan = partitioner.plan(model, inputs, devices=2, mesh_shape=(2,), cluster="h100")
+    assert plan.mesh_shape == (2,) and plan.config is None
+    assert "not chosen by a configuration search" in plan.explain()
+
+
+# ---------------------------------------------------------------------- tier 3: gloo parity
+
+
+def _searched_parity_worker(rank, world, cfg):
+    from runtime.collectives import CommCounter
+
+    checks = Checks(rank)
+    model, inputs = models.gpt_demo(batch=cfg["batch"], seq=cfg["seq"], n_layer=2)
+    ref = copy.deepcopy(model)
+    pm = partitioner.auto_parallelize(model, inputs, cluster="h100")  # no mesh=: searched
+    result = {"rank": rank, "failures": checks.failures, "config": pm.plan.config.to_dict()}
+    with CommCounter() as counter:
+        loss = pm(*inputs)
+        loss.backward()
+    ref_loss = ref(*inputs)
+    ref_loss.backward()
+    checks.close("loss", loss.detach(), ref_loss.detach())
+    check_grads_by_alias(pm.full_grads(), ref, checks)
+    checks.true(
+        f"counted communication differs from the estimate: "
+        f"{nested_approx_equal(counter.as_dict(), pm.plan.estimate().comm_bytes)}",
+        not nested_approx_equal(counter.as_dict(), pm.plan.estimate().comm_bytes),
+    )
+
+    def step():
+        out = pm(*inputs)
+        out.backward()
+        return out
+
+    adam_in_lockstep(list(pm.parameters()), ref, inputs, 3, step, checks)
+    full = pm.full_state_dict()
+    for name, p in ref.named_parameters():
+        checks.close(f"parameter {name} after 3 AdamW steps", full[name], p.detach())
+    return result
+
+
+def test_auto_parallelize_without_mesh_trains_the_searched_configuration_like_one_device():
+    cfg = {"mesh": (4,), "batch": 256, "seq": 64}
+    model, inputs = models.gpt_demo(batch=cfg["batch"], seq=cfg["seq"], n_layer=2)
+    expected = partitioner.plan(model, inputs, devices=4, cluster="h100").config
+    results = run_checked(_searched_parity_worker, cfg, timeout_s=240)
+    assert all(ParallelConfig.from_dict(r["config"]) == expected for r in results)
+    assert json.dumps(results[0]["config"]) == json.dumps(expected.to_dict())
