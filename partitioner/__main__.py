@@ -386,9 +386,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--objective", choices=("time", "memory"), default="time", help="what to minimise")
     p.add_argument(
         "--recompute",
-        choices=("auto", "all", "none"),
+        choices=("auto", "selective", "all", "none"),
         default="auto",
-        help="activation checkpointing of repeated blocks: auto (when the budget needs it), all, none",
+        help="activation checkpointing of repeated blocks: auto (when the budget needs it), selective "
+        "(attention cores), all, none",
     )
     p.add_argument(
         "--optimizer",

@@ -126,9 +126,11 @@ def plan(
             captured under ``torch.autocast`` in that dtype and priced as it computes (fp32 master
             weights and optimizer state; see :mod:`partitioner.precision`).
         recompute: activation checkpointing of repeated blocks (transformer layers): ``"auto"``
-            lets the solver recompute a block kind in backward when the memory budget needs it
-            (never otherwise: it only adds time), ``"all"`` recomputes every repeated block,
-            ``"none"`` never does (see :mod:`passes.recompute`).
+            lets the solver choose per block kind between keeping its activations, recomputing
+            its attention core (selective) and recomputing all of it, when the memory budget
+            needs it (never otherwise: it only adds time); ``"selective"`` recomputes every
+            block's attention core, ``"all"`` every repeated block, ``"none"`` nothing (see
+            :mod:`passes.recompute`).
         verbose: show progress (capture, analysis, solve) on stderr for this call; the same
             records go to the ``partitioner`` logger at INFO in any case (see
             :mod:`partitioner.progress`).

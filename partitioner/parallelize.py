@@ -127,7 +127,8 @@ def auto_parallelize(
             master weights and optimizer state, ops under ``torch.autocast`` (see
             :mod:`partitioner.precision`); a replayed plan brings its own.
         recompute: activation checkpointing of repeated blocks, ``"auto"`` (the solver recomputes
-            a block kind when the memory budget needs it), ``"all"`` or ``"none"`` (see
+            a block kind's attention core or all of it when the memory budget needs it),
+            ``"selective"`` (every attention core), ``"all"`` or ``"none"`` (see
             :func:`partitioner.plan`); a replayed plan brings its own choice.
         verbose: show progress on stderr for this call; the same records go to the
             ``partitioner`` logger at INFO in any case (see :mod:`partitioner.progress`).
@@ -147,9 +148,9 @@ def auto_parallelize(
             model, example_inputs, cluster, memory_budget, precision, recompute, layers
         )
     if pipeline is not None:
-        if recompute == "all":
+        if recompute in ("all", "selective"):
             raise ValueError(
-                "recompute='all' is not available with pipeline= yet: pipeline stages keep their layers' "
+                f"recompute={recompute!r} is not available with pipeline= yet: pipeline stages keep their layers' "
                 "activations (their schedule bounds how many microbatches are alive); use recompute='auto' "
                 "or 'none' with a pipeline"
             )

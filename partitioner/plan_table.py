@@ -328,7 +328,10 @@ def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = 
         if block["label"] not in seen:
             seen.add(block["label"])
             where = "" if wide else f" (names relative to {base})"
-            redo = "; recomputed in backward (activation checkpointing)" if block.get("recompute") else ""
+            redo = {
+                "full": "; recomputed in backward (activation checkpointing)",
+                "selective": ("; attention core recomputed in backward (selective activation checkpointing)"),
+            }.get(block.get("recompute_mode") or ("full" if block.get("recompute") else "kept"), "")
             heads[r["name"]] = (
                 f"── {block['label']}  ×{block['count']} identical blocks, shown once{where}; "
                 f"times and bytes are per block{redo}"
@@ -341,11 +344,13 @@ def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = 
     )
     lines = [title] if wide else textwrap.wrap(title, width, subsequent_indent="  ")
     lines += config_lines(plan, width)
-    recomputed = [b["label"] for b in blocks.values() if b.get("recompute")]
-    if recomputed:
+    modes = {
+        label: b.get("recompute_mode") or ("full" if b.get("recompute") else "kept") for label, b in blocks.items()
+    }
+    if any(m != "kept" for m in modes.values()):  # per block kind: kept / selective (attention core) / full
         redo = (
             f"recomputed in backward (activation checkpointing, recompute="
-            f"{plan.data.get('recompute', 'auto')!r}): {', '.join(recomputed)}"
+            f"{plan.data.get('recompute', 'auto')!r}): {', '.join(f'{b} ({m})' for b, m in modes.items())}"
         )
         lines += [redo] if wide else textwrap.wrap(redo, width, subsequent_indent="  ")
     lines += _wide_table(plan, rows, heads) if wide else _narrow_table(plan, rows, heads, bases, width)

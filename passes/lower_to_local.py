@@ -14,10 +14,11 @@ graph in order and emit a new fx graph:
   :mod:`runtime.local_ops` where the sharded form needs one;
 * outputs the plan replicates are resharded to ``Replicate``; device arguments baked in at
   capture time (``meta``) are replaced by this rank's device;
-* the nodes emitted for each layer the plan recomputes (records marked ``recompute``: the
-  layer's ops and the resharding into them, from its first to its last emitted node) move into
-  a :class:`runtime.recompute.CheckpointRegion` (:func:`outline_recomputed`): its inputs are
-  the values the range uses from before it, its outputs those used after it.
+* the nodes emitted for each region the plan recomputes (records marked ``recompute``, named
+  by ``region``: a whole layer, or one layer's attention core under selective recomputation; its
+  ops and the resharding into them, from its first to its last emitted node) move into a
+  :class:`runtime.recompute.CheckpointRegion` (:func:`outline_recomputed`): its inputs are the
+  values the range uses from before it, its outputs those used after it.
 
 The result is a plain ``fx.GraphModule``: its ``.code`` is readable Python and it trains with
 ordinary autograd. The plan is the only source of placements: records are looked up by node
@@ -246,8 +247,8 @@ def lower_to_local(
             continue
 
         rec = record(node)
-        if rec.get("recompute"):
-            open_layer = f"{rec['block']}[{rec['block_index']}]"
+        if rec.get("recompute"):  # a whole layer, or an attention core (selective recomputation)
+            open_layer = rec.get("region") or f"{rec['block']}[{rec['block_index']}]"
             layers.setdefault(open_layer, [_last(b.graph), None])
         ins = _specs(rec.get("ins", []), ndim)
         grads = _specs(rec.get("grads", [None] * len(ins)), ndim)

@@ -29,7 +29,6 @@ from passes.placements import format_spec, local_shape
 from passes.recompute import (
     RecomputeChoice,
     add_recompute_options,
-    boundary_bytes,
     check_recompute_mode,
     least_memory,
 )
@@ -172,8 +171,9 @@ def plan_intra_op(
     recompute="auto",
     log=None,
 ) -> IntraOpResult:
-    """``recompute``: activation checkpointing of repeated blocks, ``"auto"`` (chosen by the
-    solver when the budget needs it), ``"all"`` or ``"none"`` (:mod:`passes.recompute`)."""
+    """``recompute``: activation checkpointing of repeated blocks, ``"auto"`` (kept, selective or
+    full, chosen by the solver when the budget needs it), ``"selective"``, ``"all"`` or ``"none"``
+    (:mod:`passes.recompute`)."""
     log = log or (lambda msg: None)
     check_recompute_mode(recompute)
     graph: fx.Graph = cap.graph
@@ -246,9 +246,10 @@ def plan_intra_op(
     if budget is not None:
         result = _fit_peak(result, budget, lambda limit: solve(limit, redo), peak_of)
         t2 = time.perf_counter()
-    recomputed = redo.decode(result.choice)
-    if any(recomputed.values()):
-        log(f"recomputed in backward: {', '.join(label for label, on in recomputed.items() if on)}")
+    recomputed = redo.decode(result.choice)  # block label -> "kept" / "selective" / "full"
+    regions = redo.regions(blocks, recomputed)
+    if regions:
+        log(f"recomputed in backward: {', '.join(f'{b} ({m})' for b, m in recomputed.items() if m != 'kept')}")
     gap = 100 * (result.gap or 0)
     proven = "" if result.optimal else f" (search stopped at its node limit, within {gap:.2f}% of optimal)"
     log(f"solve: {t2 - t1:.2f} s, estimated step {result.objective * 1e3:.3f} ms{proven}")
@@ -279,8 +280,8 @@ def plan_intra_op(
         rec["decision"] = "leader" if rep in leaders else ("output" if node.op == "output" else "follower")
         if node in block_label:
             rec["block"], rec["block_index"] = block_label[node]
-            if recomputed.get(rec["block"]) and node.op == "call_function":
-                _mark_recomputed(rec, node, choices.get(node), blocks, activation_copies, space.mesh_shape)
+            if node in regions and node.op == "call_function":
+                redo.mark(rec, node, choices.get(node), blocks, regions, activation_copies, space.mesh_shape)
         records.append(rec)
 
     exact = memory_fields(
@@ -290,7 +291,7 @@ def plan_intra_op(
         optimizer=optimizer,
         activation_copies=activation_copies,
         tied=tied_placeholders(cap),
-        recomputed=_recomputed_layers(blocks, recomputed),
+        recomputed=regions,
     )
     for rec in records:
         rec.update(exact.get(rec["name"], {}))
@@ -314,7 +315,13 @@ def plan_intra_op(
         records=records,
         alternatives=alternatives,
         blocks=[
-            {"label": g.label, "count": len(g.indices), "prefix": g.prefix, "recompute": recomputed.get(g.label, False)}
+            {
+                "label": g.label,
+                "count": len(g.indices),
+                "prefix": g.prefix,
+                "recompute": recomputed.get(g.label, "kept") != "kept",
+                "recompute_mode": recomputed.get(g.label, "kept"),
+            }
             for g in blocks.groups
         ],
         stats=stats,
@@ -345,26 +352,6 @@ def _infeasible(budget, mesh_shape, least_kept, least, recompute, blocks) -> str
     )
 
 
-def _mark_recomputed(rec, node, choice, blocks, copies, mesh_shape) -> None:
-    """A node of a recomputed layer: backward reruns its forward (compute and collectives again)
-    and only what leaves the layer stays saved (plus, for the first layer, the activations
-    alive while one layer is recomputed): the terms :mod:`passes.recompute` gave the solver."""
-    group, k = blocks.block_of[node]
-    rec["recompute"] = True
-    if choice is None:
-        return
-    rec["recompute_s"] = float(choice.forward_s)
-    rec["compute_s"] += float(choice.forward_s)
-    rec["comm"] = rec["comm"] + [dict(c, recompute=True) for c in rec["comm"] if c["phase"] == "fwd"]
-    kept = boundary_bytes(node, choice, set(group.members[k]), copies, mesh_shape)
-    rec["memory"] = float(kept + (choice.memory if k == 0 else 0.0))
-
-
-def _recomputed_layers(blocks, recomputed: dict) -> dict:
-    """node -> (block kind, layer index) for the nodes of the layers recomputed in backward."""
-    return {n: (grp.label, k) for n, (grp, k) in blocks.block_of.items() if recomputed.get(grp.label)}
-
-
 def _peak_of(space, cap, optimizer, activation_copies, redo):
     """choice -> (the plan's peak per device, the part of it no ILP row sees: transients)."""
     from partitioner.memory import memory_breakdown
@@ -382,7 +369,7 @@ def _peak_of(space, cap, optimizer, activation_copies, redo):
             optimizer=optimizer,
             activation_copies=activation_copies,
             tied=tied,
-            recomputed=_recomputed_layers(space.blocks, redo().decode(choice)),
+            recomputed=redo().regions(space.blocks, redo().decode(choice)),
         )
         m = memory_breakdown([dict(fields.get(n.name, {}), name=n.name) for n in graph.nodes])
         return m.peak, m.peak - (m.state + m.inputs + m.saved)
@@ -454,7 +441,7 @@ def _alternatives(space, choice, axis_names, redo, keep=6) -> dict:
                     "time_s": float(local[gi][i]),
                     "memory": float(g.memory[i]),
                     "chosen": bool(i == choice[gi]),
-                    **({"recompute": bool(redo.recomputed[gi][i])} if gi in redo.recomputed else {}),
+                    **({"recompute": redo.mode_of(gi, i)} if gi in redo.block_of_group else {}),
                 }
             )
         out[leader.name] = {"count": g.count, "members": [m.name for m in g.members], "options": options}

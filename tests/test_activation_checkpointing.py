@@ -208,7 +208,7 @@ def test_an_impossible_budget_names_the_least_memory_with_recompute():
 
 def test_bad_recompute_mode_is_refused():
     model, inputs = _gpt(layers=2)
-    with pytest.raises(ValueError, match=r"recompute must be one of \('auto', 'all', 'none'\).*'some'"):
+    with pytest.raises(ValueError, match=r"recompute must be one of \('auto', 'selective', 'all', 'none'\).*'some'"):
         _plan(model, inputs, recompute="some")
 
 
