@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass, field, replace
 
@@ -109,6 +110,13 @@ def _at_batch(example_inputs, batch: int, size: int):
     return tuple(resize(v) for v in example_inputs)
 
 
+def _kept_bytes(node) -> float:
+    """Bytes backward keeps because of ``node``: its storage when some op saves it, plus the
+    op's own saved buffers (a norm's statistics, attention's weights or log-sum-exp)."""
+    own = info(node).saves
+    return (_bytes_of(node) if info(node).saved else 0.0) + (own.extra_bytes if own is not None else 0.0)
+
+
 def _bytes_of(node) -> float:
     shape, dtype = info(node).shape, info(node).dtype
     if shape is None or dtype is None:
@@ -129,27 +137,35 @@ class ModelFacts:
     """Bytes of the value one layer hands the next (what a checkpoint keeps, what a stage sends)."""
     other_saved_per_sample: float
     layer_params: int
+    layer_flops_per_sample: float = 0.0
+    pre_flops_per_sample: float = 0.0
+    """Forward FLOPs before the first layer (embeddings) and after the last (head, loss)."""
+    post_flops_per_sample: float = 0.0
 
     @classmethod
     def of(cls, model, cap, batch: int) -> ModelFacts:
         params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         ops = [n for n in cap.graph.nodes if n.op == "call_function" and info(n).kind == "op"]
         flops = sum(info(n).flops for n in ops)
-        saved_all = sum(_bytes_of(n) for n in cap.graph.nodes if info(n).saved and info(n).kind == "op")
+        saved_all = sum(_kept_bytes(n) for n in ops)
         blocks = find_blocks(cap.graph)
-        layers = layer_saved = boundary = 0.0
+        layers = layer_saved = boundary = layer_flops = pre = 0.0
         layer_params = 0
         if blocks.groups:
             group = max(blocks.groups, key=lambda g: len(g.indices))
             layers = len(group.indices)
             first = group.members[0]
-            layer_saved = sum(_bytes_of(n) for n in first if n.op == "call_function" and info(n).saved)
+            layer_saved = sum(_kept_bytes(n) for n in first if n.op == "call_function" and info(n).kind == "op")
             order = {n: i for i, n in enumerate(cap.graph.nodes)}
             last_op = max((n for n in first if n.op == "call_function"), key=order.__getitem__)
             boundary = _bytes_of(last_op)
             layer_params = sum(
                 math.prod(info(n).shape or ()) for n in first if n.op == "placeholder" and info(n).kind == "param"
             )
+            layer_flops = sum(info(n).flops for n in first if n.op == "call_function")
+            start = min(order[n] for n in first if n.op == "call_function")
+            in_group = {n for members in group.members for n in members}
+            pre = sum(info(n).flops for n in ops if order[n] < start and n not in in_group)
         return cls(
             params=params,
             fwd_flops_per_sample=flops / batch,
@@ -158,6 +174,9 @@ class ModelFacts:
             boundary_per_sample=boundary / batch,
             other_saved_per_sample=max(0.0, saved_all - layers * layer_saved) / batch,
             layer_params=int(layer_params),
+            layer_flops_per_sample=layer_flops / batch,
+            pre_flops_per_sample=pre / batch,
+            post_flops_per_sample=max(0.0, flops - pre - layers * layer_flops) / batch,
         )
 
 
@@ -246,13 +265,20 @@ class _Bounds:
             kept_layer = f.boundary_per_sample if c.recompute != "none" else f.layer_saved_per_sample
             acts = f.layers * kept_layer * mb + f.other_saved_per_sample * mb
         else:
-            per_stage = f.layers // c.pipeline
+            # some stage holds ceil(L/p) layers; the last holds the head's activations too; every
+            # stage is planned for min(p, m) microbatches in flight (1F1B's first, ZB-H1's all)
+            most = -(-f.layers // c.pipeline)
+            least = f.layers // c.pipeline
             copies = min(c.pipeline, c.microbatches)
-            if c.recompute == "all":
-                acts = copies * per_stage * f.boundary_per_sample * mb + f.layer_saved_per_sample * mb
-            else:
-                acts = copies * per_stage * f.layer_saved_per_sample * mb
+            kept = f.boundary_per_sample if c.recompute == "all" else f.layer_saved_per_sample
+            per_copy = max(most * kept, least * kept + f.other_saved_per_sample)
+            acts = copies * per_copy * mb + (f.layer_saved_per_sample * mb if c.recompute == "all" else 0.0)
         return self.state / n + acts / share
+
+    def activations_without_recompute(self, c: ParallelConfig) -> float:
+        """A whole-model (``p = 1``) plan's activation bound with nothing recomputed."""
+        f = self.f
+        return (f.layers * f.layer_saved_per_sample + f.other_saved_per_sample) * self.batch / (c.data * c.tensor)
 
     def time(self, c: ParallelConfig) -> float:
         passes = 4 if c.recompute == "all" else 3
@@ -293,6 +319,7 @@ class _Planner:
         self._splits: dict = {}
         self._stage_sets: dict = {}
         self.plannings = 0
+        self.facts: ModelFacts | None = None
 
     def capture(self, size: int):
         if size not in self._caps:
@@ -340,22 +367,67 @@ class _Planner:
         return self._pipeline(c)
 
     # -- pipelines ---------------------------------------------------------------------------
-    def _split(self, size: int, stages: int):
-        from passes.split_stages import assign_stages, split_stages
+    def stage_lengths(self, stages: int) -> list:
+        """Layers per stage: the balanced split :func:`passes.split_stages.assign_stages` makes
+        (layers priced by their FLOPs, the ops before the first layer and after the last riding
+        with them)."""
+        from passes.split_stages import balance_layers
 
-        key = (size, stages)
+        f = self.facts
+        assert f is not None, "the planner's model facts are set before pipelines are planned"
+        costs = [f.layer_flops_per_sample] * f.layers
+        costs[0] += f.pre_flops_per_sample
+        costs[-1] += f.post_flops_per_sample
+        return balance_layers(costs, stages)
+
+    def _truncated(self, size: int, n_layers: int):
+        """The model cut to its first ``n_layers`` repeated layers, captured at batch ``size``."""
+        from passes.capture_blocks import repeated_layers
+
+        found = repeated_layers(self.model, min_layers=2)
+        if found is None:
+            raise ValueError(
+                f"{self.name} has no list of identical layers to cut into pipeline stages; plan it with pipelines=False"
+            )
+        path, layers = found
+        owner = self.model
+        for part in path.split(".")[:-1]:
+            owner = getattr(owner, part)
+        attr = path.split(".")[-1]
+        setattr(owner, attr, torch.nn.ModuleList(list(layers)[:n_layers]))
+        try:
+            mode = self.layers if self.layers == "full" else ("blocks" if n_layers >= 3 else "full")
+            cap = capture_model(
+                self.model,
+                _at_batch(self.inputs, self.batch, size),
+                layers=mode,
+                autocast_dtype=self.precision.autocast_dtype,
+            )
+        finally:
+            setattr(owner, attr, layers)
+        analyze(cap)
+        return cap
+
+    def _class_split(self, size: int, counts: tuple):
+        """Stage graphs of the stage classes (first, middles by layer count, last): the model cut
+        to ``sum(counts)`` layers, split into runs of ``counts`` layers."""
+        from passes.split_stages import split_stages
+
+        key = (size, counts)
         if key not in self._splits:
-            cap = self.capture(size)
-            stage_of, runs = assign_stages(cap, stages)
+            cap = self._truncated(size, sum(counts))
+            stage_of, runs = _stage_of(cap, list(counts))
             graphs = split_stages(cap, stage_of, runs)
             for g in graphs:
                 analyze(g.captured)
-            self._splits[key] = (cap, graphs, runs)
+            self._splits[key] = (cap, graphs)
         return self._splits[key]
 
     def _stage_plans(self, c: ParallelConfig):
         """Stage plans for ``c``'s microbatch, degrees and recomputation (shared by 1F1B and
-        ZB-H1): (capture, graphs, runs, plans per stage, representative index per stage)."""
+        ZB-H1). Stages are planned once per class: the first stage, the middle stages by their
+        layer count, the last stage (a middle class takes the placements the class before it
+        sends). Returns (class graphs, class plans, class of each stage, layer runs, sends)."""
         from partitioner.pipeline_parallelize import _sent_placements, _shared_weights
 
         size = c.microbatch_size
@@ -364,43 +436,57 @@ class _Planner:
             copies = ps.SCHEDULES["interleaved"].in_flight(c.pipeline, c.microbatches, c.virtual_stages)
         else:
             copies = ps.auto_stage_in_flight(c.pipeline, c.microbatches)
+        lengths = self.stage_lengths(stages)
+        classes: list = []
+        for s, n in enumerate(lengths):
+            kind = "first" if s == 0 else "last" if s == stages - 1 else "middle"
+            if (kind, n) not in classes:
+                classes.append((kind, n))
+        classes.sort(key=lambda k: ("first", "middle", "last").index(k[0]))
+        stage_map = [
+            classes.index(("first" if s == 0 else "last" if s == stages - 1 else "middle", n))
+            for s, n in enumerate(lengths)
+        ]
+        class_copies = [max(copies[s] for s in range(stages) if stage_map[s] == k) for k in range(len(classes))]
         family = "interleaved" if c.schedule == "interleaved" else "auto"
         key = (size, c.pipeline, c.data, c.tensor, c.virtual_stages, c.recompute, family)
         if key in self._stage_sets:
             return self._stage_sets[key]
         self.plannings += 1
-        cap, graphs, runs = self._split(size, stages)
+        t0 = time.perf_counter()
+        cap, graphs = self._class_split(size, tuple(n for _, n in classes))
+        t1 = time.perf_counter()
         tied = {n for names in _shared_weights(cap, graphs) for n in names}
         shape, names = c.stage_mesh_shape, c.stage_axis_names
         budget = self.budget / c.virtual_stages
-        plans, owners, stage_map, reps, sent_as = [], [], [], {}, {}
-        for g in graphs:
-            incoming = tuple(sent_as.get(a) for a in g.activation_inputs)
-            rep_key = (g.index == 0, g.index == len(graphs) - 1, len(runs[g.index]), incoming, copies[g.index])
-            if rep_key not in reps:
-                pins = {n: ["R"] * len(shape) for n in g.inputs if n in tied}
-                pins.update({a: sent_as[a] for a in g.activation_inputs})
-                made = self._plan(
-                    g.captured,
-                    f"{self.name} stage {g.index}",
-                    shape,
-                    names,
-                    pins=pins,
-                    copies=copies[g.index],
-                    recompute=c.recompute,
-                    budget=budget,
-                )
-                reps[rep_key] = len(plans)
-                plans.append(made)
-                owners.append(g)
-            r = reps[rep_key]
-            stage_map.append(r)
-            # a shared plan's records carry its own stage's node names: map its sends by position
-            own = _sent_placements(owners[r], plans[r], len(shape))
-            for mine, theirs in zip(g.outputs, owners[r].outputs):
-                if mine is not None and theirs in own:
-                    sent_as[mine] = own[theirs]
-        result = (cap, graphs, runs, plans, stage_map, sent_as)
+        plans, sent_as = [], {}
+        for g, copies_k in zip(graphs, class_copies):
+            pins = {n: ["R"] * len(shape) for n in g.inputs if n in tied}
+            pins.update({a: sent_as[a] for a in g.activation_inputs})
+            made = self._plan(
+                g.captured,
+                f"{self.name} stage class {g.index}",
+                shape,
+                names,
+                pins=pins,
+                copies=copies_k,
+                recompute=c.recompute,
+                budget=budget,
+            )
+            plans.append(made)
+            sent_as.update(_sent_placements(g, made, len(shape)))
+        logger.info(
+            "search: %s: %d stage classes cut in %.2f s, planned in %.2f s",
+            c.describe(),
+            len(plans),
+            t1 - t0,
+            time.perf_counter() - t1,
+        )
+        runs, k = [], 0
+        for n in lengths:
+            runs.append(list(range(k, k + n)))
+            k += n
+        result = (graphs, plans, stage_map, runs, sent_as)
         self._stage_sets[key] = result
         return result
 
@@ -430,9 +516,9 @@ class _Planner:
         return largest, seconds, per_rank
 
     def _pipeline(self, c: ParallelConfig) -> ShardingPlan:
-        cap, graphs, runs, plans, stage_map, sent_as = self._stage_plans(c)
+        graphs, plans, stage_map, runs, sent_as = self._stage_plans(c)
         ests = [plans[r].estimate() for r in stage_map]
-        forward, backward, weight = ps.stage_durations(ests, [g.takes_activations for g in graphs])
+        forward, backward, weight = ps.stage_durations(ests, [graphs[r].takes_activations for r in stage_map])
         _, p2p_s, p2p_bytes = self._p2p(c, graphs, sent_as)
         sched = ps.SCHEDULES[c.schedule or "1f1b"].make(c.pipeline, c.microbatches, c.virtual_stages)
         sim = ps.simulate(sched, forward, backward, weight, comm_time=p2p_s)
@@ -442,17 +528,19 @@ class _Planner:
         memory = max(per_rank_memory)
         if memory > self.budget:
             raise InfeasibleBudgetError(
-                f"the stages of {c.describe()} need {memory / 2**30:.3f} GiB on one rank, over the budget"
+                f"the stages of {c.describe()} need {memory / 2**30:.3f} GiB ({memory:.0f} bytes) on one rank, "
+                f"over the budget"
             )
         model_flops = c.microbatches * sum(float(plans[r].data.get("model_flops", 0.0)) for r in stage_map)
         first = plans[0].data
+        whole = self.capture(self.batch)
         data = {
             **{k: first[k] for k in ("format", "version", "training", "precision", "cluster", "budget", "objective")},
             "optimizer": self.optimizer,
-            "fingerprint": graph_fingerprint(cap),
-            "structure": graph_fingerprint(cap, shapes=False),
+            "fingerprint": graph_fingerprint(whole),
+            "structure": graph_fingerprint(whole, shapes=False),
             "model": self.name,
-            "inputs": {k: [self.batch] + v[1:] for k, v in _inputs_of(cap).items()},
+            "inputs": _inputs_of(whole),
             "mesh": MeshSpec.build(c.mesh_shape, c.axis_names).to_dict(),
             "activation_copies": 1,
             "recompute": c.recompute,
@@ -468,7 +556,7 @@ class _Planner:
                 "schedule": c.schedule,
                 "microbatches": c.microbatches,
                 "virtual_stages": c.virtual_stages,
-                "layers": [list(r) for r in runs],
+                "layers": runs,
                 "stage_map": stage_map,
                 "stage_plans": [p.data for p in plans],
                 "step_time_s": sim.makespan,
@@ -481,6 +569,34 @@ class _Planner:
             },
         }
         return ShardingPlan(data)
+
+
+def _stage_of(cap, lengths: list) -> tuple:
+    """``node -> stage`` and each stage's layer indices for runs of ``lengths`` repeated layers
+    (what :func:`passes.split_stages.assign_stages` returns, with the lengths given)."""
+    blocks = find_blocks(cap.graph)
+    group = max(blocks.groups, key=lambda g: len(g.indices))
+    position = {n: i for i, n in enumerate(cap.graph.nodes)}
+    in_group = {n for members in group.members for n in members}
+    last = max(position[n] for n in in_group if n.op == "call_function")
+    layer_stage: list = []
+    for s, n in enumerate(lengths):
+        layer_stage += [s] * n
+    stage_of, current = {}, 0
+    for node in cap.graph.nodes:
+        if node.op != "call_function":
+            continue
+        owner = blocks.block_of.get(node)
+        if owner is not None and owner[0] is group:
+            current = layer_stage[owner[1]]
+        elif position[node] > last:
+            current = len(lengths) - 1
+        stage_of[node] = current
+    runs, k = [], 0
+    for n in lengths:
+        runs.append(tuple(group.indices[k : k + n]))
+        k += n
+    return stage_of, runs
 
 
 def _split_spec(spec: str) -> list:
@@ -531,6 +647,8 @@ def plan_config(
         time_limit=time_limit,
     )
     planner.inputs = _at_batch(example_inputs, batch, config.global_batch)
+    planner.batch = config.global_batch
+    planner.facts = ModelFacts.of(model, planner.capture(config.global_batch), config.global_batch)
     return planner.plan(config)
 
 
@@ -547,7 +665,7 @@ def search_config(
     layers="auto",
     recompute="auto",
     time_limit=60.0,
-    max_plans: int = 4,
+    max_plans: int = 3,
     pipelines: bool = True,
     pipeline_recompute: bool = True,
 ) -> ShardingPlan:
@@ -576,7 +694,7 @@ def search_config(
         layers=layers,
         time_limit=time_limit,
     )
-    facts = ModelFacts.of(model, planner.capture(batch), batch)
+    facts = planner.facts = ModelFacts.of(model, planner.capture(batch), batch)
     bounds = _Bounds(facts, spec, precision, optimizer, batch)
     configs = enumerate_configs(
         devices, batch, facts.layers, spec.devices_per_node, recompute=recompute, pipelines=pipelines
@@ -588,12 +706,22 @@ def search_config(
             f"no configuration of {devices} devices divides the global batch of {batch}: choose a batch that "
             f"{devices} (or a divisor of it) divides"
         )
+    # without a pipeline, a model whose kept activations alone overflow the budget recomputes:
+    # planned with recompute="all" (the solver's "auto" would first try, and fail, without)
+    configs = [
+        replace(c, recompute="all")
+        if c.pipeline == 1
+        and c.recompute == "auto"
+        and bounds.state / c.devices + bounds.activations_without_recompute(c) > budget
+        else c
+        for c in configs
+    ]
     cands = [Candidate(c, bounds.memory(c), bounds.time(c), bounds.quick(c)) for c in configs]
     for cand in cands:
         if cand.memory_lb > budget:
             cand.status = "over budget"
             cand.reason = f"needs at least {_fmt_gib(cand.memory_lb)} per device (bound), budget {_fmt_gib(budget)}"
-    alive = sorted((c for c in cands if c.status != "over budget"), key=lambda c: (c.quick_s, c.time_lb))
+    alive = [c for c in cands if c.status != "over budget"]
     t1 = time.perf_counter()
     logger.info(
         "search: %d configurations for %d devices, %d within the memory bound (%.2f s)",
@@ -604,7 +732,19 @@ def search_config(
     )
     best: Candidate | None = None
     least_seen: tuple | None = None
-    for cand in alive:
+    # planning order: the candidates likely to fit first, each group by the quick estimate. Likely
+    # to fit: the memory bound with its activations scaled by ``slack``, the largest ratio of a
+    # refused plan's least memory to its bound seen so far (the bound leaves out buffers, copies
+    # and transients the solver counts), starting at 1.
+    slack = 1.0
+
+    def order(c: Candidate) -> tuple:
+        state = bounds.state / c.config.devices
+        return (state + slack * (c.memory_lb - state) > budget, c.quick_s, c.time_lb)
+
+    queue = sorted(alive, key=order)
+    while queue:
+        cand = queue.pop(0)
         if best is not None and cand.time_lb > best.step_time_s:
             cand.status = "pruned"
             cand.reason = f"its time bound {_fmt_s(cand.time_lb)} exceeds the best step {_fmt_s(best.step_time_s)}"
@@ -619,6 +759,11 @@ def search_config(
             cand.reason = str(exc).split(". ")[0]
             if least_seen is None or cand.memory_lb < least_seen[0]:
                 least_seen = (cand.memory_lb, cand.reason)
+            needed = re.search(r"\((\d+) bytes\)", str(exc))
+            state = bounds.state / cand.config.devices
+            if needed and cand.memory_lb > state:
+                slack = max(slack, (float(needed.group(1)) - state) / (cand.memory_lb - state))
+                queue.sort(key=order)
             continue
         est = made.estimate()
         cand.status, cand.plan = "planned", made
