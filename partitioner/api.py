@@ -98,6 +98,7 @@ def plan(
     precision="fp32",
     recompute: str = "auto",
     verbose: bool = False,
+    zero="auto",
 ) -> ShardingPlan:
     """Choose data / tensor / sequence splits for every node of ``model`` on a device mesh.
 
@@ -134,6 +135,11 @@ def plan(
         verbose: show progress (capture, analysis, solve) on stderr for this call; the same
             records go to the ``partitioner`` logger at INFO in any case (see
             :mod:`partitioner.progress`).
+        zero: a weight stored sharded and gathered for use (FSDP / ZeRO): ``"auto"`` lets the
+            solver choose per weight between keeping the gathered copy for backward (ZeRO-2,
+            FSDP's ``reshard_after_forward=False``) and freeing it after forward to gather it
+            again in backward (ZeRO-3); ``2`` or ``3`` force one (see ``docs/ARCHITECTURE.md``,
+            "Parameter storage").
 
     Example::
 
@@ -187,6 +193,7 @@ def plan(
         timings={"capture_s": t1 - t0, "analysis_s": t2 - t1, "start": t0},
         precision=precision,
         recompute=recompute,
+        zero=zero,
     )
 
 
@@ -207,6 +214,7 @@ def plan_captured(
     activation_copies=1,
     precision=None,
     recompute="none",
+    zero="auto",
 ) -> ShardingPlan:
     """:func:`plan` for a graph already captured and analysed (``passes.capture`` +
     ``passes.analyze``); ``auto_parallelize`` uses it so the model is captured once.
@@ -248,6 +256,7 @@ def plan_captured(
         grad_reduce_bytes=precision.grad_reduce_bytes,
         recompute=recompute,
         log=logger.info,
+        zero=zero,
     )
     t3 = time.perf_counter()
     stats = dict(result.stats, **timings, plan_s=t3 - t2, total_s=t3 - t0)
@@ -272,6 +281,7 @@ def plan_captured(
         "optimizer": optimizer,
         "activation_copies": activation_copies,
         "recompute": recompute,
+        "zero": zero,
         "pins": {n.name: format_spec(s) for n, s in pinned.items()},
         "records": result.records,
         "alternatives": result.alternatives,

@@ -103,6 +103,7 @@ def auto_parallelize(
     precision=None,
     recompute="auto",
     verbose=False,
+    zero="auto",
 ):
     """Run ``model`` data / tensor / sequence parallel on the job's ranks, as a plan decides.
 
@@ -130,6 +131,9 @@ def auto_parallelize(
             a block kind's attention core or all of it when the memory budget needs it),
             ``"selective"`` (every attention core), ``"all"`` or ``"none"`` (see
             :func:`partitioner.plan`); a replayed plan brings its own choice.
+        zero: a weight stored sharded and gathered for use keeps its gathered copy for backward
+            (``2``), frees it after forward and gathers it again in backward (``3``), or the
+            solver chooses per weight (``"auto"``; see :func:`partitioner.plan`).
         verbose: show progress on stderr for this call; the same records go to the
             ``partitioner`` logger at INFO in any case (see :mod:`partitioner.progress`).
 
@@ -188,6 +192,7 @@ def auto_parallelize(
         objective=objective,
         precision=precision,
         recompute=recompute,
+        zero=zero,
     )
     logger.info("planned in %.2f s", time.perf_counter() - t0)
     module = _build_module(cap, plan, comm, WeightSource(model, state_dict, checkpoint), device, local_inputs)
@@ -206,6 +211,7 @@ def auto_parallelize(
                 objective=objective,
                 precision=precision,
                 recompute=recompute,
+                zero=zero,
             ),
         )
     )
@@ -326,7 +332,7 @@ def _capture(model, example_inputs, layers, precision):
 
 
 def _plan_or_replay(
-    cap, model_name, comm, plan, *, cluster, memory_budget, pins, objective, precision, recompute="auto"
+    cap, model_name, comm, plan, *, cluster, memory_budget, pins, objective, precision, recompute="auto", zero="auto"
 ) -> ShardingPlan:
     """Plan: rank 0 searches and broadcasts (the cost model may time this machine, and ranks
     must agree on one plan); a given plan is checked against the graph and the mesh instead."""
@@ -344,6 +350,7 @@ def _plan_or_replay(
                 objective=objective,
                 precision=precision,
                 recompute=recompute,
+                zero=zero,
             ).to_json()
 
         return ShardingPlan.from_dict(json.loads(on_rank0(make_plan, "planning")))

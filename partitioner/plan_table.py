@@ -143,6 +143,15 @@ def _collective_items(comm) -> list:
     return [f"{k}@{a}" + (f" x{n}" if n > 1 else "") for (k, a), n in counts.items()]
 
 
+_ALGORITHMS = ("ring", "ulysses")
+
+
+def algorithm_items(r) -> list:
+    """``ring@a0`` / ``ulysses@a0``: the sequence-parallel attention algorithm a record runs on
+    each mesh axis (its rule notes), listed before its collectives."""
+    return [f"{note}@{axis}" for axis, note in (r.get("notes") or {}).items() if note in _ALGORITHMS]
+
+
 def short_collectives(comm) -> str:
     """``AR@tp x2, AG@dp``: each collective kind on each axis once, with its count."""
     return ", ".join(_collective_items(comm))
@@ -208,7 +217,11 @@ def _wide_table(plan, rows, heads) -> list:
         if r["name"] in heads:
             cells.append([heads[r["name"]]])
         comm = "; ".join(
-            f"{SHORT.get(c['kind'], c['kind'])}@{c['axis']} {c['phase']} {_fmt_bytes(c['bytes'])}" for c in r["comm"]
+            algorithm_items(r)
+            + [
+                f"{SHORT.get(c['kind'], c['kind'])}@{c['axis']} {c['phase']} {_fmt_bytes(c['bytes'])}"
+                for c in r["comm"]
+            ]
         )
         local = r.get("local_shapes") or [None]
         t = r.get("compute_s", 0.0) + sum(c["time_s"] for c in r["comm"])
@@ -252,7 +265,7 @@ def _narrow_table(plan, rows, heads, bases, limit) -> list:
                 _placement(r),
                 _fmt_time(t) if t else "",
                 _fmt_bytes(r["memory"]) if r.get("memory") else "",
-                _collective_items(r["comm"]),
+                algorithm_items(r) + _collective_items(r["comm"]),
             ]
         )
     table = [c for c in cells if not isinstance(c, str)]
@@ -353,6 +366,7 @@ def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = 
             f"{plan.data.get('recompute', 'auto')!r}): {', '.join(f'{b} ({m})' for b, m in modes.items())}"
         )
         lines += [redo] if wide else textwrap.wrap(redo, width, subsequent_indent="  ")
+    lines += _sequence_parallel_line(plan, width, wide)
     lines += _wide_table(plan, rows, heads) if wide else _narrow_table(plan, rows, heads, bases, width)
     lines.append("")
     estimate = "estimate: " + str(plan.estimate())
@@ -412,3 +426,15 @@ def pipeline_table(plan, *, width: int = WIDTH) -> str:
     lines += textwrap.wrap("estimate: " + str(plan.estimate()), width, subsequent_indent="  ")
     lines.append("each stage's table: plan.stage_plans[s].summary()")
     return "\n".join(lines)
+
+
+def _sequence_parallel_line(plan, width, wide) -> list:
+    """``attention over a split sequence (sequence_parallel='auto'): ring@a0 on 2 attention ops``."""
+    found = Counter(item for r in plan.records for item in algorithm_items(r))
+    if not found:
+        return []
+    text = (
+        f"attention over a split sequence (sequence_parallel={plan.data.get('sequence_parallel', 'auto')!r}): "
+        + ", ".join(f"{item} on {n} attention op{'s' if n > 1 else ''}" for item, n in found.items())
+    )
+    return [text] if wide else textwrap.wrap(text, width, subsequent_indent="  ")

@@ -11,7 +11,13 @@ all_reduce        the buffer                   2 (n-1)/n payload   2 (n-1)
 all_gather        the gathered (output) buffer (n-1)/n payload     n-1
 reduce_scatter    the full (input) buffer      (n-1)/n payload     n-1
 all_to_all        the local buffer             (n-1)/n payload     n-1
+send_recv         the bytes this rank sends    payload             n-1
 ================  ==========================  ==================  ============
+
+``send_recv`` is ring attention's point-to-point traffic (:mod:`runtime.ring_attention`): ``n - 1``
+transfers of a block to the next rank of the axis while one arrives from the previous; its
+payload is what one rank sends over all of them. Its overlap with the block computation is not
+credited (the estimate adds it to the compute time, an upper bound).
 
 time = ``collective_overhead_s + steps * latency_s + wire_bytes / bandwidth``; parameter
 gradient synchronisations are bucketed (fused, as DDP does) and pay the bandwidth term only. Reported
@@ -54,6 +60,7 @@ __all__ = [
 
 
 @dataclass(frozen=True)
+    "edge_gathers",
 class Collective:
     kind: str
     axis: int
@@ -82,12 +89,14 @@ _STEPS = {
     "all_gather": lambda n: n - 1,
     "reduce_scatter": lambda n: n - 1,
     "all_to_all": lambda n: n - 1,
+    "send_recv": lambda n: n - 1,
 }
 _WIRE = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_to_all": lambda n: (n - 1) / n,
+    "send_recv": lambda n: 1.0,
 }
 
 
@@ -140,7 +149,13 @@ def compute_time(flops: float, mem_bytes: float, dtype, contraction: bool, clust
 
 
 def extra_payload(elements, scaling, itemsize, n_axis, split) -> float:
-    """Payload of a collective inside an op (see ``AxisStrategy.extra``)."""
+    """Payload of a collective inside an op (see ``AxisStrategy.extra``). Besides ``"work"`` and
+    ``"none"``: ``"local"``, the local share of ``elements`` (an all-to-all of an input's buffer);
+    ``"ring"``, that share ``n_axis - 1`` times (ring attention's transfers of its k/v blocks)."""
+    if scaling == "local":
+        return elements * itemsize / split
+    if scaling == "ring":
+        return elements * itemsize * (n_axis - 1) / split
     if scaling == "work":
         return elements * itemsize * n_axis / split
     return float(elements * itemsize)
@@ -210,4 +225,10 @@ def edge_allocates(src, dst, grad, mesh_shape, *, requires_grad: bool, from_para
         return True  # a collective writes a new buffer
     if not forward:
         return requires_grad and not from_param  # passed through, or copied out of autograd's way
+def edge_gathers(src, dst, mesh_shape) -> bool:
+    """Whether the edge's forward sends data (a collective writes the consumer's copy): what a
+    parameter stored ZeRO-3 style frees after forward and gathers again for backward."""
+    return any(is_shard(p) or is_partial(p) for _, p, _ in _moves(src, dst, mesh_shape))
+
+
     return requires_grad  # a local slice: a view, copied when it needs a gradient

@@ -28,7 +28,7 @@ name, so lowering a plan made for another graph fails at the first node that dif
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -40,6 +40,7 @@ from passes.rules import op_view, rule_for, tensor_input_nodes
 from passes.strategy_space import required_output_spec
 from runtime.collectives import MeshComm, Reshard
 from runtime.recompute import CheckpointRegion
+from runtime.regather import REGATHER_KEY
 
 __all__ = ["LowerCall", "lower_to_local", "LoweringError", "outline_recomputed", "strided_parameters"]
 
@@ -283,7 +284,7 @@ def lower_to_local(
             None if s is None or sp is None else list(local_shape(s, sp, comm.shape))
             for s, sp in zip(i.out_shapes, outs)
         ]
-        call = LowerCall(node, tuple(args), dict(kwargs), outs, ins, local_shapes, comm, b)
+        call = LowerCall(node, tuple(args), dict(kwargs), outs, ins, local_shapes, comm, b, rec.get("notes") or {})
         result = rule_for(node).lower(call)
         if isinstance(result, fx.Node):
             result.meta["partita.source"] = node.name
@@ -295,6 +296,9 @@ def lower_to_local(
         if info(node).kind == "param":  # these edges' backward syncs the parameter's gradient
             for _, edge in b.edges_from.get(node.name, ()):
                 edge.param_edge = node.name
+                # ZeRO-3: gathered copies freed after forward, gathered again in backward
+                edge.regather = bool(record(node).get("regather"))
+                gm.meta[REGATHER_KEY] = gm.meta.get(REGATHER_KEY, False) or edge.regather
     bucketable = _bucketable(graph, b) if bucket_grads else {}
     spans = {layer: (before.next, end) for layer, (before, end) in layers.items() if end is not before}
     moved = outline_recomputed(gm, spans)

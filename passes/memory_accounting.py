@@ -22,6 +22,9 @@ keeps (:mod:`passes.saved_tensors` says what each op saves) and counts each stor
 * **Transients.** Forward: what a node allocates that nothing keeps (its output and its
   edges' buffers), alive while it runs. Backward: the gradients of its output and of its
   inputs that need one, alive while its backward runs.
+* **ZeRO-3 parameters** (``regather``): the copy an edge gathers for a consumer that keeps it
+  is freed after forward (a forward transient) and gathered again while the consumer's
+  backward runs (a backward transient), outside recomputed layers.
 * **Recomputed layers** (activation checkpointing): what their ops keep is rebuilt while the
   layer's backward reruns it (a backward transient, on the layer's first node); the checkpoint
   keeps the values entering the layer.
@@ -37,7 +40,14 @@ import operator
 import torch.fx as fx
 
 from passes.analyze import info
-from passes.cost_model import dtype_bytes, edge_allocates, largest_share, local_bytes, param_state_parts
+from passes.cost_model import (
+    dtype_bytes,
+    edge_allocates,
+    edge_gathers,
+    largest_share,
+    local_bytes,
+    param_state_parts,
+)
 from passes.rules import tensor_input_nodes
 
 __all__ = ["memory_fields"]
@@ -105,6 +115,14 @@ def memory_fields(
 
     kept: dict = {}  # storage key -> (bytes, owner node)
     edge_buffers: dict = {}  # consumer -> bytes of its edges' buffers
+    regathered: dict = {}  # consumer -> bytes of ZeRO-3 parameters gathered again for its backward
+
+    def regathers(c, k, layer) -> bool:
+        u = tensor_input_nodes(c)[k]
+        placed = choices.get(u)
+        if layer is not None or placed is None or not placed.regather:
+            return False
+        return edge_gathers(out_spec(u), choices[c].ins[k], mesh)
 
     layer_kept: dict = {}  # recomputed layer -> {storage key: bytes}, rebuilt in its backward
     first_of: dict = {}  # recomputed layer -> its first node
@@ -128,7 +146,9 @@ def memory_fields(
                     keep(base(u))
         for k in i.saves.inputs:
             e = edge(c, k)
-            if e is not None:
+            if e is not None and regathers(c, k, layer):
+                regathered[c] = regathered.get(c, 0.0) + e[1]
+            elif e is not None:
                 keep((e[0], e[1], c), into)
             else:
                 keep(base(ins[k]), into)
@@ -166,7 +186,7 @@ def memory_fields(
         f["transient_fwd"] = own + edge_buffers.get(n, 0.0)
         if i.requires_grad:
             grads_in = sum(value_bytes(u) for u in tensor_input_nodes(n) if info(u).requires_grad)
-            f["transient_bwd"] = value_bytes(n) + grads_in
+            f["transient_bwd"] = value_bytes(n) + grads_in + regathered.get(n, 0.0)
     for layer, storages in layer_kept.items():  # alive while the layer's backward reruns it
         rebuilt = sum(nbytes for key, (nbytes, _) in storages.items() if key not in kept)
         f = fields.setdefault(first_of[layer].name, {})

@@ -22,7 +22,7 @@ import torch.fx as fx
 from passes.analyze import info
 from passes.blocks import find_blocks
 from passes.capture import tied_placeholders
-from passes.cost_model import Collective, collective_time, dtype_bytes, extra_payload
+from passes.cost_model import Collective, collective_time, dtype_bytes, edge_gathers, extra_payload
 from passes.ilp_solver import min_memory, solve_ilp
 from passes.memory_accounting import memory_fields
 from passes.placements import format_spec, local_shape
@@ -98,6 +98,8 @@ def _node_record(node, choice, space, axis_names, rep_node):
         for s, sp in zip(i.out_shapes, choice.out)
     ]
     rec["compute_s"] = float(choice.compute_s)
+    if choice.regather:
+        rec["regather"] = True  # ZeRO-3: gathered copies freed after forward, gathered again for backward
     if choice.weight_grad_s:
         rec["weight_grad_s"] = float(choice.weight_grad_s)
     rec["memory"] = float(choice.memory)
@@ -150,7 +152,17 @@ def _edge_comm(node, choices, space, axis_names):
         )
         out += _collective_dicts(fwd, "fwd", k, mesh, space.cluster, axis_names)
         out += _collective_dicts(bwd, "bwd", k, mesh, space.cluster, axis_names)
+        if choices[u].regather and space_regathers(node, k, choices[u].out[0], dst, mesh):
+            # a ZeRO-3 parameter: its gathered copy is freed after forward and gathered again here
+            out += [dict(c, regather=True) for c in _collective_dicts(fwd, "bwd", k, mesh, space.cluster, axis_names)]
     return out
+
+
+def space_regathers(consumer, k, src, dst, mesh) -> bool:
+    """Whether backward gathers input ``k`` of ``consumer`` again: the edge gathers and the
+    consumer keeps that input for backward (outside a recomputed layer: decided by the caller)."""
+    saves = info(consumer).saves
+    return saves is not None and k in saves.inputs and edge_gathers(src, dst, mesh)
 
 
 def plan_intra_op(
@@ -170,6 +182,7 @@ def plan_intra_op(
     grad_reduce_bytes=None,
     recompute="auto",
     log=None,
+    zero="auto",
 ) -> IntraOpResult:
     """``recompute``: activation checkpointing of repeated blocks, ``"auto"`` (kept, selective or
     full, chosen by the solver when the budget needs it), ``"selective"``, ``"all"`` or ``"none"``
@@ -200,6 +213,7 @@ def plan_intra_op(
         max_options=max_options,
         activation_copies=activation_copies,
         grad_reduce_bytes=grad_reduce_bytes,
+        zero=zero,
     )
     t1 = time.perf_counter()
     n_opts = sum(len(g.options) for g in space.groups)
@@ -209,7 +223,7 @@ def plan_intra_op(
         + (f"; {space.pruned} high-compute options pruned" if space.pruned else "")
     )
 
-    def solve(limit, redo):
+    def solve(limit, redo, objective=objective):
         return solve_ilp(
             [g.cost for g in space.groups],
             [g.memory for g in space.groups],
@@ -244,7 +258,9 @@ def plan_intra_op(
             f"any plan needs is {least / 2**30:.3f} GiB"
         )
     if budget is not None:
-        result = _fit_peak(result, budget, lambda limit: solve(limit, redo), peak_of)
+        result = _fit_peak(
+            result, budget, lambda limit: solve(limit, redo), peak_of, lambda: solve(budget, redo, "memory")
+        )
         t2 = time.perf_counter()
     recomputed = redo.decode(result.choice)  # block label -> "kept" / "selective" / "full"
     regions = redo.regions(blocks, recomputed)
@@ -282,6 +298,8 @@ def plan_intra_op(
             rec["block"], rec["block_index"] = block_label[node]
             if node in regions and node.op == "call_function":
                 redo.mark(rec, node, choices.get(node), blocks, regions, activation_copies, space.mesh_shape)
+        if rec.get("recompute"):  # its rerun's gathered weights stay until the layer's backward: no regather
+            rec["comm"] = [c for c in rec["comm"] if not c.get("regather")]
         records.append(rec)
 
     exact = memory_fields(
@@ -377,10 +395,12 @@ def _peak_of(space, cap, optimizer, activation_copies, redo):
     return peak
 
 
-def _fit_peak(result, budget, solve, peak_of):
+def _fit_peak(result, budget, solve, peak_of, least_peak):
     """The ILP row holds state, inputs and what backward keeps; the peak adds a transient (an
-    op's output and edge buffers in forward, gradients in backward). Re-solve with the budget less
-    the largest transient seen until the plan's peak fits; no such plan: InfeasibleBudgetError."""
+    op's output and edge buffers in forward, gradients and ZeRO-3 weights gathered again in
+    backward). Re-solve with the budget less the largest transient seen until the plan's peak
+    fits; when that margin leaves no plan, with half of it (twice). Last, the plan that keeps the
+    least (``least_peak``: the memory objective): if even its peak is over, InfeasibleBudgetError."""
     margin = 0.0
     for _ in range(4):
         peak, transient = peak_of(result.choice)
@@ -388,12 +408,20 @@ def _fit_peak(result, budget, solve, peak_of):
             return result
         margin = max(margin, transient)
         retry = solve(budget - margin)
+        for _ in range(2):
+            if retry.choice is not None:
+                break
+            margin /= 2
+            retry = solve(budget - margin)
         if retry.choice is None:
             break
         result = retry
     peak, transient = peak_of(result.choice)
     if peak <= budget:
         return result
+    least = least_peak()
+    if least.choice is not None and peak_of(least.choice)[0] <= budget:
+        return least
     raise InfeasibleBudgetError(
         f"no plan found whose peak fits {budget / 2**30:.4f} GiB per device ({budget:.0f} bytes): the best needs "
         f"{peak:.0f} bytes at its peak, {transient:.0f} of them transient (an op's output and gradients). Raise "

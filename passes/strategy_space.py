@@ -40,13 +40,14 @@ from passes.cost_model import (
     compute_time,
     dtype_bytes,
     edge_allocates,
+    edge_gathers,
     extra_payload,
     local_bytes,
     param_state_bytes,
     reshard,
     saved_bytes,
 )
-from passes.placements import R, Shard, dual_spec, replicated, spec_fits
+from passes.placements import R, Shard, dual_spec, is_shard, replicated, spec_fits
 from passes.rules import Strategy, expand_to_mesh, op_view, rule_for, tensor_input_nodes
 
 __all__ = [
@@ -58,6 +59,8 @@ __all__ = [
     "edge_collectives",
     "required_output_spec",
     "STAGE_BOUNDARY",
+    "ZERO_MODES",
+    "check_zero",
 ]
 
 
@@ -96,6 +99,9 @@ class NodeChoice:
     runs again."""
     forward_comm_s: float = 0.0
     """The forward part of ``extra_s + inbound_s``: the collectives a recomputation repeats."""
+    regather: bool = False
+    """A parameter stored sharded whose copies gathered for use are freed after forward and
+    gathered again for backward (ZeRO-3), instead of being kept for backward (ZeRO-2)."""
 
 
 @dataclass
@@ -205,8 +211,10 @@ class _Builder:
         max_options=None,
         activation_copies=1,
         grad_reduce_bytes=None,
+        zero="auto",
     ):
         self.graph = graph
+        self.zero = zero
         self.grad_reduce_bytes = grad_reduce_bytes
         self.activation_copies = activation_copies
         self.max_options = max_options
@@ -232,17 +240,30 @@ class _Builder:
         return self._views[node]
 
     # -- costs of one node ------------------------------------------------------------
-    def edge_memory(self, u, src, dst, grad, consumer, k) -> float:
+    def edge_memory(self, u, src, dst, grad, consumer, k, regather=False) -> float:
         """Bytes of the buffer the edge ``u -> consumer`` (input ``k``) makes, when ``consumer``
-        keeps that input for backward (see :func:`passes.cost_model.edge_allocates`)."""
+        keeps that input for backward (see :func:`passes.cost_model.edge_allocates`); none for a
+        ZeRO-3 parameter's gathered copy (freed after forward, gathered again for backward)."""
         saves = info(consumer).saves
         if saves is None or k not in saves.inputs or src is None or dst is None:
+            return 0.0
+        if regather and edge_gathers(src, dst, self.mesh):
             return 0.0
         ui = info(u)
         grad = grad if ui.requires_grad else None
         if not edge_allocates(src, dst, grad, self.mesh, requires_grad=ui.requires_grad, from_param=ui.kind == "param"):
             return 0.0
         return self.activation_copies * local_bytes(ui.shape or (), dst, self.mesh, dtype_bytes(ui.dtype))
+
+    def regather_time(self, u, src, dst, consumer, k) -> float:
+        """Seconds of gathering a ZeRO-3 parameter again in backward for ``consumer``, which
+        keeps input ``k`` (the forward's gather, once more)."""
+        saves = info(consumer).saves
+        if saves is None or k not in saves.inputs or src is None or dst is None:
+            return 0.0
+        if not edge_gathers(src, dst, self.mesh):
+            return 0.0
+        return self.edge_time(src, dst, None, u)
 
     def time_of(self, collectives) -> float:
         return sum(collective_time(c, self.mesh, self.cluster) for c in collectives)
@@ -366,6 +387,13 @@ class _Builder:
         )
 
     # -- leaders ----------------------------------------------------------------------
+    def _may_regather(self, node, spec) -> bool:
+        """A ZeRO-3 twin for a parameter stored sharded on some axis, unless autocast computes
+        from a low-precision copy of it (the copy, not the gathered weight, is what backward
+        keeps)."""
+        sharded = any(is_shard(p) and n > 1 for p, n in zip(spec, self.mesh))
+        return sharded and not _compute_copy_bytes(node)
+
     def leader_options(self, node) -> list:
         i = info(node)
         pin = self.pins.get(node)
@@ -382,7 +410,13 @@ class _Builder:
                     mem += numel * _compute_copy_bytes(node)
                 else:
                     mem = local_bytes(i.shape, spec, self.mesh, elem)
-                choices.append(NodeChoice(strategy=None, out=(spec,), ins=(), memory=mem))
+                kept = NodeChoice(strategy=None, out=(spec,), ins=(), memory=mem)
+                if i.kind == "param" and self.zero != 2 and self._may_regather(node, spec):
+                    if self.zero != 3:
+                        choices.append(kept)
+                    choices.append(dataclasses.replace(kept, regather=True))
+                else:
+                    choices.append(kept)
             return choices
         op = self.view_of(node)
         strategies = expand_to_mesh(self.axis_candidates(node), op, self.mesh)
@@ -402,6 +436,19 @@ class _Builder:
             self.pruned += len(choices) - len(keep)
             choices = [choices[k] for k in keep]
         return choices
+
+
+ZERO_MODES = ("auto", 2, 3)
+
+
+def check_zero(zero):
+    if zero not in ZERO_MODES:
+        raise ValueError(
+            f"zero must be one of {ZERO_MODES} (for a parameter stored sharded and gathered for use: 2 keeps the "
+            f"gathered copy for backward, 3 frees it after forward and gathers it again in backward, 'auto' lets "
+            f"the solver choose per parameter), got {zero!r}"
+        )
+    return zero
 
 
 STAGE_BOUNDARY = "partita_stage_boundary"
@@ -446,19 +493,33 @@ def build_space(
     max_options="auto",
     activation_copies: int = 1,
     grad_reduce_bytes: int | None = None,
+    zero="auto",
 ) -> StrategySpace:
     """``max_options``: cap on an op leader's options (lowest compute kept); ``"auto"`` caps at
     24 on meshes of 3 or more axes, where an op can have over 200 combinations, and not
     below that; ``None`` never caps (the solve is then exact over the whole space).
     ``activation_copies``: how many microbatches' saved activations are alive at once (a
     pipeline stage under its schedule; 1 otherwise), multiplying the activation memory.
-    ``grad_reduce_bytes``: bytes per element of parameter gradient syncs (a reduce dtype)."""
+    ``grad_reduce_bytes``: bytes per element of parameter gradient syncs (a reduce dtype).
+    ``zero``: how a parameter stored sharded and gathered for use treats its gathered copies:
+    ``"auto"`` (the solver chooses per parameter: kept for backward, ZeRO-2, or freed after
+    forward and gathered again, ZeRO-3), ``2`` or ``3`` (only that)."""
+    check_zero(zero)
     if max_options == "auto":
         max_options = 24 if len(mesh_shape) >= 3 else None
     if activation_copies < 1:
         raise ValueError(f"activation_copies must be >= 1, got {activation_copies}")
     b = _Builder(
-        graph, blocks, mesh_shape, cluster, pins or {}, optimizer, max_options, activation_copies, grad_reduce_bytes
+        graph,
+        blocks,
+        mesh_shape,
+        cluster,
+        pins or {},
+        optimizer,
+        max_options,
+        activation_copies,
+        grad_reduce_bytes,
+        zero,
     )
     rep = blocks.represent
     group_of: dict = {}
@@ -557,12 +618,12 @@ def _build_edges(graph, b: _Builder, groups, group_of) -> list:
     by_pair: dict = {}
     for (u, v, k), occurrences in pending.items():
         gu = group_of[u]
-        src_specs = [opt[u].out[0] for opt in groups[gu].options]
+        src_specs = [(opt[u].out[0], opt[u].regather) for opt in groups[gu].options]
         if v.op == "output":
-            wanted = [required_output_spec(b.graph, k, s) for s in src_specs]
+            wanted = [required_output_spec(b.graph, k, s) for s, _ in src_specs]
             if all(w is None for w in wanted):
                 continue
-            costs = np.array([0.0 if w is None else b.edge_time(s, w, None, u) for s, w in zip(src_specs, wanted)])
+            costs = np.array([0.0 if w is None else b.edge_time(s, w, None, u) for (s, _), w in zip(src_specs, wanted)])
             groups[gu].cost = groups[gu].cost + costs * occurrences
             continue
         gv = group_of[v]
@@ -575,11 +636,22 @@ def _build_edges(graph, b: _Builder, groups, group_of) -> list:
         src_vals, src_cls = _classes(src_specs)
         dst_vals, dst_cls = _classes(dst)
         m = (
-            np.array([[0.0 if d is None else b.edge_time(s, d, gspec, u) for (d, gspec) in dst_vals] for s in src_vals])
+            np.array(
+                [
+                    [
+                        0.0
+                        if d is None
+                        else b.edge_time(s, d, gspec, u) + (b.regather_time(u, s, d, v, k) if again else 0.0)
+                        for (d, gspec) in dst_vals
+                    ]
+                    for s, again in src_vals
+                ]
+            )
             * occurrences
         )
         mem = (
-            np.array([[b.edge_memory(u, s, d, gspec, v, k) for (d, gspec) in dst_vals] for s in src_vals]) * occurrences
+            np.array([[b.edge_memory(u, s, d, gspec, v, k, again) for (d, gspec) in dst_vals] for s, again in src_vals])
+            * occurrences
         )
         if gu == gv:
             groups[gu].cost = groups[gu].cost + np.diag(m[np.ix_(src_cls, dst_cls)])

@@ -237,7 +237,9 @@ def _move(x, axis, p, q, comm: MeshComm, phase, src_pieces=None, dst_pieces=None
         out = inp.new_empty((n * inp.shape[0],) + tuple(inp.shape[1:]))
         record_collective("all_gather", name, _nbytes(out), phase)
         _all_gather_single(out, inp, group=group)
-        out = out.movedim(0, p.dim)
+        # contiguous in the order of the dims (a later ``view``, e.g. a flattening before a
+        # matmul, needs the layout a whole tensor has)
+        out = out.movedim(0, p.dim).contiguous() if p.dim else out
         return _strided_order(out, p.dim, src_pieces, n, inverse=True) if src_pieces else out
     if is_partial(p) and is_shard(q):  # reduce_scatter along q.dim
         record_collective("reduce_scatter", name, _nbytes(x), phase)
@@ -287,7 +289,12 @@ class _ReshardFn(torch.autograd.Function):
         # the weights' memory for the step).
         if out is x and module.param_edge is not None:
             return out
-        return out.clone() if out is x or out._is_view() else out
+        out = out.clone() if out is x or out._is_view() else out
+        if module.regather:  # ZeRO-3: backward gathers the copy again (runtime/regather.py)
+            from runtime.regather import remember
+
+            remember(out, module, x)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -329,6 +336,7 @@ class Reshard(torch.nn.Module):
         self.deferred: DeferredSyncs | None = None
 
     @property
+        self.regather = False  # set by lowering: a ZeRO-3 parameter's edge (runtime/regather.py)
     def backward_communicates(self) -> bool:
         """True when the backward moves send anything (not only local slices and zeros)."""
         moves = [m for m in self.backward_steps or () if self.comm.shape[m[0]] > 1]
@@ -375,6 +383,17 @@ class Reshard(torch.nn.Module):
 
     @property
     def is_noop(self) -> bool:
+    def regather_moves(self, x):
+        """The forward moves again, in backward: a ZeRO-3 parameter's copy gathered once more."""
+        return run_steps(
+            x,
+            self.forward_steps,
+            self.comm,
+            "bwd",
+            self._strided_of(self.src, self.src_strided),
+            self._strided_of(self.dst, self.strided),
+        )
+
         moves = lambda steps: [s for s in steps or () if self.comm.shape[s[0]] > 1]  # noqa: E731
         return not moves(self.forward_steps) and not moves(self.backward_steps)
 
@@ -392,3 +411,5 @@ class Reshard(torch.nn.Module):
         if self.sync is not None:
             text += "; gradient all-reduce bucketed"
         return text
+        if self.regather:
+            text += "; freed after forward, gathered again in backward (ZeRO-3)"

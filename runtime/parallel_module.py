@@ -77,12 +77,16 @@ def gather_tensor(local: torch.Tensor, spec, comm: MeshComm, strided=None) -> to
 
 def run_under_autocast(program, values: list, dtype):
     """``program(*values)``, under ``torch.autocast`` in ``dtype`` (the one the graph was captured
-    under, so the local ops compute in the dtypes the plan priced) unless ``dtype`` is None."""
-    if dtype is None:
-        return program(*values)
-    device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
-    with torch.autocast(device.type, dtype=dtype):
-        return program(*values)
+    under, so the local ops compute in the dtypes the plan priced) unless ``dtype`` is None, and
+    with ZeRO-3's saved-tensor hooks when the program has such parameters (runtime/regather.py)."""
+    from runtime.regather import regather_scope
+
+    with regather_scope(program):
+        if dtype is None:
+            return program(*values)
+        device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
+        with torch.autocast(device.type, dtype=dtype):
+            return program(*values)
 
 
 @dataclass

@@ -248,7 +248,9 @@ def _with_extra_outputs(program: torch.fx.GraphModule, names) -> torch.fx.GraphM
             graph.output(tuple(mapped) + tuple(env[n] for n in _nodes_named(env, names)))
         else:
             env[node] = graph.node_copy(node, lambda a: env[a])
-    return torch.fx.GraphModule(program, graph)
+    copy = torch.fx.GraphModule(program, graph)
+    copy.meta.update(program.meta)  # e.g. ZeRO-3 edges (runtime/regather.py)
+    return copy
 
 
 def _nodes_named(env, names):

@@ -1,7 +1,8 @@
 """Selective activation checkpointing: only the attention core of each layer is recomputed.
 
 Multi-process (4 gloo ranks, one forked run per mesh, (4,) and (2, 2)): with
-``recompute="selective"`` on GPT (fused attention), HF LLaMA (``sdpa`` and ``eager``) and HF ViT,
+``recompute="selective"`` on GPT (fused attention) and HF ViT on both meshes, HF LLaMA with
+``sdpa`` attention on (4,) and ``eager`` attention on (2, 2),
 each layer's attention core (and nothing else) runs in a checkpointed region; loss, every
 gradient and the parameters after 3 AdamW steps equal one device; the collectives counted (the
 rerun repeats the core's forward collectives) equal the plan's estimate; the saved activations
@@ -20,7 +21,6 @@ import copy
 
 import pytest
 import torch
-
 from parity_utils import Checks, adam_in_lockstep, build, call, loss_of, nested_approx_equal, pins_for
 
 import partitioner
@@ -116,17 +116,16 @@ def selective_worker(rank, world, mesh, configs, with_full):
         report.append((label, full, selective, kept, est))
         for n, p in pm.named_parameters():  # the gradients of the parity step, for the first AdamW step
             p.grad = kept_grads.get(n)
-        adam_in_lockstep(pm.parameters(), ref, inputs, 3, lambda: _step(pm, inputs), checks)
+        adam_in_lockstep(pm.parameters(), ref, inputs, 3, lambda pm=pm, inputs=inputs: _step(pm, inputs), checks)
         state = pm.full_state_dict()
         for pname, p in ref.named_parameters(remove_duplicate=False):
             checks.close(f"{label}: parameter {pname} after 3 AdamW steps", state[pname], p.detach())
     return {"failures": checks.failures, "report": report}
 
 
-RUNS = [  # full recomputation measured on one mesh (it needs a plan of its own)
-    pytest.param((4,), [("gpt", "tp"), ("llama", "tp"), ("llama_eager", "tp"), ("vit", "tp")], True, id="4"),
-    pytest.param((2, 2), [("gpt", "dp_tp"), ("llama", "dp_tp"), ("llama_eager", "dp_tp"), ("vit", "dp_tp")],
-                 False, id="2x2"),
+RUNS = [  # LLaMA's two attentions on one mesh each; full recomputation (a plan of its own) on one mesh
+    pytest.param((4,), [("gpt", "tp"), ("llama", "tp"), ("vit", "tp")], True, id="4"),
+    pytest.param((2, 2), [("gpt", "dp_tp"), ("llama_eager", "dp_tp"), ("vit", "dp_tp")], False, id="2x2"),
 ]
 
 
@@ -138,6 +137,8 @@ def test_selective_matches_one_device_and_its_memory_estimate(mesh, configs, wit
                            collective_timeout_s=150)
     failures = [f for r in results for f in r["failures"]]
     assert not failures, f"{len(failures)} mismatches, first ones:\n" + "\n".join(failures[:12])
+    for label, full, selective, kept, est in results[0]["report"]:  # rank 0's bytes saved, shown with -s
+        print(f"{label}: saved full {full}, selective {selective} (estimate {est:.0f}), kept {kept}")
 
 
 # ----------------------------------------------------------------------- one process: the solver
@@ -176,8 +177,9 @@ def test_attention_cores_found_in_each_graph():
 
 def test_the_solver_picks_selective_between_full_and_kept():
     model, inputs = _llama_meta_eager(layers=4)
-    peak = {mode: _plan(model, inputs, recompute=mode).estimate().memory_bytes for mode in ("none", "selective", "all")}
-    assert peak["all"] < peak["selective"] < peak["none"], peak
+    best = {mode: _plan(model, inputs, recompute=mode) for mode in ("selective", "all")}
+    peak = {mode: p.estimate().memory_bytes for mode, p in best.items()}
+    assert peak["all"] < peak["selective"], peak
     budget = int(1.05 * peak["selective"])   # no plan keeps everything within it; selective and full fit
     with pytest.raises(partitioner.InfeasibleBudgetError, match="no plan found whose peak fits"):
         _plan(model, inputs, recompute="none", memory_budget=budget)
@@ -193,14 +195,17 @@ def test_the_solver_picks_selective_between_full_and_kept():
     added += sum(c["time_s"] for r in plan.records for c in r["comm"] if c.get("recompute"))
     assert added > 0
     assert est.step_time_s == pytest.approx(plan.data["stats"]["objective_s"], rel=1e-9)
-    unmarked = partitioner.ShardingPlan.from_dict(dict(copy.deepcopy(plan.data), records=[
-        {k: (v - r.get("recompute_s", 0.0) if k == "compute_s" else v) for k, v in r.items()
-         if k not in ("recompute", "region", "recompute_s")} | {"comm": [c for c in r["comm"] if not c.get("recompute")]}
-        for r in plan.records]))
+    def unmark(r):
+        out = {k: v for k, v in r.items() if k not in ("recompute", "region", "recompute_s")}
+        out["compute_s"] = r.get("compute_s", 0.0) - r.get("recompute_s", 0.0)
+        out["comm"] = [c for c in r["comm"] if not c.get("recompute")]
+        return out
+
+    unmarked = partitioner.ShardingPlan.from_dict(
+        dict(copy.deepcopy(plan.data), records=[unmark(r) for r in plan.records]))
     assert est.step_time_s == pytest.approx(unmarked.estimate().step_time_s + added, rel=1e-9)
-    # full recomputation would fit too, but costs more time: the solver did not take it
-    forced_full = _plan(model, inputs, recompute="all", memory_budget=budget)
-    assert forced_full.estimate().step_time_s > est.step_time_s
+    # full recomputation fits too, but its fastest plan (under no budget at all) is slower
+    assert peak["all"] <= budget and best["all"].estimate().step_time_s > est.step_time_s
     summary = plan.summary()
     assert "model.layers.[0-3] (selective)" in summary and "attention core recomputed" in summary
 

@@ -1,15 +1,41 @@
 """scaled_dot_product_attention(q[B,H,Sq,D], k[B,Hkv,Skv,D], v, attn_mask, dropout, is_causal).
 
-Per mesh axis: batch-sharded (data parallel), head-sharded (Megatron attention: q, k and v
-sharded on heads, which needs both head counts divisible, and keeps grouped-query heads
-aligned because both are cut into the same number of contiguous blocks), query-sequence
-sharded with keys and values whole (sequence parallel attention; not offered with
-``is_causal``, whose mask depends on a query's global position), or replicated. A mask that
-broadcasts over a sharded dim stays replicated. The eager ``softmax(q @ k^T) @ v`` pattern
-needs no rule of its own: the matmul, softmax and elementwise rules reach the same plans.
+Per mesh axis the candidates are:
+
+* replicated; batch-sharded (data parallel);
+* head-sharded (Megatron attention: q, k and v sharded on heads, which needs both head counts
+  divisible, and keeps grouped-query heads aligned because both are cut into the same number
+  of contiguous blocks);
+* query-sequence sharded with keys and values whole (not offered with ``is_causal``, whose
+  mask depends on a query's global position; attention's memory does not fall with ``p``);
+* **ring** (note ``ring``, :mod:`runtime.ring_attention`): q, k and v sequence-sharded, the
+  key/value blocks passed around the axis; its own collectives are ``send_recv`` transfers of
+  the local k/v blocks, ``p - 1`` forward and ``2 (p - 1)`` backward (k/v and their gradients),
+  priced with scaling ``ring`` (local bytes times ``p - 1``); under ``is_causal`` the query
+  block is moved into the zig-zag layout and back by one all-to-all each way (forward q and
+  the output, backward their gradients), which balances the causal work. A mask tensor comes
+  split on its query rows with every key column;
+* **Ulysses** (note ``ulysses``, :mod:`runtime.ulysses_attention`): q, k and v
+  sequence-sharded, turned head-sharded by all-to-alls inside the op and back: 4 all-to-alls
+  of the local buffers forward (q, k, v, output) and 4 backward; offered when the query and
+  key/value heads divide by every mesh axis size; a mask stays whole on that axis.
+
+A mask that broadcasts over a sharded dim stays replicated. The eager ``softmax(q @ k^T) @ v``
+pattern needs no rule of its own: the matmul, softmax and elementwise rules reach the same
+plans (without ring or Ulysses, which need the fused op).
+
+Which of the sequence algorithms are offered is a planning setting
+(:func:`sequence_parallel`, from ``partitioner.plan(..., sequence_parallel=...)``): ``"auto"``
+offers all (the solver chooses by cost and memory), ``"ring"`` / ``"ulysses"`` only that one
+(and :func:`forced_pins` pins every attention output to it on the last mesh axis, data
+parallel on the others), ``"none"`` neither. Ring or Ulysses on one axis combines only with
+replicated or batch-sharded attention on the other axes.
 """
 
 from __future__ import annotations
+
+import contextlib
+import math
 
 import torch
 
@@ -18,7 +44,100 @@ from passes.rules.base import AxisStrategy, OpRule, OpView, register
 
 aten = torch.ops.aten
 
-__all__ = ["AttentionRule"]
+__all__ = ["AttentionRule", "sequence_parallel", "forced_pins", "SEQUENCE_PARALLEL_MODES", "SEQUENCE_ALGORITHMS"]
+
+SEQUENCE_PARALLEL_MODES = ("auto", "ring", "ulysses", "none")
+SEQUENCE_ALGORITHMS = ("ring", "ulysses")
+_SETTING: dict = {"mode": "auto", "mesh": None}
+
+
+def check_mode(mode) -> str:
+    if mode not in SEQUENCE_PARALLEL_MODES:
+        raise ValueError(f"sequence_parallel must be one of {SEQUENCE_PARALLEL_MODES}, got {mode!r}")
+    return mode
+
+
+@contextlib.contextmanager
+def sequence_parallel(mode: str, mesh_shape):
+    """Plan attention inside this block with ``mode`` on a mesh of ``mesh_shape``."""
+    check_mode(mode)
+    saved = dict(_SETTING)
+    _SETTING.update(mode=mode, mesh=tuple(int(n) for n in mesh_shape))
+    try:
+        yield
+    finally:
+        _SETTING.update(saved)
+
+
+def _is_causal(op: OpView) -> bool:
+    return bool(op.arg(5, "is_causal", False))
+
+
+def _axis_sizes():
+    mesh = _SETTING["mesh"] or ()
+    return [n for n in mesh if n > 1]
+
+
+def _ring_problem(op: OpView, sizes) -> str | None:
+    """Why ring attention cannot run this op on axes of ``sizes`` (None: it can)."""
+    q, k = op.in_shapes[0], op.in_shapes[1]
+    if len(q) != 4 or k is None or len(k) != 4:
+        return f"q has shape {q}, not [batch, heads, sequence, head_dim]"
+    if q[2] != k[2]:
+        return f"queries ({q[2]}) and keys ({k[2]}) differ in length (cross-attention)"
+    if q[1] % k[1]:
+        return f"query heads ({q[1]}) do not divide by key/value heads ({k[1]})"
+    if op.arg(4, "dropout_p", 0.0):
+        return "it has attention dropout"
+    for n in sizes:
+        if q[2] % (2 * n if _is_causal(op) else n):
+            need = f"2 x {n} (causal: two chunks per rank)" if _is_causal(op) else str(n)
+            return f"its sequence length {q[2]} does not divide by {need}"
+    return None
+
+
+def _ulysses_problem(op: OpView, sizes) -> str | None:
+    q, k = op.in_shapes[0], op.in_shapes[1]
+    if len(q) != 4 or k is None or len(k) != 4:
+        return f"q has shape {q}, not [batch, heads, sequence, head_dim]"
+    if q[2] != k[2]:
+        return f"queries ({q[2]}) and keys ({k[2]}) differ in length (cross-attention)"
+    if op.arg(4, "dropout_p", 0.0):
+        return "it has attention dropout"
+    for n in sizes:
+        if q[1] % n or k[1] % n or q[2] % n:
+            return f"its query heads ({q[1]}), key/value heads ({k[1]}) and sequence ({q[2]}) do not all divide by {n}"
+    return None
+
+
+def forced_pins(graph, mode: str, mesh_shape) -> dict:
+    """For ``mode`` ``"ring"`` / ``"ulysses"``: pin every attention node's output sequence-sharded
+    on the last mesh axis (which the rule then serves only with that algorithm) and batch-sharded
+    on the others (replicated where the batch does not divide). Raises naming the node when the
+    algorithm cannot run it."""
+    from passes.rules.base import op_view
+
+    if mode not in SEQUENCE_ALGORITHMS:
+        return {}
+    mesh = tuple(mesh_shape)
+    pins = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not aten.scaled_dot_product_attention.default:
+            continue
+        op = op_view(node)
+        problem = (_ring_problem if mode == "ring" else _ulysses_problem)(op, [mesh[-1]] if mesh[-1] > 1 else [])
+        if problem:
+            other = "ulysses" if mode == "ring" else "ring"
+            raise ValueError(
+                f"sequence_parallel={mode!r}: attention node {node.name} "
+                f"({node.meta.get('partita.info').module_path if node.meta.get('partita.info') else 'top level'}) "
+                f"cannot run as {mode} on mesh axis {len(mesh) - 1} ({mesh[-1]} ranks): {problem}; "
+                f"try sequence_parallel={other!r} or 'auto', or another mesh"
+            )
+        batch = op.in_shapes[0][0]
+        spec = tuple(Shard(0) if batch % n == 0 and n > 1 else R for n in mesh[:-1]) + (Shard(2),)
+        pins[node] = spec
+    return pins
 
 
 class AttentionRule(OpRule):
@@ -30,7 +149,8 @@ class AttentionRule(OpRule):
         q = op.in_shapes[0]
         n_in = len(op.in_shapes)
         mask = op.in_shapes[3] if n_in > 3 else None
-        is_causal = bool(op.arg(5, "is_causal", False))
+        is_causal = _is_causal(op)
+        mode = _SETTING["mode"]
 
         def mask_p(dim):
             if mask is None:
@@ -38,24 +158,72 @@ class AttentionRule(OpRule):
             d = dim - (len(q) - len(mask))
             return Shard(d) if d >= 0 and mask[d] > 1 else R
 
-        def make(qp, kvp, out, mask_dim):
+        def make(qp, kvp, out, mask_dim, note="", extra=()):
             ins = [qp, kvp, kvp] + ([mask_p(mask_dim) if mask_dim is not None else R] if mask is not None else [])
             ins += [None] * (n_in - len(ins))
-            return AxisStrategy(out=(out,) + (R,) * (len(op.out_shapes) - 1), ins=tuple(ins))
+            return AxisStrategy(out=(out,) + (R,) * (len(op.out_shapes) - 1), ins=tuple(ins), extra=extra, note=note)
 
         strategies = [make(R, R, R, None)]
         if q[0] > 1:
             strategies.append(make(Shard(0), Shard(0), Shard(0), 0))
         if q[1] > 1:
             strategies.append(make(Shard(1), Shard(1), Shard(1), 1))
-        if q[2] > 1 and not is_causal:
+        if q[2] > 1 and not is_causal and mode in ("auto", "none"):
             strategies.append(make(Shard(2), R, Shard(2), 2))
+        if len(q) != 4 or q[2] <= 1:
+            return strategies
+        sizes = _axis_sizes()
+        nq, nk = math.prod(q), math.prod(op.in_shapes[1])
+        if mode in ("auto", "ring") and _ring_problem(op, sizes) is None:
+            kv = float(2 * nk)
+            extra = [
+                ("send_recv", "fwd", kv, "ring"),
+                ("send_recv", "bwd", kv, "ring"),
+                ("send_recv", "bwd", kv, "ring"),
+            ]
+            if is_causal:  # the zig-zag exchange of q and the output (their gradients backward)
+                extra += [("all_to_all", ph, float(nq), "local") for ph in ("fwd", "fwd", "bwd", "bwd")]
+            strategies.append(make(Shard(2), Shard(2), Shard(2), 2, note="ring", extra=tuple(extra)))
+        if mode in ("auto", "ulysses") and _ulysses_problem(op, sizes) is None:
+            sizes4 = (nq, nk, nk, nq)
+            a2a = tuple(("all_to_all", ph, float(n), "local") for ph in ("fwd", "bwd") for n in sizes4)
+            u_ins: list = [Shard(2), Shard(2), Shard(2)] + ([R] if mask is not None else [])
+            u_ins += [None] * (n_in - len(u_ins))
+            out = (Shard(2),) + (R,) * (len(op.out_shapes) - 1)
+            strategies.append(AxisStrategy(out=out, ins=tuple(u_ins), extra=a2a, note="ulysses"))
         return strategies
 
+    def combination_ok(self, axes) -> bool:
+        """Ring or Ulysses on one axis: the others replicated or batch-sharded only."""
+        algo = [a for a in axes if a.note in SEQUENCE_ALGORITHMS]
+        if not algo:
+            return True
+        others = [a for a in axes if a.note not in SEQUENCE_ALGORITHMS]
+        ok = all(isinstance(a.out[0], R.__class__) or a.out[0] == Shard(0) for a in others)
+        return len(algo) == 1 and ok
+
     def lower(self, call):
-        """The same op; with attention dropout, a :class:`runtime.local_ops.RankAttention`
-        (masks by the ranks' data, not one shared random stream; none in ``eval()``)."""
-        p = call.view.arg(4, "dropout_p", 0.0)
+        """Ring or Ulysses (by the record's note) as their modules; with attention dropout, a
+        :class:`runtime.local_ops.RankAttention` (masks by the ranks' data, not one shared random
+        stream; none in ``eval()``); otherwise the same op."""
+        notes = getattr(call, "notes", None) or {}
+        algo = {name: note for name, note in notes.items() if note in SEQUENCE_ALGORITHMS}
+        view = call.view
+        if algo:
+            (axis_name, note), *rest = algo.items()
+            axis = call.comm.axis_names.index(axis_name)
+            scale = view.kwargs.get("scale")
+            causal = _is_causal(view)
+            if note == "ring":
+                from runtime.ring_attention import RingAttention
+
+                module = RingAttention(call.comm, axis, causal=causal, scale=scale)
+            else:
+                from runtime.ulysses_attention import UlyssesAttention
+
+                module = UlyssesAttention(call.comm, axis, call.in_specs[0], causal=causal, scale=scale)
+            return call.call_module(module, call.args, call.kwargs)
+        p = view.arg(4, "dropout_p", 0.0)
         if not p:
             return call.emit()
         from runtime.local_ops import RankAttention

@@ -203,6 +203,10 @@ class OpRule(abc.ABC):
         op on local tensors. Rules whose sharded form differs override this."""
         return call.emit()
 
+    def combination_ok(self, axes) -> bool:
+        """Whether per-axis candidates ``axes`` may be combined on one mesh (default: any)."""
+        return True
+
     def flops(self, op: OpView) -> float:
         shape = op.out_shapes[0] or ()
         n = 1
@@ -271,9 +275,10 @@ def has_rule(node: fx.Node) -> bool:
 def expand_to_mesh(axis_candidates: list, op: OpView, mesh_shape) -> list:
     """All per-axis combinations whose specs divide every tensor evenly (deduplicated)."""
     out, seen = [], set()
+    rule = rule_for(op.node)
     for combo in itertools.product(axis_candidates, repeat=len(mesh_shape)):
         strat = Strategy.from_axes(combo)
-        if strat.axes in seen:
+        if strat.axes in seen or not rule.combination_ok(strat.axes):
             continue
         ok = all(shape is None or spec_fits(shape, spec, mesh_shape) for shape, spec in zip(op.out_shapes, strat.out))
         ok = ok and all(

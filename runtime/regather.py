@@ -1,0 +1,113 @@
+"""ZeRO-3 parameters: gathered copies freed after forward and gathered again for backward.
+
+A parameter stored sharded is gathered by a :class:`runtime.collectives.Reshard` on every edge
+to a consumer that needs it whole (all-gather on the data-parallel axis). When the consumer
+saves that copy for backward (a matmul keeps its weight), the copy would stay alive from the
+forward to the backward of that layer: ZeRO-2 (FSDP's ``reshard_after_forward=False``). For a
+parameter the plan marks ``regather`` (ZeRO-3), the edge instead:
+
+1. registers the copy it returns (:func:`remember`), with the shard it came from;
+2. while the program runs, :func:`regather_scope` holds ``saved_tensors_hooks``: when autograd
+   saves a tensor whose storage is such a copy (the copy itself, or a view of it such as its
+   transpose), the hook keeps only a recipe (the edge, the shard, and the view's size, stride
+   and offset), so the copy is freed as soon as forward no longer uses it;
+3. when backward unpacks the recipe, the edge gathers the shard again (the same collectives as
+   forward, counted in phase ``bwd``) and the view is rebuilt on the new copy. Tensors saved
+   from one copy share one regather while its result is alive.
+
+Only the outermost hooks see a save: inside a recomputed layer (activation checkpointing,
+which holds its own hooks) the rerun keeps its gathered copies until the layer's backward ends,
+and the plan prices no regather there. The plan offers ZeRO-3 only where autocast does not save
+a low-precision copy instead of the gathered weight (see :mod:`passes.strategy_space`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+
+__all__ = ["remember", "regather_scope", "observing_saves", "REGATHER_KEY"]
+
+REGATHER_KEY = "partita.regather"
+"""``GraphModule.meta`` key: True when some edge of the program regathers in backward."""
+
+_COPIES: dict = {}  # id(copy) -> (weakref to the copy, edge, shard, holder)
+_OBSERVERS: list = []  # callables shown every tensor the hooks keep as it is (not a recipe)
+
+
+@contextlib.contextmanager
+def observing_saves(observe):
+    """Show ``observe(tensor)`` every tensor kept for backward while ZeRO-3's hooks are the
+    innermost ones (they hide saves from hooks outside them, such as a memory probe's)."""
+    _OBSERVERS.append(observe)
+    try:
+        yield
+    finally:
+        _OBSERVERS.remove(observe)
+
+
+def remember(copy: torch.Tensor, edge, shard: torch.Tensor) -> None:
+    """Register ``copy``, gathered by ``edge`` from ``shard``, as one backward may gather again."""
+    if copy.storage_offset() != 0 or copy.untyped_storage().nbytes() != copy.numel() * copy.element_size():
+        return  # not a dense buffer of its own: saved views of it could not be rebuilt on a new one
+    key = id(copy)
+
+    def forget(_ref, key=key) -> None:
+        _COPIES.pop(key, None)
+
+    _COPIES[key] = (weakref.ref(copy, forget), edge, shard, _Holder(copy.size(), copy.stride()))
+
+
+class _Holder:
+    """The regathered copy, shared by every tensor saved from one forward copy."""
+
+    def __init__(self, size, stride):
+        self.size, self.stride = size, stride  # the forward copy's layout, which saved views assume
+        self.ref: weakref.ref | None = None
+
+    def get(self, edge, shard) -> torch.Tensor:
+        full = self.ref() if self.ref is not None else None
+        if full is None:
+            with torch.no_grad():
+                gathered = edge.regather_moves(shard.detach())
+                full = torch.empty_strided(self.size, self.stride, dtype=gathered.dtype, device=gathered.device)
+                full.copy_(gathered)
+            self.ref = weakref.ref(full)
+        return full
+
+
+class _Recipe:
+    __slots__ = ("edge", "shard", "holder", "size", "stride", "offset")
+
+    def __init__(self, edge, shard, holder, t: torch.Tensor):
+        self.edge, self.shard, self.holder = edge, shard, holder
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+
+    def rebuild(self) -> torch.Tensor:
+        full = self.holder.get(self.edge, self.shard)
+        return full.as_strided(self.size, self.stride, self.offset)
+
+
+def _pack(t: torch.Tensor):
+    base = t._base if t._base is not None else t
+    entry = _COPIES.get(id(base))
+    if entry is None or entry[0]() is not base:
+        for observe in _OBSERVERS:
+            observe(t)
+        return t
+    _, edge, shard, holder = entry
+    return _Recipe(edge, shard, holder, t)
+
+
+def _unpack(packed):
+    return packed.rebuild() if isinstance(packed, _Recipe) else packed
+
+
+def regather_scope(program) -> contextlib.AbstractContextManager:
+    """The hooks above while ``program`` runs, when its plan has ZeRO-3 parameters."""
+    meta = getattr(program, "meta", None) or {}
+    if not meta.get(REGATHER_KEY):
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)

@@ -1,0 +1,326 @@
+"""Long sequences: ring attention and Ulysses (``sequence_parallel=``), on real gloo ranks.
+
+Parity (tier 3): for each config a model is parallelised with the algorithm forced on the
+last mesh axis (data parallel on the other) and checked against a deep copy run on one
+device, fp32 with ``torch.testing.assert_close`` defaults: the loss, every gradient, the
+parameters after 3 AdamW steps; the communication counted at run time equals the plan's
+estimate per kind, axis and phase, and equals the formulas (per attention layer and step):
+
+* ring: ``send_recv`` of the local k/v blocks, ``p - 1`` transfers forward and ``2 (p - 1)``
+  backward (k/v again and their gradients); under ``is_causal`` also the zig-zag exchange of
+  q and the output forward (2 all-to-alls of the local q buffer) and their gradients backward;
+* Ulysses: 4 all-to-alls of the local buffers forward (q, k, v, output) and 4 backward.
+
+Models: the hand-written GPT (``is_causal``: zig-zag balanced ring), HF LLaMA (RoPE, grouped
+query heads 4 / 2, an explicit mask tensor) and HF GPT-2 (learned positions, mask tensor), on
+meshes (4,), (2,) (two 2-rank jobs side by side in one 4-rank run) and (2, 2).
+
+The ring op itself (one process group, no model): exact against ``scaled_dot_product_attention``
+forward and backward for causal (zig-zag and contiguous), boolean and additive masks and
+grouped-query k/v; the zig-zag layout gives every rank the same FLOPs (the contiguous one
+does not); the bytes it saves for backward per rank halve from 2 to 4 ranks (saved-tensor hooks).
+
+Single process: the solver chooses ring or Ulysses for a long sequence on a memory budget and
+the summary names it; bad input gets errors naming the node and what to do.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from parity_utils import Checks, adam_in_lockstep, call, check_grads_by_alias, loss_of, nested_approx_equal
+
+from partitioner import models
+from runtime.launch import run_on_ranks
+
+TIMEOUT_S = 240
+
+FACTORIES = {
+    "gpt": lambda: models.gpt_demo(batch=4, seq=16, n_layer=2),
+    "llama": lambda: models.hf_llama(batch=2, seq=16, kv_heads=2),
+    "gpt2": lambda: models.hf_gpt2(batch=2, seq=16),
+}
+# per model: layers, (batch, heads, kv heads as sdpa sees them, sequence, head dim), is_causal
+SHAPES = {
+    "gpt": (2, (4, 4, 4, 16, 16), True),
+    "llama": (2, (2, 4, 4, 16, 16), False),
+    "gpt2": (2, (2, 4, 4, 16, 16), False),
+}
+
+
+def expected_comm(model, mode, mesh):
+    """{phase: {kind: bytes}} of the attention algorithm alone, from the formulas."""
+    layers, (b, h, hkv, s, d), causal = SHAPES[model]
+    p = mesh[-1]
+    split = p * (mesh[0] if len(mesh) == 2 and b % mesh[0] == 0 else 1)
+    q_local = b * h * s * d * 4 / split
+    kv_local = 2 * b * hkv * s * d * 4 / split
+    if mode == "ring":
+        fwd = {"send_recv": layers * (p - 1) * kv_local}
+        bwd = {"send_recv": layers * 2 * (p - 1) * kv_local}
+        if causal:
+            fwd["all_to_all"] = bwd["all_to_all"] = layers * 2 * q_local
+        return {"fwd": fwd, "bwd": bwd}
+    per = layers * (2 * q_local + kv_local)
+    return {"fwd": {"all_to_all": per}, "bwd": {"all_to_all": per}}
+
+
+_SUB_MESHES: dict = {}
+
+
+def _sub_mesh(size, rank, world):
+    """A 1-D DeviceMesh over this rank's block of ``size`` consecutive ranks (every rank makes
+    every block's group, in the same order, once per size)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if size in _SUB_MESHES:
+        return _SUB_MESHES[size]
+    groups = [dist.new_group(list(range(s, s + size))) for s in range(0, world, size)]
+    mine = rank // size
+    _SUB_MESHES[size] = DeviceMesh.from_group(
+        groups[mine], "cpu", mesh=torch.arange(mine * size, (mine + 1) * size), mesh_dim_names=("a0",)
+    )
+    return _SUB_MESHES[size]
+
+
+def _parity(cfg, rank, world, checks):
+    import partitioner
+    from runtime.collectives import CommCounter
+
+    model, inputs = FACTORIES[cfg["model"]]()
+    ref = copy.deepcopy(model)
+    mesh = tuple(cfg["mesh"])
+    if math.prod(mesh) == world:
+        pm = partitioner.auto_parallelize(model, inputs, mesh=mesh, cluster="h100", sequence_parallel=cfg["mode"])
+    else:  # a smaller job beside others: plan here (every rank alike), replay on the sub-mesh
+        plan = partitioner.plan(model, inputs, mesh_shape=mesh, cluster="h100", sequence_parallel=cfg["mode"])
+        pm = partitioner.auto_parallelize(model, inputs, mesh=_sub_mesh(mesh[0], rank, world), plan=plan)
+    with CommCounter() as counter:
+        loss = loss_of(call(pm, inputs))
+        loss.backward()
+    ref_loss = loss_of(call(ref, inputs))
+    ref_loss.backward()
+    checks.close(f"{cfg['id']}: loss", loss.detach(), ref_loss.detach())
+    check_grads_by_alias(pm.full_grads(), ref, checks)
+    est = pm.plan.estimate()
+    for diff in nested_approx_equal(counter.phase_dict().get("fwd", {}), est.comm_bytes_by_phase.get("fwd", {})):
+        checks.failures.append(f"{cfg['id']} fwd counted != estimated: {diff}")
+    for diff in nested_approx_equal(counter.phase_dict().get("bwd", {}), est.comm_bytes_by_phase.get("bwd", {})):
+        checks.failures.append(f"{cfg['id']} bwd counted != estimated: {diff}")
+    algos = {r["name"]: r.get("notes") for r in pm.plan.records if "scaled_dot_product_attention" in r["name"]}
+
+    def parallel_step():
+        step_loss = loss_of(call(pm, inputs))
+        step_loss.backward()
+        return step_loss
+
+    adam_in_lockstep(pm.parameters(), ref, inputs, 3, parallel_step, checks)
+    state = pm.full_state_dict()
+    for name, p in ref.named_parameters(remove_duplicate=False):
+        checks.close(f"{cfg['id']}: parameter {name} after 3 AdamW steps", state[name], p.detach())
+    axis = pm.comm.axis_names[-1]
+    phases = counter.phase_dict()
+    counted = {
+        ph: {k: phases.get(ph, {}).get(k, {}).get(axis, 0.0) for k in ("send_recv", "all_to_all")}
+        for ph in ("fwd", "bwd")
+    }
+    return {"id": cfg["id"], "algos": algos, "counted": counted, "summary": pm.plan.summary() if rank == 0 else None}
+
+
+def model_worker(rank, world, cfgs):
+    checks = Checks(rank)
+    out = []
+    for cfg in cfgs:
+        if cfg.get("ranks") is not None and rank not in cfg["ranks"]:
+            continue
+        out.append(_parity(cfg, rank, world, checks))
+    return {"rank": rank, "failures": checks.failures, "results": out}
+
+
+def _cfg(model, mode, mesh, ranks=None):
+    return dict(model=model, mode=mode, mesh=mesh, ranks=ranks, id=f"{model}-{mode}-{'x'.join(map(str, mesh))}")
+
+
+def _check_results(results, cfgs):
+    failures = [f for r in results for f in r["failures"]]
+    assert not failures, f"{len(failures)} mismatches, first ones:\n" + "\n".join(failures[:12])
+    by_id = {c["id"]: c for c in cfgs}
+    for r in results:
+        for res in r["results"]:
+            cfg = by_id[res["id"]]
+            axis = f"a{len(cfg['mesh']) - 1}"
+            # every attention op runs the forced algorithm on the last axis, and the plan says so
+            assert res["algos"] and all(n == {axis: cfg["mode"]} for n in res["algos"].values()), res["algos"]
+            want = expected_comm(cfg["model"], cfg["mode"], cfg["mesh"])
+            for phase, kinds in want.items():
+                for kind, nbytes in kinds.items():
+                    got = res["counted"][phase][kind]
+                    if cfg["model"] != "gpt" or kind != "all_to_all" or cfg["mode"] != "ring":
+                        # outside the attention op the plan may use all-to-alls of its own
+                        assert got >= nbytes, (res["id"], phase, kind, got, nbytes)
+                    if kind == "send_recv" or cfg["mode"] == "ring" and cfg["model"] == "gpt":
+                        assert got == pytest.approx(nbytes), (res["id"], phase, kind, got, nbytes)
+            if res["summary"] is not None:
+                assert f"{cfg['mode']}@{axis}" in res["summary"], res["summary"][:2000]
+
+
+def test_parity_on_two_and_four_ranks():
+    """One 4-rank run. (4,): GPT ring (zig-zag causal), LLaMA ring, GPT-2 Ulysses; (2, 2): GPT
+    ring and LLaMA Ulysses on axis 1, data parallel on axis 0; then (2,) as two 2-rank jobs side
+    by side: GPT Ulysses and LLaMA ring on ranks 0-1, GPT-2 ring and LLaMA Ulysses on ranks 2-3."""
+    cfgs = [
+        _cfg("gpt", "ring", (4,)),
+        _cfg("llama", "ring", (4,)),
+        _cfg("gpt2", "ulysses", (4,)),
+        _cfg("gpt", "ring", (2, 2)),
+        _cfg("llama", "ulysses", (2, 2)),
+        _cfg("gpt", "ulysses", (2,), ranks=(0, 1)),
+        _cfg("llama", "ring", (2,), ranks=(0, 1)),
+        _cfg("gpt2", "ring", (2,), ranks=(2, 3)),
+        _cfg("llama", "ulysses", (2,), ranks=(2, 3)),
+    ]
+    results = run_on_ranks(model_worker, 4, cfgs, timeout_s=TIMEOUT_S, collective_timeout_s=150)
+    _check_results(results, cfgs)
+
+
+# ------------------------------------------------------------------------------ the ring op
+
+
+def _ring_comm(rank, world, size):
+    """A MeshComm with one axis over this rank's block of ``size`` ranks."""
+    from runtime.collectives import MeshComm
+
+    return MeshComm(_sub_mesh(size, rank, world))
+
+
+def _cases():
+    g = torch.Generator().manual_seed(0)
+    b, h, s, d = 2, 4, 16, 8
+    q = torch.randn(b, h, s, d, generator=g)
+    k = torch.randn(b, h, s, d, generator=g)
+    v = torch.randn(b, h, s, d, generator=g)
+    kv2 = (torch.randn(b, 2, s, d, generator=g), torch.randn(b, 2, s, d, generator=g))
+    keep = torch.rand(b, 1, s, s, generator=g) > 0.3
+    keep |= torch.eye(s, dtype=torch.bool)  # every query sees at least itself
+    additive = torch.randn(b, h, s, s, generator=g)
+    return [
+        ("causal zig-zag", (q, k, v), dict(causal=True), None),
+        ("causal contiguous", (q, k, v), dict(causal=True, balanced=False), None),
+        ("causal grouped-query", (q,) + kv2, dict(causal=True), None),
+        ("boolean mask", (q, k, v), dict(causal=False), keep),
+        ("additive mask, grouped-query", (q,) + kv2, dict(causal=False), additive),
+    ]
+
+
+def _counting_pack(storages: dict):
+    """A saved-tensor pack hook noting each storage's bytes once (by address)."""
+
+    def pack(t):
+        storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    return pack
+
+
+def ring_op_worker(rank, world):
+    from runtime.ring_attention import RingAttention
+
+    checks = Checks(rank)
+    out = {"flops": {}, "saved": {}}
+    for size in (4, 2):
+        comm = _ring_comm(rank, world, size)
+        c = comm.coords[0]
+        for name, (q, k, v), kw, mask in _cases():
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            gqa = k.shape[1] != q.shape[1]
+            expected = torch.nn.functional.scaled_dot_product_attention(
+                *leaves, attn_mask=mask, is_causal=kw["causal"], enable_gqa=gqa
+            )
+            d_out = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
+            expected.backward(d_out)
+            n = q.shape[2] // size
+            rows = slice(c * n, (c + 1) * n)
+            local = [t[:, :, rows].detach().clone().requires_grad_() for t in (q, k, v)]
+            # the mask's rows as a sequence-split producer hands them over (a storage of their own)
+            local_mask = None if mask is None else mask[:, :, rows].clone()
+            op = RingAttention(comm, 0, **kw)
+            storages: dict = {}  # storage address -> bytes: each saved storage once
+            with torch.autograd.graph.saved_tensors_hooks(_counting_pack(storages), lambda t: t):
+                got = op(*local, local_mask)
+            got.backward(d_out[:, :, rows])
+            checks.close(f"{size} ranks, {name}: output", got, expected[:, :, rows])
+            for label, a, full in zip("qkv", local, leaves):
+                checks.close(f"{size} ranks, {name}: d{label}", a.grad, full.grad[:, :, rows])
+            out["flops"][(size, name)] = op.flops_forward
+            out["saved"][(size, name)] = sum(storages.values())
+    out["failures"] = checks.failures
+    return out
+
+
+def test_ring_op_exact_balanced_and_memory_falls():
+    results = run_on_ranks(ring_op_worker, 4, timeout_s=TIMEOUT_S)
+    failures = [f for r in results for f in r["failures"]]
+    assert not failures, "\n".join(failures[:12])
+    for size in (2, 4):
+        flops = [r["flops"][(size, "causal zig-zag")] for r in results]
+        assert len(set(flops)) == 1, f"zig-zag: unequal work per rank on {size} ranks: {flops}"
+        contiguous = [r["flops"][(size, "causal contiguous")] for r in results[:size]]
+        assert contiguous == sorted(contiguous) and contiguous[0] < contiguous[-1], contiguous
+        # causal attention computes (2p + 1) / 4p of the full square: about half
+        full = [r["flops"][(size, "boolean mask")] for r in results]
+        assert flops[0] == pytest.approx(full[0] * (2 * size + 1) / (4 * size))
+    for name in ("causal contiguous", "boolean mask", "additive mask, grouped-query"):
+        two, four = results[0]["saved"][(2, name)], results[0]["saved"][(4, name)]
+        assert two > 0 and four * 2 == pytest.approx(two), (name, two, four)
+
+
+# ---------------------------------------------------------------------------- single process
+
+
+def test_solver_chooses_a_sequence_algorithm_for_long_sequences():
+    """A long sequence (8192) with 2 heads on (4,): heads cannot split 4 ways (no Megatron
+    attention, no Ulysses), the query-sequence split keeps k/v whole; the solver picks ring
+    (estimated 3x faster than the best plan without it) and the summary names it. With 8 heads
+    forcing either algorithm gives that one on every layer."""
+    import partitioner
+
+    model, inputs = models.gpt_block(batch=1, seq=8192, n_embd=256, n_head=2, n_layer=2, device="meta")
+    free = partitioner.plan(model, inputs, mesh_shape=(4,), cluster="h100", recompute="none")
+    without = partitioner.plan(
+        model, inputs, mesh_shape=(4,), cluster="h100", recompute="none", sequence_parallel="none"
+    )
+    notes = [r.get("notes", {}).get("a0") for r in free.records if "scaled_dot_product_attention" in r["name"]]
+    assert notes == ["ring", "ring"], notes
+    assert free.estimate().step_time_s < without.estimate().step_time_s / 2
+    assert "ring@a0 on 2 attention ops" in free.summary()
+    assert "ring@a0" not in without.summary()
+    model, inputs = models.gpt_block(batch=1, seq=1024, n_embd=256, n_head=8, n_layer=2, device="meta")
+    for mode in ("ring", "ulysses"):
+        forced = partitioner.plan(model, inputs, mesh_shape=(4,), cluster="h100", sequence_parallel=mode)
+        assert forced.data["sequence_parallel"] == mode
+        notes = [r.get("notes", {}).get("a0") for r in forced.records if "scaled_dot_product_attention" in r["name"]]
+        assert notes == [mode, mode], notes
+
+
+def test_bad_input_is_refused_with_the_reason():
+    import partitioner
+
+    model, inputs = models.hf_llama(batch=2, seq=16, kv_heads=2, device="meta")
+    with pytest.raises(
+        ValueError,
+        match=r"sequence_parallel='ulysses'.*scaled_dot_product_attention.*"
+        r"key/value heads \(4\).*divide by 8.*'ring'",
+    ):
+        partitioner.plan(model, inputs, mesh_shape=(8,), cluster="h100", sequence_parallel="ulysses")
+    model, inputs = models.gpt_demo(batch=2, seq=12, n_layer=1)
+    with pytest.raises(ValueError, match=r"sequence_parallel='ring'.*sequence length 12 does not divide by 2 x 4"):
+        partitioner.plan(model, inputs, mesh_shape=(4,), cluster="h100", sequence_parallel="ring")
+    with pytest.raises(ValueError, match=r"sequence_parallel must be one of"):
+        partitioner.plan(model, inputs, mesh_shape=(4,), cluster="h100", sequence_parallel="striped")
+    # a length the ring cannot split is not offered in "auto": the plan is still correct
+    plan = partitioner.plan(model, inputs, mesh_shape=(4,), cluster="h100")
+    assert all(r.get("notes", {}).get("a0") != "ring" for r in plan.records)
