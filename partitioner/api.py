@@ -24,6 +24,7 @@ from passes.capture_blocks import capture_model
 from passes.placements import format_spec, parse_spec
 from passes.plan_intra_op import plan_intra_op
 from passes.recompute import check_recompute_mode
+from passes.rules import attention as attention_rule
 
 __all__ = ["plan", "plan_captured", "resolve_pins"]
 
@@ -98,6 +99,7 @@ def plan(
     precision="fp32",
     recompute: str = "auto",
     verbose: bool = False,
+    sequence_parallel: str = "auto",
     zero="auto",
 ) -> ShardingPlan:
     """Choose data / tensor / sequence splits for every node of ``model`` on a device mesh.
@@ -135,6 +137,11 @@ def plan(
         verbose: show progress (capture, analysis, solve) on stderr for this call; the same
             records go to the ``partitioner`` logger at INFO in any case (see
             :mod:`partitioner.progress`).
+        sequence_parallel: attention over a sequence split (see ``docs/ARCHITECTURE.md``, "Long
+            sequences"): ``"auto"`` lets the solver choose among head-sharded (Megatron), ring and
+            Ulysses attention by cost and memory; ``"ring"`` / ``"ulysses"`` force that algorithm on
+            every attention op, on the last mesh axis (data parallel on the others); ``"none"``
+            offers neither.
         zero: a weight stored sharded and gathered for use (FSDP / ZeRO): ``"auto"`` lets the
             solver choose per weight between keeping the gathered copy for backward (ZeRO-2,
             FSDP's ``reshard_after_forward=False``) and freeing it after forward to gather it
@@ -193,6 +200,7 @@ def plan(
         timings={"capture_s": t1 - t0, "analysis_s": t2 - t1, "start": t0},
         precision=precision,
         recompute=recompute,
+        sequence_parallel=sequence_parallel,
         zero=zero,
     )
 
@@ -214,6 +222,7 @@ def plan_captured(
     activation_copies=1,
     precision=None,
     recompute="none",
+    sequence_parallel="auto",
     zero="auto",
 ) -> ShardingPlan:
     """:func:`plan` for a graph already captured and analysed (``passes.capture`` +
@@ -239,25 +248,29 @@ def plan_captured(
     budget = parse_bytes(memory_budget) if memory_budget is not None else spec.memory_bytes
     t2 = time.perf_counter()
     pinned = resolve_pins(cap, pins or {}, mesh.ndim)
+    # sequence parallel attention (ring / Ulysses): forced modes pin the attention ops not pinned
+    for node, forced in attention_rule.forced_pins(cap.graph, sequence_parallel, mesh.shape).items():
+        pinned.setdefault(node, forced)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("%s: pins %s", model_name, {n.name: format_spec(s) for n, s in pinned.items()})
-    result = plan_intra_op(
-        cap,
-        mesh.shape,
-        mesh.axis_names,
-        spec,
-        budget=budget,
-        pins=pinned,
-        objective=objective,
-        optimizer=optimizer,
-        share_blocks=share_blocks,
-        time_limit=time_limit,
-        activation_copies=activation_copies,
-        grad_reduce_bytes=precision.grad_reduce_bytes,
-        recompute=recompute,
-        log=logger.info,
-        zero=zero,
-    )
+    with attention_rule.sequence_parallel(sequence_parallel, mesh.shape):
+        result = plan_intra_op(
+            cap,
+            mesh.shape,
+            mesh.axis_names,
+            spec,
+            budget=budget,
+            pins=pinned,
+            objective=objective,
+            optimizer=optimizer,
+            share_blocks=share_blocks,
+            time_limit=time_limit,
+            activation_copies=activation_copies,
+            grad_reduce_bytes=precision.grad_reduce_bytes,
+            recompute=recompute,
+            log=logger.info,
+            zero=zero,
+        )
     t3 = time.perf_counter()
     stats = dict(result.stats, **timings, plan_s=t3 - t2, total_s=t3 - t0)
     inputs = {
@@ -281,6 +294,7 @@ def plan_captured(
         "optimizer": optimizer,
         "activation_copies": activation_copies,
         "recompute": recompute,
+        "sequence_parallel": sequence_parallel,
         "zero": zero,
         "pins": {n.name: format_spec(s) for n, s in pinned.items()},
         "records": result.records,

@@ -33,6 +33,7 @@ from passes.capture import graph_fingerprint, tied_placeholders
 from passes.capture_blocks import capture_model
 from passes.lower_to_local import lower_to_local
 from passes.recompute import check_recompute_mode
+from passes.rules import attention as attention_rule
 from passes.shape_check import check_divisible
 from runtime.collectives import MeshComm, on_rank0
 from runtime.parallel_module import ParallelModule
@@ -103,6 +104,7 @@ def auto_parallelize(
     precision=None,
     recompute="auto",
     verbose=False,
+    sequence_parallel="auto",
     zero="auto",
 ):
     """Run ``model`` data / tensor / sequence parallel on the job's ranks, as a plan decides.
@@ -136,6 +138,9 @@ def auto_parallelize(
             solver chooses per weight (``"auto"``; see :func:`partitioner.plan`).
         verbose: show progress on stderr for this call; the same records go to the
             ``partitioner`` logger at INFO in any case (see :mod:`partitioner.progress`).
+        sequence_parallel: ``"auto"`` (the solver chooses among head-sharded, ring and Ulysses
+            attention), ``"ring"`` / ``"ulysses"`` (forced on every attention op, on the last mesh
+            axis) or ``"none"`` (see :func:`partitioner.plan`).
 
     Example (inside ``torchrun --nproc-per-node 4``)::
 
@@ -147,6 +152,7 @@ def auto_parallelize(
     cluster = cluster or ("cpu" if device.type == "cpu" else "h100")
     precision = _resolve_precision(precision, plan)
     check_recompute_mode(recompute)
+    attention_rule.check_mode(sequence_parallel)
     if mesh is None and plan is None and pipeline is None:
         mesh, mesh_axis_names, plan, pipeline = _searched_configuration(
             model, example_inputs, cluster, memory_budget, precision, recompute, layers
@@ -192,6 +198,7 @@ def auto_parallelize(
         objective=objective,
         precision=precision,
         recompute=recompute,
+        sequence_parallel=sequence_parallel,
         zero=zero,
     )
     logger.info("planned in %.2f s", time.perf_counter() - t0)
@@ -211,6 +218,7 @@ def auto_parallelize(
                 objective=objective,
                 precision=precision,
                 recompute=recompute,
+                sequence_parallel=sequence_parallel,
                 zero=zero,
             ),
         )
@@ -332,7 +340,19 @@ def _capture(model, example_inputs, layers, precision):
 
 
 def _plan_or_replay(
-    cap, model_name, comm, plan, *, cluster, memory_budget, pins, objective, precision, recompute="auto", zero="auto"
+    cap,
+    model_name,
+    comm,
+    plan,
+    *,
+    cluster,
+    memory_budget,
+    pins,
+    objective,
+    precision,
+    recompute="auto",
+    sequence_parallel="auto",
+    zero="auto",
 ) -> ShardingPlan:
     """Plan: rank 0 searches and broadcasts (the cost model may time this machine, and ranks
     must agree on one plan); a given plan is checked against the graph and the mesh instead."""
@@ -350,6 +370,7 @@ def _plan_or_replay(
                 objective=objective,
                 precision=precision,
                 recompute=recompute,
+                sequence_parallel=sequence_parallel,
                 zero=zero,
             ).to_json()
 

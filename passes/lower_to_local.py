@@ -65,6 +65,8 @@ class LowerCall:
     local_out_shapes: list
     comm: MeshComm
     builder: _Builder
+    notes: dict = field(default_factory=dict)
+    """The plan record's per-axis rule notes (axis name -> note, e.g. ``ring``)."""
 
     @property
     def view(self):
