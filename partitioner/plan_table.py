@@ -367,6 +367,7 @@ def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = 
         )
         lines += [redo] if wide else textwrap.wrap(redo, width, subsequent_indent="  ")
     lines += _sequence_parallel_line(plan, width, wide)
+    lines += _storage_lines(plan, width, wide)
     lines += _wide_table(plan, rows, heads) if wide else _narrow_table(plan, rows, heads, bases, width)
     lines.append("")
     estimate = "estimate: " + str(plan.estimate())
@@ -381,6 +382,43 @@ def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = 
             + (f" (node limit reached: within {100 * gap:.2f}% of optimal)" if gap else "")
         )
     return "\n".join(lines)
+
+
+def weight_storage(plan) -> dict:
+    """Parameter record name -> how it is stored: ``"replicated"``, ``"sharded"`` (used where it
+    lies: tensor parallel), ``"zero2"`` (gathered for use, the copy kept for backward) or
+    ``"zero3"`` (gathered for use, freed after forward and gathered again in backward)."""
+    params = {r["name"]: r for r in plan.records if r.get("kind") == "param"}
+    gathered = set()
+    for r in plan.records:
+        for c in r.get("comm", ()):
+            k = c.get("input")
+            if c["kind"] == "all_gather" and c["phase"] == "fwd" and k is not None and k < len(r.get("inputs", ())):
+                gathered.add(r["inputs"][k])
+    out = {}
+    for name, r in params.items():
+        if "S(" not in "".join(r.get("out") or ()):
+            out[name] = "replicated"
+        elif name not in gathered:
+            out[name] = "sharded"
+        else:
+            out[name] = "zero3" if r.get("regather") else "zero2"
+    return out
+
+
+def _storage_lines(plan, width, wide) -> list:
+    """``weights: 12 replicated (data parallel), 4 ZeRO-3 (...)``, when some weight is gathered for use."""
+    kinds = Counter(weight_storage(plan).values())
+    if not kinds["zero2"] and not kinds["zero3"]:
+        return []
+    said = {
+        "replicated": "replicated",
+        "sharded": "sharded where used (tensor parallel)",
+        "zero2": "ZeRO-2 (stored sharded, gathered for use, kept for backward)",
+        "zero3": "ZeRO-3 (stored sharded, gathered for use, freed after forward and gathered again in backward)",
+    }
+    text = "weights: " + ", ".join(f"{kinds[k]} {v}" for k, v in said.items() if kinds[k])
+    return [text] if wide else textwrap.wrap(text, width, subsequent_indent="  ")
 
 
 # -- the whole configuration (partitioner.config_search) ---------------------------------------

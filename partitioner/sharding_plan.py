@@ -397,9 +397,11 @@ class ShardingPlan:
             for o in a["options"]:
                 mark = "->" if o["chosen"] else "  "
                 ins = ", ".join("-" if s is None else s for s in o["ins"]) or "-"
+                # ZeRO-3: the weight's gathered copies are freed after forward and gathered again
+                zero = "  ZeRO-3" if o.get("zero") == 3 else ""
                 lines.append(
                     f"  {mark} out {o['out'][0]:<18} in {ins:<40} {_fmt_time(o['time_s']):>12}  "
-                    f"{_fmt_bytes(o['memory']):>10}"
+                    f"{_fmt_bytes(o['memory']):>10}{zero}"
                 )
         redone = sorted({r["block"] for r in hits if r.get("recompute")})
         if redone:

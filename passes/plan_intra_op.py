@@ -447,9 +447,13 @@ def _tie_aliases(cap, blocks) -> None:
 def _alternatives(space, choice, axis_names, redo, keep=6) -> dict:
     """For each decision: its options' cost given its neighbours' chosen options."""
     local = [g.cost.astype(float).copy() for g in space.groups]
+    local_mem = [g.memory.astype(float).copy() for g in space.groups]
     for e in space.edges:
         local[e.src] += e.matrix[e.src_class, e.dst_class[choice[e.dst]]]
         local[e.dst] += e.matrix[e.src_class[choice[e.src]], e.dst_class]
+        if e.memory is not None:  # buffers kept on the edge (a gathered weight kept for backward)
+            local_mem[e.src] += e.memory[e.src_class, e.dst_class[choice[e.dst]]]
+            local_mem[e.dst] += e.memory[e.src_class[choice[e.src]], e.dst_class]
     out = {}
     for gi, g in enumerate(space.groups):
         if len(g.options) < 2:
@@ -467,9 +471,10 @@ def _alternatives(space, choice, axis_names, redo, keep=6) -> dict:
                     "out": _fmt_specs(c.out),
                     "ins": _fmt_specs(c.ins),
                     "time_s": float(local[gi][i]),
-                    "memory": float(g.memory[i]),
+                    "memory": float(local_mem[gi][i]),
                     "chosen": bool(i == choice[gi]),
                     **({"recompute": redo.mode_of(gi, i)} if gi in redo.block_of_group else {}),
+                    **({"zero": 3} if c.regather else {}),
                 }
             )
         out[leader.name] = {"count": g.count, "members": [m.name for m in g.members], "options": options}

@@ -118,8 +118,13 @@ def test_solver_regathers_only_when_the_budget_needs_it(fake_process_group):
     assert not any(r.get("regather") for r in free.records)
     budget = int(BUDGET * 16 * n_params)
     auto = partitioner.plan(model, inputs, mesh_shape=(4,), cluster="h100", recompute="none", memory_budget=budget)
-    assert any(r.get("regather") for r in auto.records)
+    regathered = [r["fqn"] for r in auto.records if r.get("regather")]
+    assert regathered
     assert auto.estimate().memory_bytes <= budget
+    # the summary counts the weights by storage; explain shows each option's time and memory
+    assert "ZeRO-3 (stored sharded, gathered for use, freed after forward" in auto.summary()
+    chosen = [line for line in auto.explain(regathered[0]).splitlines() if line.lstrip().startswith("->")]
+    assert len(chosen) == 1 and chosen[0].endswith("ZeRO-3"), chosen
     with pytest.raises(InfeasibleBudgetError):
         partitioner.plan(model, inputs, mesh_shape=(4,), cluster="h100", recompute="none", memory_budget=budget,
                          zero=2)
