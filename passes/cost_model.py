@@ -54,13 +54,13 @@ __all__ = [
     "param_state_parts",
     "saved_bytes",
     "edge_allocates",
+    "edge_gathers",
     "largest_share",
     "extra_payload",
 ]
 
 
 @dataclass(frozen=True)
-    "edge_gathers",
 class Collective:
     kind: str
     axis: int
@@ -211,6 +211,12 @@ def _moves(src, dst, mesh_shape):
     return [(a, p, q) for a, p, q in transition_steps(tuple(src), tuple(dst)) if mesh_shape[a] > 1]
 
 
+def edge_gathers(src, dst, mesh_shape) -> bool:
+    """Whether the edge's forward sends data (a collective writes the consumer's copy): what a
+    parameter stored ZeRO-3 style frees after forward and gathers again for backward."""
+    return any(is_shard(p) or is_partial(p) for _, p, _ in _moves(src, dst, mesh_shape))
+
+
 def edge_allocates(src, dst, grad, mesh_shape, *, requires_grad: bool, from_param: bool) -> bool:
     """Whether the edge moving a value placed ``src`` to ``dst`` (gradient back from ``grad``)
     gives its consumer a new storage, as the runtime's ``Reshard`` does: when a move sends data
@@ -225,10 +231,4 @@ def edge_allocates(src, dst, grad, mesh_shape, *, requires_grad: bool, from_para
         return True  # a collective writes a new buffer
     if not forward:
         return requires_grad and not from_param  # passed through, or copied out of autograd's way
-def edge_gathers(src, dst, mesh_shape) -> bool:
-    """Whether the edge's forward sends data (a collective writes the consumer's copy): what a
-    parameter stored ZeRO-3 style frees after forward and gathers again for backward."""
-    return any(is_shard(p) or is_partial(p) for _, p, _ in _moves(src, dst, mesh_shape))
-
-
     return requires_grad  # a local slice: a view, copied when it needs a gradient
