@@ -35,7 +35,9 @@ Algorithm
    message on the link the pipeline axis crosses. 1F1B and ZB-H1 share one set of stage plans
    (planned for the most microbatches either keeps alive). Stop when the next candidate's time
    bound exceeds the best step found, or after ``max_plans`` distinct plannings (each extra
-   one costs seconds at large scale); the rest are listed as not planned, with their bounds.
+   one costs seconds at large scale), one per set of degrees ``(p, d, t)`` (the best-ranked
+   microbatch count and recomputation for them; 1F1B and ZB-H1 come from the same plannings);
+   the rest are listed as not planned, with their bounds.
 6. The fastest plan that fits is returned with its :class:`ParallelConfig` (``plan.config``)
    and the search's table (``plan.explain()``: runner-ups, their estimates, why they lost).
 
@@ -137,6 +139,8 @@ class ModelFacts:
     """Bytes of the value one layer hands the next (what a checkpoint keeps, what a stage sends)."""
     other_saved_per_sample: float
     layer_params: int
+    param_shapes: dict = field(default_factory=dict)
+    """Parameter shape -> how many parameters have it (tied weights once)."""
     layer_flops_per_sample: float = 0.0
     pre_flops_per_sample: float = 0.0
     """Forward FLOPs before the first layer (embeddings) and after the last (head, loss)."""
@@ -144,7 +148,11 @@ class ModelFacts:
 
     @classmethod
     def of(cls, model, cap, batch: int) -> ModelFacts:
-        params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        unique = {id(p): p for p in model.parameters()}.values()
+        params = sum(p.numel() for p in unique)
+        shapes: dict = {}
+        for p in unique:
+            shapes[tuple(p.shape)] = shapes.get(tuple(p.shape), 0) + 1
         ops = [n for n in cap.graph.nodes if n.op == "call_function" and info(n).kind == "op"]
         flops = sum(info(n).flops for n in ops)
         saved_all = sum(_kept_bytes(n) for n in ops)
@@ -174,10 +182,23 @@ class ModelFacts:
             boundary_per_sample=boundary / batch,
             other_saved_per_sample=max(0.0, saved_all - layers * layer_saved) / batch,
             layer_params=int(layer_params),
+            param_shapes=shapes,
             layer_flops_per_sample=layer_flops / batch,
             pre_flops_per_sample=pre / batch,
             post_flops_per_sample=max(0.0, flops - pre - layers * layer_flops) / batch,
         )
+
+
+def _most_splits(shape: tuple, d: int, t: int) -> int:
+    """The most pieces a tensor of ``shape`` can be cut into on a ``(d, t)`` mesh: both axes on
+    one dim or two, else the larger axis that divides a dim, else 1 (replicated)."""
+    dims = [n for n in shape if n > 0]
+    both = any(n % (d * t) == 0 for n in dims) or any(
+        a % d == 0 and b % t == 0 for i, a in enumerate(dims) for j, b in enumerate(dims) if i != j
+    )
+    if both:
+        return d * t
+    return max([k for k in (d, t) if any(n % k == 0 for n in dims)], default=1)
 
 
 def _state_bytes_per_param(optimizer) -> int:
@@ -250,6 +271,8 @@ class _Bounds:
         name = str(precision.compute).replace("torch.", "")
         self.peak = spec.flops_for(name) * spec.matmul_efficiency
         self.state = facts.params * _state_bytes_per_param(optimizer)
+        self.bytes_per_param = _state_bytes_per_param(optimizer)
+        self._state_cache: dict = {}
         self.reduce_bytes = precision.grad_reduce_bytes or 4
 
     def _bubble(self, c: ParallelConfig) -> float:
@@ -258,7 +281,7 @@ class _Bounds:
         return ps.SCHEDULES[c.schedule or "1f1b"].bubble(c.pipeline, c.microbatches, c.virtual_stages)
 
     def memory(self, c: ParallelConfig) -> float:
-        f, n = self.f, c.devices
+        f = self.f
         mb = self.batch / c.microbatches
         share = c.data * c.tensor
         if c.pipeline == 1:
@@ -273,7 +296,20 @@ class _Bounds:
             kept = f.boundary_per_sample if c.recompute == "all" else f.layer_saved_per_sample
             per_copy = max(most * kept, least * kept + f.other_saved_per_sample)
             acts = copies * per_copy * mb + (f.layer_saved_per_sample * mb if c.recompute == "all" else 0.0)
-        return self.state / n + acts / share
+        return self.state_per_device(c) + acts / share
+
+    def state_per_device(self, c: ParallelConfig) -> float:
+        """Parameter state on the busiest device, at best: each weight's share of a stage cut
+        by the stage mesh axes that divide one of its dims (a weight of width 25,600 cannot be
+        split 96 ways), the stage holding at least ``1/p`` of the weights."""
+        key = (c.pipeline, c.data, c.tensor)
+        if key not in self._state_cache:
+            total = sum(
+                count * math.prod(shape) / _most_splits(shape, c.data, c.tensor)
+                for shape, count in self.f.param_shapes.items()
+            )
+            self._state_cache[key] = total * self.bytes_per_param / c.pipeline
+        return self._state_cache[key]
 
     def activations_without_recompute(self, c: ParallelConfig) -> float:
         """A whole-model (``p = 1``) plan's activation bound with nothing recomputed."""
@@ -459,22 +495,30 @@ class _Planner:
         tied = {n for names in _shared_weights(cap, graphs) for n in names}
         shape, names = c.stage_mesh_shape, c.stage_axis_names
         budget = self.budget / c.virtual_stages
-        plans, sent_as = [], {}
-        for g, copies_k in zip(graphs, class_copies):
+        # the middle classes (most of the stages) are planned first, their inputs free; the first
+        # class is then planned sending what the middle one receives, and the later classes
+        # receiving what the class before sends
+        order = list(range(1, len(graphs) - 1)) + [0, len(graphs) - 1] if len(graphs) > 2 else [0, 1]
+        made_by: dict = {}
+        sent_as: dict = {}
+        for k in order:
+            g = graphs[k]
             pins = {n: ["R"] * len(shape) for n in g.inputs if n in tied}
-            pins.update({a: sent_as[a] for a in g.activation_inputs})
-            made = self._plan(
+            pins.update({a: sent_as[a] for a in g.activation_inputs if a in sent_as})
+            if k == 0 and len(graphs) > 2:
+                pins.update(_send_pins(g, graphs[1], made_by[1], len(shape)))
+            made_by[k] = self._plan(
                 g.captured,
                 f"{self.name} stage class {g.index}",
                 shape,
                 names,
                 pins=pins,
-                copies=copies_k,
+                copies=class_copies[k],
                 recompute=c.recompute,
                 budget=budget,
             )
-            plans.append(made)
-            sent_as.update(_sent_placements(g, made, len(shape)))
+            sent_as.update(_sent_placements(g, made_by[k], len(shape)))
+        plans = [made_by[k] for k in range(len(graphs))]
         logger.info(
             "search: %s: %d stage classes cut in %.2f s, planned in %.2f s",
             c.describe(),
@@ -599,6 +643,24 @@ def _stage_of(cap, lengths: list) -> tuple:
     return stage_of, runs
 
 
+def _send_pins(first, second, second_plan, ndim) -> dict:
+    """Pins for ``first``'s returned values: the placements ``second``'s plan receives them in
+    (node name -> placement), so the first stage sends what the next one chose to take."""
+    from passes.placements import format_spec, parse_spec
+
+    records = {r["name"]: r for r in second_plan.records}
+    returned = first.captured.graph.find_nodes(op="output")[0].args[0]
+    returned = returned if isinstance(returned, (list, tuple)) else [returned]
+    pins = {}
+    for node, name in zip(returned, first.outputs):
+        record = records.get(name)
+        if name in second.activation_inputs and record and record.get("out") and hasattr(node, "name"):
+            spec = parse_spec(record["out"][0], ndim)
+            if all(type(p).__name__ != "Partial" for p in spec):
+                pins[node.name] = format_spec(spec)
+    return pins
+
+
 def _split_spec(spec: str) -> list:
     return [s.strip() for s in spec.strip("[]").split(",")] if spec else []
 
@@ -665,7 +727,7 @@ def search_config(
     layers="auto",
     recompute="auto",
     time_limit=60.0,
-    max_plans: int = 3,
+    max_plans: int = 4,
     pipelines: bool = True,
     pipeline_recompute: bool = True,
 ) -> ShardingPlan:
@@ -712,7 +774,7 @@ def search_config(
         replace(c, recompute="all")
         if c.pipeline == 1
         and c.recompute == "auto"
-        and bounds.state / c.devices + bounds.activations_without_recompute(c) > budget
+        and bounds.state_per_device(c) + bounds.activations_without_recompute(c) > budget
         else c
         for c in configs
     ]
@@ -739,19 +801,26 @@ def search_config(
     slack = 1.0
 
     def order(c: Candidate) -> tuple:
-        state = bounds.state / c.config.devices
+        state = bounds.state_per_device(c.config)
         return (state + slack * (c.memory_lb - state) > budget, c.quick_s, c.time_lb)
 
     queue = sorted(alive, key=order)
+    tried: dict = {}  # (p, d, t) -> the microbatches and recomputation planned for them
     while queue:
         cand = queue.pop(0)
         if best is not None and cand.time_lb > best.step_time_s:
             cand.status = "pruned"
             cand.reason = f"its time bound {_fmt_s(cand.time_lb)} exceeds the best step {_fmt_s(best.step_time_s)}"
             continue
-        if planner.plannings >= max_plans and not _cached(planner, cand.config):
-            cand.reason = f"search limit ({max_plans} plannings); quick estimate {_fmt_s(cand.quick_s)}"
-            continue
+        degrees = (cand.config.pipeline, cand.config.data, cand.config.tensor)
+        if not _cached(planner, cand.config):
+            if planner.plannings >= max_plans:
+                cand.reason = f"search limit ({max_plans} plannings); quick estimate {_fmt_s(cand.quick_s)}"
+                continue
+            if degrees in tried:
+                cand.reason = f"these degrees were planned with {tried[degrees]}; quick estimate {_fmt_s(cand.quick_s)}"
+                continue
+        tried.setdefault(degrees, f"{cand.config.microbatches} microbatches, recompute {cand.config.recompute}")
         try:
             made = planner.plan(cand.config)
         except InfeasibleBudgetError as exc:
@@ -760,7 +829,7 @@ def search_config(
             if least_seen is None or cand.memory_lb < least_seen[0]:
                 least_seen = (cand.memory_lb, cand.reason)
             needed = re.search(r"\((\d+) bytes\)", str(exc))
-            state = bounds.state / cand.config.devices
+            state = bounds.state_per_device(cand.config)
             if needed and cand.memory_lb > state:
                 slack = max(slack, (float(needed.group(1)) - state) / (cand.memory_lb - state))
                 queue.sort(key=order)
