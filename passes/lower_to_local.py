@@ -299,7 +299,7 @@ def lower_to_local(
             for _, edge in b.edges_from.get(node.name, ()):
                 edge.param_edge = node.name
                 # ZeRO-3: gathered copies freed after forward, gathered again in backward
-                edge.regather = bool(record(node).get("regather"))
+                edge.regather = bool(record(node).get("regather")) and edge.forward_communicates
                 gm.meta[REGATHER_KEY] = gm.meta.get(REGATHER_KEY, False) or edge.regather
     bucketable = _bucketable(graph, b) if bucket_grads else {}
     spans = {layer: (before.next, end) for layer, (before, end) in layers.items() if end is not before}

@@ -334,9 +334,15 @@ class Reshard(torch.nn.Module):
         self.reduce_dtype: torch.dtype | None = None  # a parameter edge's gradient sync dtype (precision)
         # set when ``no_sync`` may hold back this edge's backward (ParallelModule._add_variant)
         self.deferred: DeferredSyncs | None = None
+        self.regather = False  # set by lowering: a ZeRO-3 parameter's edge (runtime/regather.py)
 
     @property
-        self.regather = False  # set by lowering: a ZeRO-3 parameter's edge (runtime/regather.py)
+    def forward_communicates(self) -> bool:
+        """True when the forward moves send anything (a gather, not only local slices)."""
+        moves = [m for m in self.forward_steps or () if self.comm.shape[m[0]] > 1]
+        return any(is_shard(p) or is_partial(p) for _, p, _ in moves)
+
+    @property
     def backward_communicates(self) -> bool:
         """True when the backward moves send anything (not only local slices and zeros)."""
         moves = [m for m in self.backward_steps or () if self.comm.shape[m[0]] > 1]
@@ -381,8 +387,6 @@ class Reshard(torch.nn.Module):
             self._strided_of(self.dst, self.strided),
         )
 
-    @property
-    def is_noop(self) -> bool:
     def regather_moves(self, x):
         """The forward moves again, in backward: a ZeRO-3 parameter's copy gathered once more."""
         return run_steps(
@@ -394,6 +398,8 @@ class Reshard(torch.nn.Module):
             self._strided_of(self.dst, self.strided),
         )
 
+    @property
+    def is_noop(self) -> bool:
         moves = lambda steps: [s for s in steps or () if self.comm.shape[s[0]] > 1]  # noqa: E731
         return not moves(self.forward_steps) and not moves(self.backward_steps)
 
@@ -410,6 +416,6 @@ class Reshard(torch.nn.Module):
             text += f"; strided shards {self.strided}"
         if self.sync is not None:
             text += "; gradient all-reduce bucketed"
-        return text
         if self.regather:
             text += "; freed after forward, gathered again in backward (ZeRO-3)"
+        return text

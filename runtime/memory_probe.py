@@ -30,8 +30,6 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from runtime.regather import observing_saves
-
 __all__ = ["MemoryMeasurement", "measure_memory"]
 
 
@@ -146,9 +144,7 @@ def measure_memory(model: torch.nn.Module, batch, *, optimizer=None, loss_fn=Non
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     tracking = _track_nodes(model, made) if by_node else contextlib.nullcontext()
-    # a program with ZeRO-3 parameters holds its own hooks inside this one (runtime/regather.py):
-    # they show this pack what they keep
-    with tracking, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), observing_saves(pack):
+    with tracking, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(**batch) if isinstance(batch, dict) else model(*batch)
     loss = loss_fn(out) if loss_fn is not None else _default_loss(out)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:

@@ -28,24 +28,12 @@ import weakref
 
 import torch
 
-__all__ = ["remember", "regather_scope", "observing_saves", "REGATHER_KEY"]
+__all__ = ["remember", "regather_scope", "REGATHER_KEY"]
 
 REGATHER_KEY = "partita.regather"
 """``GraphModule.meta`` key: True when some edge of the program regathers in backward."""
 
 _COPIES: dict = {}  # id(copy) -> (weakref to the copy, edge, shard, holder)
-_OBSERVERS: list = []  # callables shown every tensor the hooks keep as it is (not a recipe)
-
-
-@contextlib.contextmanager
-def observing_saves(observe):
-    """Show ``observe(tensor)`` every tensor kept for backward while ZeRO-3's hooks are the
-    innermost ones (they hide saves from hooks outside them, such as a memory probe's)."""
-    _OBSERVERS.append(observe)
-    try:
-        yield
-    finally:
-        _OBSERVERS.remove(observe)
 
 
 def remember(copy: torch.Tensor, edge, shard: torch.Tensor) -> None:
@@ -90,24 +78,46 @@ class _Recipe:
         return full.as_strided(self.size, self.stride, self.offset)
 
 
-def _pack(t: torch.Tensor):
+def _recipe_for(t: torch.Tensor):
     base = t._base if t._base is not None else t
     entry = _COPIES.get(id(base))
     if entry is None or entry[0]() is not base:
-        for observe in _OBSERVERS:
-            observe(t)
-        return t
+        return None
     _, edge, shard, holder = entry
     return _Recipe(edge, shard, holder, t)
 
 
-def _unpack(packed):
-    return packed.rebuild() if isinstance(packed, _Recipe) else packed
+class _Outer:
+    """What the hooks outside ours made of a tensor we keep (a memory probe, ``save_on_cpu``)."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed):
+        self.packed = packed
+
+
+def _outer_hooks():
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
 
 
 def regather_scope(program) -> contextlib.AbstractContextManager:
-    """The hooks above while ``program`` runs, when its plan has ZeRO-3 parameters."""
+    """The hooks above while ``program`` runs, when its plan has ZeRO-3 parameters. Hooks already
+    active (the caller's) still see every tensor kept as it is: ours pass it on to theirs."""
     meta = getattr(program, "meta", None) or {}
     if not meta.get(REGATHER_KEY):
         return contextlib.nullcontext()
-    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+    outer = _outer_hooks()
+
+    def pack(t):
+        recipe = _recipe_for(t)
+        if recipe is not None:
+            return recipe
+        return t if outer is None else _Outer(outer[0](t))
+
+    def unpack(packed):
+        if isinstance(packed, _Recipe):
+            return packed.rebuild()
+        return outer[1](packed.packed) if isinstance(packed, _Outer) else packed
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
