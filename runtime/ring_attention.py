@@ -24,7 +24,9 @@ block is cut in two and the ``2p`` query chunks are dealt zig-zag: rank ``c`` co
 ``c`` and ``2p - 1 - c`` (one early, one late), which makes every rank's work equal
 (``2p - 1`` full chunk pairs and 2 diagonal ones). The permutation is applied **inside the
 op, to the queries only**: q is exchanged into the zig-zag layout by one all-to-all, the output
-comes back by another (the backward exchanges dO in and dq out); keys and values stay in their
+comes back by another (the backward exchanges q, dO and the row sums ``Δ`` in and dq out, so the
+op keeps what ``scaled_dot_product_attention`` keeps: q as given, the output as returned, the
+log-sum-exp); keys and values stay in their
 contiguous blocks, whose positions each rank knows. Everything outside the op (positions,
 RoPE, learned embeddings, the loss) sees the ordinary contiguous sequence split, so absolute
 positions stay correct with nothing to permute at the model's input. Chunk pairs wholly above
@@ -45,10 +47,15 @@ import torch.distributed as dist
 
 from runtime.collectives import MeshComm, record_collective
 
-__all__ = ["RingAttention", "ring_chunks", "sdpa_layout", "P2P_TIMEOUT"]
+__all__ = ["RingAttention", "ring_chunks", "sdpa_layout", "P2P_TIMEOUT", "SCORES_PER_PRODUCT"]
 
 P2P_TIMEOUT = datetime.timedelta(seconds=300)
 """The longest a rank waits for one ring transfer before failing (a peer has died or hung)."""
+
+SCORES_PER_PRODUCT = 1 << 22
+"""Scores one block product holds at most (batch x heads x query rows x keys; 16 MiB in fp32):
+the query rows of a chunk are taken that many at a time, so a step's transient memory does not
+grow with the square of the block."""
 
 
 def ring_chunks(coord: int, p: int, local: int, balanced: bool) -> list:
@@ -61,6 +68,16 @@ def ring_chunks(coord: int, p: int, local: int, balanced: bool) -> list:
         return [(0, local, coord * local)]
     half = local // 2
     return [(0, half, coord * half), (half, half, (2 * p - 1 - coord) * half)]
+
+
+def _split_rows(chunks, rows: int) -> list:
+    """``chunks`` cut into pieces of at most ``rows`` queries (rows are independent: this bounds
+    the score block a step materialises, ``rows x block``, without changing any result)."""
+    out = []
+    for off, n, start in chunks:
+        for i in range(0, n, rows):
+            out.append((off + i, min(rows, n - i), start + i))
+    return out
 
 
 def _zigzag_owner(chunk: int, p: int) -> int:
@@ -189,9 +206,11 @@ class _RingFn(torch.autograd.Function):
         p, me = ring.p, ring.me
         local = k.shape[2]
         balanced = module.causal and module.balanced
+        q_in = q
         if balanced:
             q = _exchange(q, comm, axis, "fwd", to_zigzag=True)
-        chunks = ring_chunks(me, p, local, balanced)
+        rows = module.rows or max(1, SCORES_PER_PRODUCT // (q.shape[0] * q.shape[1] * local))
+        chunks = _split_rows(ring_chunks(me, p, local, balanced), rows)
         scale = module.scale if module.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         heads = q.shape[1]
         # the output in the memory layout sdpa gives ([B, S, H, D] underneath), which the model's
@@ -221,10 +240,10 @@ class _RingFn(torch.autograd.Function):
             if step < p - 1:
                 kv = tuple(pending[1])
         module.flops_forward += work
-        ctx.save_for_backward(q, k, v, out, lse, mask if mask is not None else torch.empty(0))
+        if balanced:  # keep what sdpa keeps (q as given, the output returned): backward exchanges again
+            out = sdpa_layout(_exchange(out, comm, axis, "fwd", to_zigzag=False))
+        ctx.save_for_backward(q_in, k, v, out, lse, mask if mask is not None else torch.empty(0))
         ctx.module, ctx.has_mask, ctx.scale, ctx.chunks = module, mask is not None, scale, chunks
-        if balanced:
-            return sdpa_layout(_exchange(out, comm, axis, "fwd", to_zigzag=False))
         return out
 
     @staticmethod
@@ -235,10 +254,10 @@ class _RingFn(torch.autograd.Function):
         ring, comm, axis = module.ring(), module.comm, module.axis
         p, me = ring.p, ring.me
         balanced = module.causal and module.balanced
-        if balanced:
-            d_out = _exchange(d_out.contiguous(), comm, axis, "bwd", to_zigzag=True)
-        local, heads, scale = k.shape[2], q.shape[1], ctx.scale
         delta = (d_out * out).sum(-1)
+        if balanced:  # q, dO and the row sums into the zig-zag layout (lse was kept in it)
+            q, d_out, delta = (_exchange(t, comm, axis, "bwd", to_zigzag=True) for t in (q, d_out, delta))
+        local, heads, scale = k.shape[2], q.shape[1], ctx.scale
         dq = torch.zeros_like(q)
         kv = (k, v)
         acc = None  # the gradient accumulator of the block in hand (arrives from the previous rank)
@@ -300,11 +319,15 @@ def _mask_rows(mask, off, n):
 class RingAttention(torch.nn.Module):
     """``aten.scaled_dot_product_attention`` as ring attention on mesh ``axis`` (the sequence,
     dim 2, split on it); ``flops_forward`` sums the block products this rank computed (the
-    load-balance check reads it)."""
+    load-balance check reads it). ``rows``: queries per block product, so a step holds at most
+    ``rows x block`` scores per head (default: as many as :data:`SCORES_PER_PRODUCT` allows)."""
 
-    def __init__(self, comm: MeshComm, axis: int, *, causal: bool, scale=None, balanced: bool = True):
+    def __init__(
+        self, comm: MeshComm, axis: int, *, causal: bool, scale=None, balanced: bool = True, rows: int | None = None
+    ):
         super().__init__()
         self.comm, self.axis, self.causal, self.scale, self.balanced = comm, axis, causal, scale, balanced
+        self.rows = rows  # queries per block product (None: as many as keep SCORES_PER_PRODUCT)
         self.flops_forward = 0.0
         self._ring: _Ring | None = None
 

@@ -7,8 +7,9 @@ parameters after 3 AdamW steps; the communication counted at run time equals the
 estimate per kind, axis and phase, and equals the formulas (per attention layer and step):
 
 * ring: ``send_recv`` of the local k/v blocks, ``p - 1`` transfers forward and ``2 (p - 1)``
-  backward (k/v again and their gradients); under ``is_causal`` also the zig-zag exchange of
-  q and the output forward (2 all-to-alls of the local q buffer) and their gradients backward;
+  backward (k/v again and their gradients); under ``is_causal`` also the zig-zag exchanges
+  (all-to-alls of the local buffers): q and the output forward, q, dO, dq and the row sums
+  ``rowsum(dO * O)`` (a ``1 / head_dim`` of q) backward;
 * Ulysses: 4 all-to-alls of the local buffers forward (q, k, v, output) and 4 backward.
 
 Models: the hand-written GPT (``is_causal``: zig-zag balanced ring), HF LLaMA (RoPE, grouped
@@ -61,8 +62,9 @@ def expected_comm(model, mode, mesh):
     if mode == "ring":
         fwd = {"send_recv": layers * (p - 1) * kv_local}
         bwd = {"send_recv": layers * 2 * (p - 1) * kv_local}
-        if causal:
-            fwd["all_to_all"] = bwd["all_to_all"] = layers * 2 * q_local
+        if causal:  # zig-zag: q and the output forward; q, dO, dq and the row sums backward
+            fwd["all_to_all"] = layers * 2 * q_local
+            bwd["all_to_all"] = layers * (3 * q_local + q_local / d)
         return {"fwd": fwd, "bwd": bwd}
     per = layers * (2 * q_local + kv_local)
     return {"fwd": {"all_to_all": per}, "bwd": {"all_to_all": per}}
@@ -211,6 +213,7 @@ def _cases():
         ("causal zig-zag", (q, k, v), dict(causal=True), None),
         ("causal contiguous", (q, k, v), dict(causal=True, balanced=False), None),
         ("causal grouped-query", (q,) + kv2, dict(causal=True), None),
+        ("causal zig-zag, 3 query rows per product", (q, k, v), dict(causal=True, rows=3), None),
         ("boolean mask", (q, k, v), dict(causal=False), keep),
         ("additive mask, grouped-query", (q,) + kv2, dict(causal=False), additive),
     ]

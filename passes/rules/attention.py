@@ -12,9 +12,9 @@ Per mesh axis the candidates are:
   key/value blocks passed around the axis; its own collectives are ``send_recv`` transfers of
   the local k/v blocks, ``p - 1`` forward and ``2 (p - 1)`` backward (k/v and their gradients),
   priced with scaling ``ring`` (local bytes times ``p - 1``); under ``is_causal`` the query
-  block is moved into the zig-zag layout and back by one all-to-all each way (forward q and
-  the output, backward their gradients), which balances the causal work. A mask tensor comes
-  split on its query rows with every key column;
+  block is moved into the zig-zag layout and back by all-to-alls of the local buffers (forward
+  q and the output; backward q, dO, dq and the row sums ``rowsum(dO * O)``), which balances the
+  causal work. A mask tensor comes split on its query rows with every key column;
 * **Ulysses** (note ``ulysses``, :mod:`runtime.ulysses_attention`): q, k and v
   sequence-sharded, turned head-sharded by all-to-alls inside the op and back: 4 all-to-alls
   of the local buffers forward (q, k, v, output) and 4 backward; offered when the query and
@@ -181,8 +181,9 @@ class AttentionRule(OpRule):
                 ("send_recv", "bwd", kv, "ring"),
                 ("send_recv", "bwd", kv, "ring"),
             ]
-            if is_causal:  # the zig-zag exchange of q and the output (their gradients backward)
-                extra += [("all_to_all", ph, float(nq), "local") for ph in ("fwd", "fwd", "bwd", "bwd")]
+            if is_causal:  # the zig-zag exchanges: q and the output; backward q, dO, dq and the row sums
+                extra += [("all_to_all", ph, float(nq), "local") for ph in ("fwd", "fwd", "bwd", "bwd", "bwd")]
+                extra.append(("all_to_all", "bwd", float(nq // q[3]), "local"))
             strategies.append(make(Shard(2), Shard(2), Shard(2), 2, note="ring", extra=tuple(extra)))
         if mode in ("auto", "ulysses") and _ulysses_problem(op, sizes) is None:
             sizes4 = (nq, nk, nk, nq)
