@@ -243,16 +243,18 @@ def main(argv=None):
     n_params, dp_peak, plans = _plans()
     rows = []
     for name, budget, plan in plans:
+        load = os.getloadavg()[0]
         res = run_on_ranks(partita_worker, WORLD, plan.to_dict(), args.steps, timeout_s=1800, collective_timeout_s=600)
         modes = ", ".join(f"{b['label']}: {b.get('recompute_mode', 'full' if b.get('recompute') else 'kept')}"
                           for b in plan.data["blocks"])
-        rows.append(dict(name=name, budget=budget, modes=modes, **_worst(res)))
+        rows.append(dict(name=name, budget=budget, modes=modes, load=load, **_worst(res)))
         print(rows[-1], flush=True)
     for kind, name in (("fsdp2", "FSDP2 (fully_shard)"), ("fsdp2_ac", "FSDP2 + activation checkpointing"),
                        ("ddp", "DDP")):
         try:
+            load = os.getloadavg()[0]
             res = run_on_ranks(torch_worker, WORLD, kind, args.steps, timeout_s=1800, collective_timeout_s=600)
-            rows.append(dict(name=name, **_worst(res)))
+            rows.append(dict(name=name, load=load, **_worst(res)))
         except Exception as e:  # noqa: BLE001 - reported in the results, as the brief asks
             rows.append(dict(name=name, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
         print(rows[-1], flush=True)
@@ -283,15 +285,19 @@ def _report(n_params, dp_peak, rows):
         "Memory is measured on the CPU (no CUDA here, so no allocator peak): per rank, parameters + gradients + "
         "AdamW state + activations saved for backward (unique storages; Partita: `partitioner.measure_memory`; "
         "FSDP2 and DDP: the saved storages at the end of forward, at the size they then have, since FSDP2 frees "
-        "its gathered weights after forward). The largest rank is shown, and the slowest rank's median step.",
+        "its gathered weights after forward). The largest rank is shown, and the slowest rank's median step. "
+        "The machine is shared: `load` is the 1-minute load average when the run started (2 cores; above 2, "
+        "other jobs took CPU time from the ranks, and step times are comparable only between rows of "
+        "similar load). Partita's step-time estimate prices the `cpu` calibration of one process, not 4 ranks "
+        "sharing 2 cores.",
         "",
         "| run | budget | recompute | state MiB | saved MiB | total MiB | estimate MiB (state + saved) | "
-        "step s | est. step s | memory / FSDP2 | step / FSDP2 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "step s | est. step s | memory / FSDP2 | step / FSDP2 | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | | | could not run: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['name']} | | | could not run: {r['error']} | | | | | | | | |")
             continue
         est = _fmt_mib(r["est_state"] + r["est_saved"]) if "est_state" in r else "-"
         ratio_m = f"{r['total'] / (fsdp['total']):.2f}" if fsdp and r["name"].startswith("Partita") else ""
@@ -299,10 +305,10 @@ def _report(n_params, dp_peak, rows):
         lines.append(
             f"| {r['name']} | {_fmt_mib(r['budget']) + ' MiB' if r.get('budget') else '-'} | {r.get('modes', '-')} | "
             f"{_fmt_mib(r['state'])} | {_fmt_mib(r['saved'])} | {_fmt_mib(r['total'])} | {est} | "
-            f"{r['step_s']:.2f} | {r['est_step_s']:.3f} | {ratio_m} | {ratio_t} |"
+            f"{r['step_s']:.2f} | {r['est_step_s']:.3f} | {ratio_m} | {ratio_t} | {r['load']:.1f} |"
             if "est_state" in r
             else f"| {r['name']} | - | - | {_fmt_mib(r['state'])} | {_fmt_mib(r['saved'])} | {_fmt_mib(r['total'])} "
-            f"| - | {r['step_s']:.2f} | - | | |"
+            f"| - | {r['step_s']:.2f} | - | | | {r['load']:.1f} |"
         )
     lines.append("")
     for r in rows:
