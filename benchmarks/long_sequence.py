@@ -14,10 +14,11 @@ of memory on some rank); each length is a fresh forked run. Three ways to split 
   attention inputs as sequence-split DTensors; tried once on gloo, and its error is reported
   when it does not run there.
 
-Then the step time (the second of two steps, the median of the ranks' maxima over 3 runs is not
-attempted: one run, wall clock on rank 0 after a barrier) at the longest length every runner
-trained. The machine's 2 cores are shared by the 4 ranks, so times are for comparing runners,
-not absolute.
+Then the step time at one length every runner trains (``--time-seq``): Partita and Megatron-SP
+alternate, ``--reps`` forked runs each of 3 steps; a run's time is the slowest rank's best of its
+last two steps (wall clock between barriers), and the figure the median over the runs. The
+machine's 2 cores are shared by the 4 ranks (and by whatever else runs), so times are for
+comparing runners, not absolute.
 
 Usage: ``python benchmarks/long_sequence.py [--cap-mib 384] [--start 2048] [--out results.md]``.
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -148,7 +150,7 @@ def _attempt(runner, seq, cap_mib, steps):
         first = str(exc).splitlines()[0]
         return {"status": "out of memory (a rank left with exit code 3)" if "code 3" in str(exc) else first[:160]}
     r0 = results[0]
-    r0["step_s"] = max(r["times"][-1] for r in results) if r0["times"] else None
+    r0["step_s"] = max(min(r["times"][1:] or r["times"]) for r in results) if r0["times"] else None
     return r0
 
 
@@ -159,8 +161,11 @@ def main(argv=None):
     parser.add_argument("--longest", type=int, default=65536)
     parser.add_argument("--out", default=None)
     parser.add_argument("--forced", action="store_true", help="also Partita with ring / Ulysses forced")
+    parser.add_argument("--time-seq", type=int, default=4096)
+    parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args(argv)
-    rows, longest, at = [], {}, {}
+    rows: list = []
+    longest: dict = {}
     cp = _attempt("context_parallel", args.start, args.cap_mib, 1)
     rows.append(("context_parallel", args.start, cp["status"], "", ""))
     print(rows[-1], flush=True)
@@ -176,17 +181,27 @@ def main(argv=None):
             print(rows[-1], f"({wall:.0f} s)", flush=True)
             if not ok:
                 break
-            longest[runner], at[(runner, seq)] = seq, r["step_s"]
+            longest[runner] = seq
             seq *= 2
-    common = min(longest[r] for r in ("partita", "megatron_sp")) if {"partita", "megatron_sp"} <= set(longest) else None
     ratio = longest.get("partita", 0) / longest["megatron_sp"] if longest.get("megatron_sp") else float("nan")
-    t_ratio = at[("partita", common)] / at[("megatron_sp", common)] if common else float("nan")
+    times: dict = {"partita": [], "megatron_sp": []}
+    for _ in range(args.reps):
+        for runner in times:
+            r = _attempt(runner, args.time_seq, args.cap_mib, 3)
+            if r["status"] == "trained":
+                times[runner].append(r["step_s"])
+            print("time", runner, args.time_seq, r["status"], r.get("step_s"), flush=True)
+    med = {k: statistics.median(v) if v else float("nan") for k, v in times.items()}
+    t_ratio = med["partita"] / med["megatron_sp"]
+    common = args.time_seq
     lines = ["| runner | sequence | result | attention | step (s) |", "|---|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in rows]
     summary = (
         f"Longest sequence trained: Partita {longest.get('partita')}, Megatron-SP {longest.get('megatron_sp')}: "
-        f"ratio {ratio:.2f} (bar >= 1.0). Step time at {common}: Partita {at.get(('partita', common), 0):.2f} s, "
-        f"Megatron-SP {at.get(('megatron_sp', common), 0):.2f} s: ratio {t_ratio:.2f} (bar <= 1.0). "
+        f"ratio {ratio:.2f} (bar >= 1.0). Step time at {common} (median of {args.reps} runs): Partita "
+        f"{med['partita']:.2f} s ({', '.join(f'{t:.2f}' for t in times['partita'])}), Megatron-SP "
+        f"{med['megatron_sp']:.2f} s ({', '.join(f'{t:.2f}' for t in times['megatron_sp'])}): ratio {t_ratio:.2f} "
+        f"(bar <= 1.0). "
         f"PyTorch context_parallel on gloo: {cp['status']}."
     )
     table = "\n".join(lines)

@@ -17,8 +17,9 @@ Per mesh axis the candidates are:
   causal work. A mask tensor comes split on its query rows with every key column;
 * **Ulysses** (note ``ulysses``, :mod:`runtime.ulysses_attention`): q, k and v
   sequence-sharded, turned head-sharded by all-to-alls inside the op and back: 4 all-to-alls
-  of the local buffers forward (q, k, v, output) and 4 backward; offered when the query and
-  key/value heads divide by every mesh axis size; a mask stays whole on that axis.
+  of the local buffers forward (q, k, v, output) and 4 backward (dO, dq, dk, dv) plus the row
+  sums ``rowsum(dO * O)`` (``1 / D`` of dO); offered when the query and key/value heads divide
+  by every mesh axis size; a mask stays whole on that axis.
 
 A mask that broadcasts over a sharded dim stays replicated. The eager ``softmax(q @ k^T) @ v``
 pattern needs no rule of its own: the matmul, softmax and elementwise rules reach the same
@@ -188,6 +189,7 @@ class AttentionRule(OpRule):
         if mode in ("auto", "ulysses") and _ulysses_problem(op, sizes) is None:
             sizes4 = (nq, nk, nk, nq)
             a2a = tuple(("all_to_all", ph, float(n), "local") for ph in ("fwd", "bwd") for n in sizes4)
+            a2a += (("all_to_all", "bwd", float(nq // q[3]), "local"),)  # the row sums rowsum(dO * O)
             u_ins: list = [Shard(2), Shard(2), Shard(2)] + ([R] if mask is not None else [])
             u_ins += [None] * (n_in - len(u_ins))
             out = (Shard(2),) + (R,) * (len(op.out_shapes) - 1)
