@@ -403,12 +403,19 @@ class ShardingPlan:
                     f"  {mark} out {o['out'][0]:<18} in {ins:<40} {_fmt_time(o['time_s']):>12}  "
                     f"{_fmt_bytes(o['memory']):>10}{zero}"
                 )
-        redone = sorted({r["block"] for r in hits if r.get("recompute")})
+        cores = {r["block"] for r in hits if r.get("recompute") and ".attention" in (r.get("region") or "")}
+        redone = sorted({r["block"] for r in hits if r.get("recompute")} - cores)
         if redone:
             lines.append(
                 f"recomputed in backward (activation checkpointing, recompute="
                 f"{self.data.get('recompute', 'auto')!r}): {', '.join(redone)} keep only what leaves each "
                 f"layer; backward reruns the layer's forward, its collectives included (priced in the estimate)"
+            )
+        if cores:  # selective: only the attention core reruns
+            lines.append(
+                f"attention core recomputed in backward (selective activation checkpointing, recompute="
+                f"{self.data.get('recompute', 'auto')!r}): {', '.join(sorted(cores))} keep the core's inputs "
+                f"(q, k, v, a mask) and what leaves it; backward reruns the core's forward (priced in the estimate)"
             )
         return "\n".join(lines)
 

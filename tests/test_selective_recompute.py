@@ -208,6 +208,8 @@ def test_the_solver_picks_selective_between_full_and_kept():
     assert peak["all"] <= budget and best["all"].estimate().step_time_s > est.step_time_s
     summary = plan.summary()
     assert "model.layers.[0-3] (selective)" in summary and "attention core recomputed" in summary
+    assert "attention core recomputed in backward (selective" in plan.explain("model.layers.0.self_attn")
+    assert "recomputed" not in plan.explain("model.layers.0.mlp")
 
 
 def test_selective_without_attention_is_refused():
