@@ -31,7 +31,7 @@ logs it when the search stopped early.
 from __future__ import annotations
 
 import numpy as np
-from scipy.optimize import LinearConstraint, milp
+from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
 __all__ = ["IlpResult", "solve_ilp", "min_memory"]
@@ -70,9 +70,11 @@ def solve_ilp(
     time_limit: float = 60.0,
     gap: float = 1e-6,
     node_limit: int = NODE_LIMIT,
+    forbidden: list | None = None,
 ) -> IlpResult:
     """``edges``: list of (g, h, cls_g, cls_h, matrix) as numpy arrays; ``links``: list of
-    (g, options of g, h, options of h) whose sums of ``x`` must be equal."""
+    (g, options of g, h, options of h) whose sums of ``x`` must be equal; ``forbidden``: (g, i)
+    pairs whose ``x`` is fixed at 0 (options left out of this solve)."""
     offsets = np.cumsum([0] + [len(c) for c in node_costs])
     n_x = int(offsets[-1])
     flow_offsets = [n_x]
@@ -139,11 +141,14 @@ def solve_ilp(
         constraints.append(LinearConstraint(mem_row.reshape(1, -1), -np.inf, budget))
     integrality = np.zeros(n)
     integrality[:n_x] = 1
+    upper = np.ones(n)
+    for g, i in forbidden or ():
+        upper[offsets[g] + i] = 0.0
     res = milp(
         c,
         constraints=constraints,
         integrality=integrality,
-        bounds=(0, 1),
+        bounds=Bounds(np.zeros(n), upper),
         options={"time_limit": time_limit, "mip_rel_gap": gap, "node_limit": node_limit, "disp": False},
     )
     if res.x is None:

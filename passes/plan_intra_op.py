@@ -223,7 +223,9 @@ def plan_intra_op(
         + (f"; {space.pruned} high-compute options pruned" if space.pruned else "")
     )
 
-    def solve(limit, redo, objective=objective):
+    twins = [(gi, i) for gi, g in enumerate(space.groups) for i, o in enumerate(g.options) if o[g.leader].regather]
+
+    def solve(limit, redo, objective=objective, zero3=True):
         return solve_ilp(
             [g.cost for g in space.groups],
             [g.memory for g in space.groups],
@@ -232,6 +234,7 @@ def plan_intra_op(
             links=redo.rows(),
             objective=objective,
             time_limit=time_limit,
+            forbidden=None if zero3 else twins,
         )
 
     redo = RecomputeChoice()
@@ -245,6 +248,9 @@ def plan_intra_op(
         used = free.choice is not None and peak_of(free.choice)[0]
         if free.choice is not None and (budget is None or used <= budget):
             result = free
+    if result is None and budget is not None and twins and zero == "auto" and recompute in ("auto", "none"):
+        # ZeRO-3 only adds time too (a second gather): the best plan without it, if its peak fits
+        result = _without_zero3(budget, solve, redo, peak_of)
     if result is None:
         redo = add_recompute_options(space, graph, recompute, activation_copies)
         least = least_memory(space, redo)
@@ -393,6 +399,24 @@ def _peak_of(space, cap, optimizer, activation_copies, redo):
         return m.peak, m.peak - (m.state + m.inputs + m.saved)
 
     return peak
+
+
+def _without_zero3(budget, solve, redo, peak_of):
+    """The best plan under ``budget`` with no ZeRO-3 option (nor recomputation), or None when
+    its peak does not fit."""
+    kept = solve(budget, redo, zero3=False)
+    if kept.choice is None:
+        return None
+    try:
+        return _fit_peak(
+            kept,
+            budget,
+            lambda limit: solve(limit, redo, zero3=False),
+            peak_of,
+            lambda: solve(budget, redo, "memory", zero3=False),
+        )
+    except InfeasibleBudgetError:
+        return None
 
 
 def _fit_peak(result, budget, solve, peak_of, least_peak):

@@ -45,10 +45,10 @@ def family_worker(rank, world, cfg):
     ref = copy.deepcopy(model)
     n_params = sum(p.numel() for p in model.parameters())
     with fallback_warnings() as caught:
-        # recompute="none": these configs test the families; activation checkpointing has its own
-        # tests, and leaving it open makes the budgeted solve much larger for BART and T5
+        # recompute="none", zero=2: these configs test the families; activation checkpointing and
+        # ZeRO-3 have their own tests, and leaving them open makes the budgeted solve much larger
         pm = partitioner.auto_parallelize(model, inputs, mesh=(2, 2), cluster="h100",
-                                          memory_budget=int(BUDGET * 16 * n_params), recompute="none")
+                                          memory_budget=int(BUDGET * 16 * n_params), recompute="none", zero=2)
     with CommCounter() as counter:
         out = call(pm, inputs)
         out.loss.backward()
