@@ -216,3 +216,18 @@ def test_selective_without_attention_is_refused():
     model, inputs = models.mlp_demo(batch=8)
     with pytest.raises(ValueError, match=r"recompute='selective'.*no repeated block"):
         _plan(model, inputs, recompute="selective")
+
+
+def test_cli_plan_recompute_selective(tmp_path, capsys):
+    from partitioner.__main__ import main
+
+    path = tmp_path / "plan.json"
+    code = main(["plan", "partitioner.models:gpt_demo", "--mesh", "4", "--cluster", "h100", "--recompute",
+                 "selective", "--quiet", "--json", str(path)])
+    assert code == 0
+    plan = partitioner.ShardingPlan.load(path)
+    assert [b["recompute_mode"] for b in plan.data["blocks"]] == ["selective"]
+    assert {r["region"] for r in plan.records if r.get("recompute")} == {"h.[0-1][0].attention0",
+                                                                         "h.[0-1][1].attention0"}
+    assert "recomputed in backward (activation checkpointing, recompute='selective'): h.[0-1] (selective)" in (
+        capsys.readouterr().out)
