@@ -21,8 +21,10 @@ rank taking its quarter):
 5. DDP.
 
 Step time: the median of ``--steps`` timed steps (forward, backward, AdamW) after one warm-up,
-the slowest rank's. Printed: per run, measured memory (state, saved, total), Partita's estimate
-and the ratios Partita / FSDP2 of memory and step time.
+the slowest rank's, in wall seconds and in CPU seconds of the rank's process (the machine is
+shared: other jobs' load stretches wall time much more than a process's own CPU time). Printed:
+per run, measured memory (state, saved, total), Partita's estimate, the ratios Partita / FSDP2
+of memory and of CPU step time, and the load average when the run started.
 
 Usage: ``python benchmarks/memory.py [--steps 3] [--out benchmarks/results/<date>-memory.md]``.
 """
@@ -98,13 +100,14 @@ def _time_steps(step, steps):
     import torch.distributed as dist
 
     step()  # warm-up
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(times), statistics.median(cpu)
 
 
 def partita_worker(rank, world, plan_dict, steps):
@@ -123,7 +126,7 @@ def partita_worker(rank, world, plan_dict, steps):
         opt.step()
         return loss
 
-    step_s = _time_steps(step, steps)
+    step_s, cpu_s = _time_steps(step, steps)
     opt.zero_grad(set_to_none=True)
     exclude = {_local(p).untyped_storage().data_ptr() for p in pm.parameters()}
     exclude |= {b.untyped_storage().data_ptr() for b in pm.buffers()}
@@ -136,7 +139,7 @@ def partita_worker(rank, world, plan_dict, steps):
     opt.zero_grad(set_to_none=True)
     m = partitioner.measure_memory(pm, batch, optimizer=opt)
     est = pm.plan.estimate()
-    return dict(step_s=step_s, state=m.state, saved=m.saved_activations, after_forward=after_forward,
+    return dict(step_s=step_s, cpu_s=cpu_s, state=m.state, saved=m.saved_activations, after_forward=after_forward,
                 est_state=est.memory.state, est_saved=est.memory.saved, est_peak=est.memory_bytes,
                 est_step_s=est.step_time_s)
 
@@ -171,7 +174,7 @@ def torch_worker(rank, world, kind, steps):
         opt.step()
         return loss
 
-    step_s = _time_steps(step, steps)
+    step_s, cpu_s = _time_steps(step, steps)
     opt.zero_grad(set_to_none=True)
     exclude = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
     exclude |= {t.untyped_storage().data_ptr() for t in batch}
@@ -182,7 +185,7 @@ def torch_worker(rank, world, kind, steps):
     loss.backward()
     p, g, s = _state_bytes(model, opt)
     dist.barrier()
-    return dict(step_s=step_s, state=p + g + s, saved=saved)
+    return dict(step_s=step_s, cpu_s=cpu_s, state=p + g + s, saved=saved)
 
 
 def _plans():
@@ -287,28 +290,30 @@ def _report(n_params, dp_peak, rows):
         "FSDP2 and DDP: the saved storages at the end of forward, at the size they then have, since FSDP2 frees "
         "its gathered weights after forward). The largest rank is shown, and the slowest rank's median step. "
         "The machine is shared: `load` is the 1-minute load average when the run started (2 cores; above 2, "
-        "other jobs took CPU time from the ranks, and step times are comparable only between rows of "
-        "similar load). Partita's step-time estimate prices the `cpu` calibration of one process, not 4 ranks "
-        "sharing 2 cores.",
+        "other jobs took CPU time from the ranks, and wall step times are comparable only between rows of "
+        "similar load). So the step is also given as CPU seconds (`time.process_time`, the rank's threads, "
+        "the largest rank's median), which another job's load changes far less; the step ratio uses it. "
+        "Partita's step-time estimate prices the `cpu` calibration of one process, not 4 ranks sharing 2 "
+        "cores.",
         "",
         "| run | budget | recompute | state MiB | saved MiB | total MiB | estimate MiB (state + saved) | "
-        "step s | est. step s | memory / FSDP2 | step / FSDP2 | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "step s (wall) | CPU s per step | est. step s | memory / FSDP2 | CPU step / FSDP2 | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | | | could not run: {r['error']} | | | | | | | | |")
+            lines.append(f"| {r['name']} | | | could not run: {r['error']} | | | | | | | | | |")
             continue
         est = _fmt_mib(r["est_state"] + r["est_saved"]) if "est_state" in r else "-"
         ratio_m = f"{r['total'] / (fsdp['total']):.2f}" if fsdp and r["name"].startswith("Partita") else ""
-        ratio_t = f"{r['step_s'] / fsdp['step_s']:.2f}" if fsdp and r["name"].startswith("Partita") else ""
+        ratio_t = f"{r['cpu_s'] / fsdp['cpu_s']:.2f}" if fsdp and r["name"].startswith("Partita") else ""
         lines.append(
             f"| {r['name']} | {_fmt_mib(r['budget']) + ' MiB' if r.get('budget') else '-'} | {r.get('modes', '-')} | "
             f"{_fmt_mib(r['state'])} | {_fmt_mib(r['saved'])} | {_fmt_mib(r['total'])} | {est} | "
-            f"{r['step_s']:.2f} | {r['est_step_s']:.3f} | {ratio_m} | {ratio_t} | {r['load']:.1f} |"
+            f"{r['step_s']:.2f} | {r['cpu_s']:.2f} | {r['est_step_s']:.3f} | {ratio_m} | {ratio_t} | {r['load']:.1f} |"
             if "est_state" in r
             else f"| {r['name']} | - | - | {_fmt_mib(r['state'])} | {_fmt_mib(r['saved'])} | {_fmt_mib(r['total'])} "
-            f"| - | {r['step_s']:.2f} | - | | | {r['load']:.1f} |"
+            f"| - | {r['step_s']:.2f} | {r['cpu_s']:.2f} | - | | | {r['load']:.1f} |"
         )
     lines.append("")
     for r in rows:
