@@ -162,3 +162,64 @@ def test_auto_parallelize_without_mesh_trains_the_searched_configuration_like_on
     results = run_checked(_searched_parity_worker, cfg, timeout_s=240)
     assert all(ParallelConfig.from_dict(r["config"]) == expected for r in results)
     assert json.dumps(results[0]["config"]) == json.dumps(expected.to_dict())
+
+
+# ------------------------------------------------------------------ simulation of every rank
+
+
+def _swap_two_collectives(program):
+    """``program`` with the modules of its first two Reshards that send different collectives
+    exchanged: the rank then runs them in the other order (a deliberately broken program)."""
+    from partitioner.simulate_ranks import _moves
+    from runtime.collectives import Reshard
+
+    found = []
+    for node in program.graph.nodes:
+        module = program.get_submodule(node.target) if node.op == "call_module" else None
+        if isinstance(module, Reshard):
+            kinds = _moves(module.forward_steps, module.comm.shape) + _moves(module.backward_steps, module.comm.shape)
+            if kinds and (not found or kinds != found[0][1]):
+                found.append((node.target, kinds, module))
+        if len(found) == 2:
+            break
+    (a, _, ma), (b, _, mb) = found
+    setattr(program, a, mb)
+    setattr(program, b, ma)
+    return program, a, b
+
+
+def test_every_rank_is_lowered_and_checked_and_a_rank_with_another_order_is_named():
+    from partitioner.simulate_ranks import check_events, plan_graphs, rank_events, simulate_ranks
+    from passes.lower_to_local import lower_to_local
+    from runtime.collectives import MeshComm
+
+    model, inputs = models.gpt_demo(batch=64, seq=64, n_layer=4, n_embd=128)
+    config = ParallelConfig(pipeline=2, data=4, tensor=2, microbatches=2, schedule="1f1b")
+    plan = plan_config(model, inputs, config, cluster="h100")
+    graphs = plan_graphs(plan, model, inputs)
+    every, shape, _ = rank_events(plan, graphs)  # each of the 16 ranks lowered
+    assert shape == (2, 4, 2) and len(every) == 16
+    assert check_events(every, shape) == []
+    # each rank sends and receives an activation and a gradient per microbatch (2), collectives too
+    assert sum(e.kind in ("send", "recv") for events in every for e in events) == 16 * 2 * 2
+    assert sum(e.kind not in ("send", "recv") for events in every for e in events) > 0
+    # lowering one rank per stage gives every rank the same events as lowering each of them
+    assert rank_events(plan, graphs, every_rank=False)[0] == every
+
+    broken_names = {}
+
+    def lower(stage, sub_rank):
+        k = plan.data["pipeline"]["stage_map"][stage]
+        stage_plan = plan.stage_plans[stage]
+        comm = MeshComm.for_codegen(stage_plan.mesh_shape, stage_plan.axis_names, sub_rank)
+        program = lower_to_local(graphs[k].graph, {r["name"]: r for r in stage_plan.records}, comm)
+        if stage == 0 and sub_rank == 5:  # global rank 5: pipeline stage 0, stage-mesh rank 5
+            program, a, b = _swap_two_collectives(program)
+            broken_names.update(a=a, b=b)
+        return program
+
+    broken = simulate_ranks(plan, graphs, lower=lower)
+    assert not broken.ok
+    text = "\n".join(broken.problems)
+    assert "rank 5 (coordinates [0, 2, 1])" in text
+    assert broken_names["a"] in text or broken_names["b"] in text
