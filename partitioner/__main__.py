@@ -303,6 +303,7 @@ def _cmd_plan(args) -> int:
             share_blocks=not args.no_share_blocks,
             time_limit=args.time_limit,
             recompute=args.recompute,
+            zero=args.zero if args.zero == "auto" else int(args.zero),
             verbose=not args.quiet,
         )
     except (partitioner.CaptureError, partitioner.InfeasibleBudgetError) as exc:
@@ -390,6 +391,13 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="activation checkpointing of repeated blocks: auto (when the budget needs it), selective "
         "(attention cores), all, none",
+    )
+    p.add_argument(
+        "--zero",
+        choices=("auto", "2", "3"),
+        default="auto",
+        help="a weight stored sharded keeps its gathered copy for backward (2), gathers it again in backward "
+        "(3), or the solver chooses (auto)",
     )
     p.add_argument(
         "--optimizer",

@@ -137,3 +137,20 @@ def test_zero_argument_is_checked(fake_process_group):
     model, inputs = build("gpt")
     with pytest.raises(ValueError, match="zero must be one of"):
         partitioner.plan(model, inputs, mesh_shape=(4,), cluster="h100", zero=1)
+
+
+def test_command_line_zero_option(tmp_path, capsys):
+    """``partitioner plan --zero 3`` under half the replicated state: the saved plan regathers."""
+    from partitioner import ShardingPlan
+    from partitioner.__main__ import main
+
+    model, _ = build("gpt")
+    n_params = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
+    path = tmp_path / "plan.json"
+    code = main(["plan", "partitioner.models:gpt_demo", "--kwargs", '{"batch": 8, "seq": 16, "n_layer": 2}',
+                 "--mesh", "4", "--budget", str(int(BUDGET * 16 * n_params)), "--recompute", "none",
+                 "--zero", "3", "--json", str(path), "--quiet"])
+    assert code == 0, capsys.readouterr().err
+    plan = ShardingPlan.load(str(path))
+    assert plan.data["zero"] == 3
+    assert any(r.get("regather") for r in plan.records)
