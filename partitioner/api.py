@@ -145,8 +145,9 @@ def plan(
         zero: a weight stored sharded and gathered for use (FSDP / ZeRO): ``"auto"`` lets the
             solver choose per weight between keeping the gathered copy for backward (ZeRO-2,
             FSDP's ``reshard_after_forward=False``) and freeing it after forward to gather it
-            again in backward (ZeRO-3); ``2`` or ``3`` force one (see ``docs/ARCHITECTURE.md``,
-            "Parameter storage").
+            again in backward (ZeRO-3); ``2`` or ``3`` force one; a dict of parameter name
+            patterns to modes (``{"h.*.mlp.*": 3, "*": 2}``, first match) decides per weight
+            (see ``docs/ARCHITECTURE.md``, "Parameter storage").
 
     Example::
 

@@ -135,7 +135,8 @@ def auto_parallelize(
             :func:`partitioner.plan`); a replayed plan brings its own choice.
         zero: a weight stored sharded and gathered for use keeps its gathered copy for backward
             (``2``), frees it after forward and gathers it again in backward (``3``), or the
-            solver chooses per weight (``"auto"``; see :func:`partitioner.plan`).
+            solver chooses per weight (``"auto"``), or per name pattern (a dict; see
+            :func:`partitioner.plan`).
         verbose: show progress on stderr for this call; the same records go to the
             ``partitioner`` logger at INFO in any case (see :mod:`partitioner.progress`).
         sequence_parallel: ``"auto"`` (the solver chooses among head-sharded, ring and Ulysses

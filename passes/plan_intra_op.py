@@ -248,7 +248,8 @@ def plan_intra_op(
         used = free.choice is not None and peak_of(free.choice)[0]
         if free.choice is not None and (budget is None or used <= budget):
             result = free
-    if result is None and budget is not None and twins and zero == "auto" and recompute in ("auto", "none"):
+    forced = 3 in (zero.values() if isinstance(zero, dict) else [zero])  # some weight must regather
+    if result is None and budget is not None and twins and not forced and recompute in ("auto", "none"):
         # ZeRO-3 only adds time too (a second gather): the best plan without it, if its peak fits
         result = _without_zero3(budget, solve, redo, peak_of)
     if result is None:

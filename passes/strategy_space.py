@@ -24,6 +24,7 @@ Built from an analysed graph, a mesh and a cluster:
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
 import itertools
 import operator
@@ -61,6 +62,7 @@ __all__ = [
     "STAGE_BOUNDARY",
     "ZERO_MODES",
     "check_zero",
+    "zero_mode",
 ]
 
 
@@ -411,8 +413,9 @@ class _Builder:
                 else:
                     mem = local_bytes(i.shape, spec, self.mesh, elem)
                 kept = NodeChoice(strategy=None, out=(spec,), ins=(), memory=mem)
-                if i.kind == "param" and self.zero != 2 and self._may_regather(node, spec):
-                    if self.zero != 3:
+                mode = zero_mode(self.zero, i.name) if i.kind == "param" else 2
+                if mode != 2 and self._may_regather(node, spec):
+                    if mode != 3:
                         choices.append(kept)
                     choices.append(dataclasses.replace(kept, regather=True))
                 else:
@@ -442,13 +445,24 @@ ZERO_MODES = ("auto", 2, 3)
 
 
 def check_zero(zero):
-    if zero not in ZERO_MODES:
+    """``zero``: one of :data:`ZERO_MODES`, or a dict of parameter-name patterns (``fnmatch``,
+    as pins) to modes, the first match deciding (parameters no pattern matches: ``"auto"``)."""
+    modes = zero.values() if isinstance(zero, dict) else [zero]
+    bad = [m for m in modes if m not in ZERO_MODES]
+    if bad or (isinstance(zero, dict) and not all(isinstance(k, str) for k in zero)):
         raise ValueError(
-            f"zero must be one of {ZERO_MODES} (for a parameter stored sharded and gathered for use: 2 keeps the "
-            f"gathered copy for backward, 3 frees it after forward and gathers it again in backward, 'auto' lets "
-            f"the solver choose per parameter), got {zero!r}"
+            f"zero must be one of {ZERO_MODES} or a dict of parameter name patterns to them (for a parameter "
+            f"stored sharded and gathered for use: 2 keeps the gathered copy for backward, 3 frees it after "
+            f"forward and gathers it again in backward, 'auto' lets the solver choose), got {zero!r}"
         )
     return zero
+
+
+def zero_mode(zero, name: str):
+    """The mode ``zero`` (see :func:`check_zero`) gives the parameter named ``name``."""
+    if not isinstance(zero, dict):
+        return zero
+    return next((mode for pattern, mode in zero.items() if fnmatch.fnmatchcase(name, pattern)), "auto")
 
 
 STAGE_BOUNDARY = "partita_stage_boundary"

@@ -137,6 +137,26 @@ def test_zero_argument_is_checked(fake_process_group):
     model, inputs = build("gpt")
     with pytest.raises(ValueError, match="zero must be one of"):
         partitioner.plan(model, inputs, mesh_shape=(4,), cluster="h100", zero=1)
+    with pytest.raises(ValueError, match="zero must be one of"):
+        partitioner.plan(model, inputs, mesh_shape=(4,), cluster="h100", zero={"h.*": "three"})
+
+
+def test_zero_per_weight_patterns(fake_process_group):
+    """``zero={"h.*.mlp.*": 3, "*": 2}`` under half the replicated state: the MLP weights that are
+    gathered for use regather, no other weight does."""
+    import partitioner
+    from partitioner.plan_table import weight_storage
+
+    fake_process_group(4)
+    model, inputs = build("gpt")
+    n_params = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
+    plan = partitioner.plan(model, inputs, mesh_shape=(4,), cluster="h100", recompute="none",
+                            memory_budget=int(0.6 * 16 * n_params), zero={"h.*.mlp.*": 3, "*": 2})
+    storage = weight_storage(plan)
+    fqn = {r["name"]: r["fqn"] for r in plan.records if r["kind"] == "param"}
+    zero3 = sorted(fqn[n] for n, kind in storage.items() if kind == "zero3")
+    assert zero3 and all(".mlp." in name for name in zero3), zero3
+    assert all(kind != "zero3" for n, kind in storage.items() if ".mlp." not in fqn[n])
 
 
 def test_command_line_zero_option(tmp_path, capsys):
