@@ -204,8 +204,8 @@ def sync_once_per_step(plan) -> float:
     stages = plan.stage_plans
     sync = [sum(c["time_s"] for r in s.records for c in r.get("comm", []) if c.get("bucketed")) for s in stages]
     ests = [s.estimate() for s in stages]
-    forward = {i: e.step_time_s / 3.0 for i, e in enumerate(ests)}
-    backward = {i: 2.0 * e.step_time_s / 3.0 - sync[i] for i, e in enumerate(ests)}
+    forward = {i: (e.step_time_s - sync[i]) / 3.0 for i, e in enumerate(ests)}
+    backward = {i: 2.0 * (e.step_time_s - sync[i]) / 3.0 for i, e in enumerate(ests)}
     weight = {i: min(e.weight_grad_s, backward[i]) for i, e in enumerate(ests)}
     sched = ps.SCHEDULES[pipe["schedule"]].make(pipe["degree"], pipe["microbatches"], pipe["virtual_stages"])
     sim = ps.simulate(sched, forward, backward, weight, comm_time=pipe["p2p_time_s"])

@@ -8,8 +8,9 @@ Algorithm
    and the bytes of the value entering the next layer).
 2. **Enumerate.** Every factorisation ``N = p * d * t`` with ``t`` dividing the cluster's
    ``devices_per_node`` (tensor groups are consecutive ranks, so they stay inside a node) and
-   ``p <= L``; without a pipeline (``p = 1``) one microbatch; with one, every number of
-   microbatches ``m >= p`` that divides the global batch into microbatches ``d`` data-parallel
+   ``p <= L`` (``d = 1 < t`` is left out: its one-axis stage mesh is ``(p, t, 1)``'s);
+   without a pipeline (``p = 1``) one microbatch; with one, every number of microbatches
+   ``m >= p`` that divides the global batch into microbatches ``d`` data-parallel
    ranks can share, each schedule of ``passes.pipeline_schedules`` but GPipe (never faster than
    1F1B and heavier) - 1F1B, ZB-H1, and interleaved with 2 stages per rank where ``m`` is a
    multiple of ``p`` and ``L >= 2p`` - and recomputation ``none`` or ``all`` (without a
@@ -25,7 +26,9 @@ Algorithm
    all-reduces per layer, the data-parallel gradient all-reduce, and the stage-to-stage sends,
    on the links the mesh axes cross) orders the survivors; it is never reported as a plan's
    estimate.
-5. **Plan the survivors with the real planner**, in that order: the intra-op ILP
+5. **Plan the survivors with the real planner**, in that order after one seed, the usual
+   recipe (tensor parallel across the node, the fewest pipeline stages whose memory bound fits,
+   one sample per microbatch per data-parallel rank, 1F1B, recomputation): the intra-op ILP
    (:func:`partitioner.api.plan_captured`) on the ``(d, t)`` mesh, and for a pipeline the
    stages cut at layer boundaries (:mod:`passes.split_stages`), each stage planned with its
    inputs pinned to what the stage before sends and its activations counted for the
@@ -217,6 +220,8 @@ def enumerate_configs(devices, global_batch, layers, devices_per_node, *, recomp
             continue
         for p in _divisors(devices // t):
             d = devices // (t * p)
+            if d == 1 and t > 1:
+                continue  # the same one-axis stage mesh as (p, t, 1): the solver places it alike
             if p == 1:
                 if global_batch % d == 0:
                     out.append(ParallelConfig(1, d, t, 1, None, 1, recompute, global_batch))
@@ -727,7 +732,7 @@ def search_config(
     layers="auto",
     recompute="auto",
     time_limit=60.0,
-    max_plans: int = 4,
+    max_plans: int = 5,
     pipelines: bool = True,
     pipeline_recompute: bool = True,
 ) -> ShardingPlan:
@@ -805,6 +810,10 @@ def search_config(
         return (state + slack * (c.memory_lb - state) > budget, c.quick_s, c.time_lb)
 
     queue = sorted(alive, key=order)
+    seed = _rule_of_thumb(queue, spec.devices_per_node, bounds, budget)
+    if seed is not None:  # planned first: the best plan is never worse than the usual recipe
+        queue.remove(seed)
+        queue.insert(0, seed)
     tried: dict = {}  # (p, d, t) -> the microbatches and recomputation planned for them
     while queue:
         cand = queue.pop(0)
@@ -868,6 +877,28 @@ def search_config(
     plan.data.setdefault("stats", {})["search_s"] = t2 - t0
     logger.info("search: chose %s in %.2f s", best.config.describe(), t2 - t0)
     return plan
+
+
+def _rule_of_thumb(cands: list, devices_per_node: int, bounds: _Bounds, budget: float) -> Candidate | None:
+    """The usual recipe (Megatron's): tensor parallel across the node, the fewest pipeline stages
+    whose memory bound fits, one sample per microbatch per data-parallel rank, 1F1B, and
+    recomputation in a pipeline; None when no candidate is of that form."""
+    fits = [
+        c
+        for c in cands
+        if c.memory_lb <= budget
+        and c.config.tensor == max(x.config.tensor for x in cands)
+        and c.config.tensor <= devices_per_node
+        and (
+            c.config.pipeline == 1
+            or (
+                c.config.schedule == "1f1b"
+                and c.config.recompute == "all"
+                and c.config.microbatch_size == c.config.data
+            )
+        )
+    ]
+    return min(fits, key=lambda c: (c.config.pipeline, c.quick_s), default=None)
 
 
 def _cached(planner: _Planner, c: ParallelConfig) -> bool:
