@@ -210,7 +210,8 @@ def main(argv=None):
     if args.out:
         Path(args.out).write_text(
             f"# Long sequences ({datetime.date.today().isoformat()})\n\nMachine: 2-core CPU, 4 gloo ranks. Reproduce: "
-            f"`python benchmarks/long_sequence.py --cap-mib {args.cap_mib:g} --start {args.start}`.\n\n"
+            f"`python benchmarks/long_sequence.py --cap-mib {args.cap_mib:g} --start {args.start}"
+            f"{' --forced' if args.forced else ''}`.\n\n"
             f"GPT {N_LAYER} layers x {N_EMBD}, {N_HEAD} heads, vocabulary {VOCAB}, batch {BATCH}, causal; one AdamW "
             f"step (two for the time, the second timed: the slowest rank's wall clock between barriers) under a "
             f"private-memory cap (RLIMIT_DATA) of {args.cap_mib:g} MiB per rank above what the process held after "

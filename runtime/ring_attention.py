@@ -52,8 +52,8 @@ __all__ = ["RingAttention", "ring_chunks", "sdpa_layout", "P2P_TIMEOUT", "SCORES
 P2P_TIMEOUT = datetime.timedelta(seconds=300)
 """The longest a rank waits for one ring transfer before failing (a peer has died or hung)."""
 
-SCORES_PER_PRODUCT = 1 << 22
-"""Scores one block product holds at most (batch x heads x query rows x keys; 16 MiB in fp32):
+SCORES_PER_PRODUCT = 1 << 20
+"""Scores one block product holds at most (batch x heads x query rows x keys; 4 MiB in fp32):
 the query rows of a chunk are taken that many at a time, so a step's transient memory does not
 grow with the square of the block."""
 
