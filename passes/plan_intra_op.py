@@ -23,7 +23,7 @@ from passes.analyze import info
 from passes.blocks import find_blocks
 from passes.capture import tied_placeholders
 from passes.cost_model import Collective, collective_time, dtype_bytes, edge_gathers, extra_payload
-from passes.ilp_solver import min_memory, solve_ilp
+from passes.ilp_solver import NODE_LIMIT, min_memory, solve_ilp
 from passes.memory_accounting import memory_fields
 from passes.placements import format_spec, local_shape
 from passes.recompute import (
@@ -225,7 +225,7 @@ def plan_intra_op(
 
     twins = [(gi, i) for gi, g in enumerate(space.groups) for i, o in enumerate(g.options) if o[g.leader].regather]
 
-    def solve(limit, redo, objective=objective, zero3=True):
+    def solve(limit, redo, objective=objective, zero3=True, nodes=NODE_LIMIT):
         return solve_ilp(
             [g.cost for g in space.groups],
             [g.memory for g in space.groups],
@@ -235,6 +235,7 @@ def plan_intra_op(
             objective=objective,
             time_limit=time_limit,
             forbidden=None if zero3 else twins,
+            node_limit=nodes,
         )
 
     redo = RecomputeChoice()
@@ -266,7 +267,11 @@ def plan_intra_op(
         )
     if budget is not None:
         result = _fit_peak(
-            result, budget, lambda limit: solve(limit, redo), peak_of, lambda: solve(budget, redo, "memory")
+            result,
+            budget,
+            lambda limit: solve(limit, redo, nodes=RETRY_NODES),
+            peak_of,
+            lambda: solve(budget, redo, "memory", nodes=RETRY_NODES),
         )
         t2 = time.perf_counter()
     recomputed = redo.decode(result.choice)  # block label -> "kept" / "selective" / "full"
@@ -402,6 +407,12 @@ def _peak_of(space, cap, optimizer, activation_copies, redo):
     return peak
 
 
+RETRY_NODES = 250
+"""Node limit of the re-solves that fit the peak (``_fit_peak``): they only move the budget by
+the transient the first solve measured, and branch and bound finds their best plans in the first
+nodes (then spends the rest proving them)."""
+
+
 def _without_zero3(budget, solve, redo, peak_of):
     """The best plan under ``budget`` with no ZeRO-3 option (nor recomputation), or None when
     its peak does not fit."""
@@ -412,9 +423,9 @@ def _without_zero3(budget, solve, redo, peak_of):
         return _fit_peak(
             kept,
             budget,
-            lambda limit: solve(limit, redo, zero3=False),
+            lambda limit: solve(limit, redo, zero3=False, nodes=RETRY_NODES),
             peak_of,
-            lambda: solve(budget, redo, "memory", zero3=False),
+            lambda: solve(budget, redo, "memory", zero3=False, nodes=RETRY_NODES),
         )
     except InfeasibleBudgetError:
         return None
