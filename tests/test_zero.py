@@ -8,6 +8,7 @@ for backward; ZeRO-3 (``regather``) frees it after forward and gathers it again 
 * plans under a budget of half the replicated fp32 Adam state (the weights must be sharded) with
   ``zero=3`` (every sharded weight regathers), and with ``zero=2`` with the weights pinned where
   that plan stores them (ZeRO-2 does not fit the budget);
+* ZeRO-2: loss and every gradient equal the single-device model's;
 * ZeRO-3: loss and every gradient equal the single-device model's; the communication counted at
   run time equals the plan's estimate, and it has exactly one more all-gather per regathered
   weight edge than ZeRO-2's, in backward; measured saved tensors (``measure_memory``) equal the
@@ -59,6 +60,16 @@ def zero_worker(rank, world, cfg):
             checks.true(f"{label}: estimated peak {pm.plan.estimate().memory_bytes:.0f} B over the budget {budget}",
                         pm.plan.estimate().memory_bytes <= budget)
         plans[stage], saved[stage] = pm, measured.saved_activations
+    # ZeRO-2 (the copies kept): loss and every gradient equal the single-device model's too
+    zero2_ref = copy.deepcopy(ref)
+    for p in plans[2].parameters():
+        p.grad = None
+    zero2_loss = loss_of(call(plans[2], inputs))
+    zero2_loss.backward()
+    ref2_loss = loss_of(call(zero2_ref, inputs))
+    ref2_loss.backward()
+    checks.close("ZeRO-2 loss", zero2_loss.detach(), ref2_loss.detach())
+    check_grads_by_alias(plans[2].full_grads(), zero2_ref, checks)
     pm = plans[3]
     regathered = [r for r in pm.plan.records if r.get("regather")]
     checks.true("ZeRO-3 plan has no regathered weight", bool(regathered))
