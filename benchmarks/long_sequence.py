@@ -79,7 +79,7 @@ def _oom(exc) -> bool:
     return isinstance(exc, MemoryError) or "memory" in text or "alloc" in text
 
 
-def _train(rank, world, runner, seq, cap_mib, steps):
+def _train(rank, world, runner, seq, cap_mib, steps, cluster="h100"):
     """One runner at one length: plan (uncapped: planning is not the step), cap, train."""
     import torch.distributed as dist
 
@@ -89,7 +89,7 @@ def _train(rank, world, runner, seq, cap_mib, steps):
     describe = ""
     if runner == "context_parallel":
         return _context_parallel(model, inputs, cap_mib, steps)
-    kw = dict(mesh=(world,), cluster="h100", recompute="none")
+    kw = dict(mesh=(world,), cluster=cluster, recompute="none")
     if runner.startswith("partita"):
         mode = runner.partition("_")[2] or "auto"
         pm = partitioner.auto_parallelize(
@@ -141,11 +141,11 @@ def _context_parallel(model, inputs, cap_mib, steps):
     return {"status": "trained", "times": [], "loss": loss.item()}
 
 
-def _attempt(runner, seq, cap_mib, steps):
+def _attempt(runner, seq, cap_mib, steps, cluster="h100"):
     from runtime.launch import RankFailure, run_on_ranks
 
     try:
-        results = run_on_ranks(_train, 4, runner, seq, cap_mib, steps, timeout_s=900, collective_timeout_s=600)
+        results = run_on_ranks(_train, 4, runner, seq, cap_mib, steps, cluster, timeout_s=900, collective_timeout_s=600)
     except RankFailure as exc:
         first = str(exc).splitlines()[0]
         return {"status": "out of memory (a rank left with exit code 3)" if "code 3" in str(exc) else first[:160]}
@@ -163,6 +163,7 @@ def main(argv=None):
     parser.add_argument("--forced", action="store_true", help="also Partita with ring / Ulysses forced")
     parser.add_argument("--time-seq", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--cluster", default="h100", help="what Partita plans for (h100, cpu: measured here, ...)")
     args = parser.parse_args(argv)
     rows: list = []
     longest: dict = {}
@@ -173,7 +174,7 @@ def main(argv=None):
         seq = args.start
         while seq <= args.longest:
             t0 = time.perf_counter()
-            r = _attempt(runner, seq, args.cap_mib, 2)
+            r = _attempt(runner, seq, args.cap_mib, 2, args.cluster)
             wall = time.perf_counter() - t0
             ok = r["status"] == "trained"
             step = f"{r['step_s']:.2f}" if ok and r.get("step_s") else ""
@@ -187,7 +188,7 @@ def main(argv=None):
     times: dict = {"partita": [], "megatron_sp": []}
     for _ in range(args.reps):
         for runner in times:
-            r = _attempt(runner, args.time_seq, args.cap_mib, 3)
+            r = _attempt(runner, args.time_seq, args.cap_mib, 3, args.cluster)
             if r["status"] == "trained":
                 times[runner].append(r["step_s"])
             print("time", runner, args.time_seq, r["status"], r.get("step_s"), flush=True)
@@ -211,7 +212,7 @@ def main(argv=None):
         Path(args.out).write_text(
             f"# Long sequences ({datetime.date.today().isoformat()})\n\nMachine: 2-core CPU, 4 gloo ranks. Reproduce: "
             f"`python benchmarks/long_sequence.py --cap-mib {args.cap_mib:g} --start {args.start}"
-            f"{' --forced' if args.forced else ''}`.\n\n"
+            f"{' --forced' if args.forced else ''} --cluster {args.cluster}`.\n\n"
             f"GPT {N_LAYER} layers x {N_EMBD}, {N_HEAD} heads, vocabulary {VOCAB}, batch {BATCH}, causal; one AdamW "
             f"step (two for the time, the second timed: the slowest rank's wall clock between barriers) under a "
             f"private-memory cap (RLIMIT_DATA) of {args.cap_mib:g} MiB per rank above what the process held after "
