@@ -77,7 +77,9 @@ RUNS = [  # every config of tests/test_parity.py, grouped by mesh
 def test_estimate_equals_measured(mesh, configs):
     import math
 
-    results = run_on_ranks(memory_worker, math.prod(mesh), mesh, configs, timeout_s=TIMEOUT_S)
+    # the other ranks wait in a broadcast while rank 0 plans (budgeted plans included)
+    results = run_on_ranks(memory_worker, math.prod(mesh), mesh, configs, timeout_s=TIMEOUT_S,
+                           collective_timeout_s=150)
     failures = [f for r in results for f in r["failures"]]
     assert not failures, "\n".join(failures[:12])
     # the budgeted plan gathers weights for use and keeps them for backward: counted, not missed
