@@ -337,10 +337,15 @@ class _Bounds:
             link = spec.link_for_axis(shape, 2)
             ar = 2 * (c.tensor - 1) / c.tensor * f.boundary_per_sample * mb / c.data / link.bandwidth
             per_micro += per_stage_layers * (6 if c.recompute == "all" else 4) * (ar + overhead + link.latency_s)
-        if c.data > 1:  # the stage's gradients, all-reduced once per microbatch (bucketed)
+        if c.data > 1:
+            # the stage's gradients all-reduced once per microbatch (bucketed), or, when cheaper,
+            # the dp axis used as a second tensor axis (no gradient sync: activations reduced)
             link = spec.link_for_axis(shape, 1)
             grads = f.params / (c.pipeline * c.tensor) * self.reduce_bytes
-            per_micro += 2 * (c.data - 1) / c.data * grads / link.bandwidth + overhead + link.latency_s
+            sync = 2 * (c.data - 1) / c.data * grads / link.bandwidth + overhead + link.latency_s
+            ar = 2 * (c.data - 1) / c.data * f.boundary_per_sample * mb / c.tensor / link.bandwidth
+            as_tensor = per_stage_layers * (6 if c.recompute == "all" else 4) * (ar + overhead + link.latency_s)
+            per_micro += min(sync, as_tensor)
         if c.pipeline > 1:  # an activation forward and its gradient back, per microbatch
             link = spec.link_for_axis(shape, 0)
             per_micro += 2 * (f.boundary_per_sample * mb / (c.data * c.tensor) / link.bandwidth + link.latency_s)
