@@ -338,8 +338,9 @@ class _Bounds:
             ar = 2 * (c.tensor - 1) / c.tensor * f.boundary_per_sample * mb / c.data / link.bandwidth
             per_micro += per_stage_layers * (6 if c.recompute == "all" else 4) * (ar + overhead + link.latency_s)
         if c.data > 1:
-            # the stage's gradients all-reduced once per microbatch (bucketed), or, when cheaper,
-            # the dp axis used as a second tensor axis (no gradient sync: activations reduced)
+            # the stage's gradients all-reduced once per microbatch (bucketed), or, when cheaper, a
+            # per-layer reduction of activations over dp: a stand-in for the plans the solver finds
+            # without replicated weights on dp (sharded weights, activations split on both axes)
             link = spec.link_for_axis(shape, 1)
             grads = f.params / (c.pipeline * c.tensor) * self.reduce_bytes
             sync = 2 * (c.data - 1) / c.data * grads / link.bandwidth + overhead + link.latency_s
