@@ -38,8 +38,9 @@ Algorithm
    message on the link the pipeline axis crosses. 1F1B and ZB-H1 share one set of stage plans
    (planned for the most microbatches either keeps alive). Stop when the next candidate's time
    bound exceeds the best step found, or after ``max_plans`` distinct plannings (each extra
-   one costs seconds at large scale), one per set of degrees ``(p, d, t)`` (the best-ranked
-   microbatch count and recomputation for them; 1F1B and ZB-H1 come from the same plannings);
+   one costs seconds at large scale; one refused over budget counts half), one per set of
+   degrees ``(p, d, t)`` (the best-ranked microbatch count and recomputation for them; 1F1B
+   and ZB-H1 come from the same plannings);
    the rest are listed as not planned, with their bounds.
 6. The fastest plan that fits is returned with its :class:`ParallelConfig` (``plan.config``)
    and the search's table (``plan.explain()``: runner-ups, their estimates, why they lost).
@@ -821,6 +822,7 @@ def search_config(
         queue.remove(seed)
         queue.insert(0, seed)
     tried: dict = {}  # (p, d, t) -> the microbatches and recomputation planned for them
+    refused = 0  # plannings refused over budget count half toward max_plans (they stop early)
     while queue:
         cand = queue.pop(0)
         if best is not None and cand.time_lb > best.step_time_s:
@@ -829,7 +831,7 @@ def search_config(
             continue
         degrees = (cand.config.pipeline, cand.config.data, cand.config.tensor)
         if not _cached(planner, cand.config):
-            if planner.plannings >= max_plans:
+            if planner.plannings - refused / 2 >= max_plans:
                 cand.reason = f"search limit ({max_plans} plannings); quick estimate {_fmt_s(cand.quick_s)}"
                 continue
             if degrees in tried:
@@ -839,6 +841,7 @@ def search_config(
         try:
             made = planner.plan(cand.config)
         except InfeasibleBudgetError as exc:
+            refused += 1
             cand.status = "over budget"
             cand.reason = str(exc).split(". ")[0]
             if least_seen is None or cand.memory_lb < least_seen[0]:
