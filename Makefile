@@ -21,12 +21,13 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/python -m partitioner demo
 
+# Two workers (pytest-xdist): while one test's rank 0 plans, the other core runs another test.
 test: setup
-	$(BIN)/python -m pytest tests --durations=25
+	$(BIN)/python -m pytest tests -n 2 --durations=25
 
 # The fast tier: everything but the tests that start processes (ranks, CLI subprocesses).
 test-fast: setup
-	$(BIN)/python -m pytest tests -m "not multiproc"
+	$(BIN)/python -m pytest tests -n 2 -m "not multiproc"
 
 # Every check runs, and the target fails if any of them did.
 lint: setup
