@@ -110,6 +110,29 @@ def _time_steps(step, steps):
     return statistics.median(times), statistics.median(cpu)
 
 
+def _train_then_hold(net, batch, state, steps):
+    """Time ``steps`` AdamW steps of ``net`` on ``batch``, then one more forward counting what it
+    holds for backward (storages of ``state`` and the batch left out) and its backward. Returns
+    (optimizer, median step s, median CPU s, bytes held at the end of forward)."""
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = net(*batch)
+        loss.backward()
+        opt.step()
+        return loss
+
+    step_s, cpu_s = _time_steps(step, steps)
+    opt.zero_grad(set_to_none=True)
+    held = _HeldAfterForward({_local(t).untyped_storage().data_ptr() for t in [*state, *batch]})
+    with torch.autograd.graph.saved_tensors_hooks(held.pack, lambda t: t):
+        loss = net(*batch)
+    after_forward = held.bytes()
+    loss.backward()
+    return opt, step_s, cpu_s, after_forward
+
+
 def partita_worker(rank, world, plan_dict, steps):
     import partitioner
     from partitioner.sharding_plan import ShardingPlan
@@ -117,25 +140,7 @@ def partita_worker(rank, world, plan_dict, steps):
     model, batch = _model()
     plan = ShardingPlan.from_dict(plan_dict)
     pm = partitioner.auto_parallelize(model, batch, mesh=(world,), plan=plan)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = pm(*batch)
-        loss.backward()
-        opt.step()
-        return loss
-
-    step_s, cpu_s = _time_steps(step, steps)
-    opt.zero_grad(set_to_none=True)
-    exclude = {_local(p).untyped_storage().data_ptr() for p in pm.parameters()}
-    exclude |= {b.untyped_storage().data_ptr() for b in pm.buffers()}
-    exclude |= {t.untyped_storage().data_ptr() for t in batch}
-    held = _HeldAfterForward(exclude)
-    with torch.autograd.graph.saved_tensors_hooks(held.pack, lambda t: t):
-        loss = pm(*batch)
-    after_forward = held.bytes()
-    loss.backward()
+    opt, step_s, cpu_s, after_forward = _train_then_hold(pm, batch, [*pm.parameters(), *pm.buffers()], steps)
     opt.zero_grad(set_to_none=True)
     m = partitioner.measure_memory(pm, batch, optimizer=opt)
     est = pm.plan.estimate()
@@ -165,24 +170,7 @@ def torch_worker(rank, world, kind, steps):
         net = model
     else:
         net = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = net(*batch)
-        loss.backward()
-        opt.step()
-        return loss
-
-    step_s, cpu_s = _time_steps(step, steps)
-    opt.zero_grad(set_to_none=True)
-    exclude = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
-    exclude |= {t.untyped_storage().data_ptr() for t in batch}
-    held = _HeldAfterForward(exclude)
-    with torch.autograd.graph.saved_tensors_hooks(held.pack, lambda t: t):
-        loss = net(*batch)
-    saved = held.bytes()
-    loss.backward()
+    opt, step_s, cpu_s, saved = _train_then_hold(net, batch, list(model.parameters()), steps)
     p, g, s = _state_bytes(model, opt)
     dist.barrier()
     return dict(step_s=step_s, cpu_s=cpu_s, state=p + g + s, saved=saved)

@@ -74,6 +74,7 @@ from passes.capture import describe_captured, graph_fingerprint
 from passes.capture_blocks import capture_model
 from passes.plan_intra_op import InfeasibleBudgetError
 from passes.recompute import check_recompute_mode
+from passes.split_stages import stages_of_layers
 
 __all__ = ["search_config", "plan_config", "ModelFacts", "enumerate_configs", "check_devices"]
 
@@ -464,7 +465,7 @@ class _Planner:
         key = (size, counts)
         if key not in self._splits:
             cap = self._truncated(size, sum(counts))
-            stage_of, runs = _stage_of(cap, list(counts))
+            stage_of, runs = stages_of_layers(cap, list(counts))
             graphs = split_stages(cap, stage_of, runs)
             for g in graphs:
                 analyze(g.captured)
@@ -625,34 +626,6 @@ class _Planner:
             },
         }
         return ShardingPlan(data)
-
-
-def _stage_of(cap, lengths: list) -> tuple:
-    """``node -> stage`` and each stage's layer indices for runs of ``lengths`` repeated layers
-    (what :func:`passes.split_stages.assign_stages` returns, with the lengths given)."""
-    blocks = find_blocks(cap.graph)
-    group = max(blocks.groups, key=lambda g: len(g.indices))
-    position = {n: i for i, n in enumerate(cap.graph.nodes)}
-    in_group = {n for members in group.members for n in members}
-    last = max(position[n] for n in in_group if n.op == "call_function")
-    layer_stage: list = []
-    for s, n in enumerate(lengths):
-        layer_stage += [s] * n
-    stage_of, current = {}, 0
-    for node in cap.graph.nodes:
-        if node.op != "call_function":
-            continue
-        owner = blocks.block_of.get(node)
-        if owner is not None and owner[0] is group:
-            current = layer_stage[owner[1]]
-        elif position[node] > last:
-            current = len(lengths) - 1
-        stage_of[node] = current
-    runs, k = [], 0
-    for n in lengths:
-        runs.append(tuple(group.indices[k : k + n]))
-        k += n
-    return stage_of, runs
 
 
 def _send_pins(first, second, second_plan, ndim) -> dict:

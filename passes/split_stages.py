@@ -109,17 +109,30 @@ def assign_stages(cap: CapturedGraph, stages: int, node_cost=None) -> tuple:
     # the ops before the first layer ride with it, those after the last layer with it
     layer_costs[0] += sum(node_cost(n) for n in ops if position[n] < first)
     layer_costs[-1] += sum(node_cost(n) for n in ops if position[n] > last and n not in in_group)
-    lengths = balance_layers(layer_costs, stages)
-    layer_stage = []
+    return stages_of_layers(cap, balance_layers(layer_costs, stages), blocks)
+
+
+def stages_of_layers(cap: CapturedGraph, lengths: list, blocks=None) -> tuple:
+    """``node -> stage`` for every op and each stage's layer indices, for stages that hold runs
+    of ``lengths`` repeated layers, in order (the ops before the first layer go with the first
+    stage, those after the last layer with the last)."""
+    blocks = blocks or find_blocks(cap.graph)
+    group = max(blocks.groups, key=lambda g: len(g.indices))
+    position = {n: i for i, n in enumerate(cap.graph.nodes)}
+    in_group = {n for members in group.members for n in members}
+    last = max(position[n] for n in in_group if n.op == "call_function")
+    layer_stage: list = []
     for s, length in enumerate(lengths):
         layer_stage += [s] * length
     stage_of, current = {}, 0
-    for node in ops:
+    for node in cap.graph.nodes:
+        if node.op != "call_function":
+            continue
         owner = blocks.block_of.get(node)
         if owner is not None and owner[0] is group:
             current = layer_stage[owner[1]]
         elif position[node] > last:
-            current = stages - 1
+            current = len(lengths) - 1
         stage_of[node] = current
     runs, k = [], 0
     for length in lengths:
