@@ -22,7 +22,7 @@ import torch.fx as fx
 from passes.analyze import info
 from passes.blocks import find_blocks
 from passes.capture import tied_placeholders
-from passes.cost_model import Collective, collective_time, dtype_bytes, edge_gathers, extra_payload
+from passes.cost_model import Collective, collective_time, dtype_bytes, extra_payload
 from passes.ilp_solver import NODE_LIMIT, min_memory, solve_ilp
 from passes.memory_accounting import memory_fields
 from passes.placements import format_spec, local_shape
@@ -33,7 +33,7 @@ from passes.recompute import (
     least_memory,
 )
 from passes.rules import REPLICATE_FALLBACK, op_name, tensor_input_nodes
-from passes.strategy_space import build_space, edge_collectives, required_output_spec
+from passes.strategy_space import build_space, edge_collectives, regathers, required_output_spec
 
 __all__ = ["InfeasibleBudgetError", "IntraOpResult", "plan_intra_op"]
 
@@ -152,17 +152,10 @@ def _edge_comm(node, choices, space, axis_names):
         )
         out += _collective_dicts(fwd, "fwd", k, mesh, space.cluster, axis_names)
         out += _collective_dicts(bwd, "bwd", k, mesh, space.cluster, axis_names)
-        if choices[u].regather and space_regathers(node, k, choices[u].out[0], dst, mesh):
+        if choices[u].regather and regathers(node, k, choices[u].out[0], dst, mesh):
             # a ZeRO-3 parameter: its gathered copy is freed after forward and gathered again here
             out += [dict(c, regather=True) for c in _collective_dicts(fwd, "bwd", k, mesh, space.cluster, axis_names)]
     return out
-
-
-def space_regathers(consumer, k, src, dst, mesh) -> bool:
-    """Whether backward gathers input ``k`` of ``consumer`` again: the edge gathers and the
-    consumer keeps that input for backward (outside a recomputed layer: decided by the caller)."""
-    saves = info(consumer).saves
-    return saves is not None and k in saves.inputs and edge_gathers(src, dst, mesh)
 
 
 def plan_intra_op(

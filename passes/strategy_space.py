@@ -62,6 +62,7 @@ __all__ = [
     "STAGE_BOUNDARY",
     "ZERO_MODES",
     "check_zero",
+    "regathers",
     "zero_mode",
 ]
 
@@ -260,10 +261,7 @@ class _Builder:
     def regather_time(self, u, src, dst, consumer, k) -> float:
         """Seconds of gathering a ZeRO-3 parameter again in backward for ``consumer``, which
         keeps input ``k`` (the forward's gather, once more)."""
-        saves = info(consumer).saves
-        if saves is None or k not in saves.inputs or src is None or dst is None:
-            return 0.0
-        if not edge_gathers(src, dst, self.mesh):
+        if not regathers(consumer, k, src, dst, self.mesh):
             return 0.0
         return self.edge_time(src, dst, None, u)
 
@@ -442,6 +440,16 @@ class _Builder:
 
 
 ZERO_MODES = ("auto", 2, 3)
+
+
+def regathers(consumer, k, src, dst, mesh_shape) -> bool:
+    """Whether backward gathers input ``k`` of ``consumer`` again when it comes from a ZeRO-3
+    parameter placed ``src``: the edge gathers and the consumer keeps that input for backward
+    (outside a recomputed layer, which the caller decides)."""
+    saves = info(consumer).saves
+    if saves is None or k not in saves.inputs or src is None or dst is None:
+        return False
+    return edge_gathers(src, dst, mesh_shape)
 
 
 def check_zero(zero):

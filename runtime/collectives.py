@@ -377,26 +377,19 @@ class Reshard(torch.nn.Module):
     def _strided_of(spec, strided):
         return {a: f for a, f in strided.items() if spec is not None and is_shard(spec[a])}
 
-    def _forward_moves(self, x):
+    def _forward_moves(self, x, phase="fwd"):
         return run_steps(
             x,
             self.forward_steps,
             self.comm,
-            "fwd",
+            phase,
             self._strided_of(self.src, self.src_strided),
             self._strided_of(self.dst, self.strided),
         )
 
     def regather_moves(self, x):
         """The forward moves again, in backward: a ZeRO-3 parameter's copy gathered once more."""
-        return run_steps(
-            x,
-            self.forward_steps,
-            self.comm,
-            "bwd",
-            self._strided_of(self.src, self.src_strided),
-            self._strided_of(self.dst, self.strided),
-        )
+        return self._forward_moves(x, phase="bwd")
 
     @property
     def is_noop(self) -> bool:
