@@ -2,7 +2,19 @@
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
+
+
+def cap_private_memory(nbytes: int) -> None:
+    """Let this process allocate at most ``nbytes`` more private data (``RLIMIT_DATA`` over what
+    it holds now, from ``/proc/self/status``): an allocation past it fails with MemoryError."""
+    data = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmData:"):
+                data = int(line.split()[1]) * 1024
+    resource.setrlimit(resource.RLIMIT_DATA, (data + int(nbytes), resource.RLIM_INFINITY))
 
 
 def revision() -> str:

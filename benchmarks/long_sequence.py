@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import resource
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from bench_common import cap_private_memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -65,15 +65,6 @@ def _model(seq):
     return model, (ids, torch.roll(ids, -1, dims=1))
 
 
-def _cap(mib):
-    data = 0
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmData:"):
-                data = int(line.split()[1]) * 1024
-    resource.setrlimit(resource.RLIMIT_DATA, (data + int(mib * 2**20), resource.RLIM_INFINITY))
-
-
 def _oom(exc) -> bool:
     text = str(exc).lower()
     return isinstance(exc, MemoryError) or "memory" in text or "alloc" in text
@@ -102,7 +93,7 @@ def _train(rank, world, runner, seq, cap_mib, steps, cluster="h100"):
     describe = notes or f"attention {att[0]['out'][0]}" if att else ""
     del model
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-    _cap(cap_mib)
+    cap_private_memory(cap_mib * 2**20)
     times, status = [], "trained"
     try:
         for _ in range(steps):

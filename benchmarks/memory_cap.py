@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import resource
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from bench_common import cap_private_memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -60,18 +60,10 @@ def write_checkpoint(path):
     return sum(t.numel() for t in state.values())
 
 
-def _cap(gib):
-    data = 0
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmData:"):
-                data = int(line.split()[1]) * 1024
-    limit = data + int(gib * 2**30)
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.RLIM_INFINITY))
 
 
 def _single(rank, world, path, gib):
-    _cap(gib)
+    cap_private_memory(gib * 2**30)
     try:
         from partitioner.models import GPT
         model = GPT(_config())
@@ -86,7 +78,7 @@ def _single(rank, world, path, gib):
 
 
 def _sharded(rank, world, path, gib, steps):
-    _cap(gib)
+    cap_private_memory(gib * 2**30)
     import partitioner
     x, y = _batch()
     pm = partitioner.auto_parallelize(_meta_model(), (x, y), mesh=(world,), pins=TP, checkpoint=path, cluster="h100")
