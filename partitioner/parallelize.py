@@ -141,7 +141,8 @@ def auto_parallelize(
             ``partitioner`` logger at INFO in any case (see :mod:`partitioner.progress`).
         sequence_parallel: ``"auto"`` (the solver chooses among head-sharded, ring and Ulysses
             attention), ``"ring"`` / ``"ulysses"`` (forced on every attention op, on the last mesh
-            axis) or ``"none"`` (see :func:`partitioner.plan`).
+            axis) or ``"none"`` (see :func:`partitioner.plan`); with ``pipeline=``, inside every
+            stage on the stage mesh's last axis.
 
     Example (inside ``torchrun --nproc-per-node 4``)::
 
@@ -180,6 +181,7 @@ def auto_parallelize(
             device=device,
             layers=layers,
             precision=precision,
+            sequence_parallel=sequence_parallel,
         )
     comm = MeshComm(_device_mesh(mesh, mesh_axis_names, device.type))
     t0 = time.perf_counter()
@@ -264,6 +266,7 @@ def _pipelined(
     device,
     layers,
     precision,
+    sequence_parallel="auto",
 ):
     """``pipeline=``: the first mesh axis becomes stages (:mod:`partitioner.pipeline_parallelize`)."""
     from partitioner.pipeline_parallelize import PipelineConfig, build_pipeline
@@ -284,6 +287,7 @@ def _pipelined(
         device=device,
         layers=layers,
         precision=precision,
+        sequence_parallel=sequence_parallel,
     )
 
 

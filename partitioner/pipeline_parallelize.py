@@ -154,6 +154,7 @@ def build_pipeline(
     device,
     layers="auto",
     precision=None,
+    sequence_parallel="auto",
 ):
     """The pipeline runner for this rank (``auto_parallelize(..., pipeline=...)``); the steps
     are the functions below, in this order. ``source``: where full weights come from
@@ -176,6 +177,7 @@ def build_pipeline(
         memory_budget=memory_budget,
         objective=objective,
         precision=precision,
+        sequence_parallel=sequence_parallel,
     )
     if schedule is None:
         config, schedule = _choose(config, plans, graphs)
@@ -291,7 +293,19 @@ def _stage_pins(cap, graphs, pins, ndim) -> list:
 
 
 def _plan_stages(
-    graphs, sub, tied, user_pins, schedule, config, *, model_name, cluster, memory_budget, objective, precision=None
+    graphs,
+    sub,
+    tied,
+    user_pins,
+    schedule,
+    config,
+    *,
+    model_name,
+    cluster,
+    memory_budget,
+    objective,
+    precision=None,
+    sequence_parallel="auto",
 ) -> list:
     """Rank 0 plans the stages in order on the stage mesh and broadcasts the plans.
 
@@ -324,6 +338,7 @@ def _plan_stages(
                 objective=objective,
                 activation_copies=copies[g.index],
                 precision=precision,
+                sequence_parallel=sequence_parallel,
             )
             plans.append(made.to_json())
             sent_as.update(_sent_placements(g, made, len(sub.shape)))

@@ -18,6 +18,10 @@ Models: the hand-written GPT (``is_causal``: zig-zag balanced ring), HF LLaMA (R
 query heads 4 / 2, an explicit mask tensor) and HF GPT-2 (learned positions, mask tensor), on
 meshes (4,), (2,) (two 2-rank jobs side by side in one 4-rank run) and (2, 2).
 
+Inside pipeline stages: 2 stages x the algorithm on the stage's 2 ranks (mesh (2, 2)), GPT and
+LLaMA, 1F1B and ZB-H1: the same parity, counted communication = the stage plans' estimates times
+the microbatches (gradient syncs compared apart) = the formulas for one layer and microbatch.
+
 The ring op itself (one process group, no model): exact against ``scaled_dot_product_attention``
 forward and backward for causal (zig-zag and contiguous), boolean and additive masks and
 grouped-query k/v; the zig-zag layout gives every rank the same FLOPs (the contiguous one
@@ -55,9 +59,11 @@ SHAPES = {
 }
 
 
-def expected_comm(model, mode, mesh):
-    """{phase: {kind: bytes}} of the attention algorithm alone, from the formulas."""
-    layers, (b, h, hkv, s, d), causal = SHAPES[model]
+def expected_comm(model, mode, mesh, layers=None, batch=None):
+    """{phase: {kind: bytes}} of the attention algorithm alone, from the formulas (``layers`` /
+    ``batch``: a pipeline stage's attention layers and its microbatch, instead of the model's)."""
+    all_layers, (b, h, hkv, s, d), causal = SHAPES[model]
+    layers, b = layers or all_layers, batch or b
     p = mesh[-1]
     split = p * (mesh[0] if len(mesh) == 2 and b % mesh[0] == 0 else 1)
     q_local = b * h * s * d * 4 / split
@@ -197,6 +203,106 @@ def test_parity_on_two_and_four_ranks():
     ]
     results = run_on_ranks(model_worker, 4, cfgs, timeout_s=TIMEOUT_S, collective_timeout_s=150)
     _check_results(results, cfgs)
+
+
+# ------------------------------------------------------------------- inside pipeline stages
+
+PIPELINE_MICROBATCHES = 2
+
+
+def _pipeline_parity(cfg, rank, checks):
+    """2 pipeline stages (axis 0) x the algorithm forced on the stage mesh's axis (axis 1)."""
+    import partitioner
+    from runtime.collectives import CommCounter
+
+    model, inputs = FACTORIES[cfg["model"]]()
+    ref = copy.deepcopy(model)
+    m = PIPELINE_MICROBATCHES
+    pipeline = {"degree": 2, "schedule": cfg["schedule"], "microbatches": m}
+    runner = partitioner.auto_parallelize(
+        model, inputs, mesh=(2, 2), pipeline=pipeline, cluster="h100", sequence_parallel=cfg["mode"]
+    )
+    with CommCounter() as counter:
+        loss = runner.train_step(inputs)
+    ref_loss = loss_of(call(ref, inputs))
+    ref_loss.backward()
+    checks.close(f"{cfg['id']}: loss", loss.detach(), ref_loss.detach())
+    key_of = check_grads_by_alias(runner.full_grads(), ref, checks, one_name=True)
+    # counted = the stage plans' estimates (per microbatch) times the microbatches; the
+    # parameter-gradient syncs (bucketed) apart, since the runtime chooses when it reduces them
+    (stage,) = runner.stages.values()
+    estimated: dict = {}
+    synced: dict = {}
+    for r in stage.plan.records:
+        for c in r.get("comm", []):
+            into = synced if c.get("bucketed") else estimated.setdefault(c["phase"], {})
+            into.setdefault(c["kind"], {}).setdefault(c["axis"], 0.0)
+            into[c["kind"]][c["axis"]] += m * c["bytes"]
+    counted = counter.phase_dict()
+    for kind, axes in counter.grad_sync_dict().items():
+        for axis, nbytes in axes.items():
+            counted["bwd"][kind][axis] -= nbytes
+            if not counted["bwd"][kind][axis]:
+                del counted["bwd"][kind][axis]
+        if not counted["bwd"][kind]:
+            del counted["bwd"][kind]
+    for phase in ("fwd", "bwd"):
+        for diff in nested_approx_equal(counted.get(phase, {}), estimated.get(phase, {})):
+            checks.failures.append(f"{cfg['id']} {phase} counted != estimated: {diff}")
+    for diff in nested_approx_equal(counter.grad_sync_dict(), synced):
+        checks.failures.append(f"{cfg['id']} gradient syncs counted != estimated: {diff}")
+    algos = [r.get("notes") for r in stage.plan.records if "scaled_dot_product_attention" in r["name"]]
+    adam_in_lockstep(runner.parameters(), ref, inputs, 3, lambda: runner.train_step(inputs), checks)
+    state = runner.full_state_dict()
+    for name, p in ref.named_parameters():
+        if name in key_of:
+            checks.close(f"{cfg['id']}: parameter {name} after 3 AdamW steps", state[key_of[name]], p.detach())
+    axis = stage.comm.axis_names[-1]
+    attention = {
+        ph: {k: counted.get(ph, {}).get(k, {}).get(axis, 0.0) for k in ("send_recv", "all_to_all")}
+        for ph in ("fwd", "bwd")
+    }
+    return {"id": cfg["id"], "algos": algos, "counted": attention, "axis": axis}
+
+
+def pipeline_worker(rank, world, cfgs):
+    checks = Checks(rank)
+    out = [_pipeline_parity(cfg, rank, checks) for cfg in cfgs]
+    return {"rank": rank, "failures": checks.failures, "results": out}
+
+
+def test_ring_and_ulysses_inside_pipeline_stages():
+    """One 4-rank run: 2 pipeline stages (one layer each) x ring or Ulysses forced on the
+    stage's 2 ranks, GPT (causal, zig-zag) and HF LLaMA (RoPE, GQA), 1F1B and ZB-H1 (backward
+    split into input and weight passes), 2 microbatches. Parity of loss, every gradient and the
+    parameters after 3 AdamW steps; communication counted = the stage plans' estimates times
+    the microbatches = the formulas for one layer of a microbatch."""
+    cfgs = [
+        dict(model=m, mode=mode, schedule=sched, id=f"pp2x{mode}2-{m}-{sched}")
+        for m, mode, sched in (
+            ("gpt", "ring", "1f1b"),
+            ("llama", "ring", "zb-h1"),
+            ("gpt", "ulysses", "zb-h1"),
+            ("llama", "ulysses", "1f1b"),
+        )
+    ]
+    results = run_on_ranks(pipeline_worker, 4, cfgs, timeout_s=TIMEOUT_S, collective_timeout_s=150)
+    failures = [f for r in results for f in r["failures"]]
+    assert not failures, f"{len(failures)} mismatches, first ones:\n" + "\n".join(failures[:12])
+    by_id = {c["id"]: c for c in cfgs}
+    for r in results:
+        for res in r["results"]:
+            cfg = by_id[res["id"]]
+            assert res["algos"] == [{res["axis"]: cfg["mode"]}], res["algos"]
+            batch = SHAPES[cfg["model"]][1][0] // PIPELINE_MICROBATCHES
+            want = expected_comm(cfg["model"], cfg["mode"], (2,), layers=1, batch=batch)
+            for phase, kinds in want.items():
+                for kind, nbytes in kinds.items():
+                    got = res["counted"][phase][kind] / PIPELINE_MICROBATCHES
+                    if kind == "send_recv" or cfg["model"] == "gpt":
+                        assert got == pytest.approx(nbytes), (res["id"], phase, kind, got, nbytes)
+                    else:  # outside the attention op the plan may use all-to-alls of its own
+                        assert got >= nbytes, (res["id"], phase, kind, got, nbytes)
 
 
 # ------------------------------------------------------------------------------ the ring op
