@@ -15,6 +15,11 @@ returning ``(model, example_inputs)`` or a dict with the keys ``model`` and
     python -m partitioner explain plan.json h.0.mlp.c_fc
     python -m partitioner diff a.json b.json
 
+Measure this machine (matmul, memory and gloo collective curves on local ranks) into a cluster
+file that ``--cluster`` (and ``cluster=`` in Python) accepts::
+
+    python -m partitioner calibrate --ranks 4 --out cluster.json
+
 Results go to stdout, progress to stderr. Bad input (an unknown factory, an unreadable mesh
 or budget, a file that is not a plan, a budget no plan fits, a model export cannot capture)
 ends with one ``partita: error: ...`` line on stderr and exit status 2; ``--debug`` shows the
@@ -168,14 +173,24 @@ def _parse_pins(items: list[str], ndim: int) -> dict:
     return pins
 
 
-def _parse_cluster(value: str):
-    from partitioner.cluster import ClusterSpec, get_cluster
+def _parse_size(value, flag: str) -> int | None:
+    """A positive byte count from ``80GiB``-style text (None stays None)."""
+    from partitioner.cluster import parse_bytes
 
-    if value.endswith(".json"):
-        try:
-            return ClusterSpec.from_dict(json.loads(Path(value).read_text()))
-        except (OSError, ValueError, TypeError, KeyError) as exc:
-            raise CLIError(f"cannot read cluster file {value}: {type(exc).__name__}: {exc}") from None
+    if value is None:
+        return None
+    try:
+        size = parse_bytes(value)
+    except ValueError as exc:
+        raise CLIError(f"{flag}: {exc}") from None
+    if size <= 0:
+        raise CLIError(f"{flag} must be positive, got {value!r}")
+    return size
+
+
+def _parse_cluster(value: str):
+    from partitioner.cluster import get_cluster
+
     try:
         return get_cluster(value)
     except ValueError as exc:
@@ -263,7 +278,6 @@ def _print_explanations(plan, targets: list[str]) -> None:
 
 def _cmd_plan(args) -> int:
     import partitioner
-    from partitioner.cluster import parse_bytes
     from partitioner.mesh import MeshSpec
 
     # Check every cheap argument before building the model: a typo fails in a second.
@@ -272,14 +286,7 @@ def _cmd_plan(args) -> int:
         mesh = MeshSpec.build(args.mesh, axis_names)
     except ValueError as exc:
         raise CLIError(f"--mesh/--axis-names: {exc}") from None
-    budget = None
-    if args.budget is not None:
-        try:
-            budget = parse_bytes(args.budget)
-        except ValueError as exc:
-            raise CLIError(f"--budget: {exc}") from None
-        if budget <= 0:
-            raise CLIError(f"--budget must be positive, got {args.budget!r}")
+    budget = _parse_size(args.budget, "--budget")
     cluster = _parse_cluster(args.cluster)
     pins = _parse_pins(args.pin, mesh.ndim)
     kwargs = _parse_kwargs(args.kwargs)
@@ -350,6 +357,37 @@ def _cmd_diff(args) -> int:
     print(f"{args.first} -> {args.second}")
     print(diff)
     return 1 if args.exit_code and diff else 0
+
+
+def _cmd_calibrate(args) -> int:
+    from partitioner.calibrate import DEFAULT_SIZES, TINY_SIZES, calibrate
+    from partitioner.cluster import _cache_path
+
+    if args.ranks < 2:
+        raise CLIError(f"--ranks must be >= 2 (collectives need two ranks), got {args.ranks}")
+    if Path(args.out).is_dir():
+        raise CLIError(f"--out {args.out} is a directory; give a file name such as cluster.json")
+    memory = _parse_size(args.memory, "--memory")
+    sizes = dict(TINY_SIZES if args.quick else DEFAULT_SIZES)
+    try:
+        spec = calibrate(
+            args.out,
+            ranks=args.ranks,
+            sizes=sizes,
+            name=args.name,
+            memory_bytes=memory,
+            say=lambda m: _status(args, m),
+            progress=not args.quiet,
+        )
+    except (ValueError, OSError) as exc:
+        raise CLIError(f"calibration failed: {exc}") from None
+    if args.as_cpu:
+        cache = _cache_path()
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(Path(args.out).read_text())
+        _status(args, f"also installed as cluster 'cpu' ({cache})")
+    print(json.dumps(spec.to_dict(), indent=1))
+    return 0
 
 
 # -- the parser --------------------------------------------------------------------------------
@@ -456,6 +494,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("second", metavar="B.json")
     p.add_argument("--exit-code", action="store_true", help="exit with status 1 when the placements differ")
     p.set_defaults(run=_cmd_diff)
+
+    p = sub.add_parser(
+        "calibrate",
+        help="measure this machine into a cluster file (--cluster FILE)",
+        description="Time matmuls, elementwise ops and gloo collectives on local ranks, fit the cost model's "
+        "figures and write them to a cluster file.",
+    )
+    p.add_argument("--ranks", type=int, default=2, help="local gloo ranks, the devices measured (default: 2)")
+    p.add_argument(
+        "--out", default="cluster.json", metavar="PATH", help="cluster file to write (default: cluster.json)"
+    )
+    p.add_argument("--name", default="calibrated", help="the cluster's name in plans (default: calibrated)")
+    p.add_argument("--memory", metavar="BYTES", help="memory per device (default: the machine's memory / ranks)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a check that it runs, not a calibration")
+    p.add_argument("--as-cpu", action="store_true", help="also make it what cluster='cpu' means on this machine")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
+    p.set_defaults(run=_cmd_calibrate)
 
     p = sub.add_parser(
         "demo", add_help=False, help="the main job: a GPT auto-parallelized on 4 local gloo ranks next to one process"

@@ -4,13 +4,16 @@ The cost model prices everything in seconds from these numbers (decision 4 in do
 
 * compute: ``flops / (peak_flops[dtype] * matmul_efficiency)`` for contractions, and
   ``bytes / memory_bandwidth`` for memory-bound ops (the larger of the two wins);
+  plus ``op_overhead_s`` per op (the framework's dispatch; 0 in the GPU presets);
 * a collective on a mesh axis of size n: ``collective_overhead_s + steps * latency_s +
-  wire_bytes / bandwidth`` on the link the axis runs over. An axis whose process groups stay
-  inside one node uses ``intra_node``; otherwise ``inter_node``.
+  wire_bytes / (bandwidth * collective_efficiency[kind])`` on the link the axis runs over. An
+  axis whose process groups stay inside one node uses ``intra_node``; otherwise ``inter_node``.
 
 Presets (``h100``, ``h200``, ``a100``) use vendor figures for SXM parts with NVLink inside an
-8-GPU node and one InfiniBand NIC per GPU across nodes. ``cpu`` is measured on this machine
-(``calibrate_cpu``) and cached.
+8-GPU node and one InfiniBand NIC per GPU across nodes. ``cpu`` is this machine: the compute
+figures measured in this process (``calibrate_cpu``), links guessed, cached. ``partitioner
+calibrate`` (:mod:`partitioner.calibrate`) measures everything, collectives included, on local
+ranks into a cluster file; ``get_cluster(path)`` reads it (``--as-cpu`` also makes it ``cpu``).
 """
 
 from __future__ import annotations
@@ -18,11 +21,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["LinkSpec", "ClusterSpec", "get_cluster", "calibrate_cpu", "PRESETS", "parse_bytes"]
+__all__ = [
+    "LinkSpec",
+    "ClusterSpec",
+    "get_cluster",
+    "calibrate_cpu",
+    "cluster_file_dict",
+    "load_cluster_file",
+    "PRESETS",
+    "parse_bytes",
+]
 
 GiB = 1 << 30
 
@@ -88,6 +99,10 @@ class ClusterSpec:
     matmul_efficiency: float = 0.7
     """Fraction of peak FLOP/s that contractions reach."""
     notes: str = ""
+    op_overhead_s: float = 0.0
+    """Fixed cost of one op that computes (dispatch, Python): what dominates tiny ops on CPUs."""
+    collective_efficiency: dict = field(default_factory=dict)
+    """Fraction of the link bandwidth each collective kind reaches (absent: 1.0)."""
 
     def flops_for(self, dtype_name: str) -> float:
         return self.peak_flops.get(dtype_name, self.peak_flops["float32"])
@@ -106,6 +121,9 @@ class ClusterSpec:
     @classmethod
     def from_dict(cls, data: dict) -> ClusterSpec:
         data = dict(data)
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"not a ClusterSpec: unknown fields {sorted(unknown)}")
         data["intra_node"] = LinkSpec(**data["intra_node"])
         data["inter_node"] = LinkSpec(**data["inter_node"])
         return cls(**data)
@@ -141,61 +159,76 @@ def _cache_path() -> Path:
     return Path(root) / "partita" / "cpu_cluster.json"
 
 
-def calibrate_cpu(*, refresh: bool = False) -> ClusterSpec:
-    """Measure this machine: matmul FLOP/s, copy bandwidth, and a loopback-ish link.
+def cluster_file_dict(spec: ClusterSpec, **extra) -> dict:
+    """A cluster file's content: the spec under ``"cluster"``, with what it was fitted from."""
+    return {"cluster": spec.to_dict(), **extra}
 
-    The link figures are a memory-copy estimate (gloo on one host moves data through shared
-    memory and TCP loopback), scaled down by a constant; good enough to rank plans on CPUs.
-    The result is cached in ``~/.cache/partita/cpu_cluster.json``.
+
+def load_cluster_file(path) -> ClusterSpec:
+    """A ClusterSpec from a JSON file: a cluster file (``partitioner calibrate``) or a bare spec."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read cluster file {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"cluster file {path} is not JSON: {exc}") from None
+    if isinstance(data, dict) and isinstance(data.get("cluster"), dict):
+        data = data["cluster"]
+    try:
+        return ClusterSpec.from_dict(data)
+    except (TypeError, KeyError, ValueError) as exc:
+        raise ValueError(
+            f"cluster file {path} holds no cluster description ({type(exc).__name__}: {exc}); "
+            "write one with `python -m partitioner calibrate --out FILE`"
+        ) from None
+
+
+def calibrate_cpu(*, refresh: bool = False) -> ClusterSpec:
+    """This machine's compute, measured in this process; links guessed from memory bandwidth.
+
+    Compute: :func:`partitioner.calibrate.compute_samples` and ``fit_compute`` on small sizes
+    (a fraction of a second). The link figures are a memory-copy estimate (gloo on one host moves
+    data through shared memory and TCP loopback), scaled down by a constant; good enough to rank
+    plans on CPUs. ``partitioner calibrate --as-cpu`` replaces the whole description with a
+    measured one. The result is cached in ``~/.cache/partita/cpu_cluster.json``.
     """
     path = _cache_path()
     if path.exists() and not refresh:
         try:
-            return ClusterSpec.from_dict(json.loads(path.read_text()))
-        except (ValueError, TypeError, KeyError):
+            return load_cluster_file(path)
+        except ValueError:
             pass
-    import torch
+    from partitioner.calibrate import compute_samples, fit_compute
 
-    n = 512
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
-    reps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < 0.2:
-        torch.mm(a, b)
-        reps += 1
-    flops = 2 * n**3 * reps / (time.perf_counter() - start)
-    src = torch.empty(16 << 20, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    reps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < 0.2:
-        dst.copy_(src)
-        reps += 1
-    bandwidth = 2 * src.numel() * reps / (time.perf_counter() - start)
-    link = LinkSpec(bandwidth=bandwidth / 8, latency_s=50e-6)
+    quick = {"matmul": (128, 256, 512), "dtypes": ("float32",), "elementwise": (1 << 12, 1 << 18, 1 << 21)}
+    compute = fit_compute(compute_samples({**quick, "trials": 2, "seconds": 0.05}))
+    link = LinkSpec(bandwidth=compute["memory_bandwidth"] / 8, latency_s=50e-6)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    fp32 = compute["peak_flops"]["float32"]
     spec = ClusterSpec(
         name="cpu",
-        peak_flops={"float32": flops, "bfloat16": flops / 4, "float16": flops / 4},
-        memory_bandwidth=bandwidth,
+        peak_flops={"float32": fp32, "bfloat16": fp32 / 4, "float16": fp32 / 4},
+        memory_bandwidth=compute["memory_bandwidth"],
         memory_bytes=mem,
         devices_per_node=os.cpu_count() or 1,
         intra_node=link,
         inter_node=link,
         collective_overhead_s=100e-6,
         matmul_efficiency=1.0,
-        notes="measured on the local machine by partitioner.cluster.calibrate_cpu",
+        op_overhead_s=compute["op_overhead_s"],
+        notes="compute measured on the local machine by partitioner.cluster.calibrate_cpu, links guessed",
     )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(spec.to_dict(), indent=1))
+        path.write_text(json.dumps(cluster_file_dict(spec), indent=1))
     except OSError:
         pass
     return spec
 
 
 def get_cluster(cluster) -> ClusterSpec:
-    """A ClusterSpec from a preset name (``h100``, ``h200``, ``a100``, ``cpu``) or a spec."""
+    """A ClusterSpec from a preset name (``h100``, ``h200``, ``a100``, ``cpu``), the path of a
+    cluster file (``partitioner calibrate``), a spec's dict or a spec."""
     if isinstance(cluster, ClusterSpec):
         return cluster
     if isinstance(cluster, dict):
@@ -204,7 +237,10 @@ def get_cluster(cluster) -> ClusterSpec:
     if key == "cpu":
         return calibrate_cpu()
     if key not in PRESETS:
+        if isinstance(cluster, os.PathLike) or key.endswith(".json") or os.path.isfile(str(cluster)):
+            return load_cluster_file(cluster)
         raise ValueError(
-            f"unknown cluster {cluster!r}: choose one of {sorted(PRESETS) + ['cpu']} or pass a partitioner.ClusterSpec"
+            f"unknown cluster {cluster!r}: choose one of {sorted(PRESETS) + ['cpu']}, the path of a cluster file "
+            "(`python -m partitioner calibrate --out FILE`) or a partitioner.ClusterSpec"
         )
     return PRESETS[key]

@@ -19,7 +19,8 @@ transfers of a block to the next rank of the axis while one arrives from the pre
 payload is what one rank sends over all of them. Its overlap with the block computation is not
 credited (the estimate adds it to the compute time, an upper bound).
 
-time = ``collective_overhead_s + steps * latency_s + wire_bytes / bandwidth``; parameter
+time = ``collective_overhead_s + steps * latency_s + wire_bytes / (bandwidth * efficiency)``
+(``collective_efficiency[kind]`` of the cluster, 1.0 unless measured); parameter
 gradient synchronisations are bucketed (fused, as DDP does) and pay the bandwidth term only. Reported
 communication volumes (``comm_bytes``) are payloads: the Megatron formula's "2 all-reduces
 of b*s*h elements" reads directly off them, and the runtime counts the same buffers.
@@ -106,7 +107,8 @@ def collective_time(c: Collective, mesh_shape, cluster) -> float:
         return 0.0
     link = cluster.link_for_axis(mesh_shape, c.axis)
     fixed = 0.0 if c.bucketed else cluster.collective_overhead_s + _STEPS[c.kind](n) * link.latency_s
-    return fixed + _WIRE[c.kind](n) * c.payload_bytes / link.bandwidth
+    efficiency = cluster.collective_efficiency.get(c.kind, 1.0)
+    return fixed + _WIRE[c.kind](n) * c.payload_bytes / (link.bandwidth * efficiency)
 
 
 def reshard(src, dst, shape, mesh_shape, elem: int) -> list:
@@ -142,10 +144,12 @@ def collective_kind(p, q):
 
 
 def compute_time(flops: float, mem_bytes: float, dtype, contraction: bool, cluster) -> float:
-    """Roofline: the slower of math and memory traffic."""
+    """Roofline: the slower of math and memory traffic, plus the cluster's fixed cost of one op
+    (an op that neither computes nor moves memory, a view, costs nothing)."""
     name = str(dtype).replace("torch.", "") if dtype is not None else "float32"
     peak = cluster.flops_for(name) if contraction else cluster.flops_for("float32")
-    return max(flops / (peak * cluster.matmul_efficiency), mem_bytes / cluster.memory_bandwidth)
+    roof = max(flops / (peak * cluster.matmul_efficiency), mem_bytes / cluster.memory_bandwidth)
+    return roof + cluster.op_overhead_s if roof > 0 else 0.0
 
 
 def extra_payload(elements, scaling, itemsize, n_axis, split) -> float:

@@ -1,0 +1,344 @@
+"""``partitioner calibrate``: measure this machine into a cluster file the cost model prices with.
+
+Algorithm
+---------
+1. **Ranks are the devices.** ``ranks`` local gloo processes start (``runtime.launch.run_on_ranks``,
+   one thread each) and every figure is measured with all of them working at once, as they do in
+   a job: on a machine with fewer cores than ranks, each rank's share of the cores is its device.
+2. **Compute.** Every rank times ``torch.mm`` of ``n x n`` matrices for each dtype and size, and an
+   elementwise ``add`` over buffers of several sizes (the best of ``trials`` repetitions of a
+   timed loop, slowest rank). The cost model prices an op as ``op_overhead_s + max(flops /
+   peak[dtype], bytes / memory_bandwidth)`` (:func:`passes.cost_model.compute_time`): the
+   elementwise times give ``op_overhead_s`` and ``memory_bandwidth`` (a line ``t = a + bytes *
+   u``), the matmul times ``peak[dtype]`` (``t - op_overhead_s = flops / peak``).
+3. **Collectives.** Every kind the runtime issues (all-reduce, all-gather, reduce-scatter,
+   all-to-all, and a ring exchange of sends and receives) is timed at several payloads on the
+   whole group and, with 4 ranks or more, on pairs too (the slowest rank of the best trial).
+   The cost model prices one as ``collective_overhead_s + steps(n) * latency_s + wire(n) *
+   payload / (bandwidth * efficiency[kind])`` (:func:`passes.cost_model.collective_time`): one
+   linear least-squares fit over every sample, with unknowns ``collective_overhead_s``,
+   ``latency_s`` and one seconds-per-wire-byte per kind; the all-reduce's is the link's
+   ``bandwidth`` and the other kinds' are its ``efficiency``. Both fixed terms stay >= 0 (a
+   negative one is dropped and the rest refitted).
+4. **Fits minimise relative error** (every sample weighted by ``1 / t**2``), so small and large
+   sizes count alike. The written model is the least-squares optimum over its own samples: the
+   weighted residuals are orthogonal to every fitted term (what the test checks).
+
+The cluster file is JSON: ``{"cluster": ClusterSpec fields, "samples": {...}, "machine": ...}``;
+``cluster=<path>`` reads it everywhere (``partitioner.get_cluster``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from partitioner.cluster import ClusterSpec, LinkSpec, cluster_file_dict
+
+__all__ = [
+    "DEFAULT_SIZES",
+    "TINY_SIZES",
+    "calibrate",
+    "compute_samples",
+    "fit",
+    "fit_compute",
+    "measure",
+    "rank_samples",
+    "write_cluster_file",
+]
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+DEFAULT_SIZES = {
+    "matmul": (64, 128, 256, 512),
+    "dtypes": ("float32", "bfloat16"),
+    "elementwise": (1 << 10, 1 << 14, 1 << 18, 1 << 21),
+    "payloads": (1 << 10, 1 << 14, 1 << 18, 1 << 21, 1 << 23),
+    "trials": 3,
+    "seconds": 0.05,
+}
+"""Matrix sides, dtypes, elementwise elements (float32), collective payload bytes, timed trials
+per point and the length of one timed loop."""
+
+TINY_SIZES = {
+    "matmul": (16, 32),
+    "dtypes": ("float32",),
+    "elementwise": (1 << 8, 1 << 12),
+    "payloads": (1 << 8, 1 << 12),
+    "trials": 1,
+    "seconds": 0.002,
+}
+"""A quick run for tests: the same code on sizes that take milliseconds."""
+
+
+# -- measuring ----------------------------------------------------------------------------------
+
+
+def _timed(fn, seconds: float, trials: int, sync=None) -> float:
+    """Seconds per call of ``fn``: the best of ``trials`` loops of about ``seconds`` each. With
+    ``sync`` (max over ranks, which also lines the ranks up) every rank makes the same calls
+    and each loop counts as long as its slowest rank's."""
+    fn()
+    start = time.perf_counter()
+    for _ in range(3):
+        fn()
+    per = (time.perf_counter() - start) / 3
+    reps = max(1, min(10000, int(seconds / max(per, 1e-9))))
+    if sync is not None:
+        reps = int(sync(float(reps)))
+    best = float("inf")
+    for _ in range(trials):
+        if sync is not None:
+            sync(0.0)
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        elapsed = (time.perf_counter() - start) / reps
+        best = min(best, sync(elapsed) if sync is not None else elapsed)
+    return best
+
+
+def compute_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = None) -> dict:
+    """Matmul and elementwise timings (``sync``: see :func:`_timed`)."""
+    import torch
+
+    say = say or (lambda message: None)
+    seconds, trials = sizes["seconds"], sizes["trials"]
+    out: dict = {"matmul": [], "elementwise": []}
+    for dtype_name in sizes["dtypes"]:
+        dtype = getattr(torch, dtype_name)
+        for n in sizes["matmul"]:
+            a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+            t = _timed(lambda a=a, b=b: torch.mm(a, b), seconds, trials, sync)
+            out["matmul"].append({"dtype": dtype_name, "n": n, "flops": 2 * n**3, "s": t})
+            say(f"matmul {dtype_name} {n}x{n}: {t * 1e6:.1f} us, {2 * n**3 / t / 1e9:.2f} GFLOP/s per rank")
+    for numel in sizes["elementwise"]:
+        x, y = torch.randn(numel), torch.randn(numel)
+        t = _timed(lambda x=x, y=y: torch.add(x, y), seconds, trials, sync)
+        nbytes = 3 * numel * 4
+        out["elementwise"].append({"bytes": nbytes, "s": t})
+        say(f"elementwise add of {nbytes} bytes: {t * 1e6:.1f} us, {nbytes / t / 1e9:.2f} GB/s per rank")
+    return out
+
+
+def rank_samples(rank: int, world: int, sizes: dict, progress: bool = False) -> dict:
+    """One rank's part of :func:`measure` (``sizes``: every key of ``DEFAULT_SIZES``)."""
+    import torch
+    import torch.distributed as dist
+
+    from runtime.collectives import _all_gather_single, _reduce_scatter_single
+
+    def slowest(value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def say(message: str) -> None:
+        if rank == 0 and progress:
+            print(f"[partita calibrate] {message}", file=sys.stderr, flush=True)
+
+    seconds, trials = sizes["seconds"], sizes["trials"]
+    out = compute_samples(sizes, slowest, say)
+    out["collectives"] = []
+    groups = [(world, None)]
+    if world >= 4:  # pairs as well: two ring step counts per kind at two group sizes
+        pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
+        groups.append((2, pairs[rank // 2] if rank < 2 * (world // 2) else None))
+    for n, group in groups:
+        if n < 2 or (group is None and n != world):
+            continue
+        me = dist.get_rank(group) if group is not None else rank
+        for kind in COLLECTIVES:
+            for payload in sizes["payloads"]:
+                fn = _collective(kind, payload, n, me, group, torch, dist, _all_gather_single, _reduce_scatter_single)
+                t = _timed(fn, seconds, trials, slowest)
+                out["collectives"].append({"kind": kind, "n": n, "payload": payload, "s": t})
+                say(f"{kind} on {n} ranks, {payload} bytes: {t * 1e6:.1f} us")
+    return out
+
+
+def _collective(kind, payload, n, me, group, torch, dist, all_gather, reduce_scatter):
+    """One call of ``kind`` moving ``payload`` bytes as :mod:`passes.cost_model` names them
+    (all-gather: the gathered buffer; reduce-scatter: the full input; send/recv: what this rank
+    sends to the next rank of the ring while it receives from the previous one)."""
+    numel = max(n, payload // 4 // n * n)
+    if kind == "all_reduce":
+        buf = torch.ones(numel)
+        return lambda: dist.all_reduce(buf, group=group)
+    if kind == "all_gather":
+        out, inp = torch.empty(numel), torch.ones(numel // n)
+        return lambda: all_gather(out, inp, group=group)
+    if kind == "reduce_scatter":
+        inp, out = torch.ones(numel), torch.empty(numel // n)
+        return lambda: reduce_scatter(out, inp, group=group)
+    if kind == "all_to_all":
+        inp, out = torch.ones(numel), torch.empty(numel)
+        return lambda: dist.all_to_all_single(out, inp, group=group)
+    send, recv = torch.ones(numel), torch.empty(numel)
+    peers = dist.get_process_group_ranks(group) if group is not None else list(range(n))
+    nxt, prv = peers[(me + 1) % n], peers[(me - 1) % n]
+
+    def exchange():
+        works = [dist.isend(send, nxt), dist.irecv(recv, prv)]
+        for w in works:
+            w.wait()
+
+    return exchange
+
+
+def measure(ranks: int = 2, sizes: dict | None = None, *, progress: bool = False, timeout_s: float = 900) -> dict:
+    """Run the measurements on ``ranks`` local gloo ranks; returns the samples (rank 0's view of
+    the slowest rank): ``{"matmul": [...], "elementwise": [...], "collectives": [...]}``."""
+    from runtime.launch import run_on_ranks
+
+    if ranks < 2:
+        raise ValueError(f"calibrate: ranks must be >= 2 to measure collectives, got {ranks}")
+    merged = dict(DEFAULT_SIZES, **(sizes or {}))
+    unknown = set(merged) - set(DEFAULT_SIZES)
+    if unknown:
+        raise ValueError(f"calibrate: unknown size keys {sorted(unknown)}; known: {sorted(DEFAULT_SIZES)}")
+    return run_on_ranks(rank_samples, ranks, merged, progress, timeout_s=timeout_s, collective_timeout_s=120)[0]
+
+
+# -- fitting ------------------------------------------------------------------------------------
+
+
+def _weighted_lstsq(rows: list, times: list, keep: list) -> list:
+    """Least squares of ``times`` on the ``keep`` columns of ``rows``, each row weighted by
+    ``1 / t``; the dropped columns' coefficients are 0."""
+    import numpy as np
+
+    a = np.array([[r[j] for j in keep] for r in rows], dtype=float)
+    t = np.array(times, dtype=float)
+    w = 1.0 / t
+    scale = np.abs(a).max(axis=0)
+    scale[scale == 0] = 1.0
+    coef, *_ = np.linalg.lstsq(a * w[:, None] / scale, t * w, rcond=None)
+    coef = coef / scale
+    full = [0.0] * len(rows[0])
+    for j, c in zip(keep, coef):
+        full[j] = float(c)
+    return full
+
+
+def _fit_nonnegative(rows: list, times: list, fixed_columns: list) -> tuple[list, list]:
+    """Fit all columns; while a coefficient comes out negative, drop a fixed-cost column (a
+    negative one first, else the last still kept) and refit. Without fixed columns every slope is
+    positive (each a line through the origin through positive samples). Returns (coefficients,
+    kept columns)."""
+    keep = list(range(len(rows[0])))
+    while True:
+        coef = _weighted_lstsq(rows, times, keep)
+        kept_fixed = [j for j in fixed_columns if j in keep]
+        if all(c >= 0 for c in coef) or not kept_fixed:
+            return coef, keep
+        negative = [j for j in kept_fixed if coef[j] < 0]
+        keep.remove(negative[0] if negative else kept_fixed[-1])
+
+
+def collective_design(kind: str, n: int, payload: float) -> list:
+    """The row of the collective fit for one sample: [1, steps, wire bytes of kind 0, ...]."""
+    from passes.cost_model import _STEPS, _WIRE
+
+    row = [1.0, float(_STEPS[kind](n))] + [0.0] * len(COLLECTIVES)
+    row[2 + COLLECTIVES.index(kind)] = _WIRE[kind](n) * payload
+    return row
+
+
+def fit_compute(samples: dict) -> dict:
+    """``op_overhead_s``, ``memory_bandwidth`` and ``peak_flops`` from the compute samples."""
+    elementwise = samples["elementwise"]
+    if len(elementwise) < 2 or not samples["matmul"]:
+        raise ValueError("calibrate: the fit needs elementwise times at two sizes or more and matmul times")
+    ew, _ = _fit_nonnegative([[1.0, s["bytes"]] for s in elementwise], [s["s"] for s in elementwise], [0])
+    op_overhead, per_byte = ew
+    peaks = {}
+    for dtype in sorted({s["dtype"] for s in samples["matmul"]}):
+        mm = [s for s in samples["matmul"] if s["dtype"] == dtype]
+        rows = [[s["flops"]] for s in mm]
+        (per_flop,) = _weighted_lstsq(rows, [max(s["s"] - op_overhead, 1e-12) for s in mm], [0])
+        peaks[dtype] = 1.0 / per_flop
+    if "float32" not in peaks:
+        raise ValueError("calibrate: the fit needs float32 matmul times (the default for other dtypes)")
+    return {
+        "op_overhead_s": op_overhead,
+        "memory_bandwidth": 1.0 / per_byte,
+        "peak_flops": {**{d: peaks["float32"] for d in ("bfloat16", "float16")}, **peaks},
+    }
+
+
+def fit(samples: dict, *, ranks: int, name: str = "calibrated", memory_bytes: int | None = None) -> ClusterSpec:
+    """The cluster whose cost model best reproduces ``samples`` (see the module docstring)."""
+    compute = fit_compute(samples)
+    coll = samples["collectives"]
+    missing = [k for k in COLLECTIVES if not any(s["kind"] == k for s in coll)]
+    if missing:
+        raise ValueError(f"calibrate: no samples for {missing}")
+    rows = [collective_design(s["kind"], s["n"], s["payload"]) for s in coll]
+    coef, _ = _fit_nonnegative(rows, [s["s"] for s in coll], [0, 1])
+    overhead, latency = coef[0], coef[1]
+    per_wire = dict(zip(COLLECTIVES, coef[2:]))
+    bandwidth = 1.0 / per_wire["all_reduce"]
+    link = LinkSpec(bandwidth=bandwidth, latency_s=latency)
+    if memory_bytes is None:
+        memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
+    return ClusterSpec(
+        name=name,
+        peak_flops=compute["peak_flops"],
+        memory_bandwidth=compute["memory_bandwidth"],
+        memory_bytes=int(memory_bytes),
+        devices_per_node=ranks,
+        intra_node=link,
+        inter_node=link,
+        collective_overhead_s=overhead,
+        matmul_efficiency=1.0,
+        op_overhead_s=compute["op_overhead_s"],
+        collective_efficiency={k: per_wire["all_reduce"] / v for k, v in per_wire.items() if k != "all_reduce"},
+        notes=f"measured by `partitioner calibrate` on {ranks} gloo ranks of {platform.node() or 'this machine'}",
+    )
+
+
+# -- the whole command ------------------------------------------------------------------------------
+
+
+def write_cluster_file(path, spec: ClusterSpec, samples: dict, ranks: int) -> None:
+    machine = {
+        "host": platform.node(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "load_average": list(os.getloadavg()),
+        "ranks": ranks,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    Path(path).write_text(json.dumps(cluster_file_dict(spec, samples=samples, machine=machine), indent=1) + "\n")
+
+
+def calibrate(
+    path,
+    *,
+    ranks: int = 2,
+    sizes: dict | None = None,
+    name: str = "calibrated",
+    memory_bytes: int | None = None,
+    say: Callable[[str], None] | None = None,
+    progress: bool = False,
+) -> ClusterSpec:
+    """Measure on ``ranks`` local ranks, fit, write the cluster file ``path``; returns the spec."""
+    say = say or (lambda message: None)
+    say(f"measuring on {ranks} gloo ranks (load average {os.getloadavg()[0]:.1f})")
+    samples = measure(ranks, sizes, progress=progress)
+    spec = fit(samples, ranks=ranks, name=name, memory_bytes=memory_bytes)
+    write_cluster_file(path, spec, samples, ranks)
+    say(
+        f"fitted: matmul {', '.join(f'{d} {v / 1e9:.2f}' for d, v in sorted(spec.peak_flops.items()))} GFLOP/s, "
+        f"memory {spec.memory_bandwidth / 1e9:.2f} GB/s, op overhead {spec.op_overhead_s * 1e6:.1f} us, "
+        f"collective overhead {spec.collective_overhead_s * 1e6:.1f} us + {spec.intra_node.latency_s * 1e6:.1f} us "
+        f"per ring step, link {spec.intra_node.bandwidth / 1e9:.2f} GB/s"
+    )
+    say(f"cluster file written to {path}")
+    return spec
