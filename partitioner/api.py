@@ -21,6 +21,7 @@ from partitioner.sharding_plan import PLAN_FORMAT, PLAN_VERSION, ShardingPlan
 from passes.analyze import analyze, info
 from passes.capture import describe_captured, graph_fingerprint
 from passes.capture_blocks import capture_model
+from passes.eager_attention import fuse_for
 from passes.placements import format_spec, parse_spec
 from passes.plan_intra_op import plan_intra_op
 from passes.recompute import check_recompute_mode
@@ -184,6 +185,7 @@ def plan(
     t1 = time.perf_counter()
     logger.info("capture: %.2f s (%s)", t1 - t0, describe_captured(cap))
     analyze(cap)
+    fuse_for(cap, attention_rule.check_mode(sequence_parallel))
     t2 = time.perf_counter()
     logger.info("analysis: %.2f s", t2 - t1)
     return plan_captured(

@@ -137,11 +137,13 @@ def dump(model_or_plan, directory, *, model=None, example_inputs=None, ranks=Non
     from passes.analyze import analyze
     from passes.capture import graph_fingerprint
     from passes.capture_blocks import capture_model
+    from passes.eager_attention import fuse_for
     from passes.lower_to_local import lower_to_local
     from runtime.collectives import MeshComm
 
     cap = capture_model(model, example_inputs)
     analyze(cap)
+    fuse_for(cap, plan.data.get("sequence_parallel") or "auto")
     plan.check_fingerprint(graph_fingerprint(cap), f"{type(model).__name__} on these inputs")
     size = 1
     for n in plan.mesh_shape:

@@ -31,6 +31,7 @@ from partitioner.weights import WeightSource, load_local_weights
 from passes.analyze import analyze, info
 from passes.capture import graph_fingerprint, tied_placeholders
 from passes.capture_blocks import capture_model
+from passes.eager_attention import fuse_for
 from passes.lower_to_local import lower_to_local
 from passes.recompute import check_recompute_mode
 from passes.rules import attention as attention_rule
@@ -189,7 +190,9 @@ def auto_parallelize(
     # (below) then picks the program it runs (see partitioner/specialize.py)
     training = plan.data.get("training", model.training) if plan is not None else model.training
     with in_mode(model, training):
-        cap = _capture(model, example_inputs, layers, precision)
+        cap = _capture(
+            model, example_inputs, layers, precision, plan.data.get("sequence_parallel") if plan else sequence_parallel
+        )
     plan = _plan_or_replay(
         cap,
         type(model).__name__,
@@ -337,10 +340,12 @@ def _resolve_precision(precision, plan) -> Precision:
     return plan.precision
 
 
-def _capture(model, example_inputs, layers, precision):
-    """Capture: every rank exports the model (the graph is needed to lower) and analyses it."""
+def _capture(model, example_inputs, layers, precision, sequence_parallel="auto"):
+    """Capture: every rank exports the model (the graph is needed to lower) and analyses it;
+    eager attention becomes one op where ring or Ulysses is forced (``passes.eager_attention``)."""
     cap = capture_model(model, example_inputs, layers=layers, autocast_dtype=precision.autocast_dtype)
     analyze(cap)
+    fuse_for(cap, sequence_parallel or "auto")
     return cap
 
 

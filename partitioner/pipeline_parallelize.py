@@ -29,6 +29,7 @@ from passes import pipeline_schedules as ps
 from passes.analyze import analyze, info
 from passes.capture import tied_placeholders
 from passes.capture_blocks import capture_model
+from passes.eager_attention import fuse_for
 from passes.lower_to_local import lower_to_local
 from passes.placements import dual_spec, format_spec, local_shape, parse_spec
 from passes.rules import tensor_input_nodes
@@ -161,7 +162,7 @@ def build_pipeline(
     (:class:`partitioner.weights.WeightSource`)."""
     full = MeshComm(device_mesh)
     config, schedule = _resolve_config(config, full, example_inputs)
-    cap, graphs, runs = _capture_stages(model, example_inputs, config, schedule, layers, precision)
+    cap, graphs, runs = _capture_stages(model, example_inputs, config, schedule, layers, precision, sequence_parallel)
     sub = _stage_mesh(full, device_mesh)
     tied = _shared_weights(cap, graphs)
     user_pins = _stage_pins(cap, graphs, pins, sub.ndim)
@@ -232,14 +233,16 @@ def _resolve_config(config: PipelineConfig, full, example_inputs) -> tuple:
     return resolved, schedule
 
 
-def _capture_stages(model, example_inputs, config, schedule, layers, precision=None) -> tuple:
-    """Capture on one microbatch (``layers``: as :func:`passes.capture_blocks.capture_model`) and
-    cut at layer boundaries: (capture, stage graphs, layer runs)."""
+def _capture_stages(model, example_inputs, config, schedule, layers, precision=None, sequence_parallel="auto") -> tuple:
+    """Capture on one microbatch (``layers``: as :func:`passes.capture_blocks.capture_model`),
+    fuse eager attention where ring or Ulysses is forced, and cut at layer boundaries:
+    (capture, stage graphs, layer runs)."""
     autocast_dtype = precision.autocast_dtype if precision is not None else None
     cap = capture_model(
         model, _microbatch(example_inputs, config.microbatches), layers=layers, autocast_dtype=autocast_dtype
     )
     analyze(cap)
+    fuse_for(cap, sequence_parallel)
     stage_of, runs = assign_stages(cap, schedule.num_stages if schedule is not None else config.degree)
     graphs = split_stages(cap, stage_of, runs)
     for g in graphs:

@@ -30,6 +30,7 @@ import torch
 from passes.analyze import analyze, info
 from passes.capture import graph_fingerprint
 from passes.capture_blocks import capture_model
+from passes.eager_attention import fuse_for
 from passes.lower_to_local import lower_to_local, strided_parameters
 from passes.placements import format_spec, parse_spec
 from passes.rules import op_name
@@ -78,6 +79,7 @@ class Specializer:
                 autocast_dtype=self.plan.precision.autocast_dtype,
             )
         analyze(cap)
+        fuse_for(cap, self.plan.data.get("sequence_parallel") or "auto")
         shapes = {info(n).name: info(n).shape for n in cap.graph.nodes if info(n).kind == "input"}
         mode = "train" if training else "eval"
         if self.structure is not None and graph_fingerprint(cap, shapes=False) == self.structure:

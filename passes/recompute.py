@@ -59,6 +59,8 @@ __all__ = [
     "add_recompute_options",
     "attention_cores",
     "check_recompute_mode",
+    "eager_attention_contractions",
+    "is_softmax",
     "least_memory",
     "mark_recomputed",
 ]
@@ -93,7 +95,7 @@ def _is_kernel(node) -> bool:
     return node.op == "call_function" and any(k in op_name(node.target) for k in _ATTENTION_KERNELS)
 
 
-def _is_softmax(node) -> bool:
+def is_softmax(node) -> bool:
     return node.op == "call_function" and _short(node) in _SOFTMAX
 
 
@@ -120,6 +122,16 @@ def _reach(start, step, inside) -> list:
     return found
 
 
+def eager_attention_contractions(softmax, inside) -> tuple:
+    """The eager attention pattern around ``softmax`` among the nodes ``inside``: the
+    contractions of two activations reached from it backwards through non-contraction ops
+    (``q @ k^T``; scale, mask) and forwards (``p @ v``; casts, dropout). Both lists non-empty:
+    the softmax is an attention core's."""
+    before = [c for c in _reach(softmax, tensor_input_nodes, inside) if _activation_contraction(c)]
+    after = [c for c in _reach(softmax, lambda m: list(m.users), inside) if _activation_contraction(c)]
+    return before, after
+
+
 def attention_cores(layer: list) -> list:
     """The attention cores of one layer (its nodes): a list of node ranges, each the layer's
     nodes in graph order from the core's first node to its last.
@@ -138,9 +150,8 @@ def attention_cores(layer: list) -> list:
                 [n] + [u for u in n.users if u in inside and u.target is operator.getitem], key=order.__getitem__
             )
             spans.append((order[n], order[last]))
-        elif _is_softmax(n):
-            before = [c for c in _reach(n, tensor_input_nodes, inside) if _activation_contraction(c)]
-            after = [c for c in _reach(n, lambda m: list(m.users), inside) if _activation_contraction(c)]
+        elif is_softmax(n):
+            before, after = eager_attention_contractions(n, inside)
             if before and after:
                 spans.append((min(order[c] for c in before), max(order[c] for c in after)))
     merged: list = []

@@ -50,13 +50,56 @@ FACTORIES = {
     "gpt": lambda: models.gpt_demo(batch=4, seq=16, n_layer=2),
     "llama": lambda: models.hf_llama(batch=2, seq=16, kv_heads=2),
     "gpt2": lambda: models.hf_gpt2(batch=2, seq=16),
+    "llama_eager": lambda: _eager(models.hf_llama(batch=2, seq=16, kv_heads=2)),
+    "gpt2_eager": lambda: models.hf_gpt2(batch=2, seq=16, attn="eager"),
+    "bart_eager": lambda: hf_bart(attn="eager"),
 }
 # per model: layers, (batch, heads, kv heads as sdpa sees them, sequence, head dim), is_causal
 SHAPES = {
     "gpt": (2, (4, 4, 4, 16, 16), True),
     "llama": (2, (2, 4, 4, 16, 16), False),
     "gpt2": (2, (2, 4, 4, 16, 16), False),
+    "llama_eager": (2, (2, 4, 4, 16, 16), False),
+    "gpt2_eager": (2, (2, 4, 4, 16, 16), False),
 }
+
+
+def hf_bart(batch=2, source=16, target=8, attn="eager"):
+    """A 1 + 1 layer BART (width 32, 4 heads): encoder and decoder self-attention, and the
+    decoder's cross-attention from ``target`` queries to ``source`` keys."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    cfg = BartConfig(
+        vocab_size=128,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        use_cache=False,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+        attn_implementation=attn,
+    )
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    ids, dec = torch.randint(3, 128, (batch, source), generator=g), torch.randint(3, 128, (batch, target), generator=g)
+    return BartForConditionalGeneration(cfg), {"input_ids": ids, "decoder_input_ids": dec, "labels": dec.clone()}
+
+
+def _eager(built):
+    """An HF model built with its default attention, switched to ``attn_implementation="eager"``."""
+    model, inputs = built
+    model.set_attn_implementation("eager")
+    return model, inputs
 
 
 def expected_comm(model, mode, mesh, layers=None, batch=None):

@@ -21,9 +21,12 @@ Per mesh axis the candidates are:
   sums ``rowsum(dO * O)`` (``1 / D`` of dO); offered when the query and key/value heads divide
   by every mesh axis size; a mask stays whole on that axis.
 
-A mask that broadcasts over a sharded dim stays replicated. The eager ``softmax(q @ k^T) @ v``
-pattern needs no rule of its own: the matmul, softmax and elementwise rules reach the same
-plans (without ring or Ulysses, which need the fused op).
+A mask that broadcasts over a sharded dim stays replicated. Neither algorithm returns a gradient
+for the mask, so a mask that needs one (a learned bias) gets neither; nor does cross-attention
+(queries and keys of different lengths), which keeps the other candidates. The eager
+``softmax(q @ k^T) @ v`` pattern needs no rule of its own: the matmul, softmax and elementwise
+rules plan it op by op, and where ring or Ulysses is forced :mod:`passes.eager_attention`
+first turns it into this op.
 
 Which of the sequence algorithms are offered is a planning setting
 (:func:`sequence_parallel`, from ``partitioner.plan(..., sequence_parallel=...)``): ``"auto"``
@@ -36,14 +39,16 @@ replicated or batch-sharded attention on the other axes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 
 import torch
 
 from passes.placements import R, Shard
-from passes.rules.base import AxisStrategy, OpRule, OpView, register
+from passes.rules.base import AxisStrategy, OpRule, OpView, register, tensor_input_nodes
 
 aten = torch.ops.aten
+logger = logging.getLogger(__name__)
 
 __all__ = ["AttentionRule", "sequence_parallel", "forced_pins", "SEQUENCE_PARALLEL_MODES", "SEQUENCE_ALGORITHMS"]
 
@@ -79,17 +84,37 @@ def _axis_sizes():
     return [n for n in mesh if n > 1]
 
 
-def _ring_problem(op: OpView, sizes) -> str | None:
-    """Why ring attention cannot run this op on axes of ``sizes`` (None: it can)."""
+def _cross_attention(op: OpView) -> bool:
+    q, k = op.in_shapes[0], op.in_shapes[1]
+    return len(q) == 4 and k is not None and len(k) == 4 and q[2] != k[2]
+
+
+def _common_problem(op: OpView) -> str | None:
+    """Why neither ring nor Ulysses can run this op, whatever the mesh (None: both may)."""
     q, k = op.in_shapes[0], op.in_shapes[1]
     if len(q) != 4 or k is None or len(k) != 4:
         return f"q has shape {q}, not [batch, heads, sequence, head_dim]"
     if q[2] != k[2]:
         return f"queries ({q[2]}) and keys ({k[2]}) differ in length (cross-attention)"
-    if q[1] % k[1]:
-        return f"query heads ({q[1]}) do not divide by key/value heads ({k[1]})"
     if op.arg(4, "dropout_p", 0.0):
         return "it has attention dropout"
+    from passes.analyze import META_KEY  # here: passes.analyze imports the rules
+
+    ins = tensor_input_nodes(op.node)
+    meta = ins[3].meta.get(META_KEY) if len(ins) > 3 else None
+    if meta is not None and meta.requires_grad:
+        return f"its mask {meta.name} needs a gradient (a learned bias), which neither algorithm returns"
+    return None
+
+
+def _ring_problem(op: OpView, sizes) -> str | None:
+    """Why ring attention cannot run this op on axes of ``sizes`` (None: it can)."""
+    q, k = op.in_shapes[0], op.in_shapes[1]
+    problem = _common_problem(op)
+    if problem:
+        return problem
+    if q[1] % k[1]:
+        return f"query heads ({q[1]}) do not divide by key/value heads ({k[1]})"
     for n in sizes:
         if q[2] % (2 * n if _is_causal(op) else n):
             need = f"2 x {n} (causal: two chunks per rank)" if _is_causal(op) else str(n)
@@ -99,12 +124,9 @@ def _ring_problem(op: OpView, sizes) -> str | None:
 
 def _ulysses_problem(op: OpView, sizes) -> str | None:
     q, k = op.in_shapes[0], op.in_shapes[1]
-    if len(q) != 4 or k is None or len(k) != 4:
-        return f"q has shape {q}, not [batch, heads, sequence, head_dim]"
-    if q[2] != k[2]:
-        return f"queries ({q[2]}) and keys ({k[2]}) differ in length (cross-attention)"
-    if op.arg(4, "dropout_p", 0.0):
-        return "it has attention dropout"
+    problem = _common_problem(op)
+    if problem:
+        return problem
     for n in sizes:
         if q[1] % n or k[1] % n or q[2] % n:
             return f"its query heads ({q[1]}), key/value heads ({k[1]}) and sequence ({q[2]}) do not all divide by {n}"
@@ -115,7 +137,9 @@ def forced_pins(graph, mode: str, mesh_shape) -> dict:
     """For ``mode`` ``"ring"`` / ``"ulysses"``: pin every attention node's output sequence-sharded
     on the last mesh axis (which the rule then serves only with that algorithm) and batch-sharded
     on the others (replicated where the batch does not divide). Raises naming the node when the
-    algorithm cannot run it."""
+    algorithm cannot run it. Cross-attention (keys of another length than the queries) is not
+    pinned: the solver plans it with the rule's other candidates (replicated, batch or head
+    split), priced like any op, and the log names it."""
     from passes.rules.base import op_view
 
     if mode not in SEQUENCE_ALGORITHMS:
@@ -126,14 +150,25 @@ def forced_pins(graph, mode: str, mesh_shape) -> dict:
         if node.op != "call_function" or node.target is not aten.scaled_dot_product_attention.default:
             continue
         op = op_view(node)
+        if _cross_attention(op):
+            logger.info(
+                "sequence_parallel=%r: %s is cross-attention (queries %s, keys %s): planned without %s",
+                mode,
+                node.name,
+                op.in_shapes[0][2],
+                op.in_shapes[1][2],
+                mode,
+            )
+            continue
         problem = (_ring_problem if mode == "ring" else _ulysses_problem)(op, [mesh[-1]] if mesh[-1] > 1 else [])
         if problem:
             other = "ulysses" if mode == "ring" else "ring"
+            other = "'auto'" if _common_problem(op) else f"{other!r} or 'auto'"
             raise ValueError(
                 f"sequence_parallel={mode!r}: attention node {node.name} "
                 f"({node.meta.get('partita.info').module_path if node.meta.get('partita.info') else 'top level'}) "
                 f"cannot run as {mode} on mesh axis {len(mesh) - 1} ({mesh[-1]} ranks): {problem}; "
-                f"try sequence_parallel={other!r} or 'auto', or another mesh"
+                f"try sequence_parallel={other}, or another mesh"
             )
         batch = op.in_shapes[0][0]
         spec = tuple(Shard(0) if batch % n == 0 and n > 1 else R for n in mesh[:-1]) + (Shard(2),)
