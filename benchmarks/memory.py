@@ -26,7 +26,12 @@ shared: other jobs' load stretches wall time much more than a process's own CPU 
 per run, measured memory (state, saved, total), Partita's estimate, the ratios Partita / FSDP2
 of memory and of CPU step time, and the load average when the run started.
 
-Usage: ``python benchmarks/memory.py [--steps 3] [--out benchmarks/results/<date>-memory.md]``.
+Beside each Partita run's measured step: its plan's estimate and measured / estimate, for the cluster
+the plans are made for (``--cluster``: ``cpu``, a preset, or a cluster file from ``python -m
+partitioner calibrate``).
+
+Usage: ``python benchmarks/memory.py [--steps 3] [--cluster FILE] [--partita-only] [--out
+benchmarks/results/<date>-memory.md]``.
 """
 from __future__ import annotations
 
@@ -217,6 +222,11 @@ def _plans():
     return n_params, dp_peak, out
 
 
+def _use_cluster(cluster):
+    global CLUSTER
+    CLUSTER = cluster
+
+
 def _fmt_mib(b):
     return f"{b / 2**20:.1f}"
 
@@ -229,7 +239,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--cluster", default=CLUSTER, help="what Partita plans for: cpu, a preset or a cluster file")
+    ap.add_argument("--partita-only", action="store_true", help="skip the FSDP2 and DDP runs")
     args = ap.parse_args(argv)
+    _use_cluster(args.cluster)
     torch.set_num_threads(1)
     n_params, dp_peak, plans = _plans()
     rows = []
@@ -240,8 +253,12 @@ def main(argv=None):
                           for b in plan.data["blocks"])
         rows.append(dict(name=name, budget=budget, modes=modes, load=load, **_worst(res)))
         print(rows[-1], flush=True)
+        print(f"  {name}: measured {rows[-1]['step_s']:.3f} s/step, estimated {rows[-1]['est_step_s']:.3f} s/step "
+              f"({CLUSTER}): measured/estimate {rows[-1]['step_s'] / rows[-1]['est_step_s']:.2f}", flush=True)
     for kind, name in (("fsdp2", "FSDP2 (fully_shard)"), ("fsdp2_ac", "FSDP2 + activation checkpointing"),
                        ("ddp", "DDP")):
+        if args.partita_only:
+            break
         try:
             load = os.getloadavg()[0]
             res = run_on_ranks(torch_worker, WORLD, kind, args.steps, timeout_s=1800, collective_timeout_s=600)
@@ -281,16 +298,16 @@ def _report(n_params, dp_peak, rows):
         "other jobs took CPU time from the ranks, and wall step times are comparable only between rows of "
         "similar load). So the step is also given as CPU seconds (`time.process_time`, the rank's threads, "
         "the largest rank's median), which another job's load changes far less; the step ratio uses it. "
-        "Partita's step-time estimate prices the `cpu` calibration of one process, not 4 ranks sharing 2 "
-        "cores.",
+        f"Partita's step-time estimate prices cluster `{CLUSTER}` (`cpu`: the compute of one process with guessed "
+        "links, not 4 ranks sharing 2 cores; a `partitioner calibrate --ranks 4` file: measured with 4 ranks busy).",
         "",
         "| run | budget | recompute | state MiB | saved MiB | total MiB | estimate MiB (state + saved) | "
-        "step s (wall) | CPU s per step | est. step s | memory / FSDP2 | CPU step / FSDP2 | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "step s (wall) | CPU s per step | est. step s | wall / est. | memory / FSDP2 | CPU step / FSDP2 | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | | | could not run: {r['error']} | | | | | | | | | |")
+            lines.append(f"| {r['name']} | | | could not run: {r['error']} | | | | | | | | | | |")
             continue
         est = _fmt_mib(r["est_state"] + r["est_saved"]) if "est_state" in r else "-"
         ratio_m = f"{r['total'] / (fsdp['total']):.2f}" if fsdp and r["name"].startswith("Partita") else ""
@@ -298,10 +315,11 @@ def _report(n_params, dp_peak, rows):
         lines.append(
             f"| {r['name']} | {_fmt_mib(r['budget']) + ' MiB' if r.get('budget') else '-'} | {r.get('modes', '-')} | "
             f"{_fmt_mib(r['state'])} | {_fmt_mib(r['saved'])} | {_fmt_mib(r['total'])} | {est} | "
-            f"{r['step_s']:.2f} | {r['cpu_s']:.2f} | {r['est_step_s']:.3f} | {ratio_m} | {ratio_t} | {r['load']:.1f} |"
+            f"{r['step_s']:.2f} | {r['cpu_s']:.2f} | {r['est_step_s']:.3f} | {r['step_s'] / r['est_step_s']:.2f} | "
+            f"{ratio_m} | {ratio_t} | {r['load']:.1f} |"
             if "est_state" in r
             else f"| {r['name']} | - | - | {_fmt_mib(r['state'])} | {_fmt_mib(r['saved'])} | {_fmt_mib(r['total'])} "
-            f"| - | {r['step_s']:.2f} | {r['cpu_s']:.2f} | - | | | {r['load']:.1f} |"
+            f"| - | {r['step_s']:.2f} | {r['cpu_s']:.2f} | - | - | | | {r['load']:.1f} |"
         )
     lines.append("")
     for r in rows:

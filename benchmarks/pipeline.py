@@ -34,7 +34,11 @@ forward is tens of ms on one CPU core.
 4. ``--hf-check``: HF GPT2 with eager attention as 4 stages on 2 ranks: Partita trains it;
    torch's tracer ``pipeline()`` split of the same model is run too and its error reported.
 
-Usage: ``python benchmarks/pipeline.py [--steps 12] [--warmup 2] [--hf-check] [--out-dir benchmarks/results]``
+Beside the measured step: the estimate, the schedule simulated with the stage plans' estimates
+(``runtime.pipeline_trace.simulated_timeline``), priced for ``--cluster`` (default ``cpu``; a
+cluster file from ``python -m partitioner calibrate --ranks 2`` prices this machine's 2 ranks).
+
+Usage: ``python benchmarks/pipeline.py [--steps 12] [--warmup 2] [--cluster FILE] [--hf-check] [--out-dir benchmarks/results]``
 (about 3 minutes on 2 quiet cores).
 """
 from __future__ import annotations
@@ -236,7 +240,7 @@ def _grads_to_none(params):
         p.grad = None
 
 
-def run_schedule(rank, world, schedule, steps, warmup, pin):
+def run_schedule(rank, world, schedule, steps, warmup, pin, cluster="cpu"):
     import torch.distributed as dist
 
     import partitioner
@@ -251,7 +255,7 @@ def run_schedule(rank, world, schedule, steps, warmup, pin):
     t0 = time.perf_counter()
     pipeline = {"degree": P, "schedule": schedule, "microbatches": M,
                 "virtual_stages": V if SCHEDULES[schedule].virtual else 1}
-    runner = partitioner.auto_parallelize(model, (ids, targets), mesh=(P,), pipeline=pipeline, cluster="cpu")
+    runner = partitioner.auto_parallelize(model, (ids, targets), mesh=(P,), pipeline=pipeline, cluster=cluster)
     build_s = time.perf_counter() - t0
     layers = [tuple(run) for run in runner.plan["layers"]]
     sched, modules, first, last, torch_trace = torch_schedule(reference, layers, schedule, rank)
@@ -448,12 +452,13 @@ def main(argv=None):
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--pin", action="store_true", help="pin each rank to its own core (sched_setaffinity)")
     ap.add_argument("--hf-check", action="store_true", help="also try HF GPT2 (eager attention) in both")
+    ap.add_argument("--cluster", default="cpu", help="what the stage plans are priced for: cpu, a preset or a cluster file")
     ap.add_argument("--no-fixed", dest="fixed", action="store_false",
                     help="skip bar 1 on fixed-duration kernels (benchmarks/pipeline_fixed_kernels.py)")
     args = ap.parse_args(argv)
 
     from runtime.launch import run_on_ranks
-    from runtime.pipeline_trace import chrome_trace, timeline_svg
+    from runtime.pipeline_trace import chrome_trace, step_seconds, timeline_svg
 
     # the code measured: HEAD, and whether the tree differed from it before this run wrote results
     args.code = _git("rev-parse", "--short", "HEAD") + (
@@ -463,7 +468,7 @@ def main(argv=None):
     results = []
     for schedule in args.schedules.split(","):
         t = time.perf_counter()
-        out = run_on_ranks(run_schedule, P, schedule, args.steps, args.warmup, args.pin, timeout_s=600,
+        out = run_on_ranks(run_schedule, P, schedule, args.steps, args.warmup, args.pin, args.cluster, timeout_s=600,
                            collective_timeout_s=300)
         r = out[0]
         # step time: the same on both ranks up to the barrier; take the slower rank's
@@ -472,8 +477,11 @@ def main(argv=None):
         r["loss_torch"] = out[P - 1]["loss_torch"]
         summarize(r, r["schedule_obj"])
         r["run_s"] = time.perf_counter() - t
+        r["estimate_s"] = step_seconds(r["simulated"])
         results.append(r)
-        print(f"{schedule}: {r['run_s']:.1f} s", flush=True)
+        print(f"{schedule}: {r['run_s']:.1f} s; Partita measured {_median(r['partita_s']):.3f} s/step, estimated "
+              f"{r['estimate_s']:.3f} s/step ({args.cluster}): measured/estimate "
+              f"{_median(r['partita_s']) / r['estimate_s']:.2f}", flush=True)
     hf = run_on_ranks(hf_gpt2_check, 2, timeout_s=300, collective_timeout_s=30) if args.hf_check else None
     fixed = None
     if args.fixed:
@@ -505,19 +513,22 @@ def main(argv=None):
             "formula": f"{f:.3f}" if f is not None else f"sim {r['idle_sim']:.3f}", "ref": ref,
             "ratio": ratio, "sim": r["idle_sim"], "replay": r["idle_replay"], "idle_torch": r["idle_torch"], "bar1": bar1, "note": note,
             "ours": ours, "theirs": theirs, "step_ratio": ours / theirs, "bar2": ours / theirs <= 1.0,
+            "estimate": r["estimate_s"],
             "torch_class": r["torch_class"],
             "spread": (min(r["partita_s"]), max(r["partita_s"]), min(r["torch_s"]), max(r["torch_s"])),
         })
 
     header = ("| schedule | stages (layers) | measured idle | formula | measured/formula | bar 1 (<= 1.1) | "
-              "cost-model sim | replay of measured durations | torch measured idle | Partita s/step | torch s/step | torch class | "
+              "cost-model sim | replay of measured durations | torch measured idle | Partita s/step | Partita estimate s/step | "
+              "measured/estimate | torch s/step | torch class | "
               "Partita/torch | bar 2 (<= 1.0) |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for row in rows:
         lines.append(
             f"| {row['schedule']} | {' / '.join(','.join(map(str, l)) for l in row['layers'])} | {row['idle']:.3f} | "
             f"{row['formula']} | {row['ratio']:.2f} | {'PASS' if row['bar1'] else 'FAIL'}{row['note']} | "
-            f"{row['sim']:.3f} | {row['replay']:.3f} | {row['idle_torch']:.3f} | {row['ours']:.3f} | {row['theirs']:.3f} | "
+            f"{row['sim']:.3f} | {row['replay']:.3f} | {row['idle_torch']:.3f} | {row['ours']:.3f} | {row['estimate']:.3f} | "
+            f"{row['ours'] / row['estimate']:.2f} | {row['theirs']:.3f} | "
             f"{row['torch_class']} | {row['step_ratio']:.3f} | {'PASS' if row['bar2'] else 'FAIL'} |")
     table = "\n".join(lines)
     print(table)
@@ -552,7 +563,7 @@ def main(argv=None):
                                                  "idle_torch_steps", "idle_sim", "idle_replay", "idle_torch",
                                                  "loss_partita", "loss_torch", "torch_class", "build_s", "run_s", "late",
                                                  "torch_late", "outside_ms", "torch_outside_ms", "idle_replay_actual",
-                                                 "torch_idle_replay_actual")}
+                                                 "torch_idle_replay_actual", "estimate_s")}
                | {"means_ms": {s: {k: v * 1e3 for k, v in d.items()} for s, d in r["means"].items()},
                   "torch_means_ms": {s: {k: v * 1e3 for k, v in d.items()} for s, d in r["torch_means"].items()}}
                for r in results}

@@ -11,7 +11,11 @@
 Two sizes: a small model, where per-op framework overhead dominates (Partita runs a flat aten
 program; DTensor propagates placements per op in Python), and a medium one, where compute
 dominates and both should cost the same. A step is forward, backward and an AdamW step; the
-median of the timed steps after warm-up is reported. Usage: ``python benchmarks/runtime_overhead.py [--steps 12] [--out results.md]``.
+median of the timed steps after warm-up is reported. Beside Partita's measured step: its plan's
+estimate (``plan.estimate().step_time_s``) priced for ``--cluster`` (a preset or a cluster file
+from ``python -m partitioner calibrate``; the pins fix the placements, so only the estimate
+changes with it). Usage: ``python benchmarks/runtime_overhead.py [--steps 12] [--cluster FILE]
+[--sizes small] [--out results.md]``.
 """
 from __future__ import annotations
 
@@ -83,15 +87,16 @@ def megatron_pins(world):
     return pins
 
 
-def _tp_rank(rank, world, steps, size):
+def _tp_rank(rank, world, steps, size, cluster="h100"):
     use_size(size)
     import partitioner
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     model, batch = build()
-    pm = partitioner.auto_parallelize(model, batch, mesh=(world,), pins=megatron_pins(world), cluster="h100")
+    pm = partitioner.auto_parallelize(model, batch, mesh=(world,), pins=megatron_pins(world), cluster=cluster)
     ours, our_loss = timed_steps(pm, batch, pm.parameters(), steps)
+    estimate = pm.plan.estimate().step_time_s
 
     ref, _ = build()
     mesh = init_device_mesh("cpu", (world,))
@@ -104,47 +109,55 @@ def _tp_rank(rank, world, steps, size):
         plan[f"model.layers.{i}.mlp.down_proj"] = RowwiseParallel()
     parallelize_module(ref, mesh, plan)
     theirs, their_loss = timed_steps(ref, batch, ref.parameters(), steps)
-    return {"ours": ours, "dtensor": theirs, "our_loss": our_loss, "dtensor_loss": their_loss,
+    return {"ours": ours, "dtensor": theirs, "our_loss": our_loss, "dtensor_loss": their_loss, "estimate": estimate,
             "local_mib": pm.local_parameter_bytes() / 2**20}
 
 
-def _one_rank(rank, world, steps, size):
+def _one_rank(rank, world, steps, size, cluster="h100"):
     use_size(size)
     import partitioner
     model, batch = build()
     plain, _ = build()
-    pm = partitioner.auto_parallelize(model, batch, mesh=(1,), cluster="h100")
+    pm = partitioner.auto_parallelize(model, batch, mesh=(1,), cluster=cluster)
     ours, _ = timed_steps(pm, batch, pm.parameters(), steps)
     base, _ = timed_steps(plain, batch, plain.parameters(), steps)
     ours2, _ = timed_steps(pm, batch, pm.parameters(), steps)   # interleave to damp drift
-    return {"ours": min(ours, ours2), "plain": base}
+    return {"ours": min(ours, ours2), "plain": base, "estimate": pm.plan.estimate().step_time_s}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--out", default=None, help="also write the table as markdown here")
+    parser.add_argument("--cluster", default="h100",
+                        help="what Partita's estimate is priced for: a preset or a cluster file (default: h100)")
+    parser.add_argument("--sizes", default=",".join(s.split()[0] for s in SIZES),
+                        help="comma-separated sizes to run (small, medium)")
     args = parser.parse_args(argv)
     from runtime.launch import run_on_ranks
 
-    lines = ["| size | case | ours | ours s/step | anchor | anchor s/step | ratio | bar | verdict |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| size | case | ours | ours s/step | estimate s/step | measured/estimate | anchor | anchor s/step | "
+             "ratio | bar | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     notes = []
-    for size in SIZES:
+    for size in [s for s in SIZES if s.split()[0] in args.sizes.split(",")]:
         use_size(size)
         desc = (f"LLaMA {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads ({KV_HEADS} kv), ffn {FFN}, vocab {VOCAB}; "
                 f"batch {BATCH}x{SEQ}")
         print(f"{size}: {desc}; {args.steps} steps (median after warm-up)", flush=True)
-        tp = run_on_ranks(_tp_rank, 4, args.steps, size, timeout_s=1200)
+        tp = run_on_ranks(_tp_rank, 4, args.steps, size, args.cluster, timeout_s=1200)
         ours = statistics.median(r["ours"] for r in tp)
         theirs = statistics.median(r["dtensor"] for r in tp)
-        one = run_on_ranks(_one_rank, 1, args.steps, size, timeout_s=1200)[0]
-        for case, a, ta, b, tb, bar in (
-                ("Megatron TP, 4 gloo ranks", "Partita lowered program", ours, "DTensor parallelize_module", theirs, 1.0),
-                ("1 rank", "Partita lowered program", one["ours"], "plain model", one["plain"], 1.05)):
+        one = run_on_ranks(_one_rank, 1, args.steps, size, args.cluster, timeout_s=1200)[0]
+        for case, a, ta, est, b, tb, bar in (
+                ("Megatron TP, 4 gloo ranks", "Partita lowered program", ours, tp[0]["estimate"],
+                 "DTensor parallelize_module", theirs, 1.0),
+                ("1 rank", "Partita lowered program", one["ours"], one["estimate"], "plain model", one["plain"], 1.05)):
             ratio = ta / tb
-            lines.append(f"| {size} | {case} | {a} | {ta:.4f} | {b} | {tb:.4f} | {ratio:.3f} | <= {bar} | "
-                         f"{'PASS' if ratio <= bar else 'FAIL'} |")
+            lines.append(f"| {size} | {case} | {a} | {ta:.4f} | {est:.4f} | {ta / est:.2f} | {b} | {tb:.4f} | "
+                         f"{ratio:.3f} | <= {bar} | {'PASS' if ratio <= bar else 'FAIL'} |")
+            print(f"  {case}: measured {ta:.4f} s/step, estimated {est:.4f} s/step ({args.cluster}): "
+                  f"measured/estimate {ta / est:.2f}", flush=True)
         notes.append(f"- {size}: {desc}. Losses after the timed steps: Partita {tp[0]['our_loss']:.6f}, "
                      f"DTensor {tp[0]['dtensor_loss']:.6f}; parameters per rank {tp[0]['local_mib']:.2f} MiB.")
     table = "\n".join(lines)
@@ -153,7 +166,8 @@ def main(argv=None):
     if args.out:
         header = (f"# Runtime overhead ({datetime.date.today().isoformat()})\n\n"
                   f"Machine: 2-core CPU shared with other work (timings are noisy), gloo, 1 thread per rank. "
-                  f"Reproduce: `python benchmarks/runtime_overhead.py --steps {args.steps}`.\n\n"
+                  f"Reproduce: `python benchmarks/runtime_overhead.py --steps {args.steps} --cluster {args.cluster}`."
+                  f"\n\n"
                   f"Step = forward + backward + AdamW; median of {args.steps} steps after warm-up. Both runs use "
                   f"the same Megatron placements (Partita: pinned weights and linear outputs).\n\n")
         Path(args.out).write_text(header + table + "\n\n" + "\n".join(notes) + "\n")

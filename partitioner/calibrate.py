@@ -5,12 +5,16 @@ Algorithm
 1. **Ranks are the devices.** ``ranks`` local gloo processes start (``runtime.launch.run_on_ranks``,
    one thread each) and every figure is measured with all of them working at once, as they do in
    a job: on a machine with fewer cores than ranks, each rank's share of the cores is its device.
-2. **Compute.** Every rank times ``torch.mm`` of ``n x n`` matrices for each dtype and size, and an
-   elementwise ``add`` over buffers of several sizes (the best of ``trials`` repetitions of a
-   timed loop, slowest rank). The cost model prices an op as ``op_overhead_s + max(flops /
-   peak[dtype], bytes / memory_bandwidth)`` (:func:`passes.cost_model.compute_time`): the
-   elementwise times give ``op_overhead_s`` and ``memory_bandwidth`` (a line ``t = a + bytes *
-   u``), the matmul times ``peak[dtype]`` (``t - op_overhead_s = flops / peak``).
+2. **Compute.** Every rank times ``torch.mm`` of ``n x n`` matrices for each dtype and size, an
+   elementwise ``add`` over buffers of several sizes, and forward + backward of fx programs of
+   ``k`` tiny elementwise ops that require grad (the best of ``trials`` repetitions of a timed
+   loop, slowest rank). The cost model prices an op as ``op_overhead_s + max(flops /
+   peak[dtype], bytes / memory_bandwidth)`` in forward and again per backward product
+   (:func:`passes.cost_model.compute_time`): the programs' time per op (a line ``t = a + k * u``)
+   is two overheads, ``u = 2 op_overhead_s`` (what an op costs a lowered program, fx and
+   autograd included, beyond its arithmetic); the elementwise times give ``memory_bandwidth``
+   (``t = a + bytes * u``, ``a`` a bare call's cost), the matmul times ``peak[dtype]`` (``t - a
+   = flops / peak``).
 3. **Collectives.** Every kind the runtime issues (all-reduce, all-gather, reduce-scatter,
    all-to-all, and a ring exchange of sends and receives) is timed at several payloads on the
    whole group and, with 4 ranks or more, on pairs too (the slowest rank of the best trial).
@@ -58,17 +62,19 @@ DEFAULT_SIZES = {
     "matmul": (64, 128, 256, 512),
     "dtypes": ("float32", "bfloat16"),
     "elementwise": (1 << 10, 1 << 14, 1 << 18, 1 << 21),
+    "chains": (8, 32, 128),
     "payloads": (1 << 10, 1 << 14, 1 << 18, 1 << 21, 1 << 23),
     "trials": 3,
     "seconds": 0.05,
 }
-"""Matrix sides, dtypes, elementwise elements (float32), collective payload bytes, timed trials
-per point and the length of one timed loop."""
+"""Matrix sides, dtypes, elementwise elements (float32), ops per fx program, collective payload
+bytes, timed trials per point and the length of one timed loop."""
 
 TINY_SIZES = {
     "matmul": (16, 32),
     "dtypes": ("float32",),
     "elementwise": (1 << 8, 1 << 12),
+    "chains": (2, 4),
     "payloads": (1 << 8, 1 << 12),
     "trials": 1,
     "seconds": 0.002,
@@ -109,7 +115,7 @@ def compute_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = 
 
     say = say or (lambda message: None)
     seconds, trials = sizes["seconds"], sizes["trials"]
-    out: dict = {"matmul": [], "elementwise": []}
+    out: dict = {"matmul": [], "elementwise": [], "chains": []}
     for dtype_name in sizes["dtypes"]:
         dtype = getattr(torch, dtype_name)
         for n in sizes["matmul"]:
@@ -123,7 +129,26 @@ def compute_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = 
         nbytes = 3 * numel * 4
         out["elementwise"].append({"bytes": nbytes, "s": t})
         say(f"elementwise add of {nbytes} bytes: {t * 1e6:.1f} us, {nbytes / t / 1e9:.2f} GB/s per rank")
+    for ops in sizes["chains"]:
+        program = _chain(ops)
+        x = torch.randn(8, requires_grad=True)
+        t = _timed(lambda program=program, x=x: program(x).sum().backward(), seconds, trials, sync)
+        out["chains"].append({"ops": ops, "s": t})
+        say(f"fx program of {ops} tiny ops, forward + backward: {t * 1e6:.1f} us, {t / ops * 1e6:.1f} us per op")
     return out
+
+
+def _chain(ops: int):
+    """An fx program of ``ops`` elementwise ops on a tiny tensor: each costs its overhead only."""
+    import torch
+    import torch.fx
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    for i in range(ops):
+        x = graph.call_function(torch.ops.aten.mul.Tensor if i % 2 else torch.ops.aten.add.Tensor, (x, 1.0))
+    graph.output(x)
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
 def rank_samples(rank: int, world: int, sizes: dict, progress: bool = False) -> dict:
@@ -252,21 +277,22 @@ def collective_design(kind: str, n: int, payload: float) -> list:
 
 def fit_compute(samples: dict) -> dict:
     """``op_overhead_s``, ``memory_bandwidth`` and ``peak_flops`` from the compute samples."""
-    elementwise = samples["elementwise"]
-    if len(elementwise) < 2 or not samples["matmul"]:
-        raise ValueError("calibrate: the fit needs elementwise times at two sizes or more and matmul times")
+    elementwise, chains = samples["elementwise"], samples["chains"]
+    if len(elementwise) < 2 or len(chains) < 2 or not samples["matmul"]:
+        raise ValueError("calibrate: the fit needs elementwise and program times at two sizes or more, and matmuls")
     ew, _ = _fit_nonnegative([[1.0, s["bytes"]] for s in elementwise], [s["s"] for s in elementwise], [0])
-    op_overhead, per_byte = ew
+    call, per_byte = ew
+    (_, per_op), _ = _fit_nonnegative([[1.0, s["ops"]] for s in chains], [s["s"] for s in chains], [0])
     peaks = {}
     for dtype in sorted({s["dtype"] for s in samples["matmul"]}):
         mm = [s for s in samples["matmul"] if s["dtype"] == dtype]
         rows = [[s["flops"]] for s in mm]
-        (per_flop,) = _weighted_lstsq(rows, [max(s["s"] - op_overhead, 1e-12) for s in mm], [0])
+        (per_flop,) = _weighted_lstsq(rows, [max(s["s"] - call, 1e-12) for s in mm], [0])
         peaks[dtype] = 1.0 / per_flop
     if "float32" not in peaks:
         raise ValueError("calibrate: the fit needs float32 matmul times (the default for other dtypes)")
     return {
-        "op_overhead_s": op_overhead,
+        "op_overhead_s": per_op / 2,
         "memory_bandwidth": 1.0 / per_byte,
         "peak_flops": {**{d: peaks["float32"] for d in ("bfloat16", "float16")}, **peaks},
     }

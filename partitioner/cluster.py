@@ -200,7 +200,12 @@ def calibrate_cpu(*, refresh: bool = False) -> ClusterSpec:
             pass
     from partitioner.calibrate import compute_samples, fit_compute
 
-    quick = {"matmul": (128, 256, 512), "dtypes": ("float32",), "elementwise": (1 << 12, 1 << 18, 1 << 21)}
+    quick = {
+        "matmul": (128, 256, 512),
+        "dtypes": ("float32",),
+        "elementwise": (1 << 12, 1 << 18, 1 << 21),
+        "chains": (8, 32, 128),
+    }
     compute = fit_compute(compute_samples({**quick, "trials": 2, "seconds": 0.05}))
     link = LinkSpec(bandwidth=compute["memory_bandwidth"] / 8, latency_s=50e-6)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -339,21 +339,26 @@ class _Bounds:
             link = spec.link_for_axis(shape, 2)
             ar = 2 * (c.tensor - 1) / c.tensor * f.boundary_per_sample * mb / c.data / link.bandwidth
             per_micro += per_stage_layers * (6 if c.recompute == "all" else 4) * (ar + overhead + link.latency_s)
+        once = 0.0
         if c.data > 1:
-            # the stage's gradients all-reduced once per microbatch (bucketed), or, when cheaper, a
-            # per-layer reduction of activations over dp: a stand-in for the plans the solver finds
-            # without replicated weights on dp (sharded weights, activations split on both axes)
+            # the stage's gradients all-reduced once per step (bucketed; a pipeline holds them back
+            # until its last microbatch), or, when cheaper, a per-layer reduction of activations
+            # over dp in every microbatch: a stand-in for the plans the solver finds without
+            # replicated weights on dp (sharded weights, activations split on both axes)
             link = spec.link_for_axis(shape, 1)
             grads = f.params / (c.pipeline * c.tensor) * self.reduce_bytes
             sync = 2 * (c.data - 1) / c.data * grads / link.bandwidth + overhead + link.latency_s
             ar = 2 * (c.data - 1) / c.data * f.boundary_per_sample * mb / c.tensor / link.bandwidth
             as_tensor = per_stage_layers * (6 if c.recompute == "all" else 4) * (ar + overhead + link.latency_s)
-            per_micro += min(sync, as_tensor)
+            if sync <= as_tensor * c.microbatches:
+                once = sync
+            else:
+                per_micro += as_tensor
         if c.pipeline > 1:  # an activation forward and its gradient back, per microbatch
             link = spec.link_for_axis(shape, 0)
             per_micro += 2 * (f.boundary_per_sample * mb / (c.data * c.tensor) / link.bandwidth + link.latency_s)
         compute = self.time(c) * (1.0 - self._bubble(c)) / c.microbatches
-        return (compute + per_micro) * c.microbatches / (1.0 - self._bubble(c))
+        return (compute + per_micro) * c.microbatches / (1.0 - self._bubble(c)) + once
 
 
 class _Planner:
@@ -578,7 +583,7 @@ class _Planner:
         forward, backward, weight = ps.stage_durations(ests, [graphs[r].takes_activations for r in stage_map])
         _, p2p_s, p2p_bytes = self._p2p(c, graphs, sent_as)
         sched = ps.SCHEDULES[c.schedule or "1f1b"].make(c.pipeline, c.microbatches, c.virtual_stages)
-        sim = ps.simulate(sched, forward, backward, weight, comm_time=p2p_s)
+        sim = ps.simulate(sched, forward, backward, weight, comm_time=p2p_s, sync_time=ps.stage_syncs(ests))
         per_rank_memory = [0.0] * c.pipeline
         for s, est in enumerate(ests):
             per_rank_memory[sched.stage_to_rank[s]] += est.memory_bytes

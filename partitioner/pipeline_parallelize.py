@@ -112,13 +112,14 @@ def _sent_placements(graph, plan, ndim) -> dict:
 
 def _choose(config: PipelineConfig, plans, graphs):
     """The schedule simulated fastest with the stage plans' cost estimates."""
-    forward, backward, weight = ps.stage_durations(
-        [plan.estimate() for plan in plans], [g.takes_activations for g in graphs]
-    )
+    estimates = [plan.estimate() for plan in plans]
+    forward, backward, weight = ps.stage_durations(estimates, [g.takes_activations for g in graphs])
     logger.debug(
         "pipeline: stage seconds per microbatch: forward %s, backward %s, weight %s", forward, backward, weight
     )
-    name, steps = ps.choose_schedule(config.degree, config.microbatches, forward, backward, weight)
+    name, steps = ps.choose_schedule(
+        config.degree, config.microbatches, forward, backward, weight, ps.stage_syncs(estimates)
+    )
     logger.info(
         "pipeline: schedule %s chosen (simulated step with the stage estimates: %s)",
         name,

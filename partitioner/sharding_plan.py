@@ -82,6 +82,11 @@ class Estimate:
     """Model FLOPs utilisation: ``tflops_per_device`` over the preset's peak for the compute dtype."""
     bubble_s: float = 0.0
     """Pipelines: the busiest rank's idle time in the simulated schedule (0 without a pipeline)."""
+    grad_sync_s: float = 0.0
+    """The part of ``comm_s`` that moves parameter gradients (their all-reduces and reduce-scatters
+    in backward): what a pipeline runs once per step, not once per microbatch."""
+    grad_sync_bytes: dict = field(default_factory=dict)
+    """``grad_sync_bytes[kind][axis_name]``: the part of ``comm_bytes`` those collectives send."""
 
     def total_comm_bytes(self) -> float:
         return sum(v for per_axis in self.comm_bytes.values() for v in per_axis.values())
@@ -107,6 +112,19 @@ class Estimate:
             return ""
         bubble = f", pipeline bubble {_fmt_time(self.bubble_s)}" if self.bubble_s else ""
         return f"; {self.tflops_per_device:.1f} TFLOP/s per device (MFU {100 * self.mfu:.1f}%){bubble}"
+
+
+def per_step_comm(per_microbatch: dict, grad_sync: dict, m: int) -> dict:
+    """A pipeline stage's ``{kind: {axis: bytes}}`` over a step of ``m`` microbatches: its
+    collectives once per microbatch, except the parameter-gradient ones (``grad_sync``, part of
+    ``per_microbatch``), sent once per step (:class:`runtime.pipeline.PipelineRunner`)."""
+    return {
+        kind: {
+            axis: (v - grad_sync.get(kind, {}).get(axis, 0.0)) * m + grad_sync.get(kind, {}).get(axis, 0.0)
+            for axis, v in axes.items()
+        }
+        for kind, axes in per_microbatch.items()
+    }
 
 
 @dataclass
@@ -208,9 +226,19 @@ class ShardingPlan:
             return self._with_throughput(self._pipeline_estimate())
         return self._with_throughput(self._intra_op_estimate())
 
+    def _moves_param_grad(self, record: dict, c: dict) -> bool:
+        """A collective of ``record``'s backward that moves a parameter's gradient (on the edge
+        from the parameter; a ZeRO-3 regather is the weight, not its gradient)."""
+        k = c.get("input")
+        if c["phase"] != "bwd" or k is None or c.get("regather"):
+            return False
+        source = self._by_name.get(record["inputs"][k])
+        return source is not None and source["kind"] == "param"
+
     def _intra_op_estimate(self) -> Estimate:
-        compute = comm_t = weight = 0.0
+        compute = comm_t = weight = sync_t = 0.0
         comm = defaultdict(lambda: defaultdict(float))
+        sync = defaultdict(lambda: defaultdict(float))
         phases = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
         for r in self.records:
             compute += r.get("compute_s", 0.0)
@@ -219,6 +247,9 @@ class ShardingPlan:
                 comm_t += c["time_s"]
                 comm[c["kind"]][c["axis"]] += c["bytes"]
                 phases[c["phase"]][c["kind"]][c["axis"]] += c["bytes"]
+                if self._moves_param_grad(r, c):
+                    sync_t += c["time_s"]
+                    sync[c["kind"]][c["axis"]] += c["bytes"]
         as_dict = lambda d: {k: dict(v) for k, v in d.items()}  # noqa: E731
         memory = memory_breakdown(self.records)
         return Estimate(
@@ -230,6 +261,8 @@ class ShardingPlan:
             comm_bytes_by_phase={p: as_dict(v) for p, v in phases.items()},
             weight_grad_s=weight,
             memory=memory,
+            grad_sync_s=sync_t,
+            grad_sync_bytes=as_dict(sync),
         )
 
     # -- the whole configuration (partitioner.config_search) -----------------------------------
@@ -253,28 +286,32 @@ class ShardingPlan:
 
     def _pipeline_estimate(self) -> Estimate:
         """The schedule's simulated step (bubble and point-to-point time included) on the busiest
-        rank: its stages' per-microbatch compute and collectives times the microbatches, plus
-        the activations and gradients it sends to its neighbours (``send_recv`` on ``pp``)."""
+        rank: its stages' per-microbatch compute and collectives times the microbatches (the
+        parameter-gradient reductions once: the runtime holds them back until the stage's last
+        backward of the step), plus the activations and gradients it sends to its neighbours
+        (``send_recv`` on ``pp``)."""
         pipe = self.data["pipeline"]
         stages = [p.estimate() for p in self.stage_plans]
         m = pipe["microbatches"]
         busiest = stages[pipe.get("busiest_stage", 0)]
-        comm = {k: {a: v * m for a, v in axes.items()} for k, axes in busiest.comm_bytes.items()}
+        comm = per_step_comm(busiest.comm_bytes, busiest.grad_sync_bytes, m)
         comm["send_recv"] = {"pp": float(pipe["p2p_bytes"])}
         phases = {
-            ph: {k: {a: v * m for a, v in axes.items()} for k, axes in kinds.items()}
+            ph: per_step_comm(kinds, busiest.grad_sync_bytes if ph == "bwd" else {}, m)
             for ph, kinds in busiest.comm_bytes_by_phase.items()
         }
         return Estimate(
             step_time_s=pipe["step_time_s"],
             compute_s=busiest.compute_s * m,
-            comm_s=busiest.comm_s * m + 2 * m * pipe["p2p_time_s"],
+            comm_s=(busiest.comm_s - busiest.grad_sync_s) * m + busiest.grad_sync_s + 2 * m * pipe["p2p_time_s"],
             memory_bytes=pipe["memory_bytes"],
             comm_bytes=comm,
             comm_bytes_by_phase=phases,
             weight_grad_s=busiest.weight_grad_s * m,
             memory=busiest.memory,
             bubble_s=max(0.0, pipe["step_time_s"] - pipe["busy_s"]),
+            grad_sync_s=busiest.grad_sync_s,
+            grad_sync_bytes=busiest.grad_sync_bytes,
         )
 
     def _with_throughput(self, est: Estimate) -> Estimate:

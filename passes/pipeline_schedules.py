@@ -105,6 +105,8 @@ __all__ = [
     "peak_in_flight",
     "stage_in_flight",
     "stage_durations",
+    "stage_syncs",
+    "last_weight_actions",
     "choose_schedule",
     "auto_stage_in_flight",
     "ScheduleKind",
@@ -177,6 +179,11 @@ class Action:
     def is_backward(self) -> bool:
         """``B`` or ``I``: the action that produces the stage's input gradient."""
         return self.kind in (ActionKind.B, ActionKind.I)
+
+    @property
+    def makes_weight_grads(self) -> bool:
+        """``B`` or ``W``: the action that produces the stage's parameter gradients."""
+        return self.kind in (ActionKind.B, ActionKind.W)
 
     def counterpart(self) -> Action:
         """The receive matching this send, or the send matching this receive."""
@@ -1013,21 +1020,35 @@ def _per_stage(value: StageTime, what: str, num_stages: int) -> list:
     return times
 
 
+def last_weight_actions(schedule: Schedule) -> dict:
+    """stage -> (rank, index) of the stage's last ``B`` / ``W`` in its rank's order: the action
+    whose backward reduces the parameter gradients held back over the step's microbatches
+    (:class:`runtime.pipeline.PipelineRunner` defers every other one)."""
+    last = {}
+    for rank, acts in enumerate(schedule.actions):
+        for i, a in enumerate(acts):
+            if a.makes_weight_grads:
+                last[a.stage] = (rank, i)
+    return last
+
+
 def simulate(
     schedule: Schedule,
     forward_time: StageTime,
     backward_time: StageTime,
     weight_time: StageTime | None = None,
     comm_time: float = 0.0,
+    sync_time: StageTime | None = None,
 ) -> SimulationResult:
     """Replay a valid schedule with durations in seconds.
 
     Times are per stage: a number (every stage), a dict ``{stage: seconds}`` or a callable
     ``stage -> seconds``. ``backward_time`` is the full backward ``B``; a split backward takes
     ``I = B - W`` and ``W = weight_time`` (default ``B / 2``). ``comm_time`` is added to every
-    dependency that crosses ranks. Sends and receives take no compute time, but a receive blocks
-    its rank until the message arrives. Raises ``ValueError`` (as :func:`assert_valid`) for an
-    invalid schedule.
+    dependency that crosses ranks. ``sync_time``: the stage's parameter-gradient reduction, once
+    per step, added to its last ``B`` / ``W`` (:func:`last_weight_actions`). Sends and receives
+    take no compute time, but a receive blocks its rank until the message arrives. Raises
+    ``ValueError`` (as :func:`assert_valid`) for an invalid schedule.
     """
     assert_valid(schedule)
     S = schedule.num_stages
@@ -1038,9 +1059,15 @@ def simulate(
     if over:
         raise ValueError(f"weight_time exceeds backward_time (B = I + W) for stages {over}")
     table = {ActionKind.F: fwd, ActionKind.B: bwd, ActionKind.W: wgt, ActionKind.I: [b - w for b, w in zip(bwd, wgt)]}
+    syncs = [0.0] * S if sync_time is None else _per_stage(sync_time, "sync_time", S)
+    last = {
+        (a.kind, a.stage, a.microbatch): syncs[s]
+        for s, (r, i) in last_weight_actions(schedule).items()
+        for a in [schedule.actions[r][i]]
+    }
 
     def duration(a: Action) -> float:
-        return table[a.kind][a.stage] if a.is_compute else 0.0
+        return table[a.kind][a.stage] + last.get((a.kind, a.stage, a.microbatch), 0.0) if a.is_compute else 0.0
 
     run = _execute(schedule, duration, comm_time)
     assert not run.stuck
@@ -1093,17 +1120,26 @@ def stage_durations(estimates: Sequence, takes_activations: Sequence[bool]) -> t
     """(forward, backward, weight) seconds per microbatch for each stage, as dicts by stage.
 
     ``estimates[s]`` is stage ``s``'s cost estimate for one microbatch (``step_time_s``:
-    forward + backward; ``weight_grad_s``: its parameter-gradient products). A third of the step
-    is forward, two thirds backward. ``weight`` is what a zero-bubble W pass runs: the parameter
-    products, or the whole backward on a stage that takes no floating-point activations (the
-    first: its input-gradient pass has nothing to compute, so all of its backward waits for W).
+    forward + backward; ``weight_grad_s``: its parameter-gradient products; ``grad_sync_s``: its
+    parameter-gradient reduction, which a pipeline runs once per step, :func:`stage_syncs`). A
+    third of the rest is forward, two thirds backward. ``weight`` is what a zero-bubble W pass
+    runs: the parameter products, or the whole backward on a stage that takes no floating-point
+    activations (the first: its input-gradient pass has nothing to compute, so all of its
+    backward waits for W).
     """
     forward, backward, weight = {}, {}, {}
     for s, (est, takes) in enumerate(zip(estimates, takes_activations)):
-        forward[s] = est.step_time_s / 3.0
-        backward[s] = 2.0 * est.step_time_s / 3.0
+        per_microbatch = est.step_time_s - est.grad_sync_s
+        forward[s] = per_microbatch / 3.0
+        backward[s] = 2.0 * per_microbatch / 3.0
         weight[s] = min(est.weight_grad_s, backward[s]) if takes else backward[s]
     return forward, backward, weight
+
+
+def stage_syncs(estimates: Sequence) -> dict:
+    """stage -> seconds of its parameter-gradient reduction, once per step (``sync_time`` of
+    :func:`simulate`)."""
+    return {s: est.grad_sync_s for s, est in enumerate(estimates)}
 
 
 def auto_stage_in_flight(p: int, m: int) -> dict:
@@ -1113,7 +1149,9 @@ def auto_stage_in_flight(p: int, m: int) -> dict:
     return {s: max(d[s] for d in per) for s in range(p)}
 
 
-def choose_schedule(p: int, m: int, forward: StageTime, backward: StageTime, weight: StageTime) -> tuple:
+def choose_schedule(
+    p: int, m: int, forward: StageTime, backward: StageTime, weight: StageTime, sync: StageTime | None = None
+) -> tuple:
     """The fastest one-stage-per-rank schedule for these stage durations: each of
     :data:`AUTO_SCHEDULES` is simulated; the shortest step wins, then the fewest microbatches in
     flight on any rank (activation memory), then the order of :data:`AUTO_SCHEDULES`.
@@ -1121,7 +1159,7 @@ def choose_schedule(p: int, m: int, forward: StageTime, backward: StageTime, wei
     steps, keys = {}, {}
     for order, name in enumerate(AUTO_SCHEDULES):
         sched = SCHEDULES[name].make(p, m, 1)
-        result = simulate(sched, forward, backward, weight)
+        result = simulate(sched, forward, backward, weight, sync_time=sync)
         steps[name] = result.makespan
         keys[name] = (round(result.makespan, 12), max(peak_in_flight(sched).values()), order)
     return min(AUTO_SCHEDULES, key=keys.__getitem__), steps

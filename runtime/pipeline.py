@@ -17,6 +17,14 @@ and walks the rank's actions from :mod:`passes.pipeline_schedules`:
 Values that skip stages are carried through the stages between (a carried leaf is sent on as
 itself, so its gradient comes back through the same path). Gradients land in ``.grad`` as after
 a single-device ``loss.backward()`` on the whole batch; the loss is broadcast to every rank.
+
+Parameter gradients are reduced once per step, not once per microbatch: every parameter edge
+of a stage program whose backward communicates (a data-parallel all-reduce, the reduce-scatter
+of a weight stored sharded) holds its unreduced gradient in the stage's
+:class:`runtime.grad_sync.DeferredSyncs` during the stage's ``B`` / ``W`` actions, except the
+last one of the step (``passes.pipeline_schedules.last_weight_actions``), whose backward moves
+each held sum with its own gradient in one collective (the moves are linear). The cost model
+prices the same (``Estimate.grad_sync_s`` once per step).
 """
 
 from __future__ import annotations
@@ -29,8 +37,10 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from passes.pipeline_schedules import last_weight_actions
 from passes.placements import replicated
-from runtime.collectives import MeshComm
+from runtime.collectives import MeshComm, Reshard
+from runtime.grad_sync import DeferredSyncs
 from runtime.parallel_module import gather_tensor, run_under_autocast, shard_tensor
 from runtime.sharded_io import ShardedCheckpointIO
 
@@ -318,6 +328,16 @@ class PipelineRunner(ShardedCheckpointIO, torch.nn.Module):
         self.trace = []
         self._split_backward = any(a.kind == "W" for acts in schedule.actions for a in acts)
         self._register_parameters()
+        # a stage's gradient syncs are held back in all its B / W actions of a step but the last
+        last = last_weight_actions(schedule)
+        self._synced_at = {i for s, (r, i) in last.items() if r == comm_pp[1] and str(s) in self.stages}
+        self._held = {}
+        for key, module in self.stages.items():
+            stage = cast(StageProgram, module)
+            held = self._held[int(key)] = DeferredSyncs()
+            for edge in stage.program.modules():
+                if isinstance(edge, Reshard) and edge.param_edge is not None and edge.backward_communicates:
+                    edge.sync_param, edge.deferred = stage.param(edge.param_edge), held
 
     # -- helpers -----------------------------------------------------------------------------
     def _microbatch_shapes(self) -> dict:
@@ -407,9 +427,13 @@ class PipelineRunner(ShardedCheckpointIO, torch.nn.Module):
         actions = self.schedule.actions[self.comm_pp[1]]
         self.trace = []
         posted = self._post_all_receives(actions)
-        for action in actions:
+        for i, action in enumerate(actions):
             t0 = time.perf_counter()
-            self._run(action, step, posted)
+            if action.makes_weight_grads and i not in self._synced_at:
+                with self._held[action.stage].deferred():
+                    self._run(action, step, posted)
+            else:
+                self._run(action, step, posted)
             # absolute times, so ranks on one host line up whatever moment each entered the step
             self.trace.append((str(action), t0, time.perf_counter()))
         for work in step.pending:

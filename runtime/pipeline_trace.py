@@ -55,19 +55,22 @@ def measured_timeline(runner) -> dict:
 
 def stage_times(runner) -> tuple:
     """(forward, backward, weight) seconds per microbatch for each stage, from its plan's estimate
-    (:func:`passes.pipeline_schedules.stage_durations`)."""
-    from passes.pipeline_schedules import stage_durations
+    (:func:`passes.pipeline_schedules.stage_durations`), and each stage's gradient reduction, once
+    per step (``stage_syncs``)."""
+    from passes.pipeline_schedules import stage_durations, stage_syncs
 
-    return stage_durations(
-        [plan.estimate() for plan in runner.plan["stages"]], [graph.takes_activations for graph in runner.stage_graphs]
+    estimates = [plan.estimate() for plan in runner.plan["stages"]]
+    return (
+        *stage_durations(estimates, [graph.takes_activations for graph in runner.stage_graphs]),
+        stage_syncs(estimates),
     )
 
 
 def simulated_timeline(runner, forward=None, backward=None, weight=None) -> dict:
     from passes.pipeline_schedules import simulate
 
-    f, b, w = stage_times(runner)
-    result = simulate(runner.schedule, forward or f, backward or b, weight or w)
+    f, b, w, sync = stage_times(runner)
+    result = simulate(runner.schedule, forward or f, backward or b, weight or w, sync_time=sync)
     return {r: [(str(t.action), t.start, t.end) for t in timeline] for r, timeline in result.timelines.items()}
 
 

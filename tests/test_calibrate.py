@@ -8,6 +8,7 @@ of the model over its own samples, priced through the cost model the planner use
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -38,18 +39,24 @@ KNOWN = ClusterSpec(
 )
 
 
+CALL_S = 2e-6  # a bare op call's cost (what matmul and elementwise loops pay beyond their work)
+
+
 def samples_of(spec: ClusterSpec) -> dict:
     """What a machine that is exactly ``spec`` would measure."""
-    out: dict = {"matmul": [], "elementwise": [], "collectives": []}
+    out: dict = {"matmul": [], "elementwise": [], "chains": [], "collectives": []}
+    bare = dataclasses.replace(spec, op_overhead_s=CALL_S)
     for dtype in ("float32", "bfloat16"):
         for n in (64, 128, 256):
             flops = 2 * n**3
             out["matmul"].append(
-                {"dtype": dtype, "n": n, "flops": flops, "s": compute_time(flops, 0, dtype, True, spec)}
+                {"dtype": dtype, "n": n, "flops": flops, "s": compute_time(flops, 0, dtype, True, bare)}
             )
     for numel in (1 << 10, 1 << 16, 1 << 20):
         nbytes = 12 * numel
-        out["elementwise"].append({"bytes": nbytes, "s": compute_time(0, nbytes, None, False, spec)})
+        out["elementwise"].append({"bytes": nbytes, "s": compute_time(0, nbytes, None, False, bare)})
+    for ops in (8, 32, 128):  # forward and backward of each op: two overheads (tiny tensors: no work)
+        out["chains"].append({"ops": ops, "s": 40e-6 + 2 * ops * spec.op_overhead_s})
     for n in (2, 4):
         for kind in COLLECTIVES:
             for payload in (1 << 10, 1 << 16, 1 << 22):
@@ -77,6 +84,8 @@ def test_fit_keeps_fixed_costs_nonnegative():
     samples = samples_of(KNOWN)
     for s in samples["elementwise"]:
         s["s"] = 1e-5 / math.log2(s["bytes"])
+    for s in samples["chains"]:
+        s["s"] = 1e-4 / s["ops"]
     for s in samples["collectives"]:
         s["s"] = 1e-3 / math.log2(s["payload"])
     got = fit(samples, ranks=4)
@@ -109,11 +118,6 @@ def test_calibrate_writes_a_cluster_file_that_loads_and_plans(tmp_path):
     coef = [spec.collective_overhead_s, spec.intra_node.latency_s] + [1.0] * len(COLLECTIVES)
     kept = [j for j, c in enumerate(coef) if c > 0]
     _orthogonal(design[:, kept] / t[:, None], (t - pred) / t)
-    ew = samples["elementwise"]
-    t = np.array([s["s"] for s in ew])
-    pred = np.array([compute_time(0, s["bytes"], None, False, spec) for s in ew])
-    design = np.array([[1.0, s["bytes"]] for s in ew])[:, [0, 1] if spec.op_overhead_s > 0 else [1]]
-    _orthogonal(design / t[:, None], (t - pred) / t)
 
     # cluster=<path> plans, and the plan records the measured cluster
     model, inputs = gpt_demo(batch=2, seq=8, n_layer=1, n_embd=32, n_head=2, vocab_size=64)

@@ -44,7 +44,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from parity_utils import run_checked, Checks, check_grads_by_alias, adam_in_lockstep, call, loss_of
+from parity_utils import run_checked, Checks, check_grads_by_alias, adam_in_lockstep, call, loss_of, nested_approx_equal
 
 from runtime.launch import run_on_ranks
 
@@ -141,8 +141,26 @@ def pipeline_worker(rank, world, cfg):
                                if r["kind"] in ("param", "input") and r["out"]})
         result["placements"] = placements
 
-    # 1. loss and every gradient after one pipelined forward + backward
-    loss = runner.train_step(inputs)
+    # 1. loss and every gradient after one pipelined forward + backward; the stages' collectives
+    # are those their plans price: per microbatch, parameter gradients once per step
+    from partitioner.sharding_plan import per_step_comm
+    from runtime.collectives import CommCounter
+    with CommCounter() as counter:
+        loss = runner.train_step(inputs)
+    expected: dict = {}
+    for key in runner.stages:
+        plan = runner.plan["stages"][int(key)]
+        est, sizes = plan.estimate(), dict(zip(plan.axis_names, plan.mesh_shape))
+        for kind, axes in per_step_comm(est.comm_bytes, est.grad_sync_bytes, sched.num_microbatches).items():
+            for axis, nbytes in axes.items():
+                if sizes[axis] > 1 and nbytes:   # (a one-device stage mesh sends nothing)
+                    expected.setdefault(kind, {}).setdefault(axis, 0.0)
+                    expected[kind][axis] += nbytes
+    diffs = nested_approx_equal(counter.as_dict(), expected)
+    checks.true(f"counted communication differs from the estimate: {diffs}", not diffs)
+    own = [runner.plan["stages"][int(key)].estimate().grad_sync_bytes for key in runner.stages]
+    result["grad_sync"] = (sum(counter.grad_sync_dict().get("all_reduce", {}).values()),
+                           sum(v for syncs in own for v in syncs.get("all_reduce", {}).values()))
     ref_loss = loss_of(call(ref, inputs))
     ref_loss.backward()
     result["loss"] = loss.item()
@@ -214,6 +232,9 @@ def test_pipeline_parity(cfg):
         assert all(len(sends) >= 2 for sends in r0["sends"][:-1]), r0["sends"]
     placements = r0["placements"]
     if cfg["pins"] == "dp":      # every stage on its 2 ranks: the batch split, the weights replicated
+        # their gradients all-reduced over dp once per step (one stage's gradients), not per microbatch
+        syncs = [r["grad_sync"] for r in results]
+        assert all(counted == once for counted, once in syncs) and any(once for _, once in syncs), syncs
         for name in _input_names(cfg["model"]):
             used = [p[name] for p in placements if name in p]
             assert used and all(pl == "[S(0)]" for pl in used), (name, used)
@@ -416,7 +437,7 @@ def test_zero_bubble_splits_input_and_weight_gradients():
     assert [c[0] for c in first] == ["W"] * 4 and all(which == ["param"] for _, which, _ in first), first
     # the cost model prices the same split: the first stage's W is its whole backward; the last
     # stage's W is its weight products, a share of its backward near a half (GPT is matmul-bound)
-    forward, backward, weight = results[0]["stage_times"]
+    forward, backward, weight, _ = results[0]["stage_times"]
     assert weight[0] == backward[0] > forward[0] > 0, (forward, backward, weight)
     assert 0.3 * backward[1] < weight[1] < 0.7 * backward[1], (backward, weight)
 

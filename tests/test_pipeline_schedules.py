@@ -386,13 +386,32 @@ def test_schedule_shape_is_validated():
 def test_stage_durations_split_the_estimate():
     from types import SimpleNamespace as Est
 
-    from passes.pipeline_schedules import stage_durations
-    estimates = [Est(step_time_s=3.0, weight_grad_s=0.9), Est(step_time_s=6.0, weight_grad_s=1.5),
-                 Est(step_time_s=6.0, weight_grad_s=9.0)]
+    from passes.pipeline_schedules import stage_durations, stage_syncs
+    estimates = [Est(step_time_s=3.0, weight_grad_s=0.9, grad_sync_s=0.0),
+                 Est(step_time_s=6.5, weight_grad_s=1.5, grad_sync_s=0.5),
+                 Est(step_time_s=6.0, weight_grad_s=9.0, grad_sync_s=0.0)]
     forward, backward, weight = stage_durations(estimates, [False, True, True])
+    # the gradient reduction is not part of a microbatch: it runs once per step
     assert forward == {0: 1.0, 1: 2.0, 2: 2.0} and backward == {0: 2.0, 1: 4.0, 2: 4.0}
+    assert stage_syncs(estimates) == {0: 0.0, 1: 0.5, 2: 0.0}
     # no activations in: the whole backward is W; otherwise the weight products, at most B
     assert weight == {0: 2.0, 1: 1.5, 2: 4.0}
+
+
+@pytest.mark.parametrize("make", [lambda: one_f_one_b(2, 4), lambda: zb_h1(2, 4), lambda: gpipe(2, 4)])
+def test_a_stage_gradient_sync_runs_once_after_its_last_weight_pass(make):
+    from passes.pipeline_schedules import last_weight_actions
+    schedule = make()
+    base = simulate(schedule, 1.0, 2.0)
+    synced = simulate(schedule, 1.0, 2.0, sync_time={0: 0.75, 1: 0.0})
+    rank, index = last_weight_actions(schedule)[0]
+    last = schedule.actions[rank][index]
+    assert last.makes_weight_grads and last.stage == 0
+    assert not any(a.makes_weight_grads and a.stage == 0 for a in schedule.actions[rank][index + 1:])
+    # stage 0 finishes the step in these schedules (its last backward is the last action): the sync
+    # adds to the step once, not once per microbatch
+    assert synced.makespan == pytest.approx(base.makespan + 0.75)
+    assert synced.busy[0] == pytest.approx(base.busy[0] + 0.75) and synced.busy[1] == pytest.approx(base.busy[1])
 
 
 def test_choose_schedule_known_answers():
