@@ -432,10 +432,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--zero",
-        choices=("auto", "2", "3"),
+        choices=("auto", "1", "2", "3"),
         default="auto",
-        help="a weight stored sharded keeps its gathered copy for backward (2), gathers it again in backward "
-        "(3), or the solver chooses (auto)",
+        help="a replicated weight keeps its optimizer state sharded (1), a weight stored sharded keeps its "
+        "gathered copy for backward (2) or gathers it again in backward (3), or the solver chooses (auto)",
     )
     p.add_argument(
         "--optimizer",

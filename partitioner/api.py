@@ -146,7 +146,10 @@ def plan(
         zero: a weight stored sharded and gathered for use (FSDP / ZeRO): ``"auto"`` lets the
             solver choose per weight between keeping the gathered copy for backward (ZeRO-2,
             FSDP's ``reshard_after_forward=False``) and freeing it after forward to gather it
-            again in backward (ZeRO-3); ``2`` or ``3`` force one; a dict of parameter name
+            again in backward (ZeRO-3); and, for a weight replicated on a data-parallel axis,
+            keeping it whole with its optimizer state sharded there (ZeRO-1: one reduce-scatter
+            and one all-gather per step, the optimizer sees the shard); ``1``, ``2`` or ``3``
+            force one; a dict of parameter name
             patterns to modes (``{"h.*.mlp.*": 3, "*": 2}``, first match) decides per weight
             (see ``docs/ARCHITECTURE.md``, "Parameter storage").
 
@@ -227,6 +230,7 @@ def plan_captured(
     recompute="none",
     sequence_parallel="auto",
     zero="auto",
+    zero1=True,
 ) -> ShardingPlan:
     """:func:`plan` for a graph already captured and analysed (``passes.capture`` +
     ``passes.analyze``); ``auto_parallelize`` uses it so the model is captured once.
@@ -234,7 +238,8 @@ def plan_captured(
     stage under its schedule): the activation memory counts that many. ``precision``: recorded
     in the plan (default: the autocast dtype ``cap`` was captured under, fp32 reductions).
     ``recompute``: ``"auto"``, ``"all"`` or ``"none"`` (see :func:`plan`; pipeline stages keep
-    the default, ``"none"``)."""
+    the default, ``"none"``). ``zero1``: offer ZeRO-1 weights (pipeline stages do not: their
+    runtime keeps no compute copies)."""
     if objective not in _OBJECTIVES:
         raise ValueError(f"objective must be one of {_OBJECTIVES}, got {objective!r}")
     if optimizer not in ("adam", "sgd", None):
@@ -273,6 +278,7 @@ def plan_captured(
             recompute=recompute,
             log=logger.info,
             zero=zero,
+            zero1=zero1,
         )
     t3 = time.perf_counter()
     stats = dict(result.stats, **timings, plan_s=t3 - t2, total_s=t3 - t0)

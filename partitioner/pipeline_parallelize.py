@@ -343,6 +343,7 @@ def _plan_stages(
                 activation_copies=copies[g.index],
                 precision=precision,
                 sequence_parallel=sequence_parallel,
+                zero1=False,
             )
             plans.append(made.to_json())
             sent_as.update(_sent_placements(g, made, len(sub.shape)))

@@ -386,7 +386,8 @@ def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = 
 
 def weight_storage(plan) -> dict:
     """Parameter record name -> how it is stored: ``"replicated"``, ``"sharded"`` (used where it
-    lies: tensor parallel), ``"zero2"`` (gathered for use, the copy kept for backward) or
+    lies: tensor parallel), ``"zero1"`` (used whole where replicated, the optimizer's shard cut
+    there), ``"zero2"`` (gathered for use, the copy kept for backward) or
     ``"zero3"`` (gathered for use, freed after forward and gathered again in backward)."""
     params = {r["name"]: r for r in plan.records if r.get("kind") == "param"}
     gathered = set()
@@ -397,7 +398,9 @@ def weight_storage(plan) -> dict:
                 gathered.add(r["inputs"][k])
     out = {}
     for name, r in params.items():
-        if "S(" not in "".join(r.get("out") or ()):
+        if r.get("stored"):
+            out[name] = "zero1"
+        elif "S(" not in "".join(r.get("out") or ()):
             out[name] = "replicated"
         elif name not in gathered:
             out[name] = "sharded"
@@ -409,11 +412,12 @@ def weight_storage(plan) -> dict:
 def _storage_lines(plan, width, wide) -> list:
     """``weights: 12 replicated (data parallel), 4 ZeRO-3 (...)``, when some weight is gathered for use."""
     kinds = Counter(weight_storage(plan).values())
-    if not kinds["zero2"] and not kinds["zero3"]:
+    if not kinds["zero1"] and not kinds["zero2"] and not kinds["zero3"]:
         return []
     said = {
         "replicated": "replicated",
         "sharded": "sharded where used (tensor parallel)",
+        "zero1": "ZeRO-1 (used whole, optimizer state sharded, one reduce-scatter and one all-gather per step)",
         "zero2": "ZeRO-2 (stored sharded, gathered for use, kept for backward)",
         "zero3": "ZeRO-3 (stored sharded, gathered for use, freed after forward and gathered again in backward)",
     }

@@ -116,8 +116,8 @@ def load_local_weights(cap, records: dict, comm, source: WeightSource, device, *
     """Steps 2 and 3 for one planned graph: ``records`` (node name -> plan record) place its
     placeholders; ``tied``: groups of tied placeholder names. Returns (LocalWeights, placeholder
     name -> spec for every placeholder, FQN -> strided layout)."""
-    specs = {
-        node.name: parse_spec(records[node.name]["out"][0], comm.ndim)
+    specs = {  # a ZeRO-1 parameter is stored as its optimizer's shard
+        node.name: parse_spec(records[node.name].get("stored") or records[node.name]["out"][0], comm.ndim)
         for node in cap.graph.nodes
         if node.op == "placeholder"
     }

@@ -12,6 +12,9 @@ graph in order and emit a new fx graph:
 * every op is emitted by its rule's ``lower`` hook (:class:`LowerCall`): the same aten op on
   local tensors with shape arguments rewritten to local shapes, or a local kernel from
   :mod:`runtime.local_ops` where the sharded form needs one;
+* a ZeRO-1 parameter (record ``stored``) arrives as its compute copy (placed as the record's
+  ``out``); its edges leave the gradient ``Partial`` on the shard's axes, and
+  ``gm.meta["partita.zero1"]`` lists the two placements for :mod:`runtime.optimizer_shards`;
 * outputs the plan replicates are resharded to ``Replicate``; device arguments baked in at
   capture time (``meta``) are replaced by this rank's device;
 * the nodes emitted for each region the plan recomputes (records marked ``recompute``, named
@@ -37,9 +40,10 @@ from torch.utils import _pytree as pytree
 from passes.analyze import info
 from passes.placements import local_shape, parse_spec
 from passes.rules import op_view, rule_for, tensor_input_nodes
-from passes.strategy_space import required_output_spec
+from passes.strategy_space import required_output_spec, zero1_grad_spec
 from runtime.collectives import MeshComm, Reshard
 from runtime.recompute import CheckpointRegion
+from runtime.optimizer_shards import ZERO1_KEY
 from runtime.regather import REGATHER_KEY
 
 __all__ = ["LowerCall", "lower_to_local", "LoweringError", "outline_recomputed", "strided_parameters"]
@@ -119,8 +123,8 @@ class _Builder:
         self.root.add_module(name, module)
         return self.graph.call_module(name, args, kwargs)
 
-    def reshard(self, value, src, dst, grad, base, strided=None, src_strided=None, producer=None):
-        module = Reshard(self.comm, src, dst, grad, strided, src_strided)
+    def reshard(self, value, src, dst, grad, base, strided=None, src_strided=None, producer=None, grad_dst=None):
+        module = Reshard(self.comm, src, dst, grad, strided, src_strided, grad_dst)
         if module.is_noop:
             return value
         made = self.call_module(module, (value,), {}, f"reshard_{base}")
@@ -211,6 +215,8 @@ def lower_to_local(
     out_specs: dict = {}
     output_specs: list = []  # the placement of each value the program returns
     chains = _strided_chains(graph, records, comm)
+    zero1: dict = {}  # ZeRO-1 parameter placeholder -> (compute copy's placement, its shard's)
+    grad_dst: dict = {}  # ZeRO-1 parameter -> where its edges leave the gradient
     layers: dict = {}  # recomputed layer -> [node before its first emitted node, its last emitted node]
     open_layer = None
 
@@ -232,6 +238,10 @@ def lower_to_local(
             env[node] = b.graph.placeholder(node.name)
             env[node].meta.update(node.meta)
             out_specs[node] = _specs(record(node)["out"], ndim)
+            if record(node).get("stored"):  # ZeRO-1: the program reads the compute copy
+                stored = parse_spec(record(node)["stored"], ndim)
+                zero1[node.name] = (out_specs[node][0], stored)
+                grad_dst[node] = zero1_grad_spec(out_specs[node][0], stored)
             continue
         if i.kind == "ignored":
             continue
@@ -278,6 +288,7 @@ def lower_to_local(
                     strided,
                     src_strided,
                     producer=u.name,
+                    grad_dst=grad_dst.get(u),
                 )
             local_inputs.append(value)
         args, kwargs = _fill_nodes((node.args, node.kwargs), local_inputs)
@@ -305,6 +316,7 @@ def lower_to_local(
     spans = {layer: (before.next, end) for layer, (before, end) in layers.items() if end is not before}
     moved = outline_recomputed(gm, spans)
     gm.meta["partita.output_specs"] = output_specs  # placement of each returned value, in order
+    gm.meta[ZERO1_KEY] = zero1
     gm.meta["partita.bucketable_grads"] = {moved.get(name, name): param for name, param in bucketable.items()}
     return gm
 

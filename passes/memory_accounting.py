@@ -25,6 +25,8 @@ keeps (:mod:`passes.saved_tensors` says what each op saves) and counts each stor
 * **ZeRO-3 parameters** (``regather``): the copy an edge gathers for a consumer that keeps it
   is freed after forward (a forward transient) and gathered again while the consumer's
   backward runs (a backward transient), outside recomputed layers.
+* **ZeRO-1 parameters** (``stored``): the compute copy and its gradient at the placement the
+  ops use, plus the optimizer's shard with its gradient and state.
 * **Recomputed layers** (activation checkpointing): what their ops keep is rebuilt while the
   layer's backward reruns it (a backward transient, on the layer's first node); the checkpoint
   keeps the values entering the layer.
@@ -174,8 +176,12 @@ def memory_fields(
         spec = out_spec(n)
         if n.op == "placeholder" and spec is not None and n.name not in again:
             if i.kind == "param":
-                numel = local_bytes(i.shape, spec, mesh, 1)
+                stored = choices[n].stored  # ZeRO-1: the optimizer steps a shard placed so
+                numel = local_bytes(i.shape, spec if stored is None else stored, mesh, 1)
                 p, g, s = param_state_parts(numel, dtype_bytes(i.dtype), optimizer)
+                if stored is not None:  # and the compute copy, with its gradient, is whole
+                    whole = local_bytes(i.shape, spec, mesh, dtype_bytes(i.dtype))
+                    p, g = p + whole, g + whole
                 f.update(parameters=p, gradients=g, optimizer_state=s)
             else:
                 f["input_bytes"] = local_bytes(i.shape, spec, mesh, dtype_bytes(i.dtype))

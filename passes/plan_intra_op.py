@@ -33,7 +33,14 @@ from passes.recompute import (
     least_memory,
 )
 from passes.rules import REPLICATE_FALLBACK, op_name, tensor_input_nodes
-from passes.strategy_space import build_space, edge_collectives, regathers, required_output_spec
+from passes.strategy_space import (
+    build_space,
+    edge_collectives,
+    regathers,
+    required_output_spec,
+    zero1_collectives,
+    zero1_grad_spec,
+)
 
 __all__ = ["InfeasibleBudgetError", "IntraOpResult", "plan_intra_op"]
 
@@ -100,10 +107,17 @@ def _node_record(node, choice, space, axis_names, rep_node):
     rec["compute_s"] = float(choice.compute_s)
     if choice.regather:
         rec["regather"] = True  # ZeRO-3: gathered copies freed after forward, gathered again for backward
+    comm = []
+    if choice.stored is not None:  # ZeRO-1: the optimizer's shard; once per step, both collectives
+        rec["stored"] = format_spec(choice.stored)
+        rs, ag = zero1_collectives(
+            choice.out[0], choice.stored, i.shape, dtype_bytes(i.dtype), mesh, space.grad_reduce_bytes
+        )
+        comm += _collective_dicts(rs, "bwd", None, mesh, cluster, axis_names)
+        comm += _collective_dicts(ag, "fwd", None, mesh, cluster, axis_names)
     if choice.weight_grad_s:
         rec["weight_grad_s"] = float(choice.weight_grad_s)
     rec["memory"] = float(choice.memory)
-    comm = []
     strategy = choice.strategy
     if strategy is not None:
         split = strategy.compute_split(mesh)
@@ -139,6 +153,7 @@ def _edge_comm(node, choices, space, axis_names):
             dst = mine.ins[k]
             grad = mine.strategy.grad_spec(k) if mine.strategy is not None else None
         ui = info(u)
+        stored = choices[u].stored  # ZeRO-1: the gradient stays Partial on the shard's axes here
         fwd, bwd = edge_collectives(
             choices[u].out[0],
             dst,
@@ -149,6 +164,7 @@ def _edge_comm(node, choices, space, axis_names):
             ui.requires_grad,
             from_param=ui.kind == "param",
             grad_reduce_bytes=space.grad_reduce_bytes,
+            grad_dst=None if stored is None else zero1_grad_spec(choices[u].out[0], stored),
         )
         out += _collective_dicts(fwd, "fwd", k, mesh, space.cluster, axis_names)
         out += _collective_dicts(bwd, "bwd", k, mesh, space.cluster, axis_names)
@@ -176,10 +192,11 @@ def plan_intra_op(
     recompute="auto",
     log=None,
     zero="auto",
+    zero1=True,
 ) -> IntraOpResult:
     """``recompute``: activation checkpointing of repeated blocks, ``"auto"`` (kept, selective or
     full, chosen by the solver when the budget needs it), ``"selective"``, ``"all"`` or ``"none"``
-    (:mod:`passes.recompute`)."""
+    (:mod:`passes.recompute`). ``zero1``: offer ZeRO-1 weights (False for pipeline stages)."""
     log = log or (lambda msg: None)
     check_recompute_mode(recompute)
     graph: fx.Graph = cap.graph
@@ -207,6 +224,7 @@ def plan_intra_op(
         activation_copies=activation_copies,
         grad_reduce_bytes=grad_reduce_bytes,
         zero=zero,
+        zero1=zero1,
     )
     t1 = time.perf_counter()
     n_opts = sum(len(g.options) for g in space.groups)
@@ -217,8 +235,15 @@ def plan_intra_op(
     )
 
     twins = [(gi, i) for gi, g in enumerate(space.groups) for i, o in enumerate(g.options) if o[g.leader].regather]
+    # ZeRO-1 weights cost what replicated ones do (a reduce-scatter and an all-gather instead of an
+    # all-reduce) and only save memory: outside a forced ``zero=1`` they are left out of the solves
+    # made before the budget needs them, so a plan that fits without them has none
+    forced1 = 1 in (zero.values() if isinstance(zero, dict) else [zero])
+    shards = [] if forced1 else [(gi, i) for gi, g in enumerate(space.groups) for i, o in enumerate(g.options)
+                                 if o[g.leader].stored is not None]
 
-    def solve(limit, redo, objective=objective, zero3=True, nodes=NODE_LIMIT):
+    def solve(limit, redo, objective=objective, zero3=True, nodes=NODE_LIMIT, zero1=True):
+        forbidden = ([] if zero3 else twins) + ([] if zero1 else shards)
         return solve_ilp(
             [g.cost for g in space.groups],
             [g.memory for g in space.groups],
@@ -227,7 +252,7 @@ def plan_intra_op(
             links=redo.rows(),
             objective=objective,
             time_limit=time_limit,
-            forbidden=None if zero3 else twins,
+            forbidden=forbidden or None,
             node_limit=nodes,
         )
 
@@ -238,14 +263,17 @@ def plan_intra_op(
     result = None
     if recompute == "auto" and blocks.groups:
         # Recomputation only adds time: when the best plan without it fits, it is the best plan.
-        free = solve(None, redo)
+        free = solve(None, redo, zero1=False)
         used = free.choice is not None and peak_of(free.choice)[0]
         if free.choice is not None and (budget is None or used <= budget):
             result = free
     forced = 3 in (zero.values() if isinstance(zero, dict) else [zero])  # some weight must regather
-    if result is None and budget is not None and twins and not forced and recompute in ("auto", "none"):
-        # ZeRO-3 only adds time too (a second gather): the best plan without it, if its peak fits
-        result = _without_zero3(budget, solve, redo, peak_of)
+    if result is None and budget is not None and (twins or shards) and not forced and recompute in ("auto", "none"):
+        # ZeRO-3 only adds time too (a second gather): the best plan without it, if its peak fits;
+        # first without ZeRO-1 weights, then with them (they cost no time)
+        result = _without_zero3(budget, solve, redo, peak_of, zero1=False) if shards else None
+        if result is None and twins:
+            result = _without_zero3(budget, solve, redo, peak_of)
     if result is None:
         redo = add_recompute_options(space, graph, recompute, activation_copies)
         least = least_memory(space, redo)
@@ -406,19 +434,19 @@ the transient the first solve measured, and branch and bound finds their best pl
 nodes (then spends the rest proving them)."""
 
 
-def _without_zero3(budget, solve, redo, peak_of):
-    """The best plan under ``budget`` with no ZeRO-3 option (nor recomputation), or None when
-    its peak does not fit."""
-    kept = solve(budget, redo, zero3=False)
+def _without_zero3(budget, solve, redo, peak_of, zero1=True):
+    """The best plan under ``budget`` with no ZeRO-3 option (nor recomputation; nor ZeRO-1 unless
+    ``zero1``), or None when its peak does not fit."""
+    kept = solve(budget, redo, zero3=False, zero1=zero1)
     if kept.choice is None:
         return None
     try:
         return _fit_peak(
             kept,
             budget,
-            lambda limit: solve(limit, redo, zero3=False, nodes=RETRY_NODES),
+            lambda limit: solve(limit, redo, zero3=False, nodes=RETRY_NODES, zero1=zero1),
             peak_of,
-            lambda: solve(budget, redo, "memory", zero3=False, nodes=RETRY_NODES),
+            lambda: solve(budget, redo, "memory", zero3=False, nodes=RETRY_NODES, zero1=zero1),
         )
     except InfeasibleBudgetError:
         return None
@@ -504,6 +532,7 @@ def _alternatives(space, choice, axis_names, redo, keep=6) -> dict:
                     "chosen": bool(i == choice[gi]),
                     **({"recompute": redo.mode_of(gi, i)} if gi in redo.block_of_group else {}),
                     **({"zero": 3} if c.regather else {}),
+                    **({"zero": 1, "stored": format_spec(c.stored)} if c.stored is not None else {}),
                 }
             )
         out[leader.name] = {"count": g.count, "members": [m.name for m in g.members], "options": options}

@@ -48,10 +48,12 @@ from passes.cost_model import (
     reshard,
     saved_bytes,
 )
-from passes.placements import R, Shard, dual_spec, is_shard, replicated, spec_fits
+from passes.placements import P, R, Shard, dual_spec, is_shard, replicated, spec_fits
 from passes.rules import Strategy, expand_to_mesh, op_view, rule_for, tensor_input_nodes
 
 __all__ = [
+    "zero1_collectives",
+    "zero1_grad_spec",
     "NodeChoice",
     "Group",
     "EdgeCost",
@@ -62,6 +64,7 @@ __all__ = [
     "STAGE_BOUNDARY",
     "ZERO_MODES",
     "check_zero",
+    "zero1_placements",
     "regathers",
     "zero_mode",
 ]
@@ -105,6 +108,9 @@ class NodeChoice:
     regather: bool = False
     """A parameter stored sharded whose copies gathered for use are freed after forward and
     gathered again for backward (ZeRO-3), instead of being kept for backward (ZeRO-2)."""
+    stored: tuple | None = None
+    """ZeRO-1: the placement of the shard the optimizer steps (``Shard`` on the data-parallel axes
+    where the compute copy ``out[0]`` is replicated); None: the parameter is stored as used."""
 
 
 @dataclass
@@ -173,17 +179,28 @@ def _options_for_placeholder(shape, mesh_shape) -> list:
 
 @functools.lru_cache(maxsize=1 << 16)
 def edge_collectives(
-    src_spec, dst_spec, grad_spec, shape, elem, mesh_shape, requires_grad, from_param=False, grad_reduce_bytes=None
+    src_spec,
+    dst_spec,
+    grad_spec,
+    shape,
+    elem,
+    mesh_shape,
+    requires_grad,
+    from_param=False,
+    grad_reduce_bytes=None,
+    grad_dst=None,
 ):
     """(forward collectives, backward collectives) for a tensor moving along one edge.
 
     Backward collectives on an edge leaving a parameter are its gradient synchronisation,
     marked ``bucketed``, sent in ``grad_reduce_bytes`` per element when given (a reduce dtype).
+    ``grad_dst``: where the gradient must arrive (default: the dual of ``src_spec``; a ZeRO-1
+    weight's edges leave it ``Partial`` on the axes its optimizer shard is cut on).
     """
     fwd = reshard(src_spec, dst_spec, shape, mesh_shape, elem)
     grad_elem = grad_reduce_bytes if from_param and grad_reduce_bytes else elem
     bwd = (
-        reshard(grad_spec, dual_spec(src_spec), shape, mesh_shape, grad_elem)
+        reshard(grad_spec, grad_dst or dual_spec(src_spec), shape, mesh_shape, grad_elem)
         if requires_grad and grad_spec is not None
         else []
     )
@@ -215,9 +232,11 @@ class _Builder:
         activation_copies=1,
         grad_reduce_bytes=None,
         zero="auto",
+        zero1=True,
     ):
         self.graph = graph
         self.zero = zero
+        self.zero1 = zero1
         self.grad_reduce_bytes = grad_reduce_bytes
         self.activation_copies = activation_copies
         self.max_options = max_options
@@ -268,10 +287,10 @@ class _Builder:
     def time_of(self, collectives) -> float:
         return sum(collective_time(c, self.mesh, self.cluster) for c in collectives)
 
-    def edge_time(self, src_spec, dst_spec, grad_spec, producer: fx.Node, out_index=0) -> float:
+    def edge_time(self, src_spec, dst_spec, grad_spec, producer: fx.Node, out_index=0, grad_dst=None) -> float:
         i = info(producer)
         shape = i.out_shapes[out_index] if i.out_shapes else ()
-        key = (src_spec, dst_spec, grad_spec, shape, i.dtype, i.requires_grad, i.kind == "param")
+        key = (src_spec, dst_spec, grad_spec, shape, i.dtype, i.requires_grad, i.kind == "param", grad_dst)
         t = self._edge_cache.get(key)
         if t is None:
             fwd, bwd = edge_collectives(
@@ -284,6 +303,7 @@ class _Builder:
                 i.requires_grad,
                 from_param=i.kind == "param",
                 grad_reduce_bytes=self.grad_reduce_bytes,
+                grad_dst=grad_dst,
             )
             t = self._edge_cache[key] = self.time_of(fwd) + self.time_of(bwd)
         return t
@@ -394,6 +414,27 @@ class _Builder:
         sharded = any(is_shard(p) and n > 1 for p, n in zip(spec, self.mesh))
         return sharded and not _compute_copy_bytes(node)
 
+    def _zero1_option(self, node, kept: NodeChoice) -> NodeChoice | None:
+        """The ZeRO-1 twin of a parameter option (None where none applies): the compute copy
+        stays as placed, the optimizer's shard is cut on the axes where it is replicated
+        (:func:`zero1_placements`). Its price: the gradient reduce-scattered into the shard and
+        the shard all-gathered into the copy, once per step each (both bucketed: one flat
+        collective per axis); its memory: the copy and its gradient whole, the shard with its
+        gradient and optimizer state (fewer bytes than replicated when the optimizer has state)."""
+        i = info(node)
+        if not self.zero1 or self.optimizer != "adam" or not i.requires_grad:
+            return None
+        spec = kept.out[0]
+        stored = zero1_placements(spec, i.shape, self.mesh)
+        if stored is None:
+            return None
+        elem = dtype_bytes(i.dtype)
+        rs, ag = zero1_collectives(spec, stored, i.shape, elem, self.mesh, self.grad_reduce_bytes)
+        whole = local_bytes(i.shape, spec, self.mesh, elem)
+        memory = kept.memory - param_state_bytes(whole / elem, elem, self.optimizer)
+        memory += 2 * whole + param_state_bytes(local_bytes(i.shape, stored, self.mesh, 1), elem, self.optimizer)
+        return dataclasses.replace(kept, stored=stored, memory=memory, extra_s=self.time_of(rs) + self.time_of(ag))
+
     def leader_options(self, node) -> list:
         i = info(node)
         pin = self.pins.get(node)
@@ -412,12 +453,15 @@ class _Builder:
                     mem = local_bytes(i.shape, spec, self.mesh, elem)
                 kept = NodeChoice(strategy=None, out=(spec,), ins=(), memory=mem)
                 mode = zero_mode(self.zero, i.name) if i.kind == "param" else 2
-                if mode != 2 and self._may_regather(node, spec):
+                zero1 = self._zero1_option(node, kept) if mode in ("auto", 1) else None
+                if mode not in (1, 2) and self._may_regather(node, spec):
                     if mode != 3:
                         choices.append(kept)
                     choices.append(dataclasses.replace(kept, regather=True))
-                else:
+                elif zero1 is None or mode != 1:
                     choices.append(kept)
+                if zero1 is not None:
+                    choices.append(zero1)
             return choices
         op = self.view_of(node)
         strategies = expand_to_mesh(self.axis_candidates(node), op, self.mesh)
@@ -439,7 +483,46 @@ class _Builder:
         return choices
 
 
-ZERO_MODES = ("auto", 2, 3)
+ZERO_MODES = ("auto", 1, 2, 3)
+
+
+def zero1_placements(spec, shape, mesh_shape):
+    """The placement of a ZeRO-1 weight's optimizer shard, for a compute copy placed ``spec``:
+    ``Shard(d)`` on every mesh axis (of more than one device) where ``spec`` replicates, ``d`` the
+    first dim no axis of ``spec`` cuts whose size those axes divide; None when there is no such
+    axis or dim."""
+    axes = [a for a, (p, n) in enumerate(zip(spec, mesh_shape)) if not is_shard(p) and n > 1]
+    if not axes or not shape:
+        return None
+    cut = {p.dim for p in spec if is_shard(p)}
+    ways = 1
+    for a in axes:
+        ways *= mesh_shape[a]
+    d = next((d for d, s in enumerate(shape) if d not in cut and s % ways == 0), None)
+    if d is None:
+        return None
+    return tuple(Shard(d) if a in axes else p for a, p in enumerate(spec))
+
+
+def zero1_grad_spec(spec, stored):
+    """Where a ZeRO-1 weight's edges leave its gradient: the dual of the compute copy's placement,
+    but ``Partial`` on the axes the shard is cut on (reduce-scattered once per step)."""
+    return tuple(P if s != p else q for p, s, q in zip(spec, stored, dual_spec(spec)))
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def zero1_collectives(spec, stored, shape, elem, mesh_shape, grad_reduce_bytes=None):
+    """(reduce-scatters, all-gathers) a ZeRO-1 weight runs once per step: its gradient, summed over
+    the step's backward passes in the compute copy's layout, reduce-scattered into the shard's
+    gradient (in ``grad_reduce_bytes`` per element when given), and the stepped shard all-gathered
+    into the compute copy. Both bucketed: the runtime sends one flat buffer per axis."""
+    grad_elem = grad_reduce_bytes or elem
+    rs = reshard(zero1_grad_spec(spec, stored), stored, shape, mesh_shape, grad_elem)
+    ag = reshard(stored, spec, shape, mesh_shape, elem)
+    return (
+        tuple(dataclasses.replace(c, bucketed=True) for c in rs),
+        tuple(dataclasses.replace(c, bucketed=True) for c in ag),
+    )
 
 
 def regathers(consumer, k, src, dst, mesh_shape) -> bool:
@@ -459,9 +542,10 @@ def check_zero(zero):
     bad = [m for m in modes if m not in ZERO_MODES]
     if bad or (isinstance(zero, dict) and not all(isinstance(k, str) for k in zero)):
         raise ValueError(
-            f"zero must be one of {ZERO_MODES} or a dict of parameter name patterns to them (for a parameter "
-            f"stored sharded and gathered for use: 2 keeps the gathered copy for backward, 3 frees it after "
-            f"forward and gathers it again in backward, 'auto' lets the solver choose), got {zero!r}"
+            f"zero must be one of {ZERO_MODES} or a dict of parameter name patterns to them (1: a weight "
+            f"replicated on a data-parallel axis keeps its compute copy whole and its optimizer state sharded; "
+            f"for a parameter stored sharded and gathered for use: 2 keeps the gathered copy for backward, 3 "
+            f"frees it after forward and gathers it again in backward; 'auto' lets the solver choose), got {zero!r}"
         )
     return zero
 
@@ -516,6 +600,7 @@ def build_space(
     activation_copies: int = 1,
     grad_reduce_bytes: int | None = None,
     zero="auto",
+    zero1: bool = True,
 ) -> StrategySpace:
     """``max_options``: cap on an op leader's options (lowest compute kept); ``"auto"`` caps at
     24 on meshes of 3 or more axes, where an op can have over 200 combinations, and not
@@ -525,7 +610,9 @@ def build_space(
     ``grad_reduce_bytes``: bytes per element of parameter gradient syncs (a reduce dtype).
     ``zero``: how a parameter stored sharded and gathered for use treats its gathered copies:
     ``"auto"`` (the solver chooses per parameter: kept for backward, ZeRO-2, or freed after
-    forward and gathered again, ZeRO-3), ``2`` or ``3`` (only that)."""
+    forward and gathered again, ZeRO-3; or the compute copy whole and the optimizer state
+    sharded, ZeRO-1), ``1``, ``2`` or ``3`` (only that). ``zero1``: offer ZeRO-1 at all (False
+    for pipeline stages, whose runtime keeps no compute copies)."""
     check_zero(zero)
     if max_options == "auto":
         max_options = 24 if len(mesh_shape) >= 3 else None
@@ -542,6 +629,7 @@ def build_space(
         activation_copies,
         grad_reduce_bytes,
         zero,
+        zero1,
     )
     rep = blocks.represent
     group_of: dict = {}
@@ -611,6 +699,12 @@ def build_space(
     )
 
 
+def _grad_dst(choice: NodeChoice):
+    """Where gradients along the edges leaving a node so placed arrive (None: the dual of its
+    placement); a ZeRO-1 weight's stay ``Partial`` on its shard's axes (:func:`zero1_grad_spec`)."""
+    return zero1_grad_spec(choice.out[0], choice.stored) if choice.stored is not None else None
+
+
 def _classes(values):
     index, classes = {}, []
     for v in values:
@@ -640,12 +734,14 @@ def _build_edges(graph, b: _Builder, groups, group_of) -> list:
     by_pair: dict = {}
     for (u, v, k), occurrences in pending.items():
         gu = group_of[u]
-        src_specs = [(opt[u].out[0], opt[u].regather) for opt in groups[gu].options]
+        src_specs = [(opt[u].out[0], opt[u].regather, _grad_dst(opt[u])) for opt in groups[gu].options]
         if v.op == "output":
-            wanted = [required_output_spec(b.graph, k, s) for s, _ in src_specs]
+            wanted = [required_output_spec(b.graph, k, s) for s, _, _ in src_specs]
             if all(w is None for w in wanted):
                 continue
-            costs = np.array([0.0 if w is None else b.edge_time(s, w, None, u) for (s, _), w in zip(src_specs, wanted)])
+            costs = np.array(
+                [0.0 if w is None else b.edge_time(s, w, None, u) for (s, _, _), w in zip(src_specs, wanted)]
+            )
             groups[gu].cost = groups[gu].cost + costs * occurrences
             continue
         gv = group_of[v]
@@ -663,16 +759,19 @@ def _build_edges(graph, b: _Builder, groups, group_of) -> list:
                     [
                         0.0
                         if d is None
-                        else b.edge_time(s, d, gspec, u) + (b.regather_time(u, s, d, v, k) if again else 0.0)
+                        else b.edge_time(s, d, gspec, u, grad_dst=gdst)
+                        + (b.regather_time(u, s, d, v, k) if again else 0.0)
                         for (d, gspec) in dst_vals
                     ]
-                    for s, again in src_vals
+                    for s, again, gdst in src_vals
                 ]
             )
             * occurrences
         )
         mem = (
-            np.array([[b.edge_memory(u, s, d, gspec, v, k, again) for (d, gspec) in dst_vals] for s, again in src_vals])
+            np.array(
+                [[b.edge_memory(u, s, d, gspec, v, k, again) for (d, gspec) in dst_vals] for s, again, _ in src_vals]
+            )
             * occurrences
         )
         if gu == gv:

@@ -319,13 +319,15 @@ class Reshard(torch.nn.Module):
     equal pieces, as a later split of the sharded dim needs (fused QKV). ``src_strided``: the
     same for the producer's side (a parameter loaded in that layout)."""
 
-    def __init__(self, comm: MeshComm, src, dst, grad=None, strided=None, src_strided=None):
+    def __init__(self, comm: MeshComm, src, dst, grad=None, strided=None, src_strided=None, grad_dst=None):
         super().__init__()
         self.comm = comm
         self.src, self.dst, self.grad = tuple(src), tuple(dst), (tuple(grad) if grad is not None else None)
         self.strided, self.src_strided = dict(strided or {}), dict(src_strided or {})
+        # where the gradient arrives: the dual of ``src``, or (a ZeRO-1 weight's edge) ``grad_dst``
+        self.grad_dst = tuple(grad_dst) if grad_dst is not None else dual_spec(self.src)
         self.forward_steps = transition_steps(self.src, self.dst)
-        self.backward_steps = transition_steps(self.grad, dual_spec(self.src)) if self.grad is not None else None
+        self.backward_steps = transition_steps(self.grad, self.grad_dst) if self.grad is not None else None
         # set when this edge's backward joins gradient buckets (ParallelModule._add_variant)
         self.sync: GradientBuckets | None = None
         self.sync_param: torch.Tensor | None = None
@@ -360,7 +362,7 @@ class Reshard(torch.nn.Module):
                 self.comm,
                 "bwd",
                 self._strided_of(self.grad, self.strided),
-                self._strided_of(dual_spec(self.src), self.src_strided),
+                self._strided_of(self.grad_dst, self.src_strided),
             )
         moved = moved.to(grad.dtype)
         # a parameter's gradient cut out of a whole one (Replicate -> Shard) is a view: the
@@ -404,7 +406,7 @@ class Reshard(torch.nn.Module):
     def extra_repr(self) -> str:
         text = f"{format_spec(self.src)} -> {format_spec(self.dst)}"
         if self.grad is not None:
-            text += f"; grad {format_spec(self.grad)} -> {format_spec(dual_spec(self.src))}"
+            text += f"; grad {format_spec(self.grad)} -> {format_spec(self.grad_dst)}"
         if self.strided:
             text += f"; strided shards {self.strided}"
         if self.sync is not None:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from partitioner.sharding_plan import ShardingPlan
     from passes.capture import CapturedGraph
     from runtime.grad_sync import DeferredSyncs, GradientBuckets
+    from runtime.optimizer_shards import OptimizerShards
 
 __all__ = ["ParallelModule", "Variant", "shard_tensor", "gather_tensor"]
 
@@ -125,6 +126,7 @@ class ParallelModule(ShardedCheckpointIO, torch.nn.Module):
     _specialize: Callable[[bool, tuple, dict], Variant] | None
     _buckets: GradientBuckets
     _deferred: DeferredSyncs
+    _shards: OptimizerShards
     _base: Variant
     _variants: dict[tuple, Variant]
 
@@ -162,6 +164,9 @@ class ParallelModule(ShardedCheckpointIO, torch.nn.Module):
 
         object.__setattr__(self, "_buckets", GradientBuckets(comm))
         object.__setattr__(self, "_deferred", DeferredSyncs())
+        from runtime.optimizer_shards import OptimizerShards
+
+        object.__setattr__(self, "_shards", OptimizerShards(comm, self._deferred))
         base = Variant(program, captured, {name: specs[name] for name in captured.user_inputs if name in specs})
         object.__setattr__(self, "_base", base)
         object.__setattr__(self, "_variants", {})
@@ -172,6 +177,11 @@ class ParallelModule(ShardedCheckpointIO, torch.nn.Module):
     def _add_variant(self, key, variant: Variant) -> None:
         """Register a lowered program; its plain gradient all-reduces join the shared buckets."""
         program, cap = variant.program, variant.captured
+        from runtime.optimizer_shards import ZERO1_KEY
+
+        for placeholder, (compute, stored) in (program.meta.get(ZERO1_KEY) or {}).items():
+            fqn = cap.params[placeholder]
+            self._shards.add(self._get(fqn), compute, stored, fqn)
         for module_name, placeholder in (program.meta.get("partita.bucketable_grads") or {}).items():
             module = cast(Reshard, program.get_submodule(module_name))  # lower_to_local's edge modules
             module.sync, module.sync_param = self._buckets, self._get(cap.params[placeholder])
@@ -188,10 +198,15 @@ class ParallelModule(ShardedCheckpointIO, torch.nn.Module):
         """Reduce parameter gradients across ranks in ``dtype`` (the precision's reduce dtype; None:
         in their own dtype), in every program, the bucketed all-reduces included."""
         self._buckets.reduce_dtype = dtype
+        self._shards.reduce_dtype = dtype
         for variant in self._variants.values():
             for edge in variant.program.modules():
                 if isinstance(edge, Reshard) and edge.param_edge is not None:
                     edge.reduce_dtype = dtype
+
+    def compute_copies(self) -> list:
+        """The whole copies ZeRO-1 weights are computed with (their shards are the parameters)."""
+        return self._shards.copies()
 
     def no_sync(self):
         """A context in which backward accumulates gradients without syncing them (as DDP's and
@@ -327,8 +342,13 @@ class ParallelModule(ShardedCheckpointIO, torch.nn.Module):
         cap = variant.captured
         user = iter(flat)
         values = []
+        zero1 = variant.program.meta.get("partita.zero1") or {}
+        if zero1:  # ZeRO-1 weights: compute copies gathered again where the shards changed
+            self._shards.refresh()
         for name in variant.placeholder_order:
-            if name in cap.params:
+            if name in zero1:
+                values.append(self._shards.copy_of(self._get(cap.params[name])))
+            elif name in cap.params:
                 values.append(self._get(cap.params[name]))
             elif name in cap.buffers:
                 values.append(self._get(cap.buffers[name]))

@@ -1,0 +1,150 @@
+"""ZeRO-1 weights: used whole, stepped as shards (one reduce-scatter and one all-gather per step).
+
+A ZeRO-1 parameter (plan record ``stored``) has two tensors on each rank:
+
+* the **shard**, the ``nn.Parameter`` the module registers: what ``model.parameters()`` gives the
+  user's ``torch.optim`` optimizer (so its state is sharded), what state dicts and checkpoints
+  read, and what ``.grad`` holds after a synced backward; placed as the record's ``stored``
+  (``Shard`` on the data-parallel axes where the weight is used whole);
+* the **compute copy**, a plain leaf tensor placed as the record's ``out``, which the lowered
+  program reads; no op gathers it in forward.
+
+One step:
+
+1. **Refresh** (before a forward): every copy whose shard changed since it was last gathered (its
+   ``_version``: the optimizer's in-place update, a state-dict load; or never gathered) is
+   all-gathered from the shards, all such weights together: one flat buffer per mesh axis,
+   counted as ``all_gather`` in phase ``fwd``. The first forward gathers every copy once.
+2. **Backward** accumulates each copy's gradient in the copy's layout, ``Partial`` on the shard's
+   axes (lowering makes the weight's edges leave it so: no all-reduce), over every backward of
+   the step (``no_sync`` micro-steps included).
+3. **Reduce** (at the end of a backward that is not inside ``no_sync``): each copy's gradient is
+   reduce-scattered into its shard's ``.grad`` (added to what is there, as ``.grad`` accumulates)
+   and the copy's gradient is dropped; counted as a gradient sync in phase ``bwd``.
+
+So a step that accumulates over any number of micro-steps sends one reduce-scatter and one
+all-gather of each ZeRO-1 weight: what the plan prices (``zero1_collectives``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from passes.placements import transition_steps
+from runtime.collectives import MeshComm, _all_gather_single, grad_sync_scope, record_collective, run_steps
+
+__all__ = ["ZERO1_KEY", "OptimizerShards"]
+
+ZERO1_KEY = "partita.zero1"
+"""Key in a lowered program's meta: ZeRO-1 parameter placeholder -> (compute placement, shard placement)."""
+
+
+@dataclass
+class _Weight:
+    shard: torch.nn.Parameter
+    compute_spec: tuple
+    stored_spec: tuple
+    grad_spec: tuple
+    copy: torch.Tensor | None = None
+    version: int | None = None  # the shard's ``_version`` when the copy was last gathered
+
+
+class OptimizerShards:
+    """The ZeRO-1 weights of one ``ParallelModule`` (see the module docstring)."""
+
+    def __init__(self, comm: MeshComm, deferred):
+        self.comm = comm
+        self.deferred = deferred  # the module's DeferredSyncs: no reduction while it defers
+        self.reduce_dtype: torch.dtype | None = None
+        self._weights: dict = {}  # id(shard) -> _Weight
+        self._armed = False
+
+    def __bool__(self) -> bool:
+        return bool(self._weights)
+
+    def add(self, shard: torch.nn.Parameter, compute_spec, stored_spec, name: str) -> None:
+        from passes.strategy_space import zero1_grad_spec
+
+        compute_spec, stored_spec = tuple(compute_spec), tuple(stored_spec)
+        held = self._weights.get(id(shard))
+        if held is not None:
+            if (held.compute_spec, held.stored_spec) != (compute_spec, stored_spec):
+                raise ValueError(
+                    f"{name} is a ZeRO-1 weight used as {compute_spec} with its shard {stored_spec} in one "
+                    f"program and as {held.compute_spec} / {held.stored_spec} in another; plan both alike"
+                )
+            return
+        self._weights[id(shard)] = _Weight(shard, compute_spec, stored_spec, zero1_grad_spec(compute_spec, stored_spec))
+
+    def copy_of(self, shard: torch.nn.Parameter) -> torch.Tensor:
+        """The compute copy of ``shard`` (call :meth:`refresh` first)."""
+        w = self._weights[id(shard)]
+        assert w.copy is not None, "refresh() before reading a compute copy"
+        return w.copy
+
+    def copies(self) -> list:
+        return [w.copy for w in self._weights.values() if w.copy is not None]
+
+    # -- refresh: shards -> compute copies ------------------------------------------------------
+    def refresh(self) -> None:
+        """All-gather the compute copies whose shards changed, one flat buffer per mesh axis."""
+        stale = [w for w in self._weights.values() if w.copy is None or w.version != w.shard._version]
+        groups: dict = {}
+        for w in stale:
+            steps = [s for s in transition_steps(w.stored_spec, w.compute_spec) if self.comm.shape[s[0]] > 1]
+            groups.setdefault((tuple(a for a, _, _ in steps), w.shard.dtype), []).append((w, steps))
+        with torch.no_grad():
+            for (axes, _), members in groups.items():
+                pieces = [w.shard.detach() for w, _ in members]
+                for j, axis in enumerate(axes):
+                    pieces = self._gather(pieces, axis, [steps[j][1].dim for _, steps in members])
+                for (w, _), whole in zip(members, pieces):
+                    if w.copy is None:
+                        w.copy = whole.contiguous().requires_grad_(True)
+                        w.copy.register_post_accumulate_grad_hook(self._arm)
+                    else:
+                        w.copy.copy_(whole)
+                    w.version = w.shard._version
+
+    def _gather(self, pieces: list, axis: int, dims: list) -> list:
+        """One flat all-gather on ``axis`` of every piece; each piece joined along its ``dims``."""
+        n, name = self.comm.shape[axis], self.comm.axis_names[axis]
+        flat = torch.cat([p.reshape(-1) for p in pieces])
+        out = flat.new_empty((n * flat.numel(),))
+        record_collective("all_gather", name, out.numel() * out.element_size(), "fwd")
+        _all_gather_single(out, flat, group=self.comm.groups[axis])
+        blocks = out.view(n, -1)
+        joined, offset = [], 0
+        for p, d in zip(pieces, dims):
+            size = p.numel()
+            joined.append(torch.cat([blocks[r, offset : offset + size].view(p.shape) for r in range(n)], dim=d))
+            offset += size
+        return joined
+
+    # -- reduce: compute copies' gradients -> shards' gradients ---------------------------------
+    def _arm(self, _copy) -> None:
+        if not self._armed:
+            torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
+            self._armed = True
+
+    def _reduce(self) -> None:
+        """End of a backward: outside ``no_sync``, reduce-scatter every copy's gradient into its shard's."""
+        self._armed = False
+        if self.deferred.deferring:
+            return
+        with torch.no_grad(), grad_sync_scope():
+            for w in self._weights.values():
+                if w.copy is None or w.copy.grad is None:
+                    continue
+                grad, w.copy.grad = w.copy.grad, None
+                dtype = self.reduce_dtype or grad.dtype
+                steps = transition_steps(w.grad_spec, w.stored_spec)
+                moved = run_steps(grad.to(dtype), steps, self.comm, "bwd").to(grad.dtype)
+                if moved is grad or moved._base is not None:  # a local slice: keep the piece only
+                    moved = moved.clone()
+                if w.shard.grad is None:
+                    w.shard.grad = moved
+                else:
+                    w.shard.grad.add_(moved)
