@@ -42,8 +42,8 @@ from passes.placements import local_shape, parse_spec
 from passes.rules import op_view, rule_for, tensor_input_nodes
 from passes.strategy_space import required_output_spec, zero1_grad_spec
 from runtime.collectives import MeshComm, Reshard
-from runtime.recompute import CheckpointRegion
 from runtime.optimizer_shards import ZERO1_KEY
+from runtime.recompute import CheckpointRegion
 from runtime.regather import REGATHER_KEY
 
 __all__ = ["LowerCall", "lower_to_local", "LoweringError", "outline_recomputed", "strided_parameters"]

@@ -239,8 +239,16 @@ def plan_intra_op(
     # all-reduce) and only save memory: outside a forced ``zero=1`` they are left out of the solves
     # made before the budget needs them, so a plan that fits without them has none
     forced1 = 1 in (zero.values() if isinstance(zero, dict) else [zero])
-    shards = [] if forced1 else [(gi, i) for gi, g in enumerate(space.groups) for i, o in enumerate(g.options)
-                                 if o[g.leader].stored is not None]
+    shards = (
+        []
+        if forced1
+        else [
+            (gi, i)
+            for gi, g in enumerate(space.groups)
+            for i, o in enumerate(g.options)
+            if o[g.leader].stored is not None
+        ]
+    )
 
     def solve(limit, redo, objective=objective, zero3=True, nodes=NODE_LIMIT, zero1=True):
         forbidden = ([] if zero3 else twins) + ([] if zero1 else shards)
@@ -269,11 +277,13 @@ def plan_intra_op(
             result = free
     forced = 3 in (zero.values() if isinstance(zero, dict) else [zero])  # some weight must regather
     if result is None and budget is not None and (twins or shards) and not forced and recompute in ("auto", "none"):
-        # ZeRO-3 only adds time too (a second gather): the best plan without it, if its peak fits;
-        # first without ZeRO-1 weights, then with them (they cost no time)
-        result = _without_zero3(budget, solve, redo, peak_of, zero1=False) if shards else None
-        if result is None and twins:
-            result = _without_zero3(budget, solve, redo, peak_of)
+        # ZeRO-3 only adds time too (a second gather): the best plan without it, if its peak fits
+        result = _without_zero3(budget, solve, redo, peak_of)
+        chosen = set(zip(range(len(result.choice)), result.choice)) if result is not None else set()
+        if chosen & set(shards):  # ZeRO-1 ties replicated: kept only where it saves time under the budget
+            plain = _without_zero3(budget, solve, redo, peak_of, zero1=False)
+            if plain is not None and plain.objective <= result.objective * (1 + 1e-9):
+                result = plain
     if result is None:
         redo = add_recompute_options(space, graph, recompute, activation_copies)
         least = least_memory(space, redo)

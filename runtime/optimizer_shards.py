@@ -32,8 +32,15 @@ from dataclasses import dataclass
 
 import torch
 
-from passes.placements import transition_steps
-from runtime.collectives import MeshComm, _all_gather_single, grad_sync_scope, record_collective, run_steps
+from passes.placements import is_shard, transition_steps
+from runtime.collectives import (
+    MeshComm,
+    _all_gather_single,
+    _strided_order,
+    grad_sync_scope,
+    record_collective,
+    run_steps,
+)
 
 __all__ = ["ZERO1_KEY", "OptimizerShards"]
 
@@ -47,6 +54,8 @@ class _Weight:
     compute_spec: tuple
     stored_spec: tuple
     grad_spec: tuple
+    strided: dict
+    """axis -> pieces where the shard is cut in the strided layout (a fused projection's bias)."""
     copy: torch.Tensor | None = None
     version: int | None = None  # the shard's ``_version`` when the copy was last gathered
 
@@ -64,7 +73,7 @@ class OptimizerShards:
     def __bool__(self) -> bool:
         return bool(self._weights)
 
-    def add(self, shard: torch.nn.Parameter, compute_spec, stored_spec, name: str) -> None:
+    def add(self, shard: torch.nn.Parameter, compute_spec, stored_spec, name: str, strided=None) -> None:
         from passes.strategy_space import zero1_grad_spec
 
         compute_spec, stored_spec = tuple(compute_spec), tuple(stored_spec)
@@ -76,7 +85,9 @@ class OptimizerShards:
                     f"program and as {held.compute_spec} / {held.stored_spec} in another; plan both alike"
                 )
             return
-        self._weights[id(shard)] = _Weight(shard, compute_spec, stored_spec, zero1_grad_spec(compute_spec, stored_spec))
+        strided = {a: f for a, f in (strided or {}).items() if is_shard(stored_spec[a])}
+        grad_spec = zero1_grad_spec(compute_spec, stored_spec)
+        self._weights[id(shard)] = _Weight(shard, compute_spec, stored_spec, grad_spec, strided)
 
     def copy_of(self, shard: torch.nn.Parameter) -> torch.Tensor:
         """The compute copy of ``shard`` (call :meth:`refresh` first)."""
@@ -99,7 +110,8 @@ class OptimizerShards:
             for (axes, _), members in groups.items():
                 pieces = [w.shard.detach() for w, _ in members]
                 for j, axis in enumerate(axes):
-                    pieces = self._gather(pieces, axis, [steps[j][1].dim for _, steps in members])
+                    dims = [steps[j][1].dim for _, steps in members]
+                    pieces = self._gather(pieces, axis, dims, [w.strided.get(axis) for w, _ in members])
                 for (w, _), whole in zip(members, pieces):
                     if w.copy is None:
                         w.copy = whole.contiguous().requires_grad_(True)
@@ -108,8 +120,9 @@ class OptimizerShards:
                         w.copy.copy_(whole)
                     w.version = w.shard._version
 
-    def _gather(self, pieces: list, axis: int, dims: list) -> list:
-        """One flat all-gather on ``axis`` of every piece; each piece joined along its ``dims``."""
+    def _gather(self, pieces: list, axis: int, dims: list, strided: list) -> list:
+        """One flat all-gather on ``axis`` of every piece; each piece joined along its ``dims``
+        (and put back in order where it was cut in the strided layout)."""
         n, name = self.comm.shape[axis], self.comm.axis_names[axis]
         flat = torch.cat([p.reshape(-1) for p in pieces])
         out = flat.new_empty((n * flat.numel(),))
@@ -117,9 +130,10 @@ class OptimizerShards:
         _all_gather_single(out, flat, group=self.comm.groups[axis])
         blocks = out.view(n, -1)
         joined, offset = [], 0
-        for p, d in zip(pieces, dims):
+        for p, d, f in zip(pieces, dims, strided):
             size = p.numel()
-            joined.append(torch.cat([blocks[r, offset : offset + size].view(p.shape) for r in range(n)], dim=d))
+            whole = torch.cat([blocks[r, offset : offset + size].view(p.shape) for r in range(n)], dim=d)
+            joined.append(_strided_order(whole, d, f, n, inverse=True) if f else whole)
             offset += size
         return joined
 
@@ -141,7 +155,7 @@ class OptimizerShards:
                 grad, w.copy.grad = w.copy.grad, None
                 dtype = self.reduce_dtype or grad.dtype
                 steps = transition_steps(w.grad_spec, w.stored_spec)
-                moved = run_steps(grad.to(dtype), steps, self.comm, "bwd").to(grad.dtype)
+                moved = run_steps(grad.to(dtype), steps, self.comm, "bwd", None, w.strided).to(grad.dtype)
                 if moved is grad or moved._base is not None:  # a local slice: keep the piece only
                     moved = moved.clone()
                 if w.shard.grad is None:

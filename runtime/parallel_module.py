@@ -181,7 +181,7 @@ class ParallelModule(ShardedCheckpointIO, torch.nn.Module):
 
         for placeholder, (compute, stored) in (program.meta.get(ZERO1_KEY) or {}).items():
             fqn = cap.params[placeholder]
-            self._shards.add(self._get(fqn), compute, stored, fqn)
+            self._shards.add(self._get(fqn), compute, stored, fqn, self._strided.get(fqn))
         for module_name, placeholder in (program.meta.get("partita.bucketable_grads") or {}).items():
             module = cast(Reshard, program.get_submodule(module_name))  # lower_to_local's edge modules
             module.sync, module.sync_param = self._buckets, self._get(cap.params[placeholder])

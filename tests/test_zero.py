@@ -147,7 +147,7 @@ def test_zero_argument_is_checked(fake_process_group):
     fake_process_group(4)
     model, inputs = build("gpt")
     with pytest.raises(ValueError, match="zero must be one of"):
-        partitioner.plan(model, inputs, mesh_shape=(4,), cluster="h100", zero=1)
+        partitioner.plan(model, inputs, mesh_shape=(4,), cluster="h100", zero=4)
     with pytest.raises(ValueError, match="zero must be one of"):
         partitioner.plan(model, inputs, mesh_shape=(4,), cluster="h100", zero={"h.*": "three"})
 
