@@ -391,7 +391,7 @@ class _Planner:
             self._caps[size] = cap
         return self._caps[size]
 
-    def _plan(self, cap, name, shape, names, *, pins=None, copies=1, recompute="none", budget=None):
+    def _plan(self, cap, name, shape, names, *, pins=None, copies=1, recompute="none", budget=None, zero1=True):
         from partitioner.api import plan_captured
 
         return plan_captured(
@@ -407,6 +407,7 @@ class _Planner:
             activation_copies=copies,
             precision=self.precision,
             recompute=recompute,
+            zero1=zero1,
         )
 
     def plan(self, c: ParallelConfig) -> ShardingPlan:
@@ -525,7 +526,7 @@ class _Planner:
             pins.update({a: sent_as[a] for a in g.activation_inputs if a in sent_as})
             if k == 0 and len(graphs) > 2:
                 pins.update(_send_pins(g, graphs[1], made_by[1], len(shape)))
-            made_by[k] = self._plan(
+            made_by[k] = self._plan(  # no ZeRO-1 weights: stage programs keep no compute copies
                 g.captured,
                 f"{self.name} stage class {g.index}",
                 shape,
@@ -534,6 +535,7 @@ class _Planner:
                 copies=class_copies[k],
                 recompute=c.recompute,
                 budget=budget,
+                zero1=False,
             )
             sent_as.update(_sent_placements(g, made_by[k], len(shape)))
         plans = [made_by[k] for k in range(len(graphs))]

@@ -437,7 +437,7 @@ class ShardingPlan:
                 # ZeRO-3: the weight's gathered copies are freed after forward and gathered again
                 zero = "  ZeRO-3" if o.get("zero") == 3 else ""
                 if o.get("zero") == 1:  # used whole, the optimizer steps a shard placed so
-                    zero = f"  ZeRO-1 (optimizer shard {o['stored']})"
+                    zero = f"  ZeRO-1 {o['stored']}"
                 lines.append(
                     f"  {mark} out {o['out'][0]:<18} in {ins:<40} {_fmt_time(o['time_s']):>12}  "
                     f"{_fmt_bytes(o['memory']):>10}{zero}"
