@@ -37,6 +37,7 @@ from passes.recompute import check_recompute_mode
 from passes.rules import attention as attention_rule
 from passes.shape_check import check_divisible
 from runtime.collectives import MeshComm, on_rank0
+from runtime.host_memory import return_freed_blocks
 from runtime.parallel_module import ParallelModule
 
 __all__ = ["auto_parallelize", "shard_batch"]
@@ -152,6 +153,8 @@ def auto_parallelize(
     """
     _require_process_group()
     device = _job_device(device)
+    if device.type == "cpu":  # freed tensors go back to the system (runtime/host_memory.py)
+        return_freed_blocks()
     cluster = cluster or ("cpu" if device.type == "cpu" else "h100")
     precision = _resolve_precision(precision, plan)
     check_recompute_mode(recompute)
