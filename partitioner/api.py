@@ -18,6 +18,7 @@ from partitioner.mesh import MeshSpec
 from partitioner.precision import Precision
 from partitioner.progress import verbose_to_stderr
 from partitioner.sharding_plan import PLAN_FORMAT, PLAN_VERSION, ShardingPlan
+from passes import multidim_tp
 from passes.analyze import analyze, info
 from passes.capture import describe_captured, graph_fingerprint
 from passes.capture_blocks import capture_model
@@ -102,6 +103,7 @@ def plan(
     verbose: bool = False,
     sequence_parallel: str = "auto",
     zero="auto",
+    tensor_parallel: str = "auto",
 ) -> ShardingPlan:
     """Choose data / tensor / sequence splits for every node of ``model`` on a device mesh.
 
@@ -152,6 +154,12 @@ def plan(
             force one; a dict of parameter name
             patterns to modes (``{"h.*.mlp.*": 3, "*": 2}``, first match) decides per weight
             (see ``docs/ARCHITECTURE.md``, "Parameter storage").
+        tensor_parallel: how weight contractions (linear layers) split over the mesh:
+            ``"auto"`` (the solver chooses per layer and axis), ``"1d"`` (Megatron on the last
+            axis, data parallel on the others), ``"2d"`` (SUMMA / Optimus on a ``q x q`` mesh),
+            ``"2.5d"`` (Tesseract on ``d x q x q``) or ``"3d"`` (on ``c x c x c``); see
+            :mod:`passes.multidim_tp` and ``docs/ARCHITECTURE.md``, "2D, 2.5D and 3D tensor
+            parallelism".
 
     Example::
 
@@ -208,6 +216,7 @@ def plan(
         recompute=recompute,
         sequence_parallel=sequence_parallel,
         zero=zero,
+        tensor_parallel=tensor_parallel,
     )
 
 
@@ -231,6 +240,7 @@ def plan_captured(
     sequence_parallel="auto",
     zero="auto",
     zero1=True,
+    tensor_parallel="auto",
 ) -> ShardingPlan:
     """:func:`plan` for a graph already captured and analysed (``passes.capture`` +
     ``passes.analyze``); ``auto_parallelize`` uses it so the model is captured once.
@@ -259,9 +269,14 @@ def plan_captured(
     # sequence parallel attention (ring / Ulysses): forced modes pin the attention ops not pinned
     for node, forced in attention_rule.forced_pins(cap.graph, sequence_parallel, mesh.shape).items():
         pinned.setdefault(node, forced)
+    for node, forced in multidim_tp.forced_pins(cap.graph, tensor_parallel, mesh.shape).items():
+        pinned.setdefault(node, forced)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("%s: pins %s", model_name, {n.name: format_spec(s) for n, s in pinned.items()})
-    with attention_rule.sequence_parallel(sequence_parallel, mesh.shape):
+    with (
+        attention_rule.sequence_parallel(sequence_parallel, mesh.shape),
+        multidim_tp.tensor_parallel(tensor_parallel, mesh.shape),
+    ):
         result = plan_intra_op(
             cap,
             mesh.shape,
@@ -305,6 +320,7 @@ def plan_captured(
         "recompute": recompute,
         "sequence_parallel": sequence_parallel,
         "zero": zero,
+        "tensor_parallel": tensor_parallel,
         "pins": {n.name: format_spec(s) for n, s in pinned.items()},
         "records": result.records,
         "alternatives": result.alternatives,

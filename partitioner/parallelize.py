@@ -28,6 +28,7 @@ from partitioner.progress import verbose_to_stderr
 from partitioner.sharding_plan import ShardingPlan
 from partitioner.specialize import Specializer, in_mode
 from partitioner.weights import WeightSource, load_local_weights
+from passes import multidim_tp
 from passes.analyze import analyze, info
 from passes.capture import graph_fingerprint, tied_placeholders
 from passes.capture_blocks import capture_model
@@ -108,6 +109,7 @@ def auto_parallelize(
     verbose=False,
     sequence_parallel="auto",
     zero="auto",
+    tensor_parallel="auto",
 ):
     """Run ``model`` data / tensor / sequence parallel on the job's ranks, as a plan decides.
 
@@ -145,6 +147,9 @@ def auto_parallelize(
             attention), ``"ring"`` / ``"ulysses"`` (forced on every attention op, on the last mesh
             axis) or ``"none"`` (see :func:`partitioner.plan`); with ``pipeline=``, inside every
             stage on the stage mesh's last axis.
+        tensor_parallel: ``"auto"``, ``"1d"``, ``"2d"`` (a ``q x q`` mesh), ``"2.5d"``
+            (``d x q x q``) or ``"3d"`` (``c x c x c``): force that algorithm on every linear
+            layer (see :func:`partitioner.plan`).
 
     Example (inside ``torchrun --nproc-per-node 4``)::
 
@@ -159,6 +164,7 @@ def auto_parallelize(
     precision = _resolve_precision(precision, plan)
     check_recompute_mode(recompute)
     attention_rule.check_mode(sequence_parallel)
+    multidim_tp.check_mode(tensor_parallel)
     if mesh is None and plan is None and pipeline is None:
         mesh, mesh_axis_names, plan, pipeline = _searched_configuration(
             model, example_inputs, cluster, memory_budget, precision, recompute, layers
@@ -209,6 +215,7 @@ def auto_parallelize(
         recompute=recompute,
         sequence_parallel=sequence_parallel,
         zero=zero,
+        tensor_parallel=tensor_parallel,
     )
     logger.info("planned in %.2f s", time.perf_counter() - t0)
     module = _build_module(cap, plan, comm, WeightSource(model, state_dict, checkpoint), device, local_inputs)
@@ -229,6 +236,7 @@ def auto_parallelize(
                 recompute=recompute,
                 sequence_parallel=sequence_parallel,
                 zero=zero,
+                tensor_parallel=tensor_parallel,
             ),
         )
     )
@@ -366,6 +374,7 @@ def _plan_or_replay(
     recompute="auto",
     sequence_parallel="auto",
     zero="auto",
+    tensor_parallel="auto",
 ) -> ShardingPlan:
     """Plan: rank 0 searches and broadcasts (the cost model may time this machine, and ranks
     must agree on one plan); a given plan is checked against the graph and the mesh instead."""
@@ -385,6 +394,7 @@ def _plan_or_replay(
                 recompute=recompute,
                 sequence_parallel=sequence_parallel,
                 zero=zero,
+                tensor_parallel=tensor_parallel,
             ).to_json()
 
         return ShardingPlan.from_dict(json.loads(on_rank0(make_plan, "planning")))

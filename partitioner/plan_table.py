@@ -367,6 +367,7 @@ def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = 
         )
         lines += [redo] if wide else textwrap.wrap(redo, width, subsequent_indent="  ")
     lines += _sequence_parallel_line(plan, width, wide)
+    lines += _grid_lines(plan, width, wide)
     lines += _storage_lines(plan, width, wide)
     lines += _wide_table(plan, rows, heads) if wide else _narrow_table(plan, rows, heads, bases, width)
     lines.append("")
@@ -468,6 +469,16 @@ def pipeline_table(plan, *, width: int = WIDTH) -> str:
     lines += textwrap.wrap("estimate: " + str(plan.estimate()), width, subsequent_indent="  ")
     lines.append("each stage's table: plan.stage_plans[s].summary()")
     return "\n".join(lines)
+
+
+def _grid_lines(plan, width, wide) -> list:
+    """The tensor-parallel grid and each weight contraction's roles and blocks (2D / 2.5D / 3D)."""
+    from passes.multidim_tp import grid_lines
+
+    lines = grid_lines(plan.records, plan.data)
+    if wide:
+        return lines
+    return [w for line in lines for w in textwrap.wrap(line, width, subsequent_indent="    ")]
 
 
 def _sequence_parallel_line(plan, width, wide) -> list:

@@ -252,7 +252,8 @@ def lower_to_local(
                 v = env[n]
                 wanted = required_output_spec(graph, next(counter), out_specs[n][0])
                 if wanted is not None:
-                    v = b.reshard(v, out_specs[n][0], wanted, None, "output")
+                    # the caller's gradient arrives in the placement returned (a loss: replicated)
+                    v = b.reshard(v, out_specs[n][0], wanted, wanted, "output")
                 output_specs.append(wanted or out_specs[n][0])
                 return v
 

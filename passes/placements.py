@@ -154,7 +154,9 @@ def transition_steps(src: Spec, dst: Spec) -> tuple:
     gathered first and cut again afterwards. Order:
 
     1. inner to outer: every shard that changes is gathered (``S->R``) or exchanged (``S->S'``);
-    2. outer to inner: partials are reduced (``P->R`` / ``P->S``) and new shards cut (``R->S``),
+    2. outer to inner: partials reduce-scattered (``P->S``), so that a partial also summed on
+       another axis is summed there at its scattered size (HSDP's order);
+    3. outer to inner: partials are reduced (``P->R``) and new shards cut (``R->S``),
        ``R->P`` keeps one rank's share.
 
     The cost model prices exactly these moves and the runtime performs exactly these moves,
@@ -183,6 +185,10 @@ def transition_steps(src: Spec, dst: Spec) -> tuple:
                 move(a, q)
             else:
                 move(a, R)
+    for a in range(n):  # reduce-scatters first: a partial reduced on another axis is then smaller
+        if is_partial(cur[a]) and is_shard(dst[a]):
+            clear_inner(a, dst[a].dim)
+            move(a, dst[a])
     for _ in range(2):  # a second sweep re-cuts inner shards that an outer move cleared
         for a in range(n):
             p, q = cur[a], dst[a]

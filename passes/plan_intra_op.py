@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch.fx as fx
 
+from passes import multidim_tp
 from passes.analyze import info
 from passes.blocks import find_blocks
 from passes.capture import tied_placeholders
@@ -118,6 +119,9 @@ def _node_record(node, choice, space, axis_names, rep_node):
     if choice.weight_grad_s:
         rec["weight_grad_s"] = float(choice.weight_grad_s)
     rec["memory"] = float(choice.memory)
+    roles = multidim_tp.classify(node, choice.strategy)
+    if roles is not None:  # a weight contraction: its per-axis roles and the algorithm they make
+        rec["tp_roles"], rec["tensor_parallel"] = roles, multidim_tp.algorithm_of(roles, mesh)
     strategy = choice.strategy
     if strategy is not None:
         split = strategy.compute_split(mesh)

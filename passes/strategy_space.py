@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch.fx as fx
 
+from passes import multidim_tp
 from passes.analyze import info
 from passes.blocks import Blocks
 from passes.cost_model import (
@@ -472,6 +473,12 @@ class _Builder:
                     f"pinned placement {pin} is not reachable for node {node.name} "
                     f"({i.module_path or 'top level'}, op {node.target}) with shape {i.shape}"
                 )
+        strategies = [s for s in strategies if multidim_tp.allowed(node, s)]
+        if not strategies:
+            raise ValueError(
+                f"tensor_parallel={multidim_tp.forced_mode()!r}: no strategy of node {node.name} "
+                f"({i.module_path or 'top level'}, op {node.target}) with shape {i.shape} fits the grid"
+            )
         choices = [self.choice_for(node, s) for s in strategies]
         if self.max_options and len(choices) > self.max_options:
             # Keep the options that split the most work (stable: rules list R first, so ties

@@ -201,7 +201,7 @@ def parity_worker(rank, world, cfg):
         n_params = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
         budget = int(cfg["budget_fraction"] * 16 * n_params)
     pm = partitioner.auto_parallelize(model, inputs, mesh=mesh, pins=pins, cluster=cfg.get("cluster", "h100"),
-                                      memory_budget=budget)
+                                      memory_budget=budget, tensor_parallel=cfg.get("tensor_parallel", "auto"))
     result = {"rank": rank, "failures": checks.failures}
     specs = {fqn: parse_spec(pm.placement_of(fqn), len(mesh)) for fqn, _ in pm.named_parameters()}
     result["sharded_params"] = sorted(f for f, s in specs.items() if not _is_replicated(s))
@@ -209,6 +209,8 @@ def parity_worker(rank, world, cfg):
                                       if not _is_replicated(parse_spec(pm.placement_of(n), len(mesh))))
     result["placements"] = {name: pm.placement_of(name) for name, _ in model.named_parameters(remove_duplicate=False)}
     result["placements"].update({name: pm.placement_of(name) for name in MODELS[cfg["model"]]["inputs"]})
+    if cfg.get("return_records"):
+        result["records"] = pm.plan.records
     if rank == 0:
         result["summary"] = pm.plan.summary()
         result["code"] = pm.program.code

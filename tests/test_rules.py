@@ -161,7 +161,16 @@ def test_layer_norm_keeps_normalized_dims_whole():
     ln = nn.LayerNorm(8)
     (node,) = nodes_of(ln, (torch.randn(2, 4, 8),), aten.layer_norm.default)
     outs = {s.out for s in strategies_of(node)}
-    assert outs == {(R,), (Shard(0),), (Shard(1),)}
+    assert outs == {(R,), (Shard(0),), (Shard(1),), (Shard(2),)}
+    # the normalised dim split (2D / 3D tensor parallel layouts): weight and bias split alike,
+    # row statistics all-reduced (two forward, the pair of gradient sums backward)
+    (hidden,) = [s for s in strategies_of(node) if s.out == (Shard(2),)]
+    assert hidden.ins == (Shard(2), Shard(0), Shard(0))
+    assert [(k, phase, n) for k, phase, n, _ in hidden.extra] == [
+        ("all_reduce", "fwd", 8),
+        ("all_reduce", "fwd", 8),
+        ("all_reduce", "bwd", 16),
+    ]
 
 
 def test_batch_norm_sync_and_channel_sharding():

@@ -7,6 +7,9 @@ their own collectives:
 
 * softmax / log_softmax over a sharded dim: all-reduce the row max and the row sum of
   exponentials forward (vocab-parallel softmax), all-reduce one row sum backward;
+* layer_norm / rms_norm over a sharded last dim (the hidden split of 2D / 2.5D / 3D tensor
+  parallelism): all-reduce the row statistics forward and the gradient row sums backward,
+  weight and bias sharded like the hidden dim;
 * batch_norm with the batch dim sharded: all-reduce the per-channel sum and sum of squares
   forward and the two gradient sums backward (SyncBatchNorm), so results match one device.
 """
@@ -26,7 +29,13 @@ __all__ = ["LayerNormRule", "SoftmaxRule", "BatchNormRule"]
 
 
 class LayerNormRule(OpRule):
-    """layer_norm(x, normalized_shape, w, b, eps) and rms_norm(x, normalized_shape, w, eps)."""
+    """layer_norm(x, normalized_shape, w, b, eps) and rms_norm(x, normalized_shape, w, eps).
+
+    Over one normalised dim, that dim may be sharded too (on one mesh axis: the hidden split of
+    the 2D / 2.5D / 3D layouts), weight and bias sharded alike: the row statistics are
+    all-reduced (layer_norm: the row sum, then the row sum of squared deviations, forward; the
+    pair of gradient row sums, backward; rms_norm: one row sum each way; see
+    :mod:`runtime.sharded_norm`)."""
 
     saves_inputs = True
     follower = False
@@ -39,7 +48,34 @@ class LayerNormRule(OpRule):
         for d in range(len(x) - k):
             if x[d] > 1:
                 strategies.append(AxisStrategy(out=(Shard(d),), ins=(Shard(d),) + params))
+        if k == 1 and x[-1] > 1:
+            rows = math.prod(x) // x[-1]
+            rms = op.node.target is aten.rms_norm.default
+            fwd = (("all_reduce", "fwd", rows, "work"),) * (1 if rms else 2)
+            bwd = (("all_reduce", "bwd", rows * (1 if rms else 2), "work"),)
+            sharded = tuple(Shard(0) if s is not None else None for s in op.in_shapes[1:])
+            strategies.append(
+                AxisStrategy(out=(Shard(len(x) - 1),), ins=(Shard(len(x) - 1),) + sharded, extra=fwd + bwd)
+            )
         return strategies
+
+    def combination_ok(self, axes) -> bool:
+        # the normalised dim sharded on one axis at most (the row statistics' payload assumes it)
+        return sum(1 for a in axes if a.extra) <= 1
+
+    def lower(self, call):
+        x = call.view.in_shapes[0]
+        axes = call.sharded_axes(call.in_specs[0], len(x) - 1)
+        if not axes or len(call.view.arg(1, "normalized_shape")) != 1:
+            return call.emit()
+        from runtime.sharded_norm import ShardedNorm
+
+        rms = call.node.target is aten.rms_norm.default
+        a = call.args
+        eps = call.view.arg(3 if rms else 4, "eps", None if rms else 1e-5)
+        weight = a[2] if len(a) > 2 else call.kwargs.get("weight")
+        bias = None if rms else (a[3] if len(a) > 3 else call.kwargs.get("bias"))
+        return call.call_module(ShardedNorm(call.comm, axes, x[-1], eps, rms), (a[0], weight, bias))
 
     def flops(self, op: OpView) -> float:
         return 8.0 * math.prod(op.out_shape)

@@ -70,6 +70,11 @@ class DimMapRule(OpRule):
         target, args = call.node.target, list(call.args)
         if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default):
             args[1] = list(call.local_out_shape)
+            if target is aten.view.default:
+                # capture saw one device's strides (export drops a .contiguous() it found
+                # redundant there); a rank's local input may come from a collective or a kernel
+                # laid out otherwise, so reshape (a view whenever the strides allow one)
+                return call.emit(target=aten.reshape.default, args=args)
         elif target is aten.unflatten.int:
             dim = _norm(args[1], len(call.view.in_shapes[0]))
             args[2] = list(call.local_out_shape[dim : dim + len(args[2])])

@@ -1,0 +1,374 @@
+"""2D (SUMMA / Optimus), 2.5D (Tesseract) and 3D tensor parallelism as per-axis compositions.
+
+Partita places every tensor with one placement per mesh axis, and a contraction's candidate on
+one axis is one of (:mod:`passes.rules.contractions`), for ``Y[M, N] = X[M, K] W[K, N]``:
+
+* ``M``: the rows of X split (``X S(0)``, W whole, ``Y S(0)``): data parallel on this axis;
+* ``N``: the columns of W split (``X`` whole, ``W S(n)``, ``Y S(-1)``): Megatron's column split;
+* ``K``: the contracted dim split (``X S(-1)``, ``W S(k)``, ``Y`` partial): Megatron's row split;
+* ``R``: nothing split on this axis.
+
+Each algorithm is a fixed assignment of these roles to the mesh axes (the "grid"), with the
+weights stored split over the whole grid and all-gathered along the axis that uses them whole:
+
+* ``"1d"``: Megatron: the last axis ``N`` or ``K`` (the solver chooses per layer), the others
+  ``M`` (data parallel, weights stored as the solver decides).
+* ``"2d"`` on a ``q x q`` mesh: axis 0 rows (``M``), axis 1 columns (``N``). X arrives
+  ``[S(0), S(-1)]`` and is all-gathered along axis 1; W is stored ``[S(k), S(n)]`` (a q x q
+  block each) and all-gathered along axis 0; Y leaves ``[S(0), S(-1)]``, the layout the next
+  layer takes. Backward: dX is partial on axis 1 (reduce-scatter), dW on axis 0 (reduce-scatter).
+* ``"2.5d"`` on ``d x q x q``: axis 0 depth (a further ``M`` split, W replicated over it and
+  its gradient all-reduced there), axes 1, 2 the ``q x q`` grid as in 2D.
+* ``"3d"`` on ``c x c x c``: axis 0 ``M``; axes 1 and 2 are ``N`` and ``K`` or ``K`` and ``N``
+  (the solver alternates them between layers, so that Y, partial on the ``K`` axis and
+  reduce-scattered onto M there, arrives as the next layer's X). W is stored split ``c x c``
+  over axes 1, 2 (the block ``W[k, j]``); splitting it a third time over axis 0 is left to the
+  solver (Partita's blocks are cut outer axis first, so that gather is not one contiguous
+  all-gather: the solver prices it and usually keeps W whole on axis 0, its gradient
+  all-reduced there).
+
+Forcing (``tensor_parallel=``) restricts every *weight contraction* (a contraction one of whose
+operands is a parameter: linear, addmm, matmul by a weight) to its algorithm's candidates and
+pins 2D / 2.5D weights to their grid storage; the ops around the contractions (norms over the
+split hidden dim, attention with heads split, residual adds, embedding, loss) are left to the
+solver, which keeps the layout because any other costs more. :func:`classify` names the role
+each axis plays in a chosen strategy (the plan summary's grid line). :func:`linear_comm_bytes`
+is the per-linear communication formula for each algorithm (bytes per device, payloads as
+:mod:`passes.cost_model` counts them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+from passes.analyze import info
+from passes.placements import R, Shard, is_partial, is_shard
+from passes.rules import op_view, rule_for, tensor_input_nodes
+
+__all__ = [
+    "TP_MODES",
+    "check_mode",
+    "forced_mode",
+    "check_mesh",
+    "grid_roles",
+    "tensor_parallel",
+    "weight_contraction",
+    "axis_role",
+    "classify",
+    "allowed",
+    "forced_pins",
+    "linear_comm_bytes",
+    "algorithm_of",
+    "grid_lines",
+]
+
+TP_MODES = ("auto", "1d", "2d", "2.5d", "3d")
+_SETTING: dict = {"mode": "auto", "mesh": None}
+
+
+def forced_mode() -> str:
+    """The mode :func:`tensor_parallel` set (``"auto"`` outside it)."""
+    return _SETTING["mode"]
+
+
+def check_mode(mode) -> str:
+    if mode not in TP_MODES:
+        raise ValueError(f"tensor_parallel must be one of {TP_MODES}, got {mode!r}")
+    return mode
+
+
+def check_mesh(mode: str, mesh_shape) -> tuple:
+    """The mesh ``mode`` needs; raises naming the mesh and the shape needed."""
+    check_mode(mode)
+    mesh = tuple(int(n) for n in mesh_shape)
+    need = {
+        "2d": (2, lambda m: m[0] == m[1] and m[0] > 1, "q x q (two equal axes, q > 1), e.g. (2, 2) or (8, 8)"),
+        "2.5d": (3, lambda m: m[1] == m[2] and m[1] > 1, "d x q x q (the last two axes equal, q > 1), e.g. (2, 2, 2)"),
+        "3d": (3, lambda m: m[0] == m[1] == m[2] and m[0] > 1, "c x c x c (three equal axes, c > 1), e.g. (2, 2, 2)"),
+    }
+    if mode == "1d":
+        if mesh[-1] <= 1:
+            raise ValueError(f"tensor_parallel='1d' needs a last mesh axis of more than one device, got mesh {mesh}")
+    elif mode in need:
+        ndim, ok, text = need[mode]
+        if len(mesh) != ndim or not ok(mesh):
+            raise ValueError(
+                f"tensor_parallel={mode!r} needs a {text} mesh, got mesh_shape={mesh}; "
+                f"give such a mesh_shape, or tensor_parallel='auto' / '1d' for this one"
+            )
+    return mesh
+
+
+def grid_roles(mode: str, ndim: int) -> list:
+    """Per mesh axis, the roles a weight contraction may take there under ``mode`` (sets of
+    ``"M"``, ``"N"``, ``"K"``), for a mesh of ``ndim`` axes; ``None``: any role (``"auto"``)."""
+    if mode == "auto":
+        return [None] * ndim
+    if mode == "1d":
+        return [{"M"}] * (ndim - 1) + [{"N", "K"}]
+    if mode == "2d":
+        return [{"M"}, {"N"}]
+    if mode == "2.5d":
+        return [{"M"}, {"M"}, {"N"}]
+    return [{"M"}, {"N", "K"}, {"N", "K"}]  # 3d, axes 1 and 2 differ (combination check)
+
+
+GRID_NAMES = {
+    "1d": lambda n: ["data"] * (n - 1) + ["tensor"],
+    "2d": lambda n: ["rows", "columns"],
+    "2.5d": lambda n: ["depth", "rows", "columns"],
+    "3d": lambda n: ["i (rows)", "j", "k"],
+}
+
+
+@contextlib.contextmanager
+def tensor_parallel(mode: str, mesh_shape):
+    """Plan weight contractions inside this block under ``mode`` on a mesh of ``mesh_shape``."""
+    mesh = check_mesh(mode, mesh_shape) if mode != "auto" else tuple(mesh_shape)
+    saved = dict(_SETTING)
+    _SETTING.update(mode=mode, mesh=mesh)
+    try:
+        yield
+    finally:
+        _SETTING.update(saved)
+
+
+def _is_param(node) -> bool:
+    """A parameter, or a view of one (``W.t()`` feeding a matmul)."""
+    while node.op == "call_function" and getattr(rule_for(node), "is_view", False):
+        inputs = tensor_input_nodes(node)
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+    return node.op == "placeholder" and info(node).kind == "param"
+
+
+def weight_contraction(node):
+    """``(activation input index, weight input index)`` when ``node`` is a contraction of an
+    activation by a parameter (linear, addmm, mm, matmul); None otherwise."""
+    if node.op != "call_function":
+        return None
+    rule = rule_for(node)
+    layout = getattr(rule, "layout", None)
+    if not getattr(rule, "contraction", False) or layout is None:
+        return None
+    operands, _, _ = layout(op_view(node))
+    if len(operands) != 2:
+        return None
+    inputs = tensor_input_nodes(node)
+    params = [idx for idx, _, _ in operands if _is_param(inputs[idx])]
+    if not params:
+        return None
+    w = params[-1]  # both parameters (a learned input): the second operand, as in x @ W
+    x = next(idx for idx, _, _ in operands if idx != w)
+    if len(op_view(node).in_shapes[x] or ()) < 2:
+        return None
+    return x, w
+
+
+def axis_role(axis_strategy, x_index: int, out_rank: int) -> str:
+    """The role (``M``, ``N``, ``K``, ``R``; ``?`` for none of these) of one axis's candidate of
+    a weight contraction whose activation is input ``x_index``."""
+    x = axis_strategy.ins[x_index]
+    out = axis_strategy.out[0]
+    if isinstance(out, Shard) and out.dim < out_rank - 1 and x == out:
+        return "M"
+    if isinstance(out, Shard) and out.dim == out_rank - 1 and x == R:
+        return "N"
+    if is_partial(out) and is_shard(x) and x.dim == out_rank - 1:
+        return "K"
+    if out == R and x == R:
+        return "R"
+    return "?"
+
+
+def classify(node, strategy) -> str | None:
+    """Per-axis roles of ``node``'s chosen strategy, e.g. ``"M,N"`` (2D) or ``"M,K,N"`` (3D);
+    None when ``node`` is not a weight contraction."""
+    wc = weight_contraction(node)
+    if wc is None or strategy is None:
+        return None
+    out_rank = len(op_view(node).out_shape)
+    return ",".join(axis_role(a, wc[0], out_rank) for a in strategy.axes)
+
+
+def algorithm_of(roles: str, mesh_shape) -> str:
+    """The algorithm a contraction's roles (:func:`classify`) amount to on ``mesh_shape``."""
+    r = roles.split(",")
+    mesh = tuple(mesh_shape)
+    live = [x for x, n in zip(r, mesh) if n > 1]
+    if all(x in ("M", "R") for x in live):
+        return "data" if "M" in live else "replicated"
+    if len(mesh) == 2 and r == ["M", "N"] and mesh[0] == mesh[1]:
+        return "2d"
+    if len(mesh) == 3 and r == ["M", "M", "N"] and mesh[1] == mesh[2]:
+        return "2.5d"
+    if len(mesh) == 3 and r in (["M", "N", "K"], ["M", "K", "N"]) and mesh[0] == mesh[1] == mesh[2]:
+        return "3d"
+    if sum(x in ("N", "K") for x in live) == 1 and all(x in ("M", "R", "N", "K") for x in live):
+        return "1d"
+    return "mixed"
+
+
+ACTIVATION_LAYOUTS: dict[str, set] = {
+    "2d": {(Shard(0), Shard(-1))},
+    "2.5d": {(Shard(0), Shard(0), Shard(-1))},
+    "3d": {(Shard(0), Shard(0), Shard(-1)), (Shard(0), Shard(-1), Shard(0))},
+}
+"""The layouts of activations between layers (``Shard(-1)``: the hidden dim); the norms are
+held to them, so that the layers in between keep the algorithm's layout."""
+
+
+def _is_norm(node) -> bool:
+    from passes.rules.normalization import LayerNormRule
+
+    return node.op == "call_function" and isinstance(rule_for(node), LayerNormRule)
+
+
+def allowed(node, strategy) -> bool:
+    """Whether ``strategy`` is admissible for ``node`` under the forced mode: weight contractions
+    take their grid roles, 2D / 2.5D / 3D norms the activation layouts; any under ``"auto"``."""
+    mode = _SETTING["mode"]
+    if mode == "auto":
+        return True
+    wc = weight_contraction(node)
+    if wc is None:
+        if mode in ACTIVATION_LAYOUTS and _is_norm(node):
+            rank = len(op_view(node).out_shape)
+            out = tuple(Shard(-1) if is_shard(p) and p.dim == rank - 1 else p for p in strategy.out[0])
+            return out in ACTIVATION_LAYOUTS[mode]
+        return True
+    mesh = _SETTING["mesh"]
+    out_rank = len(op_view(node).out_shape)
+    roles = [axis_role(a, wc[0], out_rank) for a in strategy.axes]
+    for role, want, n in zip(roles, grid_roles(mode, len(mesh)), mesh):
+        if n == 1:
+            continue
+        if role not in want:
+            return False
+        if role == "M" and strategy.axes[roles.index(role)].out[0] != Shard(0):
+            return False
+    if mode == "3d" and roles[1] == roles[2]:
+        return False
+    return True
+
+
+def forced_pins(graph, mode: str, mesh_shape) -> dict:
+    """Storage pins of the weights of weight contractions under 2D / 2.5D (their grid blocks:
+    ``[S(k), S(n)]``, ``[R, S(k), S(n)]``), and checks that every weight contraction can run
+    the algorithm (its batch and weight dims divide by the grid); raises naming the node."""
+    if mode == "auto":
+        return {}
+    mesh = check_mesh(mode, mesh_shape)
+    pins: dict = {}
+    for node in graph.nodes:
+        wc = weight_contraction(node)
+        if wc is None:
+            continue
+        op = op_view(node)
+        x_shape, w_shape = op.in_shapes[wc[0]], op.in_shapes[wc[1]]
+        m_split = math.prod(n for role, n in zip(grid_roles(mode, len(mesh)), mesh) if role == {"M"})
+        if x_shape[0] % m_split:
+            where = info(node).module_path or "top level"
+            raise ValueError(
+                f"tensor_parallel={mode!r} on mesh {mesh}: node {node.name} ({where}) has batch {x_shape[0]}, "
+                f"which the grid's row axes ({m_split} devices) must divide; give a batch that is a multiple "
+                f"of {m_split}, or another mesh"
+            )
+        w = tensor_input_nodes(node)[wc[1]]
+        if mode not in ("2d", "2.5d") or w.op != "placeholder" or node.target.__name__ != "linear.default":
+            continue
+        n_dim, k_dim = 0, 1  # aten.linear's weight is [N, K]
+        q = mesh[-1]
+        if w_shape[n_dim] % q or w_shape[k_dim] % q:
+            raise ValueError(
+                f"tensor_parallel={mode!r} on mesh {mesh}: weight {info(w).name} of shape {tuple(w_shape)} "
+                f"cannot be cut into {q} x {q} blocks; use dims divisible by {q} or another mesh"
+            )
+        grid = (Shard(k_dim), Shard(n_dim))
+        pins[w] = grid if mode == "2d" else (R,) + grid
+    return pins
+
+
+def linear_comm_bytes(mode: str, m: int, k: int, n: int, mesh_shape, elem: int = 4, *, input_grad: bool = True):
+    """Bytes per device one linear ``Y[m, n] = X[m, k] W[k, n]`` communicates under ``mode``,
+    as ``{phase: {kind: {axis: bytes}}}`` (payloads: an all-gather counts the gathered buffer,
+    a reduce-scatter its full input, an all-reduce its buffer; see :mod:`passes.cost_model`).
+
+    X arrives and Y leaves in the algorithm's layout; W is stored as the algorithm stores it
+    (3D: whole over axis 0). ``input_grad``: X needs a gradient (every layer but one fed by the
+    model's inputs). Derivations in ``docs/ARCHITECTURE.md``, "2D, 2.5D and 3D tensor parallelism".
+    """
+    mesh = check_mesh(mode, mesh_shape)
+    out: dict = {"fwd": {}, "bwd": {}}
+
+    def add(phase, kind, axis, nbytes):
+        out[phase].setdefault(kind, {})
+        out[phase][kind][axis] = out[phase][kind].get(axis, 0) + nbytes * elem
+
+    if mode == "2d":
+        q = mesh[0]
+        add("fwd", "all_gather", 1, m * k / q)  # X[m/q, k] gathered along the columns
+        add("fwd", "all_gather", 0, k * n / q)  # W[k, n/q] gathered along the rows
+        if input_grad:
+            add("bwd", "reduce_scatter", 1, m * k / q)  # dX[m/q, k] partial over the columns
+        add("bwd", "reduce_scatter", 0, k * n / q)  # dW[k, n/q] partial over the rows
+    elif mode == "2.5d":
+        d, q = mesh[0], mesh[1]
+        add("fwd", "all_gather", 2, m * k / (d * q))
+        add("fwd", "all_gather", 1, k * n / q)
+        if input_grad:
+            add("bwd", "reduce_scatter", 2, m * k / (d * q))
+        add("bwd", "reduce_scatter", 1, k * n / q)
+        add("bwd", "all_reduce", 0, k * n / (q * q))  # dW[k/q, n/q] summed over the depth
+    elif mode == "3d":
+        c = mesh[0]
+        # roles (axis 0 M, axis 1 N, axis 2 K): X[m/c^2, k/c] gathered along axis 1,
+        # Y partial on axis 2, reduce-scattered onto its rows there
+        add("fwd", "all_gather", 1, m * k / c**2)
+        add("fwd", "reduce_scatter", 2, m * n / c**2)
+        if input_grad:
+            add("bwd", "reduce_scatter", 1, m * k / c**2)  # dX partial over axis 1
+        add("bwd", "all_gather", 2, m * n / c**2)  # dY gathered back along axis 2
+        add("bwd", "all_reduce", 0, k * n / c**2)  # dW[k/c, n/c] summed over axis 0
+    else:
+        raise ValueError(f"linear_comm_bytes covers '2d', '2.5d' and '3d', not {mode!r}")
+    return out
+
+
+def grid_lines(records, data: dict) -> list:
+    """Text for the plan summary (and ``dump``'s ``plan.txt``): the grid (which mesh axes are
+    rows, columns, depth), the algorithm each weight contraction runs, and per contraction
+    (repeated layers once) its per-axis roles and the blocks a device holds of X, W and Y."""
+    from passes.placements import local_shape, parse_spec
+
+    rows = [r for r in records if r.get("tp_roles")]
+    if not rows:
+        return []
+    mode = data.get("tensor_parallel", "auto")
+    names = data["mesh"]["axis_names"]
+    mesh = tuple(data["mesh"]["shape"])
+    counts: dict = {}
+    for r in rows:
+        counts[r["tensor_parallel"]] = counts.get(r["tensor_parallel"], 0) + 1
+    head = f"grid (tensor_parallel={mode!r})"
+    if mode in GRID_NAMES:
+        head += ": " + ", ".join(f"{a} {role}" for a, role in zip(names, GRID_NAMES[mode](len(mesh))))
+    lines = [head + "; weight contractions: " + ", ".join(f"{k} on {n}" for k, n in sorted(counts.items()))]
+    shapes = {r["name"]: r.get("shapes") or [] for r in records}
+    for r in rows:
+        if r.get("rep", r["name"]) != r["name"]:
+            continue
+        blocks = []
+        for label, name, spec in zip(("X", "W"), r["inputs"], r["ins"]):
+            shape = (shapes.get(name) or [None])[0]
+            if shape is not None and spec is not None:
+                blocks.append(f"{label} {'x'.join(map(str, local_shape(shape, parse_spec(spec, len(mesh)), mesh)))}")
+        if r.get("local_shapes") and r["local_shapes"][0] is not None:
+            blocks.append(f"Y {'x'.join(map(str, r['local_shapes'][0]))}")
+        roles = " ".join(f"{a}={role}" for a, role in zip(names, r["tp_roles"].split(",")))
+        lines.append(
+            f"  {r['name']} ({r.get('module') or 'top level'}): {r['tensor_parallel']}, {roles}; " + ", ".join(blocks)
+        )
+    return lines
