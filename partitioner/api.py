@@ -104,6 +104,7 @@ def plan(
     sequence_parallel: str = "auto",
     zero="auto",
     tensor_parallel: str = "auto",
+    host_memory_budget=None,
 ) -> ShardingPlan:
     """Choose data / tensor / sequence splits for every node of ``model`` on a device mesh.
 
@@ -120,6 +121,10 @@ def plan(
         global_batch: samples per step for the search (default: the example inputs' batch).
         cluster: ``"h100"``, ``"h200"``, ``"a100"``, ``"cpu"`` (measured here) or a ClusterSpec.
         memory_budget: bytes per device (``"80GiB"``); default: the cluster's device memory.
+        host_memory_budget: host-memory bytes per device for offloaded optimizer state
+            (``"200GiB"``): a weight's optimizer state and step can then live on the host, its
+            gradient and stepped values crossing the host link (PCIe on the GPU presets) once
+            per step; chosen where the device budget needs it. Default None: nothing offloaded.
         pins: fixed placements, e.g. ``{"input_ids": ["S(0)", "R"], "lm_head.weight": ["R", "S(0)"]}``
             (see :func:`resolve_pins`).
         objective: ``"time"`` (estimated step time) or ``"memory"`` (peak memory per device).
@@ -217,6 +222,7 @@ def plan(
         sequence_parallel=sequence_parallel,
         zero=zero,
         tensor_parallel=tensor_parallel,
+        host_memory_budget=host_memory_budget,
     )
 
 
@@ -241,6 +247,7 @@ def plan_captured(
     zero="auto",
     zero1=True,
     tensor_parallel="auto",
+    host_memory_budget=None,
 ) -> ShardingPlan:
     """:func:`plan` for a graph already captured and analysed (``passes.capture`` +
     ``passes.analyze``); ``auto_parallelize`` uses it so the model is captured once.
@@ -294,6 +301,7 @@ def plan_captured(
             log=logger.info,
             zero=zero,
             zero1=zero1,
+            host_budget=parse_bytes(host_memory_budget) if host_memory_budget is not None else None,
         )
     t3 = time.perf_counter()
     stats = dict(result.stats, **timings, plan_s=t3 - t2, total_s=t3 - t0)
@@ -321,6 +329,7 @@ def plan_captured(
         "sequence_parallel": sequence_parallel,
         "zero": zero,
         "tensor_parallel": tensor_parallel,
+        "host_memory_budget": host_memory_budget,
         "pins": {n.name: format_spec(s) for n, s in pinned.items()},
         "records": result.records,
         "alternatives": result.alternatives,

@@ -7,7 +7,10 @@ The cost model prices everything in seconds from these numbers (decision 4 in do
   plus ``op_overhead_s`` per op (the framework's dispatch; 0 in the GPU presets);
 * a collective on a mesh axis of size n: ``collective_overhead_s + steps * latency_s +
   wire_bytes / (bandwidth * collective_efficiency[kind])`` on the link the axis runs over. An
-  axis whose process groups stay inside one node uses ``intra_node``; otherwise ``inter_node``.
+  axis whose process groups stay inside one node uses ``intra_node``; otherwise ``inter_node``;
+* a copy between a device and its host's memory (offloaded optimizer state): ``latency_s +
+  bytes / bandwidth`` on ``host_link`` (PCIe on the GPU presets; none on a CPU, whose copies run
+  at its memory bandwidth).
 
 Presets (``h100``, ``h200``, ``a100``) use vendor figures for SXM parts with NVLink inside an
 8-GPU node and one InfiniBand NIC per GPU across nodes. ``cpu`` is this machine: the compute
@@ -103,6 +106,14 @@ class ClusterSpec:
     """Fixed cost of one op that computes (dispatch, Python): what dominates tiny ops on CPUs."""
     collective_efficiency: dict = field(default_factory=dict)
     """Fraction of the link bandwidth each collective kind reaches (absent: 1.0)."""
+    host_link: LinkSpec | None = None
+    """The link between a device and its host's memory (PCIe on the GPU presets), over which
+    optimizer state offloaded to the host moves; None: the device's own memory is the host's
+    (a CPU), copies run at ``memory_bandwidth``."""
+
+    def host(self) -> LinkSpec:
+        """:attr:`host_link`, or this device's memory when there is none (see there)."""
+        return self.host_link or LinkSpec(bandwidth=self.memory_bandwidth, latency_s=0.0)
 
     def flops_for(self, dtype_name: str) -> float:
         return self.peak_flops.get(dtype_name, self.peak_flops["float32"])
@@ -126,11 +137,14 @@ class ClusterSpec:
             raise ValueError(f"not a ClusterSpec: unknown fields {sorted(unknown)}")
         data["intra_node"] = LinkSpec(**data["intra_node"])
         data["inter_node"] = LinkSpec(**data["inter_node"])
+        if data.get("host_link") is not None:
+            data["host_link"] = LinkSpec(**data["host_link"])
         return cls(**data)
 
 
-def _gpu(name, fp32, bf16, hbm_bw, mem_gib, nvlink, ib, notes):
+def _gpu(name, fp32, bf16, hbm_bw, mem_gib, nvlink, ib, pcie, notes):
     return ClusterSpec(
+        host_link=LinkSpec(bandwidth=pcie, latency_s=10e-6),
         name=name,
         peak_flops={"float32": fp32, "bfloat16": bf16, "float16": bf16},
         memory_bandwidth=hbm_bw,
@@ -144,12 +158,12 @@ def _gpu(name, fp32, bf16, hbm_bw, mem_gib, nvlink, ib, notes):
 
 # fmt: off
 PRESETS = {
-    "h100": _gpu("h100", 67e12, 989e12, 3.35e12, 80, 450e9, 50e9,
-                 "H100 SXM: NVLink4 450 GB/s per direction, 400 Gb/s InfiniBand per GPU"),
-    "h200": _gpu("h200", 67e12, 989e12, 4.8e12, 141, 450e9, 50e9,
+    "h100": _gpu("h100", 67e12, 989e12, 3.35e12, 80, 450e9, 50e9, 50e9,
+                 "H100 SXM: NVLink4 450 GB/s per direction, 400 Gb/s InfiniBand per GPU, PCIe 5 x16 to the host"),
+    "h200": _gpu("h200", 67e12, 989e12, 4.8e12, 141, 450e9, 50e9, 50e9,
                  "H200 SXM: H100 compute, 141 GB HBM3e at 4.8 TB/s"),
-    "a100": _gpu("a100", 19.5e12, 312e12, 2.0e12, 80, 300e9, 25e9,
-                 "A100 SXM 80GB: NVLink3 300 GB/s per direction, 200 Gb/s InfiniBand per GPU"),
+    "a100": _gpu("a100", 19.5e12, 312e12, 2.0e12, 80, 300e9, 25e9, 25e9,
+                 "A100 SXM 80GB: NVLink3 300 GB/s per direction, 200 Gb/s InfiniBand per GPU, PCIe 4 x16 to the host"),
 }
 # fmt: on
 

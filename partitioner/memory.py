@@ -39,7 +39,8 @@ class MemoryBreakdown:
     gathered_buffers: float = 0.0
     """Tensors made by resharding (gathered weights, moved activations) that backward keeps."""
     offloaded: float = 0.0
-    """Bytes kept in host memory instead (none yet: nothing is offloaded)."""
+    """Bytes kept in host memory instead: offloaded weights' optimizer state, with the tensor the
+    optimizer steps and its gradient (not part of the device's peak)."""
     forward_peak: float = 0.0
     backward_peak: float = 0.0
 
@@ -69,6 +70,7 @@ def memory_breakdown(records: list) -> MemoryBreakdown:
         m.parameters += r.get("parameters", 0.0)
         m.gradients += r.get("gradients", 0.0)
         m.optimizer_state += r.get("optimizer_state", 0.0)
+        m.offloaded += r.get("offloaded", 0.0)
         m.inputs += r.get("input_bytes", 0.0)
         m.saved_activations += r.get("saved_activations", 0.0)
         m.gathered_buffers += r.get("gathered_buffers", 0.0)

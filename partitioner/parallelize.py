@@ -110,6 +110,7 @@ def auto_parallelize(
     sequence_parallel="auto",
     zero="auto",
     tensor_parallel="auto",
+    host_memory_budget=None,
 ):
     """Run ``model`` data / tensor / sequence parallel on the job's ranks, as a plan decides.
 
@@ -141,6 +142,10 @@ def auto_parallelize(
             (``2``), frees it after forward and gathers it again in backward (``3``), or the
             solver chooses per weight (``"auto"``), or per name pattern (a dict; see
             :func:`partitioner.plan`).
+        host_memory_budget: host-memory bytes per device for offloaded optimizer state (see
+            :func:`partitioner.plan`): offloaded parameters live on the CPU with their gradients,
+            so the optimizer keeps their state and runs their step there
+            (``ParallelModule.offloaded()`` names them).
         verbose: show progress on stderr for this call; the same records go to the
             ``partitioner`` logger at INFO in any case (see :mod:`partitioner.progress`).
         sequence_parallel: ``"auto"`` (the solver chooses among head-sharded, ring and Ulysses
@@ -216,6 +221,7 @@ def auto_parallelize(
         sequence_parallel=sequence_parallel,
         zero=zero,
         tensor_parallel=tensor_parallel,
+        host_memory_budget=host_memory_budget,
     )
     logger.info("planned in %.2f s", time.perf_counter() - t0)
     module = _build_module(cap, plan, comm, WeightSource(model, state_dict, checkpoint), device, local_inputs)
@@ -237,6 +243,7 @@ def auto_parallelize(
                 sequence_parallel=sequence_parallel,
                 zero=zero,
                 tensor_parallel=tensor_parallel,
+                host_memory_budget=host_memory_budget,
             ),
         )
     )
@@ -375,6 +382,7 @@ def _plan_or_replay(
     sequence_parallel="auto",
     zero="auto",
     tensor_parallel="auto",
+    host_memory_budget=None,
 ) -> ShardingPlan:
     """Plan: rank 0 searches and broadcasts (the cost model may time this machine, and ranks
     must agree on one plan); a given plan is checked against the graph and the mesh instead."""
@@ -395,6 +403,7 @@ def _plan_or_replay(
                 sequence_parallel=sequence_parallel,
                 zero=zero,
                 tensor_parallel=tensor_parallel,
+                host_memory_budget=host_memory_budget,
             ).to_json()
 
         return ShardingPlan.from_dict(json.loads(on_rank0(make_plan, "planning")))

@@ -105,6 +105,8 @@ class Estimate:
             f"{_fmt_time(self.comm_s)}); memory {_fmt_bytes(self.memory_bytes)} per device; "
             f"communication per device: {comm}"
         )
+        if self.memory is not None and self.memory.offloaded:
+            text += f"; offloaded bytes on host {_fmt_bytes(self.memory.offloaded)} per device"
         return text + self.throughput_text()
 
     def throughput_text(self) -> str:
@@ -242,6 +244,7 @@ class ShardingPlan:
         phases = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
         for r in self.records:
             compute += r.get("compute_s", 0.0)
+            comm_t += r.get("host_transfer_s", 0.0)  # offloaded optimizer state: host copies
             weight += r.get("weight_grad_s", 0.0)
             for c in r.get("comm", []):
                 comm_t += c["time_s"]
@@ -438,6 +441,8 @@ class ShardingPlan:
                 zero = "  ZeRO-3" if o.get("zero") == 3 else ""
                 if o.get("zero") == 1:  # used whole, the optimizer steps a shard placed so
                     zero = f"  ZeRO-1 {o['stored']}"
+                if o.get("offload"):  # optimizer state and step in host memory
+                    zero += "  offloaded"
                 lines.append(
                     f"  {mark} out {o['out'][0]:<18} in {ins:<40} {_fmt_time(o['time_s']):>12}  "
                     f"{_fmt_bytes(o['memory']):>10}{zero}"

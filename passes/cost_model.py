@@ -46,6 +46,7 @@ from passes.placements import Partial, dual_spec, is_partial, is_shard, total_sh
 __all__ = [
     "Collective",
     "collective_time",
+    "host_copy_time",
     "reshard",
     "collective_kind",
     "dtype_bytes",
@@ -109,6 +110,14 @@ def collective_time(c: Collective, mesh_shape, cluster) -> float:
     fixed = 0.0 if c.bucketed else cluster.collective_overhead_s + _STEPS[c.kind](n) * link.latency_s
     efficiency = cluster.collective_efficiency.get(c.kind, 1.0)
     return fixed + _WIRE[c.kind](n) * c.payload_bytes / (link.bandwidth * efficiency)
+
+
+def host_copy_time(nbytes: float, cluster) -> float:
+    """Seconds of one step's traffic for a tensor of ``nbytes`` whose optimizer state lives in host
+    memory: its gradient copied to the host and the stepped tensor copied back, over the host
+    link (``cluster.host()``), one transfer each way."""
+    link = cluster.host()
+    return 2 * (link.latency_s + nbytes / link.bandwidth)
 
 
 def reshard(src, dst, shape, mesh_shape, elem: int) -> list:

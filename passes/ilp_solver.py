@@ -9,6 +9,7 @@ producer's option and the class ``s = cls_h(j)`` of the consumer's option (``C_e
                 sum_s f[e,o,s] = sum_{i: cls_g(i)=o} x[g,i]         (flow leaves the producer's class)
                 sum_o f[e,o,s] = sum_{j: cls_h(j)=s} x[h,j]         (and arrives at the consumer's)
                 sum_{g,i} m[g,i] x[g,i] + sum_{e,o,s} M_e[o,s] f[e,o,s] <= budget   (memory)
+                sum_{g,i} h[g,i] x[g,i] <= host budget                        (offloaded state, if any)
                 sum_{i in A} x[g,i] = sum_{j in B} x[h,j]          (links: chosen together)
                 x binary, f >= 0
 
@@ -71,10 +72,12 @@ def solve_ilp(
     gap: float = 1e-6,
     node_limit: int = NODE_LIMIT,
     forbidden: list | None = None,
+    host: tuple | None = None,
 ) -> IlpResult:
     """``edges``: list of (g, h, cls_g, cls_h, matrix) as numpy arrays; ``links``: list of
     (g, options of g, h, options of h) whose sums of ``x`` must be equal; ``forbidden``: (g, i)
-    pairs whose ``x`` is fixed at 0 (options left out of this solve)."""
+    pairs whose ``x`` is fixed at 0 (options left out of this solve); ``host``: (host-memory bytes
+    per group and option, host budget), a second memory row (offloaded optimizer state)."""
     offsets = np.cumsum([0] + [len(c) for c in node_costs])
     n_x = int(offsets[-1])
     flow_offsets = [n_x]
@@ -139,6 +142,10 @@ def solve_ilp(
         mem_row[:n_x] = x_mem
         mem_row[n_x:] = flow_mem
         constraints.append(LinearConstraint(mem_row.reshape(1, -1), -np.inf, budget))
+    if host is not None and any(np.any(h) for h in host[0]):
+        host_row = np.zeros(n)
+        host_row[:n_x] = np.concatenate(host[0])
+        constraints.append(LinearConstraint(host_row.reshape(1, -1), -np.inf, host[1]))
     integrality = np.zeros(n)
     integrality[:n_x] = 1
     upper = np.ones(n)

@@ -12,9 +12,10 @@ graph in order and emit a new fx graph:
 * every op is emitted by its rule's ``lower`` hook (:class:`LowerCall`): the same aten op on
   local tensors with shape arguments rewritten to local shapes, or a local kernel from
   :mod:`runtime.local_ops` where the sharded form needs one;
-* a ZeRO-1 parameter (record ``stored``) arrives as its compute copy (placed as the record's
-  ``out``); its edges leave the gradient ``Partial`` on the shard's axes, and
-  ``gm.meta["partita.zero1"]`` lists the two placements for :mod:`runtime.optimizer_shards`;
+* a ZeRO-1 parameter (record ``stored``) or an offloaded one (``offload``) arrives as its compute
+  copy (placed as the record's ``out``); its edges leave the gradient ``Partial`` where the copy
+  is replicated, and ``gm.meta["partita.zero1"]`` lists the placements and whether the stepped
+  tensor is on the host, for :mod:`runtime.optimizer_shards`;
 * outputs the plan replicates are resharded to ``Replicate``; device arguments baked in at
   capture time (``meta``) are replaced by this rank's device;
 * the nodes emitted for each region the plan recomputes (records marked ``recompute``, named
@@ -215,7 +216,7 @@ def lower_to_local(
     out_specs: dict = {}
     output_specs: list = []  # the placement of each value the program returns
     chains = _strided_chains(graph, records, comm)
-    zero1: dict = {}  # ZeRO-1 parameter placeholder -> (compute copy's placement, its shard's)
+    zero1: dict = {}  # ZeRO-1 / offloaded parameter -> (compute copy's placement, the stepped one's, on host)
     grad_dst: dict = {}  # ZeRO-1 parameter -> where its edges leave the gradient
     layers: dict = {}  # recomputed layer -> [node before its first emitted node, its last emitted node]
     open_layer = None
@@ -238,10 +239,11 @@ def lower_to_local(
             env[node] = b.graph.placeholder(node.name)
             env[node].meta.update(node.meta)
             out_specs[node] = _specs(record(node)["out"], ndim)
-            if record(node).get("stored"):  # ZeRO-1: the program reads the compute copy
-                stored = parse_spec(record(node)["stored"], ndim)
-                zero1[node.name] = (out_specs[node][0], stored)
-                grad_dst[node] = zero1_grad_spec(out_specs[node][0], stored)
+            rec = record(node)
+            if rec.get("stored") or rec.get("offload"):  # ZeRO-1 or offloaded: it reads a compute copy
+                stored = parse_spec(rec["stored"], ndim) if rec.get("stored") else out_specs[node][0]
+                zero1[node.name] = (out_specs[node][0], stored, bool(rec.get("offload")))
+                grad_dst[node] = zero1_grad_spec(out_specs[node][0], comm.shape)
             continue
         if i.kind == "ignored":
             continue

@@ -27,6 +27,8 @@ keeps (:mod:`passes.saved_tensors` says what each op saves) and counts each stor
   backward runs (a backward transient), outside recomputed layers.
 * **ZeRO-1 parameters** (``stored``): the compute copy and its gradient at the placement the
   ops use, plus the optimizer's shard with its gradient and state.
+* **Offloaded parameters** (``offload``): the compute copy and its gradient on the device; the
+  tensor the optimizer steps, its gradient and its state in host memory (``offloaded``).
 * **Recomputed layers** (activation checkpointing): what their ops keep is rebuilt while the
   layer's backward reruns it (a backward transient, on the layer's first node); the checkpoint
   keeps the values entering the layer.
@@ -179,8 +181,11 @@ def memory_fields(
                 stored = choices[n].stored  # ZeRO-1: the optimizer steps a shard placed so
                 numel = local_bytes(i.shape, spec if stored is None else stored, mesh, 1)
                 p, g, s = param_state_parts(numel, dtype_bytes(i.dtype), optimizer)
+                whole = local_bytes(i.shape, spec, mesh, dtype_bytes(i.dtype))
+                if choices[n].offload:  # on the device: the compute copy and its gradient only
+                    f.update(parameters=whole, gradients=whole, optimizer_state=0.0, offloaded=p + g + s)
+                    continue
                 if stored is not None:  # and the compute copy, with its gradient, is whole
-                    whole = local_bytes(i.shape, spec, mesh, dtype_bytes(i.dtype))
                     p, g = p + whole, g + whole
                 f.update(parameters=p, gradients=g, optimizer_state=s)
             else:

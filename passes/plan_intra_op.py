@@ -23,7 +23,7 @@ from passes import multidim_tp
 from passes.analyze import info
 from passes.blocks import find_blocks
 from passes.capture import tied_placeholders
-from passes.cost_model import Collective, collective_time, dtype_bytes, extra_payload
+from passes.cost_model import Collective, collective_time, dtype_bytes, extra_payload, host_copy_time, local_bytes
 from passes.ilp_solver import NODE_LIMIT, min_memory, solve_ilp
 from passes.memory_accounting import memory_fields
 from passes.placements import format_spec, local_shape
@@ -109,13 +109,16 @@ def _node_record(node, choice, space, axis_names, rep_node):
     if choice.regather:
         rec["regather"] = True  # ZeRO-3: gathered copies freed after forward, gathered again for backward
     comm = []
-    if choice.stored is not None:  # ZeRO-1: the optimizer's shard; once per step, both collectives
-        rec["stored"] = format_spec(choice.stored)
-        rs, ag = zero1_collectives(
-            choice.out[0], choice.stored, i.shape, dtype_bytes(i.dtype), mesh, space.grad_reduce_bytes
-        )
+    if choice.stored is not None or choice.offload:  # a compute copy: its reduction (and gather) once per step
+        stored = choice.stored or choice.out[0]
+        if choice.stored is not None:  # ZeRO-1: the optimizer's shard
+            rec["stored"] = format_spec(choice.stored)
+        rs, ag = zero1_collectives(choice.out[0], stored, i.shape, dtype_bytes(i.dtype), mesh, space.grad_reduce_bytes)
         comm += _collective_dicts(rs, "bwd", None, mesh, cluster, axis_names)
         comm += _collective_dicts(ag, "fwd", None, mesh, cluster, axis_names)
+        if choice.offload:  # optimizer state and step on the host: the gradient there and the tensor back
+            rec["offload"] = True
+            rec["host_transfer_s"] = host_copy_time(local_bytes(i.shape, stored, mesh, dtype_bytes(i.dtype)), cluster)
     if choice.weight_grad_s:
         rec["weight_grad_s"] = float(choice.weight_grad_s)
     rec["memory"] = float(choice.memory)
@@ -157,7 +160,7 @@ def _edge_comm(node, choices, space, axis_names):
             dst = mine.ins[k]
             grad = mine.strategy.grad_spec(k) if mine.strategy is not None else None
         ui = info(u)
-        stored = choices[u].stored  # ZeRO-1: the gradient stays Partial on the shard's axes here
+        held = choices[u].stored is not None or choices[u].offload  # a compute copy: its gradient stays Partial
         fwd, bwd = edge_collectives(
             choices[u].out[0],
             dst,
@@ -168,7 +171,7 @@ def _edge_comm(node, choices, space, axis_names):
             ui.requires_grad,
             from_param=ui.kind == "param",
             grad_reduce_bytes=space.grad_reduce_bytes,
-            grad_dst=None if stored is None else zero1_grad_spec(choices[u].out[0], stored),
+            grad_dst=zero1_grad_spec(choices[u].out[0], mesh) if held else None,
         )
         out += _collective_dicts(fwd, "fwd", k, mesh, space.cluster, axis_names)
         out += _collective_dicts(bwd, "bwd", k, mesh, space.cluster, axis_names)
@@ -197,10 +200,13 @@ def plan_intra_op(
     log=None,
     zero="auto",
     zero1=True,
+    host_budget=None,
 ) -> IntraOpResult:
     """``recompute``: activation checkpointing of repeated blocks, ``"auto"`` (kept, selective or
     full, chosen by the solver when the budget needs it), ``"selective"``, ``"all"`` or ``"none"``
-    (:mod:`passes.recompute`). ``zero1``: offer ZeRO-1 weights (False for pipeline stages)."""
+    (:mod:`passes.recompute`). ``zero1``: offer ZeRO-1 weights (False for pipeline stages).
+    ``host_budget``: host-memory bytes per device for offloaded optimizer state (None: nothing is
+    offloaded); offloading only adds time, so it is chosen when the device budget needs it."""
     log = log or (lambda msg: None)
     check_recompute_mode(recompute)
     graph: fx.Graph = cap.graph
@@ -229,6 +235,7 @@ def plan_intra_op(
         grad_reduce_bytes=grad_reduce_bytes,
         zero=zero,
         zero1=zero1,
+        offload=host_budget is not None,
     )
     t1 = time.perf_counter()
     n_opts = sum(len(g.options) for g in space.groups)
@@ -266,6 +273,7 @@ def plan_intra_op(
             time_limit=time_limit,
             forbidden=forbidden or None,
             node_limit=nodes,
+            host=([g.host_memory for g in space.groups], host_budget) if host_budget is not None else None,
         )
 
     redo = RecomputeChoice()
@@ -295,6 +303,8 @@ def plan_intra_op(
             raise InfeasibleBudgetError(_infeasible(budget, mesh_shape, least_kept, least, recompute, blocks))
         result = solve(budget, redo)
     t2 = time.perf_counter()
+    if result.choice is None and host_budget is not None:
+        _check_host_budget(space, budget, host_budget, redo, time_limit)
     if result.choice is None:
         raise InfeasibleBudgetError(
             f"the solver found no plan within the budget ({result.message}); the least memory "
@@ -390,6 +400,30 @@ def plan_intra_op(
             for g in blocks.groups
         ],
         stats=stats,
+    )
+
+
+def _check_host_budget(space, budget, host_budget, redo, time_limit) -> None:
+    """No plan fits both budgets: when one fits the device budget with more host memory, the host
+    budget is what is short; say so, with the host memory the least of those plans needs."""
+    groups = space.groups
+    least_host = solve_ilp(
+        [g.host_memory for g in groups],
+        [g.memory for g in groups],
+        [(e.src, e.dst, e.src_class, e.dst_class, np.zeros_like(e.matrix), e.memory) for e in space.edges],
+        budget=budget,
+        links=redo.rows(),
+        time_limit=time_limit,
+        node_limit=RETRY_NODES,
+    )
+    if least_host.choice is None:
+        return
+    need = sum(float(g.host_memory[i]) for g, i in zip(groups, least_host.choice))
+    raise InfeasibleBudgetError(
+        f"host_memory_budget={host_budget} bytes is too small: the plans that fit the device budget "
+        f"({budget} bytes) offload optimizer state: the one with the least keeps {need:.0f} bytes of host "
+        f"memory per device (what the device's peak adds may need more offloaded). Raise host_memory_budget "
+        f"above that, or the device budget."
     )
 
 
@@ -547,6 +581,7 @@ def _alternatives(space, choice, axis_names, redo, keep=6) -> dict:
                     **({"recompute": redo.mode_of(gi, i)} if gi in redo.block_of_group else {}),
                     **({"zero": 3} if c.regather else {}),
                     **({"zero": 1, "stored": format_spec(c.stored)} if c.stored is not None else {}),
+                    **({"offload": True} if c.offload else {}),
                 }
             )
         out[leader.name] = {"count": g.count, "members": [m.name for m in g.members], "options": options}

@@ -44,8 +44,10 @@ from passes.cost_model import (
     edge_allocates,
     edge_gathers,
     extra_payload,
+    host_copy_time,
     local_bytes,
     param_state_bytes,
+    param_state_parts,
     reshard,
     saved_bytes,
 )
@@ -112,6 +114,11 @@ class NodeChoice:
     stored: tuple | None = None
     """ZeRO-1: the placement of the shard the optimizer steps (``Shard`` on the data-parallel axes
     where the compute copy ``out[0]`` is replicated); None: the parameter is stored as used."""
+    offload: bool = False
+    """The tensor the optimizer steps (the parameter, or its ZeRO-1 shard) lives in host memory with
+    its gradient and optimizer state; the device keeps a compute copy and its gradient."""
+    host_memory: float = 0.0
+    """Bytes of host memory the option holds (offloaded optimizer state, parameter and gradient)."""
 
 
 @dataclass
@@ -124,6 +131,8 @@ class Group:
     """Seconds per option (all members, times ``count``); priced once the groups are formed."""
     memory: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
     """Bytes per option, likewise."""
+    host_memory: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    """Host-memory bytes per option (offloaded optimizer state), likewise."""
     count: int = 1
 
     def choice(self, i: int, node) -> NodeChoice:
@@ -234,10 +243,12 @@ class _Builder:
         grad_reduce_bytes=None,
         zero="auto",
         zero1=True,
+        offload=False,
     ):
         self.graph = graph
         self.zero = zero
         self.zero1 = zero1
+        self.offload = offload
         self.grad_reduce_bytes = grad_reduce_bytes
         self.activation_copies = activation_copies
         self.max_options = max_options
@@ -436,6 +447,25 @@ class _Builder:
         memory += 2 * whole + param_state_bytes(local_bytes(i.shape, stored, self.mesh, 1), elem, self.optimizer)
         return dataclasses.replace(kept, stored=stored, memory=memory, extra_s=self.time_of(rs) + self.time_of(ag))
 
+    def _offload_option(self, node, c: NodeChoice) -> NodeChoice:
+        """The offloaded twin of a parameter option: the tensor the optimizer steps (the parameter,
+        or its ZeRO-1 shard) with its gradient and optimizer state in host memory, the device
+        keeping a compute copy and its gradient. Its price: once per step, the gradient copied to
+        the host and the stepped tensor back (over ``cluster.host()``), after the reduction a
+        compute copy needs (:func:`zero1_collectives`)."""
+        i = info(node)
+        elem = dtype_bytes(i.dtype)
+        spec, stored = c.out[0], c.stored or c.out[0]
+        host = sum(param_state_parts(local_bytes(i.shape, stored, self.mesh, 1), elem, self.optimizer))
+        whole = local_bytes(i.shape, spec, self.mesh, elem)
+        device = c.memory - host + (0.0 if c.stored is not None else 2 * whole)
+        extra = c.extra_s
+        if c.stored is None:  # the gradient's reduction moves from the edges to the step's end
+            rs, _ = zero1_collectives(spec, spec, i.shape, elem, self.mesh, self.grad_reduce_bytes)
+            extra += self.time_of(rs)
+        extra += host_copy_time(local_bytes(i.shape, stored, self.mesh, elem), self.cluster)
+        return dataclasses.replace(c, offload=True, memory=device, host_memory=host, extra_s=extra)
+
     def leader_options(self, node) -> list:
         i = info(node)
         pin = self.pins.get(node)
@@ -463,6 +493,8 @@ class _Builder:
                     choices.append(kept)
                 if zero1 is not None:
                     choices.append(zero1)
+            if self.offload and i.kind == "param" and i.requires_grad and self.optimizer is not None:
+                choices += [self._offload_option(node, c) for c in choices if not c.regather]
             return choices
         op = self.view_of(node)
         strategies = expand_to_mesh(self.axis_candidates(node), op, self.mesh)
@@ -511,20 +543,23 @@ def zero1_placements(spec, shape, mesh_shape):
     return tuple(Shard(d) if a in axes else p for a, p in enumerate(spec))
 
 
-def zero1_grad_spec(spec, stored):
-    """Where a ZeRO-1 weight's edges leave its gradient: the dual of the compute copy's placement,
-    but ``Partial`` on the axes the shard is cut on (reduce-scattered once per step)."""
-    return tuple(P if s != p else q for p, s, q in zip(spec, stored, dual_spec(spec)))
+def zero1_grad_spec(spec, mesh_shape):
+    """Where the edges of a weight with a compute copy (ZeRO-1, or offloaded) leave its gradient:
+    the dual of the copy's placement, but ``Partial`` on every axis of more than one device where
+    the copy is replicated (reduced once per step, into the tensor the optimizer steps)."""
+    return tuple(P if not is_shard(p) and n > 1 else q for p, n, q in zip(spec, mesh_shape, dual_spec(spec)))
 
 
 @functools.lru_cache(maxsize=1 << 12)
 def zero1_collectives(spec, stored, shape, elem, mesh_shape, grad_reduce_bytes=None):
-    """(reduce-scatters, all-gathers) a ZeRO-1 weight runs once per step: its gradient, summed over
-    the step's backward passes in the compute copy's layout, reduce-scattered into the shard's
-    gradient (in ``grad_reduce_bytes`` per element when given), and the stepped shard all-gathered
-    into the compute copy. Both bucketed: the runtime sends one flat buffer per axis."""
+    """(reductions, all-gathers) a weight with a compute copy placed ``spec`` runs once per step
+    for the tensor the optimizer steps, placed ``stored``: its gradient, summed over the step's
+    backward passes in the copy's layout, reduced into that tensor's gradient (reduce-scattered
+    into a ZeRO-1 shard; all-reduced where ``stored`` is ``spec``), in ``grad_reduce_bytes`` per
+    element when given, and the stepped tensor all-gathered into the copy (ZeRO-1). Bucketed:
+    the runtime sends one flat buffer per axis."""
     grad_elem = grad_reduce_bytes or elem
-    rs = reshard(zero1_grad_spec(spec, stored), stored, shape, mesh_shape, grad_elem)
+    rs = reshard(zero1_grad_spec(spec, mesh_shape), stored, shape, mesh_shape, grad_elem)
     ag = reshard(stored, spec, shape, mesh_shape, elem)
     return (
         tuple(dataclasses.replace(c, bucketed=True) for c in rs),
@@ -608,6 +643,7 @@ def build_space(
     grad_reduce_bytes: int | None = None,
     zero="auto",
     zero1: bool = True,
+    offload: bool = False,
 ) -> StrategySpace:
     """``max_options``: cap on an op leader's options (lowest compute kept); ``"auto"`` caps at
     24 on meshes of 3 or more axes, where an op can have over 200 combinations, and not
@@ -619,7 +655,8 @@ def build_space(
     ``"auto"`` (the solver chooses per parameter: kept for backward, ZeRO-2, or freed after
     forward and gathered again, ZeRO-3; or the compute copy whole and the optimizer state
     sharded, ZeRO-1), ``1``, ``2`` or ``3`` (only that). ``zero1``: offer ZeRO-1 at all (False
-    for pipeline stages, whose runtime keeps no compute copies)."""
+    for pipeline stages, whose runtime keeps no compute copies). ``offload``: offer each
+    parameter option an offloaded twin (optimizer state and step in host memory)."""
     check_zero(zero)
     if max_options == "auto":
         max_options = 24 if len(mesh_shape) >= 3 else None
@@ -637,6 +674,7 @@ def build_space(
         grad_reduce_bytes,
         zero,
         zero1,
+        offload,
     )
     rep = blocks.represent
     group_of: dict = {}
@@ -692,6 +730,7 @@ def build_space(
             * g.count
         )
         g.memory = np.array([sum(opt[m].memory for m in g.members) for opt in g.options]) * g.count
+        g.host_memory = np.array([sum(opt[m].host_memory for m in g.members) for opt in g.options]) * g.count
 
     edges = _build_edges(graph, b, groups, group_of)
     return StrategySpace(
@@ -706,10 +745,11 @@ def build_space(
     )
 
 
-def _grad_dst(choice: NodeChoice):
+def _grad_dst(choice: NodeChoice, mesh_shape):
     """Where gradients along the edges leaving a node so placed arrive (None: the dual of its
     placement); a ZeRO-1 weight's stay ``Partial`` on its shard's axes (:func:`zero1_grad_spec`)."""
-    return zero1_grad_spec(choice.out[0], choice.stored) if choice.stored is not None else None
+    held = choice.stored is not None or choice.offload
+    return zero1_grad_spec(choice.out[0], mesh_shape) if held else None
 
 
 def _classes(values):
@@ -741,7 +781,7 @@ def _build_edges(graph, b: _Builder, groups, group_of) -> list:
     by_pair: dict = {}
     for (u, v, k), occurrences in pending.items():
         gu = group_of[u]
-        src_specs = [(opt[u].out[0], opt[u].regather, _grad_dst(opt[u])) for opt in groups[gu].options]
+        src_specs = [(opt[u].out[0], opt[u].regather, _grad_dst(opt[u], b.mesh)) for opt in groups[gu].options]
         if v.op == "output":
             wanted = [required_output_spec(b.graph, k, s) for s, _, _ in src_specs]
             if all(w is None for w in wanted):

@@ -126,7 +126,15 @@ def measure_memory(model: torch.nn.Module, batch, *, optimizer=None, loss_fn=Non
             f"arguments for the model, got {type(batch).__name__}"
         )
     params = list(model.parameters())
-    state_keys = {_storage_key(t) for t in params + list(model.buffers())}
+    # ZeRO-1 weights' whole compute copies (the parameters are their shards): state too, and the
+    # gradient each holds until backward's end reduce-scatters it (seen as it accumulates)
+    copies = list(getattr(model, "compute_copies", lambda: [])())
+    copy_grads: dict = {}
+    handles = [
+        c.register_post_accumulate_grad_hook(lambda t: copy_grads.__setitem__(id(t), t.grad.untyped_storage().nbytes()))
+        for c in copies
+    ]
+    state_keys = {_storage_key(t) for t in params + copies + list(model.buffers())}
     batch_tensors = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
     batch_keys = {_storage_key(t) for t in batch_tensors}
     saved: dict = {}  # storage key -> bytes
@@ -152,19 +160,22 @@ def measure_memory(model: torch.nn.Module, batch, *, optimizer=None, loss_fn=Non
             "measure_memory: the loss must be a scalar tensor; pass loss_fn= to pick it out of the model's output"
         )
     loss.backward()
+    for handle in handles:
+        handle.remove()
     peak = None
     if cuda:
         torch.cuda.synchronize()
         peak = int(torch.cuda.max_memory_allocated())
     param_bytes = _unique_bytes(params)
+    copy_bytes = _unique_bytes(copies)
     per_node: dict = {}
     if by_node:
         for key, nbytes in saved.items():
             name = made.get(key, "")
             per_node[name] = per_node.get(name, 0) + nbytes
     return MemoryMeasurement(
-        parameters=param_bytes,
-        gradients=_unique_bytes(p.grad for p in params if p.grad is not None),
+        parameters=param_bytes + copy_bytes,
+        gradients=_unique_bytes(p.grad for p in params if p.grad is not None) + sum(copy_grads.values()),
         optimizer_state=_optimizer_bytes(optimizer, param_bytes),
         saved_activations=sum(saved.values()),
         inputs=_unique_bytes(batch_tensors),

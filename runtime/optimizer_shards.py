@@ -24,6 +24,12 @@ One step:
 
 So a step that accumulates over any number of micro-steps sends one reduce-scatter and one
 all-gather of each ZeRO-1 weight: what the plan prices (``zero1_collectives``).
+
+**Offloaded weights** (record ``offload``) use the same two tensors with the stepped one (the
+parameter, or its ZeRO-1 shard) in host memory: ``ParallelModule`` keeps it on the CPU, so the
+user's optimizer creates its state there and runs its step there; the refresh copies it to the
+device (then gathers it, ZeRO-1), the reduction (an all-reduce where the copy is replicated and
+the parameter is not a shard) ends with the gradient copied to the host.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ class _Weight:
     grad_spec: tuple
     strided: dict
     """axis -> pieces where the shard is cut in the strided layout (a fused projection's bias)."""
+    device: torch.device
+    """Where the compute copy lives (the shard may be in host memory: offloaded)."""
     copy: torch.Tensor | None = None
     version: int | None = None  # the shard's ``_version`` when the copy was last gathered
 
@@ -73,7 +81,8 @@ class OptimizerShards:
     def __bool__(self) -> bool:
         return bool(self._weights)
 
-    def add(self, shard: torch.nn.Parameter, compute_spec, stored_spec, name: str, strided=None) -> None:
+    def add(self, shard: torch.nn.Parameter, compute_spec, stored_spec, name: str, strided=None, device=None) -> None:
+        """``device``: where the compute copy lives (default: the shard's device)."""
         from passes.strategy_space import zero1_grad_spec
 
         compute_spec, stored_spec = tuple(compute_spec), tuple(stored_spec)
@@ -86,8 +95,9 @@ class OptimizerShards:
                 )
             return
         strided = {a: f for a, f in (strided or {}).items() if is_shard(stored_spec[a])}
-        grad_spec = zero1_grad_spec(compute_spec, stored_spec)
-        self._weights[id(shard)] = _Weight(shard, compute_spec, stored_spec, grad_spec, strided)
+        grad_spec = zero1_grad_spec(compute_spec, self.comm.shape)
+        where = torch.device(device) if device is not None else shard.device
+        self._weights[id(shard)] = _Weight(shard, compute_spec, stored_spec, grad_spec, strided, where)
 
     def copy_of(self, shard: torch.nn.Parameter) -> torch.Tensor:
         """The compute copy of ``shard`` (call :meth:`refresh` first)."""
@@ -108,13 +118,13 @@ class OptimizerShards:
             groups.setdefault((tuple(a for a, _, _ in steps), w.shard.dtype), []).append((w, steps))
         with torch.no_grad():
             for (axes, _), members in groups.items():
-                pieces = [w.shard.detach() for w, _ in members]
+                pieces = [w.shard.detach().to(w.device, non_blocking=True) for w, _ in members]
                 for j, axis in enumerate(axes):
                     dims = [steps[j][1].dim for _, steps in members]
                     pieces = self._gather(pieces, axis, dims, [w.strided.get(axis) for w, _ in members])
                 for (w, _), whole in zip(members, pieces):
-                    if w.copy is None:
-                        w.copy = whole.contiguous().requires_grad_(True)
+                    if w.copy is None:  # its own storage (not the shard's, where nothing moved)
+                        w.copy = whole.clone(memory_format=torch.contiguous_format).requires_grad_(True)
                         w.copy.register_post_accumulate_grad_hook(self._arm)
                     else:
                         w.copy.copy_(whole)
@@ -158,6 +168,7 @@ class OptimizerShards:
                 moved = run_steps(grad.to(dtype), steps, self.comm, "bwd", None, w.strided).to(grad.dtype)
                 if moved is grad or moved._base is not None:  # a local slice: keep the piece only
                     moved = moved.clone()
+                moved = moved.to(w.shard.device)  # an offloaded shard: its gradient to the host
                 if w.shard.grad is None:
                     w.shard.grad = moved
                 else:

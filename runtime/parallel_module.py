@@ -110,6 +110,14 @@ class Variant:
         return [n for n in self.placeholder_order if n not in cap.params and n not in cap.buffers]
 
 
+def _offloaded(program, captured) -> set:
+    """FQNs of the parameters a lowered program reads from host memory (offloaded state)."""
+    from runtime.optimizer_shards import ZERO1_KEY
+
+    entries = (program.meta.get(ZERO1_KEY) or {}).items()
+    return {captured.params[name] for name, (_, _, host) in entries if host}
+
+
 class ParallelModule(ShardedCheckpointIO, torch.nn.Module):
     """A rank's share of a model, running the plan's lowered program.
 
@@ -153,11 +161,18 @@ class ParallelModule(ShardedCheckpointIO, torch.nn.Module):
         self._global_shapes = dict(global_shapes)  # FQN -> whole shape
         self._strided = strided  # FQN -> {axis: pieces}
         self._param_fqns, self._buffer_fqns = list(local_params), list(local_buffers)
+        # where the program computes; weights whose optimizer state is offloaded live in host memory
+        # (pinned on CUDA), so the user's optimizer keeps their state and runs their step there
+        self._device = next((v.device for v in local_params.values()), torch.device("cpu"))
+        host = _offloaded(program, captured)
         shared = {}  # tied weights come as one local tensor under several FQNs: one Parameter
         for fqn, value in local_params.items():
-            if id(value) not in shared:
-                shared[id(value)] = torch.nn.Parameter(value)
-            self._owner(fqn).register_parameter(fqn.rpartition(".")[2], shared[id(value)])
+            key = id(value)
+            if key not in shared:
+                if fqn in host and value.device.type != "cpu":
+                    value = value.to("cpu").pin_memory() if torch.cuda.is_available() else value.to("cpu")
+                shared[key] = torch.nn.Parameter(value)
+            self._owner(fqn).register_parameter(fqn.rpartition(".")[2], shared[key])
         for fqn, value in local_buffers.items():
             self._owner(fqn).register_buffer(fqn.rpartition(".")[2], value)
         from runtime.grad_sync import DeferredSyncs, GradientBuckets
@@ -179,15 +194,27 @@ class ParallelModule(ShardedCheckpointIO, torch.nn.Module):
         program, cap = variant.program, variant.captured
         from runtime.optimizer_shards import ZERO1_KEY
 
-        for placeholder, (compute, stored) in (program.meta.get(ZERO1_KEY) or {}).items():
+        for placeholder, (compute, stored, host) in (program.meta.get(ZERO1_KEY) or {}).items():
             fqn = cap.params[placeholder]
-            self._shards.add(self._get(fqn), compute, stored, fqn, self._strided.get(fqn))
+            param = self._get(fqn)
+            if host and param.device.type != "cpu":
+                raise ValueError(
+                    f"{fqn}: a program of this model reads it from host memory (offloaded), but it is on "
+                    f"{param.device}; plan its other programs with the same host_memory_budget"
+                )
+            self._shards.add(param, compute, stored, fqn, self._strided.get(fqn), device=self._device)
         for module_name, placeholder in (program.meta.get("partita.bucketable_grads") or {}).items():
             module = cast(Reshard, program.get_submodule(module_name))  # lower_to_local's edge modules
             module.sync, module.sync_param = self._buckets, self._get(cap.params[placeholder])
             module.sync_axes = tuple(axis for axis, _, _ in module.backward_steps or () if self.comm.shape[axis] > 1)
+        held = program.meta.get(ZERO1_KEY) or {}  # their gradients accumulate in compute copies
         for edge in program.modules():  # every parameter edge whose backward sends: no_sync defers it
-            if isinstance(edge, Reshard) and edge.param_edge is not None and edge.backward_communicates:
+            if (
+                isinstance(edge, Reshard)
+                and edge.param_edge is not None
+                and edge.param_edge not in held
+                and edge.backward_communicates
+            ):
                 edge.sync_param, edge.deferred = self._get(cap.params[edge.param_edge]), self._deferred
             if isinstance(edge, Reshard) and edge.param_edge is not None:
                 edge.reduce_dtype = self._buckets.reduce_dtype
@@ -204,8 +231,14 @@ class ParallelModule(ShardedCheckpointIO, torch.nn.Module):
                 if isinstance(edge, Reshard) and edge.param_edge is not None:
                     edge.reduce_dtype = dtype
 
+    def offloaded(self) -> list:
+        """FQNs of the parameters kept in host memory with their optimizer state (offloaded)."""
+        return [fqn for fqn in self._param_fqns if fqn in _offloaded(self._base.program, self._base.captured)]
+
     def compute_copies(self) -> list:
-        """The whole copies ZeRO-1 weights are computed with (their shards are the parameters)."""
+        """The whole copies ZeRO-1 weights are computed with (their shards are the parameters),
+        gathered first where their shards changed (a collective: every rank must call it)."""
+        self._shards.refresh()
         return self._shards.copies()
 
     def no_sync(self):

@@ -12,8 +12,8 @@ runs the same loop on the same micro-batches.
   sends the other collectives (forward gathers, Megatron's activation all-reduces) of one plain
   step. Then every gradient equals the single-device model's accumulated one, and so do the
   parameters after an AdamW step. Plans: pure data parallel (bucketed all-reduces), a memory
-  budget that makes the solver store weights sharded and gather them for use (their gradient
-  syncs are reduce-scatters), and DP x Megatron TP on (2, 2). With data parallel, a micro-step
+  budget that makes the solver store weights sharded and gather them for use (``zero=2``; their
+  gradient syncs are reduce-scatters), and DP x Megatron TP on (2, 2). With data parallel, a micro-step
   of another batch size (another lowered program) inside ``no_sync`` is synced too.
 * Clipping (DP x TP, and a 2-stage pipeline of GPT-2 whose tied ``wte`` / ``lm_head`` live on
   both stages): the norms of order 2 and inf equal ``torch.nn.utils.clip_grad_norm_``'s on
@@ -77,7 +77,7 @@ def _parallel(cfg):
         n_params = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
         budget = int(cfg["budget_fraction"] * 16 * n_params)
     pm = partitioner.auto_parallelize(model, inputs, mesh=mesh, pins=pins_for(cfg["model"], cfg["plan"], mesh),
-                                      cluster="h100", memory_budget=budget)
+                                      cluster="h100", memory_budget=budget, zero=cfg.get("zero", "auto"))
     return pm, ref, inputs
 
 
@@ -208,7 +208,8 @@ def _cfg(model, mesh, plan, kinds, **extra):
 ACCUMULATION = [
     # kinds: the collectives one step's gradient syncs must use, {kind: mesh axes}
     _cfg("gpt", (2,), "dp", {"all_reduce": {"a0"}}, other_shape=True),
-    _cfg("gpt", (4,), "free", {"reduce_scatter": {"a0"}}, budget_fraction=BUDGET),
+    # ZeRO-2 (ZeRO-1 weights gather once per step, not per micro-step: tests/test_zero1.py)
+    _cfg("gpt", (4,), "free", {"reduce_scatter": {"a0"}}, budget_fraction=BUDGET, zero=2),
     _cfg("gpt", (2, 2), "dp_tp", {"all_reduce": {"a0"}}, clip=True, loop=True),
 ]
 

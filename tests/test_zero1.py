@@ -7,8 +7,9 @@ shard once per step and the stepped shard all-gathered into the copy once per st
 
 * Parity, one forked run over six configs: GPT, HF LLaMA (RoPE, grouped-query attention) and ViT
   on (4,) (data parallel) and (2, 2) (data x Megatron, or data x data), ``zero=1``: loss, every
-  gradient and the parameters after 3 AdamW steps equal the single-device model's, and the
-  communication counted in one step equals the plan's estimate.
+  gradient and the parameters after 3 AdamW steps equal the single-device model's, the
+  communication counted in one step equals the plan's estimate, and the measured parameters and
+  gradients (compute copies, shards) equal the estimate's, saved tensors within 5%.
 * Known answer (GPT on (4,), data parallel): with the budget below what replicated optimizer
   state needs, ``zero="auto"`` makes every weight ZeRO-1 (no weight gathered for use, none tensor
   parallel), and a step of two micro-steps (the first under ``no_sync``) sends exactly one
@@ -27,6 +28,7 @@ from runtime.collectives import CommCounter
 
 TIMEOUT_S = 240
 STEPS = 3
+TOLERANCE = 0.05
 
 PARITY = [
     ("gpt", (4,), "dp"),
@@ -60,6 +62,17 @@ def parity_worker(rank, world, cfg):
         check_grads_by_alias(pm.full_grads(), ref, _Labelled(checks, label))
         for diff in nested_approx_equal(counter.as_dict(), pm.plan.estimate().comm_bytes):
             checks.true(f"{label}: communication: {diff}", False)
+        for p in pm.parameters():
+            p.grad = None
+        measured, est = partitioner.measure_memory(pm, inputs), pm.plan.estimate().memory
+        checks.true(f"{label}: saved for backward estimated {est.saved:.0f} B, measured {measured.saved_activations} B",
+                    abs(est.saved - measured.saved_activations) <= TOLERANCE * measured.saved_activations)
+        checks.true(f"{label}: parameters + gradients estimated {est.parameters:.0f} + {est.gradients:.0f} B, "
+                    f"measured {measured.parameters} + {measured.gradients} B",
+                    (est.parameters, est.gradients) == (measured.parameters, measured.gradients))
+        for p in pm.parameters():  # the gradients of one step again, for the first AdamW step
+            p.grad = None
+        loss_of(call(pm, inputs)).backward()
         def parallel_step(pm=pm, inputs=inputs):
             loss = loss_of(call(pm, inputs))
             loss.backward()

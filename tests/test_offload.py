@@ -1,0 +1,120 @@
+"""Optimizer state offloaded to host memory (and its step), chosen under a device budget.
+
+An offloaded weight keeps its parameter (or its ZeRO-1 shard), that tensor's gradient and the
+optimizer state in host memory: ``ParallelModule`` holds it on the CPU, so the user's
+``torch.optim`` optimizer creates its state there and steps it there; the device computes with a
+copy, refreshed once per step, and its gradient is reduced once per step and copied to the host
+(``runtime/optimizer_shards.py``). On this CPU-only machine host and device are one memory:
+these tests check the mechanism (which weights are offloaded, where the optimizer's tensors and
+state live, that the step the optimizer takes is what the device computes with next), not speed.
+
+* Planning (GPT on (4,), data parallel, ``zero=2``: weights replicated or stored sharded): a
+  device budget below the replicated plan's makes the solver offload some weights; the
+  estimate counts their bytes on the host and prices the copies over the host link; a host
+  budget too small is an error naming ``host_memory_budget``; without one, nothing is offloaded.
+* Parity on 4 gloo ranks, one forked run: that plan, and ``zero=1`` (the offloaded tensors are
+  ZeRO-1 shards) on (4,) and on (2, 2) (data x Megatron): loss, every gradient, parameters after
+  3 AdamW steps equal the single-device model's; counted communication equals the estimate.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from parity_utils import Checks, adam_in_lockstep, build, call, check_grads_by_alias, loss_of, nested_approx_equal
+from parity_utils import pins_for, run_checked
+from runtime.collectives import CommCounter
+
+TIMEOUT_S = 240
+STEPS = 3
+SHORT = 0.3  # of the free plan's optimizer state: the device budget is that much below its peak
+
+
+def _budgets(model, inputs, mesh, kind, zero, short=SHORT):
+    import partitioner
+
+    kw = dict(mesh_shape=mesh, cluster="h100", recompute="none", pins=pins_for("gpt", kind, mesh), zero=zero)
+    free = partitioner.plan(model, inputs, **kw).estimate()
+    return kw, int(free.memory_bytes - short * free.memory.optimizer_state)
+
+
+def test_solver_offloads_when_the_device_budget_needs_it(fake_process_group):
+    import partitioner
+    from passes.plan_intra_op import InfeasibleBudgetError
+
+    fake_process_group(4)
+    model, inputs = build("gpt")
+    kw, budget = _budgets(model, inputs, (4,), "dp", 2)
+    with pytest.raises(InfeasibleBudgetError, match="no plan fits"):
+        partitioner.plan(model, inputs, memory_budget=budget, **kw)
+    plan = partitioner.plan(model, inputs, memory_budget=budget, host_memory_budget="64MiB", **kw)
+    offloaded = [r for r in plan.records if r.get("offload")]
+    assert offloaded and plan.estimate().memory_bytes <= budget
+    est = plan.estimate()
+    host = sum(16 * torch.Size(r["shapes"][0]).numel() for r in offloaded)  # parameter, gradient, Adam
+    assert est.memory.offloaded == host
+    assert "offloaded bytes on host" in str(est)
+    transfers = sum(r["host_transfer_s"] for r in offloaded)
+    link = partitioner.get_cluster("h100").host_link
+    assert transfers == pytest.approx(sum(2 * (link.latency_s + 4 * torch.Size(r["shapes"][0]).numel() / link.bandwidth)
+                                          for r in offloaded))
+    assert est.step_time_s == pytest.approx(sum(r.get("compute_s", 0.0) for r in plan.records) + transfers
+                                            + sum(c["time_s"] for r in plan.records for c in r["comm"]))
+    chosen = [line for line in plan.explain(offloaded[0]["fqn"]).splitlines() if line.lstrip().startswith("->")]
+    assert chosen[0].endswith("offloaded"), chosen
+    with pytest.raises(InfeasibleBudgetError, match="host_memory_budget=1000 bytes is too small"):
+        partitioner.plan(model, inputs, memory_budget=budget, host_memory_budget=1000, **kw)
+
+
+def offload_worker(rank, world, cfg):
+    import partitioner
+
+    checks = Checks(rank)
+    found = {}
+    # on (2, 2) the tensor-parallel weights' state is sharded already: a shorter budget
+    for mesh, kind, zero, short in ((4,), "dp", 2, SHORT), ((4,), "dp", 1, SHORT), ((2, 2), "dp_tp", 1, 0.9):
+        label = f"{mesh} zero={zero}"
+        model, inputs = build("gpt")
+        ref = copy.deepcopy(model)
+        kw, budget = _budgets(model, inputs, mesh, kind, zero, short)
+        pm = partitioner.auto_parallelize(model, inputs, mesh=mesh, cluster="h100", recompute="none", zero=zero,
+                                          pins=kw["pins"], memory_budget=budget, host_memory_budget="64MiB")
+        host = pm.offloaded()
+        records = {r["fqn"]: r for r in pm.plan.records if r["kind"] == "param"}
+        checks.true(f"{label}: offloaded {host} are not the plan's",
+                    bool(host) and set(host) == {f for f, r in records.items() if r.get("offload")})
+        with CommCounter() as counter:
+            out = call(pm, inputs)
+            loss_of(out).backward()
+        ref_loss = loss_of(call(ref, inputs))
+        ref_loss.backward()
+        checks.close(f"{label}: loss", loss_of(out).detach(), ref_loss.detach())
+        check_grads_by_alias(pm.full_grads(), ref, checks)
+        for diff in nested_approx_equal(counter.as_dict(), pm.plan.estimate().comm_bytes):
+            checks.true(f"{label}: communication: {diff}", False)
+        # the compute copies are not what the optimizer steps; the offloaded tensors are
+        copies = {id(c) for c in pm.compute_copies()}
+        params = dict(pm.named_parameters())
+        checks.true(f"{label}: a compute copy is a parameter", not copies & {id(p) for p in params.values()})
+
+        def parallel_step(pm=pm, inputs=inputs):
+            loss = loss_of(call(pm, inputs))
+            loss.backward()
+            return loss
+
+        # the optimizer's tensors for offloaded weights are in host memory (pinned when there is a GPU)
+        checks.true(f"{label}: an offloaded parameter is not in host memory",
+                    all(params[f].device.type == "cpu" and params[f].is_pinned() == torch.cuda.is_available()
+                        for f in host))
+        adam_in_lockstep(pm.parameters(), ref, inputs, STEPS, parallel_step, checks)
+        state = pm.full_state_dict()
+        for name, p in ref.named_parameters(remove_duplicate=False):
+            checks.close(f"{label}: parameter {name} after {STEPS} AdamW steps", state[name], p.detach())
+        found[label] = len(host)
+    return {"rank": rank, "failures": checks.failures, "offloaded": found}
+
+
+def test_offloaded_training_matches_one_device():
+    results = run_checked(offload_worker, {"mesh": [4]}, TIMEOUT_S)
+    assert all(n > 0 for n in results[0]["offloaded"].values()), results[0]["offloaded"]
