@@ -54,12 +54,15 @@ __all__ = [
     "grid_roles",
     "tensor_parallel",
     "weight_contraction",
+    "weight_input",
     "axis_role",
     "classify",
     "allowed",
     "forced_pins",
+    "grid_options",
     "linear_comm_bytes",
     "algorithm_of",
+    "label_records",
     "grid_lines",
 ]
 
@@ -167,6 +170,11 @@ def weight_contraction(node):
     return x, w
 
 
+def weight_input(node):
+    """The weight operand (an fx node) of a weight contraction (see :func:`weight_contraction`)."""
+    return tensor_input_nodes(node)[weight_contraction(node)[1]]
+
+
 def axis_role(axis_strategy, x_index: int, out_rank: int) -> str:
     """The role (``M``, ``N``, ``K``, ``R``; ``?`` for none of these) of one axis's candidate of
     a weight contraction whose activation is input ``x_index``."""
@@ -193,16 +201,20 @@ def classify(node, strategy) -> str | None:
     return ",".join(axis_role(a, wc[0], out_rank) for a in strategy.axes)
 
 
-def algorithm_of(roles: str, mesh_shape) -> str:
-    """The algorithm a contraction's roles (:func:`classify`) amount to on ``mesh_shape``."""
+def algorithm_of(roles: str, mesh_shape, weight_spec=None) -> str:
+    """The algorithm a contraction's roles (:func:`classify`) amount to on ``mesh_shape``, given
+    how its weight is stored (``weight_spec``, one placement per axis; None: unknown). Data
+    parallel times Megatron's column split has 2D's roles; it is 2D (2.5D) when the weight is
+    also stored split on the rows axis (the whole grid holds one copy)."""
     r = roles.split(",")
     mesh = tuple(mesh_shape)
     live = [x for x, n in zip(r, mesh) if n > 1]
     if all(x in ("M", "R") for x in live):
         return "data" if "M" in live else "replicated"
-    if len(mesh) == 2 and r == ["M", "N"] and mesh[0] == mesh[1]:
+    rows_split = weight_spec is not None and is_shard(weight_spec[len(mesh) - 2])
+    if len(mesh) == 2 and r == ["M", "N"] and mesh[0] == mesh[1] and rows_split:
         return "2d"
-    if len(mesh) == 3 and r == ["M", "M", "N"] and mesh[1] == mesh[2]:
+    if len(mesh) == 3 and r == ["M", "M", "N"] and mesh[1] == mesh[2] and rows_split:
         return "2.5d"
     if len(mesh) == 3 and r in (["M", "N", "K"], ["M", "K", "N"]) and mesh[0] == mesh[1] == mesh[2]:
         return "3d"
@@ -224,6 +236,22 @@ def _is_norm(node) -> bool:
     from passes.rules.normalization import LayerNormRule
 
     return node.op == "call_function" and isinstance(rule_for(node), LayerNormRule)
+
+
+def label_records(records, mesh_shape) -> None:
+    """Set ``tensor_parallel`` (:func:`algorithm_of`) on every plan record with ``tp_roles``,
+    reading the weight's stored placement from its placeholder's record (through views)."""
+    from passes.placements import parse_spec
+
+    by_name = {r["name"]: r for r in records}
+    for rec in records:
+        if not rec.get("tp_roles"):
+            continue
+        weight = by_name.get(rec["tp_weight"])
+        while weight is not None and weight.get("kind") != "param" and len(weight.get("inputs") or ()) == 1:
+            weight = by_name.get(weight["inputs"][0])  # through views (W.t())
+        spec = parse_spec(weight["out"][0], len(mesh_shape)) if weight and weight.get("out") else None
+        rec["tensor_parallel"] = algorithm_of(rec["tp_roles"], mesh_shape, spec)
 
 
 def allowed(node, strategy) -> bool:
@@ -250,6 +278,39 @@ def allowed(node, strategy) -> bool:
         if role == "M" and strategy.axes[roles.index(role)].out[0] != Shard(0):
             return False
     if mode == "3d" and roles[1] == roles[2]:
+        return False
+    return True
+
+
+def grid_options(node, strategies, mesh_shape) -> set:
+    """Indices of ``strategies`` that run a 2D / 2.5D / 3D grid on this mesh (a weight
+    contraction's roles, or a norm's activation layout): kept when a 3-axis mesh caps an op's
+    options (``build_space(max_options=)``), so the solver can always choose the algorithms."""
+    mesh = tuple(mesh_shape)
+    modes = [m for m in ("2d", "2.5d", "3d") if _fits(m, mesh)]
+    if not modes:
+        return set()
+    wc = weight_contraction(node)
+    if wc is None:
+        if not _is_norm(node):
+            return set()
+        layouts = set().union(*(ACTIVATION_LAYOUTS[m] for m in modes))
+        rank = len(op_view(node).out_shape)
+        last = lambda p: Shard(-1) if is_shard(p) and p.dim == rank - 1 else p  # noqa: E731
+        return {k for k, s in enumerate(strategies) if tuple(last(p) for p in s.out[0]) in layouts}
+    out_rank = len(op_view(node).out_shape)
+    kept = set()
+    for k, s in enumerate(strategies):
+        roles = ",".join(axis_role(a, wc[0], out_rank) for a in s.axes)
+        if algorithm_of(roles, mesh, weight_spec=(Shard(0),) * len(mesh)) in modes:
+            kept.add(k)
+    return kept
+
+
+def _fits(mode, mesh) -> bool:
+    try:
+        check_mesh(mode, mesh)
+    except ValueError:
         return False
     return True
 

@@ -123,8 +123,8 @@ def _node_record(node, choice, space, axis_names, rep_node):
         rec["weight_grad_s"] = float(choice.weight_grad_s)
     rec["memory"] = float(choice.memory)
     roles = multidim_tp.classify(node, choice.strategy)
-    if roles is not None:  # a weight contraction: its per-axis roles and the algorithm they make
-        rec["tp_roles"], rec["tensor_parallel"] = roles, multidim_tp.algorithm_of(roles, mesh)
+    if roles is not None:  # a weight contraction: its per-axis roles (the algorithm: label_records)
+        rec["tp_roles"], rec["tp_weight"] = roles, multidim_tp.weight_input(node).name
     strategy = choice.strategy
     if strategy is not None:
         split = strategy.compute_split(mesh)
@@ -370,6 +370,7 @@ def plan_intra_op(
     )
     for rec in records:
         rec.update(exact.get(rec["name"], {}))
+    multidim_tp.label_records(records, space.mesh_shape)
 
     alternatives = _alternatives(space, result.choice, axis_names, redo)
     t3 = time.perf_counter()

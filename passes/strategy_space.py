@@ -516,7 +516,7 @@ class _Builder:
             # Keep the options that split the most work (stable: rules list R first, so ties
             # keep the simpler ones). Only 3-D and larger meshes get here by default.
             order = sorted(range(len(choices)), key=lambda k: (choices[k].compute_s, choices[k].memory))
-            keep = sorted(order[: self.max_options])
+            keep = sorted(set(order[: self.max_options]) | multidim_tp.grid_options(node, strategies, self.mesh))
             self.pruned += len(choices) - len(keep)
             choices = [choices[k] for k in keep]
         return choices
