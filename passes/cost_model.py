@@ -59,6 +59,7 @@ __all__ = [
     "edge_gathers",
     "largest_share",
     "extra_payload",
+    "own_collectives",
 ]
 
 
@@ -172,6 +173,32 @@ def extra_payload(elements, scaling, itemsize, n_axis, split) -> float:
     if scaling == "work":
         return elements * itemsize * n_axis / split
     return float(elements * itemsize)
+
+
+def own_collectives(axes, itemsize, mesh_shape, cluster, split, forward_s, backward_s) -> list:
+    """The collectives inside an op (``AxisStrategy.extra`` of each axis in ``axes``) as
+    ``(Collective, phase, seconds)``, ``forward_s`` / ``backward_s`` being the op's compute.
+
+    Ring transfers (scaling ``"ring"``) overlap the block computations: in a phase with compute
+    ``c`` over the ``n`` blocks of an ``n``-rank ring and transfers taking ``t`` over its ``n - 1``
+    hops, each hop runs beside one block, so the phase takes ``c / n + (n - 1) max(c / n, t / (n
+    - 1))``: the transfers cost their exposed part ``(n - 1) max(0, t / (n - 1) - c / n)``, shared
+    among them in proportion to their time. Their bytes are unchanged."""
+    out = []
+    for ax, a in enumerate(axes):
+        for kind, phase, elements, scaling in a.extra:
+            c = Collective(kind, ax, extra_payload(elements, scaling, itemsize, mesh_shape[ax], split))
+            out.append([c, phase, scaling == "ring", collective_time(c, mesh_shape, cluster)])
+    for phase, compute in (("fwd", forward_s), ("bwd", backward_s)):
+        ring = [e for e in out if e[2] and e[1] == phase]
+        total = sum(e[3] for e in ring)
+        if total <= 0:
+            continue
+        n = mesh_shape[ring[0][0].axis]
+        exposed = (n - 1) * max(0.0, total / (n - 1) - compute / n)
+        for e in ring:
+            e[3] *= exposed / total
+    return [(c, phase, t) for c, phase, _, t in out]
 
 
 def param_state_bytes(numel: float, elem: int, optimizer: str | None) -> float:

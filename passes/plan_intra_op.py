@@ -23,7 +23,13 @@ from passes import multidim_tp
 from passes.analyze import info
 from passes.blocks import find_blocks
 from passes.capture import tied_placeholders
-from passes.cost_model import Collective, collective_time, dtype_bytes, extra_payload, host_copy_time, local_bytes
+from passes.cost_model import (
+    collective_time,
+    dtype_bytes,
+    host_copy_time,
+    local_bytes,
+    own_collectives,
+)
 from passes.ilp_solver import NODE_LIMIT, min_memory, solve_ilp
 from passes.memory_accounting import memory_fields
 from passes.placements import format_spec, local_shape
@@ -131,11 +137,15 @@ def _node_record(node, choice, space, axis_names, rep_node):
         for ax, a in enumerate(strategy.axes):
             if a.note:
                 rec.setdefault("notes", {})[axis_names[ax]] = a.note
-            for kind, phase, elements, scaling in a.extra:
-                if phase == "bwd" and not i.requires_grad:
-                    continue
-                payload = extra_payload(elements, scaling, dtype_bytes(i.dtype), mesh[ax], split)
-                comm += _collective_dicts([Collective(kind, ax, payload)], phase, None, mesh, cluster, axis_names)
+        backward_s = choice.compute_s - choice.forward_s
+        for c, phase, t in own_collectives(
+            strategy.axes, dtype_bytes(i.dtype), mesh, cluster, split, choice.forward_s, backward_s
+        ):
+            if phase == "bwd" and not i.requires_grad:
+                continue
+            (entry,) = _collective_dicts([c], phase, None, mesh, cluster, axis_names)
+            entry["time_s"] = t
+            comm.append(entry)
     rec["comm"] = comm
     return rec
 

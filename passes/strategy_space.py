@@ -37,15 +37,14 @@ from passes import multidim_tp
 from passes.analyze import info
 from passes.blocks import Blocks
 from passes.cost_model import (
-    Collective,
     collective_time,
     compute_time,
     dtype_bytes,
     edge_allocates,
     edge_gathers,
-    extra_payload,
     host_copy_time,
     local_bytes,
+    own_collectives,
     param_state_bytes,
     param_state_parts,
     reshard,
@@ -337,15 +336,6 @@ class _Builder:
                 if shape is not None:
                     mem_bytes += local_bytes(shape, spec, self.mesh, dtype_bytes(i.dtype))
         fwd = compute_time(i.flops / split, mem_bytes, i.dtype, rule.contraction, self.cluster)
-        extra_fwd = extra_bwd = 0.0
-        for ax, a in enumerate(strategy.axes):
-            for kind, phase, elements, scaling in a.extra:
-                payload = extra_payload(elements, scaling, dtype_bytes(i.dtype), self.mesh[ax], split)
-                t = collective_time(Collective(kind, ax, payload), self.mesh, self.cluster)
-                if phase == "fwd":
-                    extra_fwd += t
-                else:
-                    extra_bwd += t
         bwd = weight = 0.0
         if i.requires_grad:
             grads_in = sum(1 for a in self.inputs_of(node) if info(a).requires_grad)
@@ -353,6 +343,13 @@ class _Builder:
             bwd = factor * fwd
             if rule.contraction and any(_is_parameter(a) and info(a).requires_grad for a in self.inputs_of(node)):
                 weight = fwd
+        extra_fwd = extra_bwd = 0.0
+        own = own_collectives(strategy.axes, dtype_bytes(i.dtype), self.mesh, self.cluster, split, fwd, bwd)
+        for _, phase, t in own:
+            if phase == "fwd":
+                extra_fwd += t
+            else:
+                extra_bwd += t
         act = self.activation_copies * saved_bytes(i, strategy.out, self.mesh, zip(op.in_shapes, strategy.ins))
         extra = extra_fwd + (extra_bwd if i.requires_grad else 0.0)
         return fwd + bwd, extra, act, weight, (fwd, extra_fwd)

@@ -19,8 +19,9 @@ query heads 4 / 2, an explicit mask tensor) and HF GPT-2 (learned positions, mas
 meshes (4,), (2,) (two 2-rank jobs side by side in one 4-rank run) and (2, 2).
 
 Inside pipeline stages: 2 stages x the algorithm on the stage's 2 ranks (mesh (2, 2)), GPT and
-LLaMA, 1F1B and ZB-H1: the same parity, counted communication = the stage plans' estimates times
-the microbatches (gradient syncs compared apart) = the formulas for one layer and microbatch.
+LLaMA, 1F1B and GPipe: the same parity, counted communication = the stage plans' estimates over
+the step (per microbatch; parameter gradients reduced once) = the formulas for one layer and
+microbatch.
 
 The ring op itself (one process group, no model): exact against ``scaled_dot_product_attention``
 forward and backward for causal (zig-zag and contiguous), boolean and additive masks and
@@ -271,29 +272,17 @@ def _pipeline_parity(cfg, rank, checks):
     ref_loss.backward()
     checks.close(f"{cfg['id']}: loss", loss.detach(), ref_loss.detach())
     key_of = check_grads_by_alias(runner.full_grads(), ref, checks, one_name=True)
-    # counted = the stage plans' estimates (per microbatch) times the microbatches; the
-    # parameter-gradient syncs (bucketed) apart, since the runtime chooses when it reduces them
+    # counted = the stage plan's estimate over the step: per microbatch, parameter gradients once
+    # (partitioner.sharding_plan.per_step_comm), per phase
+    from partitioner.sharding_plan import per_step_comm
+
     (stage,) = runner.stages.values()
-    estimated: dict = {}
-    synced: dict = {}
-    for r in stage.plan.records:
-        for c in r.get("comm", []):
-            into = synced if c.get("bucketed") else estimated.setdefault(c["phase"], {})
-            into.setdefault(c["kind"], {}).setdefault(c["axis"], 0.0)
-            into[c["kind"]][c["axis"]] += m * c["bytes"]
+    est = stage.plan.estimate()
     counted = counter.phase_dict()
-    for kind, axes in counter.grad_sync_dict().items():
-        for axis, nbytes in axes.items():
-            counted["bwd"][kind][axis] -= nbytes
-            if not counted["bwd"][kind][axis]:
-                del counted["bwd"][kind][axis]
-        if not counted["bwd"][kind]:
-            del counted["bwd"][kind]
     for phase in ("fwd", "bwd"):
-        for diff in nested_approx_equal(counted.get(phase, {}), estimated.get(phase, {})):
+        want = per_step_comm(est.comm_bytes_by_phase.get(phase, {}), est.grad_sync_bytes if phase == "bwd" else {}, m)
+        for diff in nested_approx_equal(counted.get(phase, {}), want):
             checks.failures.append(f"{cfg['id']} {phase} counted != estimated: {diff}")
-    for diff in nested_approx_equal(counter.grad_sync_dict(), synced):
-        checks.failures.append(f"{cfg['id']} gradient syncs counted != estimated: {diff}")
     algos = [r.get("notes") for r in stage.plan.records if "scaled_dot_product_attention" in r["name"]]
     adam_in_lockstep(runner.parameters(), ref, inputs, 3, lambda: runner.train_step(inputs), checks)
     state = runner.full_state_dict()
@@ -316,16 +305,16 @@ def pipeline_worker(rank, world, cfgs):
 
 def test_ring_and_ulysses_inside_pipeline_stages():
     """One 4-rank run: 2 pipeline stages (one layer each) x ring or Ulysses forced on the
-    stage's 2 ranks, GPT (causal, zig-zag) and HF LLaMA (RoPE, GQA), 1F1B and ZB-H1 (backward
-    split into input and weight passes), 2 microbatches. Parity of loss, every gradient and the
-    parameters after 3 AdamW steps; communication counted = the stage plans' estimates times
-    the microbatches = the formulas for one layer of a microbatch."""
+    stage's 2 ranks, GPT (causal, zig-zag) and HF LLaMA (RoPE, GQA), 1F1B and GPipe, 2
+    microbatches. Parity of loss, every gradient and the
+    parameters after 3 AdamW steps; communication counted = the stage plans' estimates over the
+    step (per microbatch, gradient syncs once) = the formulas for one layer of a microbatch."""
     cfgs = [
         dict(model=m, mode=mode, schedule=sched, id=f"pp2x{mode}2-{m}-{sched}")
         for m, mode, sched in (
             ("gpt", "ring", "1f1b"),
-            ("llama", "ring", "zb-h1"),
-            ("gpt", "ulysses", "zb-h1"),
+            ("llama", "ring", "gpipe"),
+            ("gpt", "ulysses", "gpipe"),
             ("llama", "ulysses", "1f1b"),
         )
     ]
@@ -491,3 +480,38 @@ def test_bad_input_is_refused_with_the_reason():
     # a length the ring cannot split is not offered in "auto": the plan is still correct
     plan = partitioner.plan(model, inputs, mesh_shape=(4,), cluster="h100")
     assert all(r.get("notes", {}).get("a0") != "ring" for r in plan.records)
+
+
+def test_ring_transfers_overlap_block_compute_in_the_estimate():
+    """Each ring hop runs beside one block's computation: a phase with compute ``c`` on ``p``
+    ranks and transfers of ``t`` in all costs ``c + (p - 1) max(0, t / (p - 1) - c / p)``, so the
+    plan prices the transfers at that exposed part, with their bytes unchanged: all hidden at
+    8,192 tokens (a block's compute outlasts its hop), partly at 64 tokens."""
+    import partitioner
+    from partitioner.cluster import get_cluster
+    from passes.cost_model import Collective, collective_time
+
+    cluster = get_cluster("h100")
+    p, b, h, d = 4, 1, 8, 32
+    for seq, hidden in ((8192, True), (64, False)):
+        model, inputs = models.gpt_block(batch=b, seq=seq, n_embd=h * d, n_head=h, n_layer=2, device="meta")
+        plan = partitioner.plan(model, inputs, mesh_shape=(p,), cluster="h100", sequence_parallel="ring")
+        attention = [r for r in plan.records if "scaled_dot_product_attention" in r["name"]]
+        assert len(attention) == 2
+        for r in attention:
+            ring = [c for c in r["comm"] if c["kind"] == "send_recv"]
+            kv_local = 2 * b * h * seq * d * 4 / p
+            assert [(c["phase"], c["bytes"]) for c in ring] == [
+                ("fwd", (p - 1) * kv_local),
+                ("bwd", (p - 1) * kv_local),
+                ("bwd", (p - 1) * kv_local),
+            ]
+            transfer = collective_time(Collective("send_recv", 0, (p - 1) * kv_local), (p,), cluster)
+            forward = r["compute_s"] / 3  # backward computes twice the forward
+            for phase, compute, hops in (("fwd", forward, 1), ("bwd", 2 * forward, 2)):
+                exposed = (p - 1) * max(0.0, hops * transfer / (p - 1) - compute / p)
+                priced = sum(c["time_s"] for c in ring if c["phase"] == phase)
+                assert priced == pytest.approx(exposed), (seq, phase, priced, exposed, transfer, compute)
+                assert (priced == 0) == hidden, (seq, phase, priced)
+        est = plan.estimate()
+        assert est.comm_bytes["send_recv"]["a0"] == pytest.approx(2 * 3 * (p - 1) * kv_local)

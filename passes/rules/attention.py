@@ -11,7 +11,8 @@ Per mesh axis the candidates are:
 * **ring** (note ``ring``, :mod:`runtime.ring_attention`): q, k and v sequence-sharded, the
   key/value blocks passed around the axis; its own collectives are ``send_recv`` transfers of
   the local k/v blocks, ``p - 1`` forward and ``2 (p - 1)`` backward (k/v and their gradients),
-  priced with scaling ``ring`` (local bytes times ``p - 1``); under ``is_causal`` the query
+  priced with scaling ``ring`` (local bytes times ``p - 1``; their time overlaps the block
+  computations, see :func:`passes.cost_model.own_collectives`); under ``is_causal`` the query
   block is moved into the zig-zag layout and back by all-to-alls of the local buffers (forward
   q and the output; backward q, dO, dq and the row sums ``rowsum(dO * O)``), which balances the
   causal work. A mask tensor comes split on its query rows with every key column;
