@@ -17,7 +17,12 @@ Algorithm
    = flops / peak``).
 3. **Collectives.** Every kind the runtime issues (all-reduce, all-gather, reduce-scatter,
    all-to-all, and a ring exchange of sends and receives) is timed at several payloads on the
-   whole group and, with 4 ranks or more, on pairs too (the slowest rank of the best trial).
+   whole group and, with 4 ranks or more, on pairs too, **as a training step meets it**: each
+   call follows a burst of computation (``burst`` seconds of small matmuls on every rank), and
+   only the call is timed, from the moment its rank enters it (the mean over ranks of the best
+   trial). Ranks then arrive apart, as they do between a step's ops, and on a machine with fewer
+   free cores than ranks a rank that waits must be scheduled again: a tight loop of collectives
+   (ranks arriving together) measures a fraction of what a step pays.
    The cost model prices one as ``collective_overhead_s + steps(n) * latency_s + wire(n) *
    payload / (bandwidth * efficiency[kind])`` (:func:`passes.cost_model.collective_time`): one
    linear least-squares fit over every sample, with unknowns ``collective_overhead_s``,
@@ -66,9 +71,11 @@ DEFAULT_SIZES = {
     "payloads": (1 << 10, 1 << 14, 1 << 18, 1 << 21, 1 << 23),
     "trials": 3,
     "seconds": 0.05,
+    "burst": 2e-3,
 }
 """Matrix sides, dtypes, elementwise elements (float32), ops per fx program, collective payload
-bytes, timed trials per point and the length of one timed loop."""
+bytes, timed trials per point, the length of one timed loop and the computation before each
+collective."""
 
 TINY_SIZES = {
     "matmul": (16, 32),
@@ -78,6 +85,7 @@ TINY_SIZES = {
     "payloads": (1 << 8, 1 << 12),
     "trials": 1,
     "seconds": 0.002,
+    "burst": 1e-4,
 }
 """A quick run for tests: the same code on sizes that take milliseconds."""
 
@@ -163,6 +171,11 @@ def rank_samples(rank: int, world: int, sizes: dict, progress: bool = False) -> 
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
 
+    def mean(value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t.item()) / world
+
     def say(message: str) -> None:
         if rank == 0 and progress:
             print(f"[partita calibrate] {message}", file=sys.stderr, flush=True)
@@ -170,8 +183,19 @@ def rank_samples(rank: int, world: int, sizes: dict, progress: bool = False) -> 
     seconds, trials = sizes["seconds"], sizes["trials"]
     out = compute_samples(sizes, slowest, say)
     out["collectives"] = []
+    a = torch.randn(96, 96)
+    start = time.perf_counter()
+    for _ in range(20):
+        torch.mm(a, a)
+    per_mm = (time.perf_counter() - start) / 20
+    count = max(1, int(slowest(sizes["burst"] / per_mm)))  # every rank computes the same burst
+
+    def burst():
+        for _ in range(count):
+            torch.mm(a, a)
+
     groups = [(world, None)]
-    if world >= 4:  # pairs as well: two ring step counts per kind at two group sizes
+    if world >= 4 and world % 2 == 0:  # pairs as well: two ring step counts per kind at two group sizes
         pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
         groups.append((2, pairs[rank // 2] if rank < 2 * (world // 2) else None))
     for n, group in groups:
@@ -181,10 +205,35 @@ def rank_samples(rank: int, world: int, sizes: dict, progress: bool = False) -> 
         for kind in COLLECTIVES:
             for payload in sizes["payloads"]:
                 fn = _collective(kind, payload, n, me, group, torch, dist, _all_gather_single, _reduce_scatter_single)
-                t = _timed(fn, seconds, trials, slowest)
+                t = _timed_after(burst, fn, seconds, trials, slowest, mean)
                 out["collectives"].append({"kind": kind, "n": n, "payload": payload, "s": t})
-                say(f"{kind} on {n} ranks, {payload} bytes: {t * 1e6:.1f} us")
+                say(
+                    f"{kind} on {n} ranks, {payload} bytes, after {sizes['burst'] * 1e3:g} ms of work: {t * 1e6:.1f} us"
+                )
     return out
+
+
+def _timed_after(work, fn, seconds: float, trials: int, agree, mean) -> float:
+    """Seconds inside ``fn`` per call when each call follows ``work`` (see the module docstring):
+    the best over ``trials`` of the ranks' mean; ``agree`` (max over ranks) fixes the call count."""
+    work()
+    fn()
+    start = time.perf_counter()
+    for _ in range(3):
+        work()
+        fn()
+    reps = int(agree(float(max(1, min(10000, int(seconds * 3 / max(time.perf_counter() - start, 1e-9)))))))
+    best = float("inf")
+    for _ in range(trials):
+        agree(0.0)
+        inside = 0.0
+        for _ in range(reps):
+            work()
+            t0 = time.perf_counter()
+            fn()
+            inside += time.perf_counter() - t0
+        best = min(best, mean(max(inside / reps, 1e-7)))
+    return best
 
 
 def _collective(kind, payload, n, me, group, torch, dist, all_gather, reduce_scatter):
