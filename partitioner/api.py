@@ -248,6 +248,7 @@ def plan_captured(
     zero1=True,
     tensor_parallel="auto",
     host_memory_budget=None,
+    microbatches=1,
 ) -> ShardingPlan:
     """:func:`plan` for a graph already captured and analysed (``passes.capture`` +
     ``passes.analyze``); ``auto_parallelize`` uses it so the model is captured once.
@@ -256,7 +257,8 @@ def plan_captured(
     in the plan (default: the autocast dtype ``cap`` was captured under, fp32 reductions).
     ``recompute``: ``"auto"``, ``"all"`` or ``"none"`` (see :func:`plan`; pipeline stages keep
     the default, ``"none"``). ``zero1``: offer ZeRO-1 weights (pipeline stages do not: their
-    runtime keeps no compute copies)."""
+    runtime keeps no compute copies). ``microbatches``: a pipeline stage's microbatches per step (its
+    parameter-gradient syncs, once per step, are weighed at their share per microbatch)."""
     if objective not in _OBJECTIVES:
         raise ValueError(f"objective must be one of {_OBJECTIVES}, got {objective!r}")
     if optimizer not in ("adam", "sgd", None):
@@ -302,6 +304,7 @@ def plan_captured(
             zero=zero,
             zero1=zero1,
             host_budget=parse_bytes(host_memory_budget) if host_memory_budget is not None else None,
+            microbatches=microbatches,
         )
     t3 = time.perf_counter()
     stats = dict(result.stats, **timings, plan_s=t3 - t2, total_s=t3 - t0)

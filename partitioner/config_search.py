@@ -391,7 +391,9 @@ class _Planner:
             self._caps[size] = cap
         return self._caps[size]
 
-    def _plan(self, cap, name, shape, names, *, pins=None, copies=1, recompute="none", budget=None, zero1=True):
+    def _plan(
+        self, cap, name, shape, names, *, pins=None, copies=1, recompute="none", budget=None, zero1=True, microbatches=1
+    ):
         from partitioner.api import plan_captured
 
         return plan_captured(
@@ -408,6 +410,7 @@ class _Planner:
             precision=self.precision,
             recompute=recompute,
             zero1=zero1,
+            microbatches=microbatches,
         )
 
     def plan(self, c: ParallelConfig) -> ShardingPlan:
@@ -536,6 +539,7 @@ class _Planner:
                 recompute=c.recompute,
                 budget=budget,
                 zero1=False,
+                microbatches=c.microbatches,
             )
             sent_as.update(_sent_placements(g, made_by[k], len(shape)))
         plans = [made_by[k] for k in range(len(graphs))]

@@ -344,6 +344,7 @@ def _plan_stages(
                 precision=precision,
                 sequence_parallel=sequence_parallel,
                 zero1=False,
+                microbatches=config.microbatches,
             )
             plans.append(made.to_json())
             sent_as.update(_sent_placements(g, made, len(sub.shape)))

@@ -211,6 +211,7 @@ def plan_intra_op(
     zero="auto",
     zero1=True,
     host_budget=None,
+    microbatches=1,
 ) -> IntraOpResult:
     """``recompute``: activation checkpointing of repeated blocks, ``"auto"`` (kept, selective or
     full, chosen by the solver when the budget needs it), ``"selective"``, ``"all"`` or ``"none"``
@@ -246,6 +247,7 @@ def plan_intra_op(
         zero=zero,
         zero1=zero1,
         offload=host_budget is not None,
+        microbatches=microbatches,
     )
     t1 = time.perf_counter()
     n_opts = sum(len(g.options) for g in space.groups)

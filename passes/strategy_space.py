@@ -243,11 +243,13 @@ class _Builder:
         zero="auto",
         zero1=True,
         offload=False,
+        microbatches=1,
     ):
         self.graph = graph
         self.zero = zero
         self.zero1 = zero1
         self.offload = offload
+        self.microbatches = microbatches
         self.grad_reduce_bytes = grad_reduce_bytes
         self.activation_copies = activation_copies
         self.max_options = max_options
@@ -316,7 +318,9 @@ class _Builder:
                 grad_reduce_bytes=self.grad_reduce_bytes,
                 grad_dst=grad_dst,
             )
-            t = self._edge_cache[key] = self.time_of(fwd) + self.time_of(bwd)
+            # a parameter's gradient sync runs once per step: a microbatch's share of it
+            share = 1.0 / self.microbatches if i.kind == "param" else 1.0
+            t = self._edge_cache[key] = self.time_of(fwd) + share * self.time_of(bwd)
         return t
 
     def op_cost(self, node, strategy: Strategy):
@@ -641,6 +645,7 @@ def build_space(
     zero="auto",
     zero1: bool = True,
     offload: bool = False,
+    microbatches: int = 1,
 ) -> StrategySpace:
     """``max_options``: cap on an op leader's options (lowest compute kept); ``"auto"`` caps at
     24 on meshes of 3 or more axes, where an op can have over 200 combinations, and not
@@ -648,6 +653,8 @@ def build_space(
     ``activation_copies``: how many microbatches' saved activations are alive at once (a
     pipeline stage under its schedule; 1 otherwise), multiplying the activation memory.
     ``grad_reduce_bytes``: bytes per element of parameter gradient syncs (a reduce dtype).
+    ``microbatches``: the microbatches of a step this graph runs (a pipeline stage): parameter
+    gradient syncs run once per step, so one microbatch is priced ``1 / microbatches`` of them.
     ``zero``: how a parameter stored sharded and gathered for use treats its gathered copies:
     ``"auto"`` (the solver chooses per parameter: kept for backward, ZeRO-2, or freed after
     forward and gathered again, ZeRO-3; or the compute copy whole and the optimizer state
@@ -672,6 +679,7 @@ def build_space(
         zero,
         zero1,
         offload,
+        microbatches,
     )
     rep = blocks.represent
     group_of: dict = {}
