@@ -7,11 +7,12 @@ Algorithm
    a job: on a machine with fewer cores than ranks, each rank's share of the cores is its device.
 2. **Compute.** Every rank times ``torch.mm`` of ``n x n`` matrices for each dtype and size, an
    elementwise ``add`` over buffers of several sizes, and forward + backward of fx programs of
-   ``k`` tiny elementwise ops that require grad (the best of ``trials`` repetitions of a timed
-   loop, slowest rank). The cost model prices an op as ``op_overhead_s + max(flops /
-   peak[dtype], bytes / memory_bandwidth)`` in forward and again per backward product
-   (:func:`passes.cost_model.compute_time`): the programs' time per op (a line ``t = a + k * u``)
-   is two overheads, ``u = 2 op_overhead_s`` (what an op costs a lowered program, fx and
+   ``k`` tiny elementwise ops that require grad (the mean of ``trials`` timed loops, slowest
+   rank: the mean, as a step meets the machine's average share, not its best moment). The
+   cost model prices an op as ``op_overhead_s + max(flops / peak[dtype], bytes /
+   memory_bandwidth)`` in forward and again per backward product
+   (:func:`passes.cost_model.compute_time`): the programs' time per op (a line ``t = a + k *
+   u``) is two overheads, ``u = 2 op_overhead_s`` (what an op costs a lowered program, fx and
    autograd included, beyond its arithmetic); the elementwise times give ``memory_bandwidth``
    (``t = a + bytes * u``, ``a`` a bare call's cost), the matmul times ``peak[dtype]`` (``t - a
    = flops / peak``).
@@ -19,8 +20,8 @@ Algorithm
    all-to-all, and a ring exchange of sends and receives) is timed at several payloads on the
    whole group and, with 4 ranks or more, on pairs too, **as a training step meets it**: each
    call follows a burst of computation (``burst`` seconds of small matmuls on every rank), and
-   only the call is timed, from the moment its rank enters it (the mean over ranks of the best
-   trial). Ranks then arrive apart, as they do between a step's ops, and on a machine with fewer
+   only the call is timed, from the moment its rank enters it (the mean over ranks and
+   trials). Ranks then arrive apart, as they do between a step's ops, and on a machine with fewer
    free cores than ranks a rank that waits must be scheduled again: a tight loop of collectives
    (ranks arriving together) measures a fraction of what a step pays.
    The cost model prices one as ``collective_overhead_s + steps(n) * latency_s + wire(n) *
@@ -94,9 +95,11 @@ TINY_SIZES = {
 
 
 def _timed(fn, seconds: float, trials: int, sync=None) -> float:
-    """Seconds per call of ``fn``: the best of ``trials`` loops of about ``seconds`` each. With
-    ``sync`` (max over ranks, which also lines the ranks up) every rank makes the same calls
-    and each loop counts as long as its slowest rank's."""
+    """Seconds per call of ``fn``: the mean over ``trials`` loops of about ``seconds`` each (not
+    the best: on a shared machine the best loop is the moment the rank had a core to itself,
+    while a training step meets the average share). With ``sync`` (max over ranks, which also
+    lines the ranks up) every rank makes the same calls and each loop counts as long as its
+    slowest rank's."""
     fn()
     start = time.perf_counter()
     for _ in range(3):
@@ -105,7 +108,7 @@ def _timed(fn, seconds: float, trials: int, sync=None) -> float:
     reps = max(1, min(10000, int(seconds / max(per, 1e-9))))
     if sync is not None:
         reps = int(sync(float(reps)))
-    best = float("inf")
+    total = 0.0
     for _ in range(trials):
         if sync is not None:
             sync(0.0)
@@ -113,8 +116,8 @@ def _timed(fn, seconds: float, trials: int, sync=None) -> float:
         for _ in range(reps):
             fn()
         elapsed = (time.perf_counter() - start) / reps
-        best = min(best, sync(elapsed) if sync is not None else elapsed)
-    return best
+        total += sync(elapsed) if sync is not None else elapsed
+    return total / trials
 
 
 def compute_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = None) -> dict:
@@ -215,7 +218,7 @@ def rank_samples(rank: int, world: int, sizes: dict, progress: bool = False) -> 
 
 def _timed_after(work, fn, seconds: float, trials: int, agree, mean) -> float:
     """Seconds inside ``fn`` per call when each call follows ``work`` (see the module docstring):
-    the best over ``trials`` of the ranks' mean; ``agree`` (max over ranks) fixes the call count."""
+    the mean over ``trials`` and ranks; ``agree`` (max over ranks) fixes the call count."""
     work()
     fn()
     start = time.perf_counter()
@@ -223,7 +226,7 @@ def _timed_after(work, fn, seconds: float, trials: int, agree, mean) -> float:
         work()
         fn()
     reps = int(agree(float(max(1, min(10000, int(seconds * 3 / max(time.perf_counter() - start, 1e-9)))))))
-    best = float("inf")
+    total = 0.0
     for _ in range(trials):
         agree(0.0)
         inside = 0.0
@@ -232,8 +235,8 @@ def _timed_after(work, fn, seconds: float, trials: int, agree, mean) -> float:
             t0 = time.perf_counter()
             fn()
             inside += time.perf_counter() - t0
-        best = min(best, mean(max(inside / reps, 1e-7)))
-    return best
+        total += mean(max(inside / reps, 1e-7))
+    return total / trials
 
 
 def _collective(kind, payload, n, me, group, torch, dist, all_gather, reduce_scatter):
