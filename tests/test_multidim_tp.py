@@ -220,13 +220,27 @@ def test_plan_refuses_a_wrong_mesh_and_an_unsplittable_batch():
         partitioner.plan(model, inputs, mesh_shape=(2, 2), tensor_parallel="4d")
 
 
-def test_solver_free_plan_names_its_grid():
-    """Without forcing, the summary still names what each contraction amounts to."""
+def test_summary_names_the_grid_and_each_linear_layers_blocks():
     import partitioner
     from partitioner import models
 
     model, inputs = models.gpt_demo(batch=8, seq=16, n_layer=1)
     plan = partitioner.plan(model, inputs, mesh_shape=(2, 2), tensor_parallel="2d")
     text = plan.summary()
-    assert "grid (tensor_parallel='2d'): a0 rows, a1 columns" in text
-    assert "2d on" in text and math.isfinite(plan.estimate().step_time_s)
+    assert "grid (tensor_parallel='2d'): a0 rows, a1 columns; weight contractions: 2d on 5" in text
+    # c_attn: X's row block gathered along the columns, W's column block gathered along the rows
+    assert "linear (h.0.attn.c_attn): 2d, a0=M a1=N; X 4x16x64, W 96x64, Y 4x16x96" in text
+    assert math.isfinite(plan.estimate().step_time_s)
+
+
+def test_solver_picks_3d_where_cheaper_on_a_multi_node_cluster():
+    """64 H100s (8 per node) as 4 x 4 x 4: the two outer axes cross nodes. For a wide layer and a
+    small batch the solver, free, runs every linear layer as 3D (benchmarks/multidim_tp.py)."""
+    import partitioner
+    from partitioner import models
+
+    model, inputs = models.gpt_block(batch=16, seq=2048, n_embd=16384, n_head=128, n_layer=1, vocab=32768)
+    plan = partitioner.plan(model, inputs, mesh_shape=(4, 4, 4), cluster="h100", memory_budget="80GiB")
+    labels = [r["tensor_parallel"] for r in plan.records if r.get("tensor_parallel")]
+    assert labels == ["3d"] * 5, labels
+    assert "grid (tensor_parallel='auto'); weight contractions: 3d on 5" in plan.summary()
