@@ -311,6 +311,7 @@ def _cmd_plan(args) -> int:
             time_limit=args.time_limit,
             recompute=args.recompute,
             zero=args.zero if args.zero == "auto" else int(args.zero),
+            tensor_parallel=args.tensor_parallel,
             verbose=not args.quiet,
         )
     except (partitioner.CaptureError, partitioner.InfeasibleBudgetError) as exc:
@@ -436,6 +437,13 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="a replicated weight keeps its optimizer state sharded (1), a weight stored sharded keeps its "
         "gathered copy for backward (2) or gathers it again in backward (3), or the solver chooses (auto)",
+    )
+    p.add_argument(
+        "--tensor-parallel",
+        choices=("auto", "1d", "2d", "2.5d", "3d"),
+        default="auto",
+        help="linear layers as Megatron 1D, 2D (a q x q mesh), 2.5D (d x q x q) or 3D (c x c x c) "
+        "tensor parallelism, or as the solver chooses (auto)",
     )
     p.add_argument(
         "--optimizer",

@@ -244,3 +244,23 @@ def test_solver_picks_3d_where_cheaper_on_a_multi_node_cluster():
     labels = [r["tensor_parallel"] for r in plan.records if r.get("tensor_parallel")]
     assert labels == ["3d"] * 5, labels
     assert "grid (tensor_parallel='auto'); weight contractions: 3d on 5" in plan.summary()
+
+
+def test_cli_forces_an_algorithm_and_names_the_mesh_it_needs():
+    import contextlib
+    import io
+
+    from partitioner.__main__ import main
+
+    def run(*extra):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(
+                ["plan", "partitioner.models:gpt_demo", "--kwargs", '{"n_layer": 1, "seq": 16}', "--quiet", *extra]
+            )
+        return code, out.getvalue(), err.getvalue()
+
+    code, out, _ = run("--mesh", "2x2", "--tensor-parallel", "2d")
+    assert code == 0 and "grid (tensor_parallel='2d'): a0 rows, a1 columns; weight contractions: 2d on 5" in out
+    code, _, err = run("--mesh", "2x2", "--tensor-parallel", "3d")
+    assert code == 2 and "tensor_parallel='3d' needs a c x c x c" in err and "mesh_shape=(2, 2)" in err
