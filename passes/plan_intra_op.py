@@ -304,7 +304,7 @@ def plan_intra_op(
         # ZeRO-3 only adds time too (a second gather): the best plan without it, if its peak fits
         result = _without_zero3(budget, solve, redo, peak_of)
         chosen = set(zip(range(len(result.choice)), result.choice)) if result is not None else set()
-        if chosen & set(shards):  # ZeRO-1 ties replicated: kept only where it saves time under the budget
+        if chosen & set(shards):  # ZeRO-1 ties replicated: kept only where it saves time
             plain = _without_zero3(budget, solve, redo, peak_of, zero1=False)
             if plain is not None and plain.objective <= result.objective * (1 + 1e-9):
                 result = plain
@@ -314,6 +314,10 @@ def plan_intra_op(
         if budget is not None and least > budget:
             raise InfeasibleBudgetError(_infeasible(budget, mesh_shape, least_kept, least, recompute, blocks))
         result = solve(budget, redo)
+        if result.choice is not None and set(zip(range(len(result.choice)), result.choice)) & set(shards):
+            plain = solve(budget, redo, zero1=False)  # ZeRO-1 ties replicated: only where it saves time
+            if plain.choice is not None and plain.objective <= result.objective * (1 + 1e-9):
+                result = plain
     t2 = time.perf_counter()
     if result.choice is None and host_budget is not None:
         _check_host_budget(space, budget, host_budget, redo, time_limit)
@@ -356,11 +360,15 @@ def plan_intra_op(
             for n in members:
                 block_label[n] = (grp.label, grp.indices[k])
     leaders = {g.leader for g in space.groups}
+    again = {name for names in tied_placeholders(cap) for name in names[1:]}  # one tensor: its step once
     for node in graph.nodes:
         if info(node).kind == "ignored":
             continue
         rep = blocks.represent(node)
         rec = _node_record(node, choices.get(node), space, axis_names, rep)
+        if node.name in again:  # a tied weight's ZeRO-1 / offload traffic is its first name's
+            rec["comm"] = []
+            rec.pop("host_transfer_s", None)
         rec["comm"] = rec["comm"] + _edge_comm(node, choices, space, axis_names)
         rec["decision"] = "leader" if rep in leaders else ("output" if node.op == "output" else "follower")
         if node in block_label:

@@ -485,7 +485,8 @@ class _Builder:
                     mem = local_bytes(i.shape, spec, self.mesh, elem)
                 kept = NodeChoice(strategy=None, out=(spec,), ins=(), memory=mem)
                 mode = zero_mode(self.zero, i.name) if i.kind == "param" else 2
-                zero1 = self._zero1_option(node, kept) if mode in ("auto", 1) else None
+                # a pin names where the weight is stored: a pinned weight has no ZeRO-1 twin
+                zero1 = self._zero1_option(node, kept) if mode in ("auto", 1) and pin is None else None
                 if mode not in (1, 2) and self._may_regather(node, spec):
                     if mode != 3:
                         choices.append(kept)

@@ -140,6 +140,15 @@ def pins_for(model_name: str, kind: str, mesh: tuple) -> dict | None:
     return pins
 
 
+def free_weights(model_name: str, kind: str, mesh: tuple) -> dict | None:
+    """``pins_for`` without the pins on weights (a pin names where a weight is stored, so a pinned
+    weight cannot be ZeRO-1): the activations alone make the plan data parallel / Megatron."""
+    m = MODELS[model_name]
+    weights = {"*", *m["column"], *m["row"], *m.get("vocab", ())}
+    pins = pins_for(model_name, kind, mesh)
+    return None if pins is None else {k: v for k, v in pins.items() if k not in weights}
+
+
 # ---------------------------------------------------------------------------- the rank worker
 
 LR = 1e-2

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from parity_utils import (Checks, adam_in_lockstep, build, call, check_grads_by_alias, loss_of, nested_approx_equal,
-                          pins_for, run_checked)
+                          free_weights, run_checked)
 from runtime.collectives import CommCounter
 
 TIMEOUT_S = 240
@@ -50,7 +50,7 @@ def parity_worker(rank, world, cfg):
         model, inputs = build(name)
         ref = copy.deepcopy(model)
         pm = partitioner.auto_parallelize(model, inputs, mesh=mesh, cluster="h100", recompute="none", zero=1,
-                                          pins=pins_for(name, kind, mesh))
+                                          pins=free_weights(name, kind, mesh))
         zero1 = [r["fqn"] for r in pm.plan.records if r.get("stored")]
         checks.true(f"{label}: no ZeRO-1 weight", bool(zero1))
         with CommCounter() as counter:
@@ -111,7 +111,7 @@ def known_answer_worker(rank, world, cfg):
     mesh = (4,)
     model, inputs = build("gpt")
     ref = copy.deepcopy(model)
-    pins = pins_for("gpt", "dp", mesh)
+    pins = free_weights("gpt", "dp", mesh)
     pm = partitioner.auto_parallelize(model, inputs, mesh=mesh, cluster="h100", recompute="none", pins=pins,
                                       memory_budget=cfg["budget"])
     params = [r for r in pm.plan.records if r["kind"] == "param"]
@@ -157,7 +157,7 @@ def test_budget_below_replicated_state_picks_zero1(fake_process_group):
 
     fake_process_group(4)
     model, inputs = build("gpt")
-    pins = pins_for("gpt", "dp", (4,))
+    pins = free_weights("gpt", "dp", (4,))
     kw = dict(mesh_shape=(4,), cluster="h100", recompute="none", pins=pins)
     replicated = partitioner.plan(model, inputs, **kw).estimate()
     assert replicated.comm_bytes.keys() == {"all_reduce"}
