@@ -315,10 +315,24 @@ def _fits(mode, mesh) -> bool:
     return True
 
 
+def _weight_dims(node, wc):
+    """(output dim, contracted dim) of a weight contraction's 2-D weight operand (``aten.linear``:
+    ``[N, K]``; ``addmm`` / ``mm`` / ``matmul``: ``[K, N]``); None for any other weight shape."""
+    operands, out_labels, _ = rule_for(node).layout(op_view(node))
+    labels = {idx: lab for idx, lab, _ in operands}
+    w_labels, x_labels = labels[wc[1]], labels[wc[0]]
+    if len(w_labels) != 2:
+        return None
+    k = [i for i, lab in enumerate(w_labels) if lab in x_labels and lab not in out_labels]
+    n = [i for i, lab in enumerate(w_labels) if lab in out_labels and lab not in x_labels]
+    return (n[0], k[0]) if len(k) == 1 and len(n) == 1 else None
+
+
 def forced_pins(graph, mode: str, mesh_shape) -> dict:
-    """Storage pins of the weights of weight contractions under 2D / 2.5D (their grid blocks:
-    ``[S(k), S(n)]``, ``[R, S(k), S(n)]``), and checks that every weight contraction can run
-    the algorithm (its batch and weight dims divide by the grid); raises naming the node."""
+    """Storage pins of the 2-D weights of weight contractions under 2D / 2.5D (their grid blocks:
+    ``[S(k), S(n)]``, ``[R, S(k), S(n)]``, ``k`` and ``n`` the weight's contracted and output
+    dims), and checks that every weight contraction can run the algorithm (its batch and weight
+    dims divide by the grid); raises naming the node."""
     if mode == "auto":
         return {}
     mesh = check_mesh(mode, mesh_shape)
@@ -338,9 +352,10 @@ def forced_pins(graph, mode: str, mesh_shape) -> dict:
                 f"of {m_split}, or another mesh"
             )
         w = tensor_input_nodes(node)[wc[1]]
-        if mode not in ("2d", "2.5d") or w.op != "placeholder" or node.target.__name__ != "linear.default":
+        dims = _weight_dims(node, wc)
+        if mode not in ("2d", "2.5d") or w.op != "placeholder" or dims is None:
             continue
-        n_dim, k_dim = 0, 1  # aten.linear's weight is [N, K]
+        n_dim, k_dim = dims
         q = mesh[-1]
         if w_shape[n_dim] % q or w_shape[k_dim] % q:
             raise ValueError(

@@ -5,7 +5,8 @@ to the parity standard (``parity_utils.parity_worker``: loss, every gradient, pa
 AdamW steps against one device; communication counted at run time equal to the plan's estimate,
 in total and per phase):
 
-* 2D on (2, 2): the hand-written GPT, HF LLaMA (2 layers) and HF ViT;
+* 2D on (2, 2): the hand-written GPT, HF LLaMA (2 layers), HF ViT and HF GPT-2 (Conv1D weights,
+  ``addmm``, stored ``[K, N]``);
 * 2.5D on (2, 2, 2) and 3D on (2, 2, 2): GPT and LLaMA.
 
 Every linear layer of those plans must run its algorithm's grid (classified from the plan's
@@ -149,6 +150,7 @@ def test_2d_parity_and_linear_formula_on_4_ranks():
         _model_job("gpt", "2d", (2, 2)),
         _model_job("llama", "2d", (2, 2)),
         _model_job("vit", "2d", (2, 2)),
+        _model_job("gpt2", "2d", (2, 2)),
         ("linear", ("2d", (2, 2))),
     ]
     results = _run(jobs, 4)
@@ -156,7 +158,7 @@ def test_2d_parity_and_linear_formula_on_4_ranks():
     for (kind, job), r in zip(jobs, results[0]):
         if kind == "model":
             assert r["roles"] and set(r["roles"].values()) == {"2d"}, (job["model"], r["roles"])
-    assert set(results[0][3]["roles"].values()) == {"2d"}
+    assert set(results[0][4]["roles"].values()) == {"2d"}
 
 
 def test_2_5d_and_3d_parity_and_linear_formulas_on_8_ranks():
