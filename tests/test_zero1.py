@@ -14,7 +14,8 @@ shard once per step and the stepped shard all-gathered into the copy once per st
   state needs, ``zero="auto"`` makes every weight ZeRO-1 (no weight gathered for use, none tensor
   parallel), and a step of two micro-steps (the first under ``no_sync``) sends exactly one
   reduce-scatter and one all-gather of the parameters and no gradient all-reduce; gradients
-  and the parameters after the step equal the reference's.
+  and the parameters after the step equal the reference's; after loading other weights into the
+  shards, the next forward computes with them.
 """
 
 import copy
@@ -145,6 +146,11 @@ def known_answer_worker(rank, world, cfg):
     state = pm.full_state_dict()
     for name, p in ref.named_parameters(remove_duplicate=False):
         checks.close(f"parameter {name} after 2 accumulated steps", state[name], p.detach())
+    # loading weights into the shards (a checkpoint) refreshes the compute copies before the next forward
+    start, _ = build("gpt")
+    pm.load_full_state_dict(start.state_dict())
+    checks.close("loss after loading the starting weights", loss_of(call(pm, inputs)).detach(),
+                 loss_of(call(start, inputs)).detach())
     return {"rank": rank, "failures": checks.failures}
 
 
