@@ -128,6 +128,12 @@ class DeferredSyncs:
             self._armed = True
         return grad if held is None else held.add_(grad)
 
+    def flush(self) -> None:
+        """Move every held sum now, outside backward, into its parameter's ``.grad`` (one
+        collective per edge, in the order first held): for a caller whose synced step is several
+        backward calls (a pipeline's weight pass), which ``take`` would flush after the first."""
+        self._flush()
+
     def _flush(self) -> None:
         """End of a synced backward: move the sums of edges it did not reach into ``.grad``."""
         held, self._held, self._armed = self._held, {}, False

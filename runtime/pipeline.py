@@ -21,9 +21,10 @@ a single-device ``loss.backward()`` on the whole batch; the loss is broadcast to
 Parameter gradients are reduced once per step, not once per microbatch: every parameter edge
 of a stage program whose backward communicates (a data-parallel all-reduce, the reduce-scatter
 of a weight stored sharded) holds its unreduced gradient in the stage's
-:class:`runtime.grad_sync.DeferredSyncs` during the stage's ``B`` / ``W`` actions, except the
-last one of the step (``passes.pipeline_schedules.last_weight_actions``), whose backward moves
-each held sum with its own gradient in one collective (the moves are linear). The cost model
+:class:`runtime.grad_sync.DeferredSyncs` during the stage's ``B`` / ``W`` actions; after the
+last one of the step (``passes.pipeline_schedules.last_weight_actions``) each held sum is moved
+in one collective (the moves are linear; a ``W`` action is several backward calls, so the
+reduction waits for the whole action). The cost model
 prices the same (``Estimate.grad_sync_s`` once per step).
 """
 
@@ -429,9 +430,11 @@ class PipelineRunner(ShardedCheckpointIO, torch.nn.Module):
         posted = self._post_all_receives(actions)
         for i, action in enumerate(actions):
             t0 = time.perf_counter()
-            if action.makes_weight_grads and i not in self._synced_at:
+            if action.makes_weight_grads:
                 with self._held[action.stage].deferred():
                     self._run(action, step, posted)
+                if i in self._synced_at:  # the stage's last B / W: one reduction per edge, of the step's sum
+                    self._held[action.stage].flush()
             else:
                 self._run(action, step, posted)
             # absolute times, so ranks on one host line up whatever moment each entered the step
