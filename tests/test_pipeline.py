@@ -204,6 +204,7 @@ CONFIGS = [
     _cfg("gpt2", (4,), "1f1b", 4),
     _cfg("gpt2", (2, 2), "gpipe", 4, pins="dp"),
     _cfg("gpt2", (2, 2), "zb-h1", 4, pins="dp", note="weight-pass-reduces-once"),
+    _cfg("gpt", (2, 2), "zb-h1", 4, pins="dpact", note="weight-pass-reduces-once"),
     _cfg("gpt", (2, 2), "1f1b", 4, pins="dpact", note="batch-sharded-stage-boundary"),
     # HF LLaMA (rotary embeddings cross stages)
     _cfg("llama", (2,), "interleaved", 8, virtual_stages=2),
