@@ -8,7 +8,13 @@ import subprocess
 
 def cap_private_memory(nbytes: int) -> None:
     """Let this process allocate at most ``nbytes`` more private data (``RLIMIT_DATA`` over what
-    it holds now, from ``/proc/self/status``): an allocation past it fails with MemoryError."""
+    it holds now, from ``/proc/self/status``): an allocation past it fails with MemoryError.
+
+    Freed tensors are first made to leave the process (``runtime.host_memory``), whichever
+    framework runs under the cap: the cap then measures live tensors, not glibc's heap."""
+    from runtime.host_memory import return_freed_blocks
+
+    return_freed_blocks()
     data = 0
     with open("/proc/self/status") as f:
         for line in f:

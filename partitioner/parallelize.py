@@ -163,8 +163,8 @@ def auto_parallelize(
     """
     _require_process_group()
     device = _job_device(device)
-    if device.type == "cpu":  # freed tensors go back to the system (runtime/host_memory.py)
-        return_freed_blocks()
+    if device.type == "cpu" and memory_budget is not None:
+        return_freed_blocks()  # a budget on the CPU: freed tensors leave the process (runtime/host_memory.py)
     cluster = cluster or ("cpu" if device.type == "cpu" else "h100")
     precision = _resolve_precision(precision, plan)
     check_recompute_mode(recompute)
