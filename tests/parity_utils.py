@@ -351,6 +351,25 @@ def _param_bytes(pm, ref, mesh, tp_axis):
             "bound": 1.05 * total / tp + replicated, "ratio": local / (total / tp)}
 
 
+def check_step_like_one_device(pm, ref, inputs, checks, label="", grad_checks=None):
+    """One forward + backward of ``pm`` (communication counted) and of the single-device ``ref``
+    on the same inputs: the loss, every gradient (``grad_checks``, default ``checks``) and the
+    counted communication against the plan's estimate. Returns the counter."""
+    from runtime.collectives import CommCounter
+
+    prefix = f"{label}: " if label else ""
+    with CommCounter() as counter:
+        out = call(pm, inputs)
+        loss_of(out).backward()
+    ref_loss = loss_of(call(ref, inputs))
+    ref_loss.backward()
+    checks.close(f"{prefix}loss", loss_of(out).detach(), ref_loss.detach())
+    check_grads_by_alias(pm.full_grads(), ref, grad_checks or checks)
+    for diff in nested_approx_equal(counter.as_dict(), pm.plan.estimate().comm_bytes):
+        checks.true(f"{prefix}communication: {diff}", False)
+    return counter
+
+
 def nested_approx_equal(counted: dict, estimated: dict) -> list:
     """Differences between two {kind: {axis: bytes}} dicts (same keys, values within 1e-6)."""
     diffs = []

@@ -23,9 +23,8 @@ import copy
 import pytest
 import torch
 
-from parity_utils import Checks, adam_in_lockstep, build, call, check_grads_by_alias, loss_of, nested_approx_equal
+from parity_utils import Checks, adam_in_lockstep, build, call, check_step_like_one_device, loss_of
 from parity_utils import free_weights, pins_for, run_checked
-from runtime.collectives import CommCounter
 
 TIMEOUT_S = 240
 STEPS = 3
@@ -90,15 +89,7 @@ def offload_worker(rank, world, cfg):
         records = {r["fqn"]: r for r in pm.plan.records if r["kind"] == "param"}
         checks.true(f"{label}: offloaded {host} are not the plan's",
                     bool(host) and set(host) == {f for f, r in records.items() if r.get("offload")})
-        with CommCounter() as counter:
-            out = call(pm, inputs)
-            loss_of(out).backward()
-        ref_loss = loss_of(call(ref, inputs))
-        ref_loss.backward()
-        checks.close(f"{label}: loss", loss_of(out).detach(), ref_loss.detach())
-        check_grads_by_alias(pm.full_grads(), ref, checks)
-        for diff in nested_approx_equal(counter.as_dict(), pm.plan.estimate().comm_bytes):
-            checks.true(f"{label}: communication: {diff}", False)
+        check_step_like_one_device(pm, ref, inputs, checks, label)
         # the compute copies are not what the optimizer steps; the offloaded tensors are
         copies = {id(c) for c in pm.compute_copies()}
         params = dict(pm.named_parameters())

@@ -24,9 +24,8 @@ import copy
 
 import pytest
 
-from parity_utils import (Checks, adam_in_lockstep, build, call, check_grads_by_alias, loss_of, nested_approx_equal,
+from parity_utils import (Checks, adam_in_lockstep, build, call, check_grads_by_alias, check_step_like_one_device, loss_of,
                           run_checked)
-from runtime.collectives import CommCounter
 
 TIMEOUT_S = 240
 STEPS = 3
@@ -78,15 +77,7 @@ def zero_worker(rank, world, cfg):
 
     for p in pm.parameters():
         p.grad = None
-    with CommCounter() as counter:
-        out = call(pm, inputs)
-        loss_of(out).backward()
-    ref_loss = loss_of(call(ref, inputs))
-    ref_loss.backward()
-    checks.close("loss", loss_of(out).detach(), ref_loss.detach())
-    check_grads_by_alias(pm.full_grads(), ref, checks)
-    for diff in nested_approx_equal(counter.as_dict(), pm.plan.estimate().comm_bytes):
-        checks.true(f"communication: {diff}", False)
+    counter = check_step_like_one_device(pm, ref, inputs, checks)
     # the regathers: backward all-gathers exactly as many bytes again as the records mark
     extra = sum(c["bytes"] for r in pm.plan.records for c in r["comm"] if c.get("regather"))
     counted_bwd = sum(counter.phase_dict().get("bwd", {}).get("all_gather", {}).values())

@@ -23,8 +23,8 @@ import copy
 import pytest
 import torch
 
-from parity_utils import (Checks, adam_in_lockstep, build, call, check_grads_by_alias, loss_of, nested_approx_equal,
-                          free_weights, run_checked)
+from parity_utils import (Checks, adam_in_lockstep, build, call, check_grads_by_alias, check_step_like_one_device,
+                          loss_of, free_weights, run_checked)
 from runtime.collectives import CommCounter
 
 TIMEOUT_S = 240
@@ -54,15 +54,7 @@ def parity_worker(rank, world, cfg):
                                           pins=free_weights(name, kind, mesh))
         zero1 = [r["fqn"] for r in pm.plan.records if r.get("stored")]
         checks.true(f"{label}: no ZeRO-1 weight", bool(zero1))
-        with CommCounter() as counter:
-            out = call(pm, inputs)
-            loss_of(out).backward()
-        ref_loss = loss_of(call(ref, inputs))
-        ref_loss.backward()
-        checks.close(f"{label}: loss", loss_of(out).detach(), ref_loss.detach())
-        check_grads_by_alias(pm.full_grads(), ref, _Labelled(checks, label))
-        for diff in nested_approx_equal(counter.as_dict(), pm.plan.estimate().comm_bytes):
-            checks.true(f"{label}: communication: {diff}", False)
+        check_step_like_one_device(pm, ref, inputs, checks, label, grad_checks=_Labelled(checks, label))
         for p in pm.parameters():
             p.grad = None
         measured, est = partitioner.measure_memory(pm, inputs), pm.plan.estimate().memory
