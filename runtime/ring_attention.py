@@ -340,7 +340,7 @@ class RingAttention(torch.nn.Module):
         if dropout_p and self.training:
             raise NotImplementedError(
                 "ring attention with attention dropout is not supported: set the model's attention dropout "
-                "to 0, or plan with sequence_parallel='ulysses'"
+                "to 0, or plan with sequence_parallel='none' (Ulysses refuses it too)"
             )
         p = self.comm.shape[self.axis]
         if self.causal and self.balanced and k.shape[2] % 2:
