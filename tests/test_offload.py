@@ -12,10 +12,11 @@ state live, that the step the optimizer takes is what the device computes with n
   device budget below the replicated plan's makes the solver offload some weights; the
   estimate counts their bytes on the host and prices the copies over the host link; a host
   budget too small is an error naming ``host_memory_budget``; without one, nothing is offloaded.
-* Parity on 4 gloo ranks, one forked run: that plan, and ``zero=1`` on (2, 2) (data x Megatron)
-  under a budget 0.9 of the free plan's optimizer state short (the offloaded tensors are ZeRO-1
-  shards): loss, every gradient, parameters after 3 AdamW steps equal the single-device model's;
-  counted communication equals the estimate.
+* Parity on 4 gloo ranks, one forked run, for GPT, HF LLaMA and ViT each: that plan (weights
+  pinned replicated, data parallel on (4,)), and ``zero=1`` on (2, 2) (data x Megatron) under a
+  budget 0.9 of the free plan's optimizer state short (the offloaded tensors are ZeRO-1 shards):
+  loss, every gradient, parameters after 3 AdamW steps equal the single-device model's; counted
+  communication equals the estimate.
 """
 
 import copy
@@ -31,13 +32,13 @@ STEPS = 3
 SHORT = 0.3  # of the free plan's optimizer state: the device budget is that much below its peak
 
 
-def _budgets(model, inputs, mesh, kind, zero, short=SHORT):
+def _budgets(model, inputs, mesh, kind, zero, short=SHORT, name="gpt"):
     """Plan arguments and a device budget ``short`` of the free plan's optimizer state below its
     peak. ``zero=2``: the weights pinned replicated (a pin names where a weight is stored: it may
     be offloaded, not sharded); ``zero=1``: only the activations pinned (ZeRO-1 shards)."""
     import partitioner
 
-    pins = pins_for("gpt", kind, mesh) if zero == 2 else free_weights("gpt", kind, mesh)
+    pins = pins_for(name, kind, mesh) if zero == 2 else free_weights(name, kind, mesh)
     kw = dict(mesh_shape=mesh, cluster="h100", recompute="none", pins=pins, zero=zero)
     free = partitioner.plan(model, inputs, **kw).estimate()
     return kw, int(free.memory_bytes - short * free.memory.optimizer_state)
@@ -72,44 +73,51 @@ def test_solver_offloads_when_the_device_budget_needs_it(fake_process_group):
 
 
 def offload_worker(rank, world, cfg):
-    import partitioner
-
     checks = Checks(rank)
     found = {}
     # replicated weights offloaded on (4,); ZeRO-1 shards offloaded on (2, 2) (with ZeRO-2 and -3
     # at hand, a shorter budget: on (4,) sharding the weights is cheaper than offloading them)
-    for mesh, kind, zero, short in ((4,), "dp", 2, SHORT), ((2, 2), "dp_tp", 1, 0.9):
-        label = f"{mesh} zero={zero}"
-        model, inputs = build("gpt")
-        ref = copy.deepcopy(model)
-        kw, budget = _budgets(model, inputs, mesh, kind, zero, short)
-        pm = partitioner.auto_parallelize(model, inputs, mesh=mesh, cluster="h100", recompute="none", zero=zero,
-                                          pins=kw["pins"], memory_budget=budget, host_memory_budget="64MiB")
-        host = pm.offloaded()
-        records = {r["fqn"]: r for r in pm.plan.records if r["kind"] == "param"}
-        checks.true(f"{label}: offloaded {host} are not the plan's",
-                    bool(host) and set(host) == {f for f, r in records.items() if r.get("offload")})
-        check_step_like_one_device(pm, ref, inputs, checks, label)
-        # the compute copies are not what the optimizer steps; the offloaded tensors are
-        copies = {id(c) for c in pm.compute_copies()}
-        params = dict(pm.named_parameters())
-        checks.true(f"{label}: a compute copy is a parameter", not copies & {id(p) for p in params.values()})
-
-        def parallel_step(pm=pm, inputs=inputs):
-            loss = loss_of(call(pm, inputs))
-            loss.backward()
-            return loss
-
-        # the optimizer's tensors for offloaded weights are in host memory (pinned when there is a GPU)
-        checks.true(f"{label}: an offloaded parameter is not in host memory",
-                    all(params[f].device.type == "cpu" and params[f].is_pinned() == torch.cuda.is_available()
-                        for f in host))
-        adam_in_lockstep(pm.parameters(), ref, inputs, STEPS, parallel_step, checks)
-        state = pm.full_state_dict()
-        for name, p in ref.named_parameters(remove_duplicate=False):
-            checks.close(f"{label}: parameter {name} after {STEPS} AdamW steps", state[name], p.detach())
-        found[label] = len(host)
+    for name in ("gpt", "llama", "vit"):
+        for mesh, kind, zero, short in ((4,), "dp", 2, SHORT), ((2, 2), "dp_tp", 1, 0.9):
+            found.update(_offloaded_parity(name, mesh, kind, zero, short, checks))
     return {"rank": rank, "failures": checks.failures, "offloaded": found}
+
+
+def _offloaded_parity(name, mesh, kind, zero, short, checks):
+    """One config: offloaded weights are the plan's and live on the host; loss, every gradient,
+    counted communication and the parameters after 3 AdamW steps as on one device."""
+    import partitioner
+
+    label = f"{name} {mesh} zero={zero}"
+    model, inputs = build(name)
+    ref = copy.deepcopy(model)
+    kw, budget = _budgets(model, inputs, mesh, kind, zero, short, name)
+    pm = partitioner.auto_parallelize(model, inputs, mesh=mesh, cluster="h100", recompute="none", zero=zero,
+                                      pins=kw["pins"], memory_budget=budget, host_memory_budget="64MiB")
+    host = pm.offloaded()
+    records = {r["fqn"]: r for r in pm.plan.records if r["kind"] == "param"}
+    checks.true(f"{label}: offloaded {host} are not the plan's",
+                bool(host) and set(host) == {f for f, r in records.items() if r.get("offload")})
+    check_step_like_one_device(pm, ref, inputs, checks, label)
+    # the compute copies are not what the optimizer steps; the offloaded tensors are
+    copies = {id(c) for c in pm.compute_copies()}
+    params = dict(pm.named_parameters())
+    checks.true(f"{label}: a compute copy is a parameter", not copies & {id(p) for p in params.values()})
+
+    def parallel_step(pm=pm, inputs=inputs):
+        loss = loss_of(call(pm, inputs))
+        loss.backward()
+        return loss
+
+    # the optimizer's tensors for offloaded weights are in host memory (pinned when there is a GPU)
+    checks.true(f"{label}: an offloaded parameter is not in host memory",
+                all(params[f].device.type == "cpu" and params[f].is_pinned() == torch.cuda.is_available()
+                    for f in host))
+    adam_in_lockstep(pm.parameters(), ref, inputs, STEPS, parallel_step, checks)
+    state = pm.full_state_dict()
+    for pname, p in ref.named_parameters(remove_duplicate=False):
+        checks.close(f"{label}: parameter {pname} after {STEPS} AdamW steps", state[pname], p.detach())
+    return {label: len(host)}
 
 
 def test_offloaded_training_matches_one_device():
