@@ -21,17 +21,19 @@ weights stored split over the whole grid and all-gathered along the axis that us
   its gradient all-reduced there), axes 1, 2 the ``q x q`` grid as in 2D.
 * ``"3d"`` on ``c x c x c``: axis 0 ``M``; axes 1 and 2 are ``N`` and ``K`` or ``K`` and ``N``
   (the solver alternates them between layers, so that Y, partial on the ``K`` axis and
-  reduce-scattered onto M there, arrives as the next layer's X). W is stored split ``c x c``
-  over axes 1, 2 (the block ``W[k, j]``); splitting it a third time over axis 0 is left to the
-  solver (Partita's blocks are cut outer axis first, so that gather is not one contiguous
-  all-gather: the solver prices it and usually keeps W whole on axis 0, its gradient
-  all-reduced there).
+  reduce-scattered onto M there, arrives as the next layer's X). W is stored W/p a device
+  (:func:`cube_storage`): the ``c x c`` block ``W[k, j]`` of axes 1, 2 cut once more over axis 0
+  along its contracted dim, innermost (``InnerShard``: Partita otherwise cuts a dim outer axis
+  first, and an outer cut would not gather in one piece), all-gathered along axis 0 for use and
+  its gradient reduce-scattered there.
 
 Forcing (``tensor_parallel=``) restricts every *weight contraction* (a contraction one of whose
 operands is a parameter: linear, addmm, matmul by a weight) to its algorithm's candidates and
-pins 2D / 2.5D weights to their grid storage; the ops around the contractions (norms over the
-split hidden dim, attention with heads split, residual adds, embedding, loss) are left to the
-solver, which keeps the layout because any other costs more. :func:`classify` names the role
+pins 2D / 2.5D weights to their grid storage (3D's to the two orders of its W/p storage, the
+solver choosing the one the layer's roles use; under ``"auto"`` on a cube mesh these are
+offered); the ops around the contractions (norms over the split hidden dim, attention with heads
+split, residual adds, embedding, loss) are left to the solver, which keeps the layout because any
+other costs more. :func:`classify` names the role
 each axis plays in a chosen strategy (the plan summary's grid line). :func:`linear_comm_bytes`
 is the per-linear communication formula for each algorithm (bytes per device, payloads as
 :mod:`passes.cost_model` counts them).
@@ -43,7 +45,7 @@ import contextlib
 import math
 
 from passes.analyze import info
-from passes.placements import R, Shard, is_partial, is_shard
+from passes.placements import InnerShard, R, Shard, is_partial, is_shard
 from passes.rules import op_view, rule_for, tensor_input_nodes
 
 __all__ = [
@@ -59,6 +61,8 @@ __all__ = [
     "classify",
     "allowed",
     "forced_pins",
+    "cube_storage",
+    "storage_options",
     "grid_options",
     "linear_comm_bytes",
     "algorithm_of",
@@ -328,6 +332,57 @@ def _weight_dims(node, wc):
     return (n[0], k[0]) if len(k) == 1 and len(n) == 1 else None
 
 
+def _param_weight_dims(param):
+    """(output dim, contracted dim) of ``param`` as the 2-D weight a weight contraction reads
+    directly (see :func:`_weight_dims`); None when no weight contraction reads it so."""
+    for user in param.users:
+        wc = weight_contraction(user)
+        if wc is not None and tensor_input_nodes(user)[wc[1]] is param:
+            dims = _weight_dims(user, wc)
+            if dims is not None:
+                return dims
+    return None
+
+
+def cube_storage(param, mesh_shape) -> list:
+    """3D's storage of a weight contraction's 2-D weight on a ``c x c x c`` mesh: W/p a device,
+    the ``c x c`` block a contraction uses (``n`` and ``k`` over axes 1, 2 in either order) cut
+    once more over axis 0 along ``k``, innermost (:class:`passes.placements.InnerShard`), so that
+    gathering it for use is one contiguous all-gather along axis 0 and its gradient one
+    reduce-scatter there: ``[Si(k), S(n), S(k)]`` and ``[Si(k), S(k), S(n)]``. Empty for any
+    other parameter or mesh, or dims the grid does not divide."""
+    mesh = tuple(mesh_shape)
+    dims = _param_weight_dims(param) if param.op == "placeholder" else None
+    if dims is None or not _fits("3d", mesh):
+        return []
+    n_dim, k_dim = dims
+    shape, c = info(param).shape, mesh[0]
+    if shape[k_dim] % (c * c) or shape[n_dim] % c:
+        return []
+    inner = InnerShard(k_dim)
+    return [(inner, Shard(n_dim), Shard(k_dim)), (inner, Shard(k_dim), Shard(n_dim))]
+
+
+def storage_options(param, specs: list, mesh_shape) -> list:
+    """A parameter placeholder's storage options: under forced 3D a weight contraction's 2-D
+    weight takes only :func:`cube_storage` (W/p a device; a weight whose dims the grid does not
+    divide is refused, naming it), under ``"auto"`` on a cube mesh those are added to ``specs``."""
+    mode = _SETTING["mode"]
+    cube = cube_storage(param, mesh_shape)
+    if mode == "3d" and _param_weight_dims(param) is not None:
+        if not cube:
+            c = mesh_shape[0]
+            raise ValueError(
+                f"tensor_parallel='3d' on mesh {tuple(mesh_shape)}: weight {info(param).name} of shape "
+                f"{tuple(info(param).shape)} cannot be stored W/p (its contracted dim split {c * c} ways, its "
+                f"output dim {c} ways); use dims divisible by {c * c} or another mesh"
+            )
+        return cube
+    if mode == "auto" and cube:
+        return list(specs) + [s for s in cube if s not in specs]
+    return specs
+
+
 def forced_pins(graph, mode: str, mesh_shape) -> dict:
     """Storage pins of the 2-D weights of weight contractions under 2D / 2.5D (their grid blocks:
     ``[S(k), S(n)]``, ``[R, S(k), S(n)]``, ``k`` and ``n`` the weight's contracted and output
@@ -373,7 +428,8 @@ def linear_comm_bytes(mode: str, m: int, k: int, n: int, mesh_shape, elem: int =
     a reduce-scatter its full input, an all-reduce its buffer; see :mod:`passes.cost_model`).
 
     X arrives and Y leaves in the algorithm's layout; W is stored as the algorithm stores it
-    (3D: whole over axis 0). ``input_grad``: X needs a gradient (every layer but one fed by the
+    (3D: W/p, cut innermost over axis 0, :func:`cube_storage`), its gathered copy kept for
+    backward. ``input_grad``: X needs a gradient (every layer but one fed by the
     model's inputs). Derivations in ``docs/ARCHITECTURE.md``, "2D, 2.5D and 3D tensor parallelism".
     """
     mesh = check_mesh(mode, mesh_shape)
@@ -401,13 +457,14 @@ def linear_comm_bytes(mode: str, m: int, k: int, n: int, mesh_shape, elem: int =
     elif mode == "3d":
         c = mesh[0]
         # roles (axis 0 M, axis 1 N, axis 2 K): X[m/c^2, k/c] gathered along axis 1,
-        # Y partial on axis 2, reduce-scattered onto its rows there
+        # W[k/c^2, n/c] along axis 0, Y partial on axis 2, reduce-scattered onto its rows there
         add("fwd", "all_gather", 1, m * k / c**2)
+        add("fwd", "all_gather", 0, k * n / c**2)
         add("fwd", "reduce_scatter", 2, m * n / c**2)
         if input_grad:
             add("bwd", "reduce_scatter", 1, m * k / c**2)  # dX partial over axis 1
         add("bwd", "all_gather", 2, m * n / c**2)  # dY gathered back along axis 2
-        add("bwd", "all_reduce", 0, k * n / c**2)  # dW[k/c, n/c] summed over axis 0
+        add("bwd", "reduce_scatter", 0, k * n / c**2)  # dW[k/c, n/c] partial over axis 0, scattered
     else:
         raise ValueError(f"linear_comm_bytes covers '2d', '2.5d' and '3d', not {mode!r}")
     return out

@@ -2,7 +2,10 @@
 
 A *spec* is a tuple with one ``Shard(dim)`` / ``Replicate()`` / ``Partial()`` per mesh axis
 (DTensor's vocabulary, decision 2 in docs/ARCHITECTURE.md). A dim sharded on several axes is split by
-the product of their sizes, outer axis first. This module holds the pure helpers: text form
+the product of their sizes, outer axis first, except on an axis placed :class:`InnerShard`
+(``"Si(d)"``): that axis cuts its dim inside all the others, as the last digit of a rank's block
+index (3D tensor parallelism's weights, split over the rows axis too, so that gathering them along
+it is one contiguous all-gather). This module holds the pure helpers: text form
 (``"S(0)"``, ``"R"``, ``"P"``), local shapes and the divisibility test that decides whether a
 spec is admissible for a shape (Partita shards evenly, so lowering never pads).
 """
@@ -17,6 +20,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 __all__ = [
     "Shard",
+    "InnerShard",
     "Replicate",
     "Partial",
     "Placement",
@@ -43,7 +47,27 @@ P = Partial()
 Spec = tuple  # tuple[Placement, ...], one per mesh axis
 
 
+class InnerShard(Shard):
+    """``Shard(dim)`` cut innermost: among the mesh axes that shard ``dim``, this one splits the
+    block the others leave (the least significant digit of a rank's block index; the others keep
+    their outer-first order). So gathering or reduce-scattering it is one contiguous collective
+    while the others stay. Equal only to itself (``InnerShard(0) != Shard(0)``)."""
+
+    def __eq__(self, other):
+        return type(other) is InnerShard and other.dim == self.dim
+
+    def __hash__(self):
+        return hash(("InnerShard", self.dim))
+
+    def __repr__(self):
+        return f"InnerShard({self.dim})"
+
+    __str__ = __repr__
+
+
 def format_placement(p: Placement) -> str:
+    if type(p) is InnerShard:
+        return f"Si({p.dim})"
     if isinstance(p, Shard):
         return f"S({p.dim})"
     if isinstance(p, Partial):
@@ -51,21 +75,26 @@ def format_placement(p: Placement) -> str:
     return "R"
 
 
-_PLACEMENT_RE = re.compile(r"^\s*(?:(S|Shard)\((-?\d+)\)|(R|Replicate)(?:\(\))?|(P|Partial)(?:\((\w*)\))?)\s*$")
+_PLACEMENT_RE = re.compile(
+    r"^\s*(?:(Si|InnerShard)\((-?\d+)\)|(S|Shard)\((-?\d+)\)|(R|Replicate)(?:\(\))?|(P|Partial)(?:\((\w*)\))?)\s*$"
+)
 
 
 def parse_placement(text) -> Placement:
-    """``"S(0)"``, ``"Shard(0)"``, ``"R"``, ``"P"``, ``"P(max)"`` or a Placement object."""
+    """``"S(0)"``, ``"Shard(0)"``, ``"Si(0)"`` (:class:`InnerShard`), ``"R"``, ``"P"``,
+    ``"P(max)"`` or a Placement object."""
     if isinstance(text, Placement):
         return text
     m = _PLACEMENT_RE.match(str(text))
     if not m:
-        raise ValueError(f"cannot read placement {text!r}: use 'S(dim)', 'R' or 'P'")
+        raise ValueError(f"cannot read placement {text!r}: use 'S(dim)', 'Si(dim)', 'R' or 'P'")
     if m.group(1):
-        return Shard(int(m.group(2)))
+        return InnerShard(int(m.group(2)))
     if m.group(3):
+        return Shard(int(m.group(4)))
+    if m.group(5):
         return R
-    return Partial(m.group(5) or "sum")
+    return Partial(m.group(7) or "sum")
 
 
 def format_spec(spec: Sequence[Placement]) -> str:
@@ -146,6 +175,32 @@ def dual_spec(spec):
 @functools.lru_cache(maxsize=1 << 14)
 def transition_steps(src: Spec, dst: Spec) -> tuple:
     """The per-axis moves that turn a tensor placed ``src`` into ``dst``: ``(axis, from, to)``.
+
+    Outer axis first (:func:`_outer_first_steps`), except on :class:`InnerShard` axes, which cut
+    their dim innermost: the moves run with those axes taken as the last ones of the mesh, first
+    the inner shards that change leave (each one contiguous gather, the innermost cut), then the
+    rest reaches ``dst`` with ``dst``'s inner shards cut last (a ``P -> Si`` one reduce-scatter).
+    """
+    src, dst = tuple(src), tuple(dst)
+    inner_src = {a for a, p in enumerate(src) if type(p) is InnerShard}
+    inner_dst = {a for a, p in enumerate(dst) if type(p) is InnerShard}
+    if not inner_src and not inner_dst:
+        return _outer_first_steps(src, dst)
+    leaving = {a for a in inner_src if dst[a] != src[a]}
+    mid = tuple(R if a in leaving else p for a, p in enumerate(src))
+    return _innermost_last(src, mid, inner_src) + _innermost_last(mid, dst, inner_dst)
+
+
+def _innermost_last(src: Spec, dst: Spec, inner: set) -> tuple:
+    """:func:`_outer_first_steps` with the axes ``inner`` moved to the end of the mesh."""
+    order = [a for a in range(len(src)) if a not in inner] + sorted(inner)
+    steps = _outer_first_steps(tuple(src[a] for a in order), tuple(dst[a] for a in order))
+    return tuple((order[a], p, q) for a, p, q in steps)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _outer_first_steps(src: Spec, dst: Spec) -> tuple:
+    """The per-axis moves from ``src`` to ``dst`` when every dim is cut outer axis first.
 
     Layout convention: a dim sharded on several axes is cut outer axis first, so a rank's
     block index along it is the mixed-radix number of its coordinates on those axes (outer

@@ -474,6 +474,8 @@ class _Builder:
             specs = _options_for_placeholder(i.shape, self.mesh)
             if pin is not None:
                 specs = [s for s in specs if s == pin] or [pin]
+            elif i.kind == "param":  # 3D's weights: stored W/p, cut innermost over the rows axis
+                specs = multidim_tp.storage_options(node, specs, self.mesh)
             choices = []
             for spec in specs:
                 elem = dtype_bytes(i.dtype)

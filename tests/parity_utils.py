@@ -220,6 +220,12 @@ def parity_worker(rank, world, cfg):
     result["placements"].update({name: pm.placement_of(name) for name in MODELS[cfg["model"]]["inputs"]})
     if cfg.get("return_records"):
         result["records"] = pm.plan.records
+        # each parameter's bytes on this rank (what the user's optimizer steps) and whole
+        whole = dict(ref.named_parameters())
+        result["param_bytes"] = {
+            f: (p.numel() * p.element_size(), whole[f].numel() * whole[f].element_size())
+            for f, p in pm.named_parameters()
+        }
     if rank == 0:
         result["summary"] = pm.plan.summary()
         result["code"] = pm.program.code

@@ -7,7 +7,8 @@ in total and per phase):
 
 * 2D on (2, 2): the hand-written GPT, HF LLaMA (2 layers), HF ViT and HF GPT-2 (Conv1D weights,
   ``addmm``, stored ``[K, N]``);
-* 2.5D on (2, 2, 2) and 3D on (2, 2, 2): GPT and LLaMA.
+* 2.5D on (2, 2, 2) and 3D on (2, 2, 2): GPT and LLaMA; 3D's linear weights stored W/p on every
+  rank (bytes counted on each rank equal to the plan's estimate and to the whole weight / 8).
 
 Every linear layer of those plans must run its algorithm's grid (classified from the plan's
 records), and one linear layer alone (its input a parameter, so dX is reduce-scattered too) must
@@ -49,7 +50,7 @@ LINEAR_PINS = {
     "3d": {
         "x": ["S(0)", "S(0)", "S(1)"],
         "t": ["S(0)", "S(1)", "S(0)"],
-        "lin.weight": ["R", "S(0)", "S(1)"],
+        "lin.weight": ["Si(1)", "S(0)", "S(1)"],  # W/p: cut once more over a0, innermost
         # Y reduce-scattered onto its rows, as the next layer takes it (at these tiny sizes
         # latency rules, and an all-reduce with a gather of t would be cheaper)
         "sub": ["S(0)", "S(1)", "S(0)"],
@@ -88,12 +89,27 @@ def _roles(records) -> dict:
     return {r["name"]: r["tensor_parallel"] for r in records if r.get("tensor_parallel")}
 
 
+def _weight_storage(records, param_bytes) -> dict:
+    """Per weight a weight contraction reads: (its placement, bytes on this rank, the plan's
+    estimate of them, its whole bytes)."""
+    by_name = {r["name"]: r for r in records}
+    out = {}
+    for r in records:
+        if r.get("tp_weight") and by_name[r["tp_weight"]].get("kind") == "param":
+            w = by_name[r["tp_weight"]]
+            local, whole = param_bytes[w["fqn"]]
+            out[w["fqn"]] = (w["out"][0], local, w["parameters"], whole)
+    return out
+
+
 def _worker(rank, world, jobs):
     out = []
     for kind, job in jobs:
         if kind == "model":
             result = parity_worker(rank, world, job)
-            result["roles"] = _roles(result.pop("records"))
+            records = result.pop("records")
+            result["roles"] = _roles(records)
+            result["weights"] = _weight_storage(records, result.pop("param_bytes"))
             out.append(result)
         else:
             out.append(_linear_worker(rank, *job))
@@ -175,6 +191,14 @@ def test_2_5d_and_3d_parity_and_linear_formulas_on_8_ranks():
     for (kind, job), r in zip(jobs, results[0]):
         mode = job["tensor_parallel"] if kind == "model" else job[0]
         assert r["roles"] and set(r["roles"].values()) == {mode}, (job, r["roles"])
+    # 3D stores every linear weight W/p on each rank (cut innermost over a0, Si), as estimated;
+    # the user's optimizer (AdamW over model.parameters(), stepped in lockstep above) steps those
+    for i in (2, 3):
+        for rank, per_rank in enumerate(results):
+            weights = per_rank[i]["weights"]
+            assert weights, jobs[i]
+            for fqn, (spec, local, estimated, whole) in weights.items():
+                assert spec.startswith("[Si(") and local == estimated == whole / 8, (jobs[i], rank, fqn, spec)
 
 
 def test_formulas_shrink_as_the_algorithms_promise():
@@ -184,9 +208,9 @@ def test_formulas_shrink_as_the_algorithms_promise():
     two = linear_comm_bytes("2d", m, k, n, (8, 8), elem=1)
     assert two["fwd"]["all_gather"] == {1: m * k / 8, 0: k * n / 8}
     three = linear_comm_bytes("3d", m, k, n, (4, 4, 4), elem=1)
-    assert sum(three["fwd"]["all_gather"].values()) + sum(three["fwd"]["reduce_scatter"].values()) == (
-        m * k / 16 + m * n / 16
-    )
+    # 3D: X and its W/p weight gathered, Y reduce-scattered; backward the mirror image
+    assert three["fwd"] == {"all_gather": {1: m * k / 16, 0: k * n / 16}, "reduce_scatter": {2: m * n / 16}}
+    assert three["bwd"] == {"reduce_scatter": {1: m * k / 16, 0: k * n / 16}, "all_gather": {2: m * n / 16}}
     deep = linear_comm_bytes("2.5d", m, k, n, (4, 4, 4), elem=1)
     assert deep["bwd"]["all_reduce"] == {0: k * n / 16}
     with pytest.raises(ValueError, match="1d"):
