@@ -40,12 +40,16 @@ __all__ = [
 
 
 def shard_offset(comm: MeshComm, spec, dim: int, local_size: int) -> int:
-    """Where this rank's block of ``dim`` starts (mixed radix over the axes sharding it)."""
+    """Where this rank's block of ``dim`` starts (mixed radix over the axes sharding it, outer
+    axis first, an :class:`~passes.placements.InnerShard` axis last)."""
+    axes = [a for a, p in enumerate(spec) if getattr(p, "dim", None) == dim and type(p).__name__ in _SHARDS]
     index = 0
-    for axis, p in enumerate(spec):
-        if getattr(p, "dim", None) == dim and type(p).__name__ in ("Shard", "_StridedShard"):
-            index = index * comm.shape[axis] + comm.coords[axis]
+    for axis in sorted(axes, key=lambda a: type(spec[a]).__name__ == "InnerShard"):
+        index = index * comm.shape[axis] + comm.coords[axis]
     return index * local_size
+
+
+_SHARDS = ("Shard", "_StridedShard", "InnerShard")
 
 
 def _all_reduce_axes(t, comm, axes, phase, op=dist.ReduceOp.SUM):

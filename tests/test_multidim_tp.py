@@ -217,6 +217,26 @@ def test_formulas_shrink_as_the_algorithms_promise():
         linear_comm_bytes("1d", m, k, n, (8,))
 
 
+def test_3d_weight_storage_is_cut_innermost_and_gathers_in_one_collective():
+    """``[Si(1), S(0), S(1)]``: device (i, j, h) holds piece i of the block W[j, h] (n over a1, k
+    over a2, k cut again over a0 inside a2's cut), so gathering along a0 is one all-gather and
+    the gradient one reduce-scatter; cut outer axis first (``S(1)`` on a0) it takes three moves."""
+    from passes.placements import InnerShard, P, R, Shard, parse_spec, transition_steps
+    from runtime.collectives import MeshComm
+    from runtime.parallel_module import shard_tensor
+
+    stored, used = parse_spec("[Si(1), S(0), S(1)]", 3), (R, Shard(0), Shard(1))
+    assert transition_steps(stored, used) == ((0, InnerShard(1), R),)
+    assert transition_steps((P, Shard(0), Shard(1)), stored) == ((0, P, InnerShard(1)),)
+    assert len(transition_steps((Shard(1), Shard(0), Shard(1)), used)) == 3
+    full = torch.arange(4 * 8).reshape(4, 8)  # W[n=4, k=8]
+    for rank in range(8):
+        comm = MeshComm.for_codegen((2, 2, 2), ("a0", "a1", "a2"), rank)
+        i, j, h = comm.coords
+        cols = h * 4 + i * 2
+        assert torch.equal(shard_tensor(full, stored, comm), full[j * 2 : j * 2 + 2, cols : cols + 2]), rank
+
+
 @pytest.mark.parametrize(
     "mode, mesh, needed",
     [
