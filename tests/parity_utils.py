@@ -221,10 +221,10 @@ def parity_worker(rank, world, cfg):
     if cfg.get("return_records"):
         result["records"] = pm.plan.records
         # each parameter's bytes on this rank (what the user's optimizer steps) and whole
-        whole = dict(ref.named_parameters())
+        whole = dict(ref.named_parameters(remove_duplicate=False))
         result["param_bytes"] = {
             f: (p.numel() * p.element_size(), whole[f].numel() * whole[f].element_size())
-            for f, p in pm.named_parameters()
+            for f, p in pm.named_parameters(remove_duplicate=False)
         }
     if rank == 0:
         result["summary"] = pm.plan.summary()

@@ -98,7 +98,7 @@ def _weight_storage(records, param_bytes) -> dict:
         if r.get("tp_weight") and by_name[r["tp_weight"]].get("kind") == "param":
             w = by_name[r["tp_weight"]]
             local, whole = param_bytes[w["fqn"]]
-            out[w["fqn"]] = (w["out"][0], local, w["parameters"], whole)
+            out[w["fqn"]] = (w["out"][0], local, w.get("parameters"), whole)  # a tied copy: none
     return out
 
 
