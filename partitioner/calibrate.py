@@ -14,8 +14,18 @@ Algorithm
    (:func:`passes.cost_model.compute_time`): the programs' time per op (a line ``t = a + k *
    u``) is two overheads, ``u = 2 op_overhead_s`` (what an op costs a lowered program, fx and
    autograd included, beyond its arithmetic); the elementwise times give ``memory_bandwidth``
-   (``t = a + bytes * u``, ``a`` a bare call's cost), the matmul times ``peak[dtype]`` (``t - a
-   = flops / peak``).
+   (``t = a + bytes * u``, ``a`` a bare call's cost), the matmul times ``peak[dtype]`` and its
+   curve: square and narrow ``m x k x n`` products, each at its arithmetic intensity ``I =
+   flops / bytes`` (inputs and output) reaching ``r = flops / (t - a)``; ``peak`` is the best
+   ``r`` and ``matmul_curve[dtype]`` the points ``(I, r / peak)`` (the mean where shapes share an
+   intensity), which the cost model reads piecewise linearly in ``log I``: a narrow product (a
+   tensor-parallel shard, a small head dimension) is priced at the rate its shape reaches, not at
+   the square matmuls' peak.
+   Last (it cannot be undone in the process), with glibc's mmap threshold fixed as a CPU job
+   under a memory budget runs (``runtime/host_memory.py``), an ``add`` writing a fresh output is
+   timed against one writing a kept buffer, at sizes above the threshold: the difference per
+   byte (a line through the origin) is ``fresh_page_s_per_byte``, the zero-filled pages of a
+   fresh mapping, which the cost model adds per large tensor an op allocates in such a job.
 3. **Collectives.** Every kind the runtime issues (all-reduce, all-gather, reduce-scatter,
    all-to-all, and a ring exchange of sends and receives) is timed at several payloads on the
    whole group and, with 4 ranks or more, on pairs too, **as a training step meets it**: each
@@ -57,6 +67,8 @@ __all__ = [
     "compute_samples",
     "fit",
     "fit_compute",
+    "fresh_samples",
+    "matmul_intensity",
     "measure",
     "rank_samples",
     "write_cluster_file",
@@ -66,6 +78,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send
 
 DEFAULT_SIZES = {
     "matmul": (64, 128, 256, 512),
+    "matmul_shapes": ((512, 64, 512), (2048, 64, 256), (1024, 256, 64), (2048, 256, 1024), (512, 1024, 128)),
     "dtypes": ("float32", "bfloat16"),
     "elementwise": (1 << 10, 1 << 14, 1 << 18, 1 << 21),
     "chains": (8, 32, 128),
@@ -73,13 +86,16 @@ DEFAULT_SIZES = {
     "trials": 3,
     "seconds": 0.05,
     "burst": 2e-3,
+    "fresh": (1 << 18, 1 << 21, 1 << 23),
 }
-"""Matrix sides, dtypes, elementwise elements (float32), ops per fx program, collective payload
-bytes, timed trials per point, the length of one timed loop and the computation before each
-collective."""
+"""Matrix sides and ``(m, k, n)`` shapes of narrow products, dtypes, elementwise elements
+(float32), ops per fx program, collective payload bytes, timed trials per point, the length of
+one timed loop, the computation before each collective, and the bytes of the fresh allocations
+timed last."""
 
 TINY_SIZES = {
     "matmul": (16, 32),
+    "matmul_shapes": ((64, 8, 32),),
     "dtypes": ("float32",),
     "elementwise": (1 << 8, 1 << 12),
     "chains": (2, 4),
@@ -87,6 +103,7 @@ TINY_SIZES = {
     "trials": 1,
     "seconds": 0.002,
     "burst": 1e-4,
+    "fresh": (1 << 17, 1 << 18),
 }
 """A quick run for tests: the same code on sizes that take milliseconds."""
 
@@ -127,13 +144,15 @@ def compute_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = 
     say = say or (lambda message: None)
     seconds, trials = sizes["seconds"], sizes["trials"]
     out: dict = {"matmul": [], "elementwise": [], "chains": []}
+    shapes = [(n, n, n) for n in sizes["matmul"]] + [tuple(s) for s in sizes.get("matmul_shapes", ())]
     for dtype_name in sizes["dtypes"]:
         dtype = getattr(torch, dtype_name)
-        for n in sizes["matmul"]:
-            a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        for m, k, n in shapes:
+            a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
             t = _timed(lambda a=a, b=b: torch.mm(a, b), seconds, trials, sync)
-            out["matmul"].append({"dtype": dtype_name, "n": n, "flops": 2 * n**3, "s": t})
-            say(f"matmul {dtype_name} {n}x{n}: {t * 1e6:.1f} us, {2 * n**3 / t / 1e9:.2f} GFLOP/s per rank")
+            flops, nbytes = 2 * m * k * n, (m * k + k * n + m * n) * a.element_size()
+            out["matmul"].append({"dtype": dtype_name, "m": m, "k": k, "n": n, "flops": flops, "bytes": nbytes, "s": t})
+            say(f"matmul {dtype_name} {m}x{k} @ {k}x{n}: {t * 1e6:.1f} us, {flops / t / 1e9:.2f} GFLOP/s per rank")
     for numel in sizes["elementwise"]:
         x, y = torch.randn(numel), torch.randn(numel)
         t = _timed(lambda x=x, y=y: torch.add(x, y), seconds, trials, sync)
@@ -213,6 +232,30 @@ def rank_samples(rank: int, world: int, sizes: dict, progress: bool = False) -> 
                 say(
                     f"{kind} on {n} ranks, {payload} bytes, after {sizes['burst'] * 1e3:g} ms of work: {t * 1e6:.1f} us"
                 )
+    out["fresh"] = fresh_samples(sizes, slowest, say)
+    return out
+
+
+def fresh_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = None) -> list:
+    """What a large allocation costs when it is a fresh mapping: an elementwise ``add`` into a new
+    output, and into a kept one, with glibc's mmap threshold fixed (``runtime/host_memory.py``,
+    as a CPU job under a memory budget runs). Last: fixing the threshold cannot be undone in
+    this process."""
+    import torch
+
+    from runtime.host_memory import return_freed_blocks
+
+    if not return_freed_blocks():
+        return []  # not glibc: allocations are whatever the C library makes them, not priced
+    out = []
+    for nbytes in sizes["fresh"]:
+        x, y, kept = torch.randn(nbytes // 4), torch.randn(nbytes // 4), torch.empty(nbytes // 4)
+        fresh = _timed(lambda x=x, y=y: torch.add(x, y), sizes["seconds"], sizes["trials"], sync)
+        reused = _timed(lambda x=x, y=y, o=kept: torch.add(x, y, out=o), sizes["seconds"], sizes["trials"], sync)
+        out.append({"bytes": nbytes, "s": fresh, "kept_s": reused})
+        (say or (lambda m: None))(
+            f"add writing {nbytes} fresh bytes: {fresh * 1e6:.1f} us, into a kept buffer: {reused * 1e6:.1f} us"
+        )
     return out
 
 
@@ -335,19 +378,34 @@ def fit_compute(samples: dict) -> dict:
     ew, _ = _fit_nonnegative([[1.0, s["bytes"]] for s in elementwise], [s["s"] for s in elementwise], [0])
     call, per_byte = ew
     (_, per_op), _ = _fit_nonnegative([[1.0, s["ops"]] for s in chains], [s["s"] for s in chains], [0])
-    peaks = {}
+    peaks, curves = {}, {}
     for dtype in sorted({s["dtype"] for s in samples["matmul"]}):
-        mm = [s for s in samples["matmul"] if s["dtype"] == dtype]
-        rows = [[s["flops"]] for s in mm]
-        (per_flop,) = _weighted_lstsq(rows, [max(s["s"] - call, 1e-12) for s in mm], [0])
-        peaks[dtype] = 1.0 / per_flop
+        rates: dict = {}  # intensity -> achieved FLOP/s (the mean where shapes share one)
+        for s in samples["matmul"]:
+            if s["dtype"] == dtype:
+                rates.setdefault(matmul_intensity(s), []).append(s["flops"] / max(s["s"] - call, 1e-12))
+        peaks[dtype] = max(max(r) for r in rates.values())
+        curves[dtype] = [[x, sum(r) / len(r) / peaks[dtype]] for x, r in sorted(rates.items())]
     if "float32" not in peaks:
         raise ValueError("calibrate: the fit needs float32 matmul times (the default for other dtypes)")
+    fresh = [s for s in samples.get("fresh", []) if s["s"] > s["kept_s"]]
+    fresh_per_byte = 0.0
+    if fresh:
+        (fresh_per_byte,) = _weighted_lstsq([[s["bytes"]] for s in fresh], [s["s"] - s["kept_s"] for s in fresh], [0])
     return {
         "op_overhead_s": per_op / 2,
         "memory_bandwidth": 1.0 / per_byte,
         "peak_flops": {**{d: peaks["float32"] for d in ("bfloat16", "float16")}, **peaks},
+        "matmul_curve": curves,
+        "fresh_page_s_per_byte": max(fresh_per_byte, 0.0),
     }
+
+
+def matmul_intensity(sample: dict) -> float:
+    """FLOPs per byte of a matmul sample (inputs and output), as the cost model computes it for a
+    contraction (``flops / mem_bytes``); samples without shapes (older files) are ``n x n`` squares."""
+    nbytes = sample.get("bytes") or 3 * sample["n"] ** 2 * (4 if sample["dtype"] == "float32" else 2)
+    return sample["flops"] / nbytes
 
 
 def fit(samples: dict, *, ranks: int, name: str = "calibrated", memory_bytes: int | None = None) -> ClusterSpec:
@@ -375,6 +433,8 @@ def fit(samples: dict, *, ranks: int, name: str = "calibrated", memory_bytes: in
         inter_node=link,
         collective_overhead_s=overhead,
         matmul_efficiency=1.0,
+        matmul_curve=compute["matmul_curve"],
+        fresh_page_s_per_byte=compute["fresh_page_s_per_byte"],
         op_overhead_s=compute["op_overhead_s"],
         collective_efficiency={k: per_wire["all_reduce"] / v for k, v in per_wire.items() if k != "all_reduce"},
         notes=f"measured by `partitioner calibrate` on {ranks} gloo ranks of {platform.node() or 'this machine'}",
@@ -416,7 +476,9 @@ def calibrate(
         f"fitted: matmul {', '.join(f'{d} {v / 1e9:.2f}' for d, v in sorted(spec.peak_flops.items()))} GFLOP/s, "
         f"memory {spec.memory_bandwidth / 1e9:.2f} GB/s, op overhead {spec.op_overhead_s * 1e6:.1f} us, "
         f"collective overhead {spec.collective_overhead_s * 1e6:.1f} us + {spec.intra_node.latency_s * 1e6:.1f} us "
-        f"per ring step, link {spec.intra_node.bandwidth / 1e9:.2f} GB/s"
+        f"per ring step, link {spec.intra_node.bandwidth / 1e9:.2f} GB/s; matmul fraction of peak by FLOPs per byte "
+        f"{', '.join(f'{x:.0f}: {y:.2f}' for x, y in spec.matmul_curve.get('float32', []))}; a fresh allocation "
+        f"{spec.fresh_page_s_per_byte * 1e9:.2f} ns per byte"
     )
     say(f"cluster file written to {path}")
     return spec

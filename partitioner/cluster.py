@@ -2,9 +2,12 @@
 
 The cost model prices everything in seconds from these numbers (decision 4 in docs/ARCHITECTURE.md):
 
-* compute: ``flops / (peak_flops[dtype] * matmul_efficiency)`` for contractions, and
+* compute: ``flops / (peak_flops[dtype] * matmul_efficiency)`` for contractions (or the
+  fraction of peak ``matmul_curve`` gives at the op's FLOPs per byte, where measured), and
   ``bytes / memory_bandwidth`` for memory-bound ops (the larger of the two wins);
-  plus ``op_overhead_s`` per op (the framework's dispatch; 0 in the GPU presets);
+  plus ``op_overhead_s`` per op (the framework's dispatch; 0 in the GPU presets), and
+  ``fresh_page_s_per_byte`` per byte of each large tensor an op allocates where
+  ``fresh_allocations`` (a CPU job under a memory budget);
 * a collective on a mesh axis of size n: ``collective_overhead_s + steps * latency_s +
   wire_bytes / (bandwidth * collective_efficiency[kind])`` on the link the axis runs over. An
   axis whose process groups stay inside one node uses ``intra_node``; otherwise ``inter_node``;
@@ -31,6 +34,7 @@ __all__ = [
     "LinkSpec",
     "ClusterSpec",
     "get_cluster",
+    "for_memory_budget",
     "calibrate_cpu",
     "cluster_file_dict",
     "load_cluster_file",
@@ -106,6 +110,20 @@ class ClusterSpec:
     """Fixed cost of one op that computes (dispatch, Python): what dominates tiny ops on CPUs."""
     collective_efficiency: dict = field(default_factory=dict)
     """Fraction of the link bandwidth each collective kind reaches (absent: 1.0)."""
+    matmul_curve: dict = field(default_factory=dict)
+    """Per dtype, the fraction of ``peak_flops`` a contraction reaches as a function of its
+    arithmetic intensity (FLOPs per byte of its inputs and output): ``[[intensity, fraction],
+    ...]`` in increasing intensity, read piecewise linearly in log intensity, flat beyond the
+    ends (:func:`passes.cost_model.matmul_fraction`). Measured by ``partitioner calibrate``;
+    empty (the presets): ``matmul_efficiency`` for every shape."""
+    fresh_page_s_per_byte: float = 0.0
+    """Seconds per byte of a large allocation that is a fresh mapping (the kernel zero-fills
+    its pages on first touch): measured by ``partitioner calibrate`` with glibc's mmap
+    threshold fixed; priced only when :attr:`fresh_allocations`."""
+    fresh_allocations: bool = False
+    """Whether the job priced gets every allocation of ``MMAP_THRESHOLD`` bytes or more as a fresh
+    mapping: a CPU job under a memory budget, where ``auto_parallelize`` fixes glibc's mmap
+    threshold (``runtime/host_memory.py``; :func:`for_memory_budget`)."""
     host_link: LinkSpec | None = None
     """The link between a device and its host's memory (PCIe on the GPU presets), over which
     optimizer state offloaded to the host moves; None: the device's own memory is the host's
@@ -234,6 +252,7 @@ def calibrate_cpu(*, refresh: bool = False) -> ClusterSpec:
         inter_node=link,
         collective_overhead_s=100e-6,
         matmul_efficiency=1.0,
+        matmul_curve=compute["matmul_curve"],
         op_overhead_s=compute["op_overhead_s"],
         notes="compute measured on the local machine by partitioner.cluster.calibrate_cpu, links guessed",
     )
@@ -243,6 +262,16 @@ def calibrate_cpu(*, refresh: bool = False) -> ClusterSpec:
     except OSError:
         pass
     return spec
+
+
+def for_memory_budget(cluster, memory_budget) -> ClusterSpec:
+    """The cluster a job is priced with: under a memory budget, large allocations are fresh
+    mappings where a fresh page has a measured cost (a CPU: ``auto_parallelize`` then fixes
+    glibc's mmap threshold), so :attr:`ClusterSpec.fresh_allocations` is set; otherwise as given."""
+    spec = get_cluster(cluster)
+    if memory_budget is None or spec.fresh_page_s_per_byte <= 0 or spec.fresh_allocations:
+        return spec
+    return dataclasses.replace(spec, fresh_allocations=True)
 
 
 def get_cluster(cluster) -> ClusterSpec:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from partitioner.api import plan_captured
+from partitioner.cluster import for_memory_budget
 from partitioner.mesh import MeshSpec
 from partitioner.precision import Precision
 from partitioner.progress import verbose_to_stderr
@@ -166,6 +167,8 @@ def auto_parallelize(
     if device.type == "cpu" and memory_budget is not None:
         return_freed_blocks()  # a budget on the CPU: freed tensors leave the process (runtime/host_memory.py)
     cluster = cluster or ("cpu" if device.type == "cpu" else "h100")
+    if device.type == "cpu" and memory_budget is not None:
+        cluster = for_memory_budget(cluster, memory_budget)  # priced with the fresh mappings it now gets
     precision = _resolve_precision(precision, plan)
     check_recompute_mode(recompute)
     attention_rule.check_mode(sequence_parallel)

@@ -52,6 +52,8 @@ __all__ = [
     "dtype_bytes",
     "local_bytes",
     "compute_time",
+    "matmul_fraction",
+    "allocation_time",
     "param_state_bytes",
     "param_state_parts",
     "saved_bytes",
@@ -155,11 +157,43 @@ def collective_kind(p, q):
 
 def compute_time(flops: float, mem_bytes: float, dtype, contraction: bool, cluster) -> float:
     """Roofline: the slower of math and memory traffic, plus the cluster's fixed cost of one op
-    (an op that neither computes nor moves memory, a view, costs nothing)."""
+    (an op that neither computes nor moves memory, a view, costs nothing). A contraction runs at
+    the fraction of peak the cluster's ``matmul_curve`` gives at its FLOPs per byte
+    (``flops / mem_bytes``; :func:`matmul_fraction`)."""
     name = str(dtype).replace("torch.", "") if dtype is not None else "float32"
-    peak = cluster.flops_for(name) if contraction else cluster.flops_for("float32")
-    roof = max(flops / (peak * cluster.matmul_efficiency), mem_bytes / cluster.memory_bandwidth)
+    if contraction:
+        peak = cluster.flops_for(name) * matmul_fraction(cluster, name, flops / mem_bytes if mem_bytes else math.inf)
+    else:
+        peak = cluster.flops_for("float32") * cluster.matmul_efficiency
+    roof = max(flops / peak, mem_bytes / cluster.memory_bandwidth)
     return roof + cluster.op_overhead_s if roof > 0 else 0.0
+
+
+def matmul_fraction(cluster, dtype_name: str, intensity: float) -> float:
+    """The fraction of peak a contraction of ``intensity`` FLOPs per byte reaches: the cluster's
+    ``matmul_curve`` for the dtype (else float32's), piecewise linear in log intensity between its
+    points and flat beyond them; ``matmul_efficiency`` without a curve."""
+    curve = cluster.matmul_curve.get(dtype_name) or cluster.matmul_curve.get("float32")
+    if not curve:
+        return cluster.matmul_efficiency
+    if intensity <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if intensity <= x1:
+            w = math.log(intensity / x0) / math.log(x1 / x0)
+            return y0 + w * (y1 - y0)
+    return curve[-1][1]
+
+
+def allocation_time(nbytes: float, cluster) -> float:
+    """Seconds a tensor of ``nbytes`` costs to allocate beyond its computation: fresh zero-filled
+    pages (``fresh_page_s_per_byte``) when the cluster's job gets large allocations as fresh
+    mappings (``fresh_allocations``) and the tensor is at least ``MMAP_THRESHOLD`` bytes."""
+    from runtime.host_memory import MMAP_THRESHOLD
+
+    if not cluster.fresh_allocations or nbytes < MMAP_THRESHOLD:
+        return 0.0
+    return nbytes * cluster.fresh_page_s_per_byte
 
 
 def extra_payload(elements, scaling, itemsize, n_axis, split) -> float:

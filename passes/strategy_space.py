@@ -37,6 +37,7 @@ from passes import multidim_tp
 from passes.analyze import info
 from passes.blocks import Blocks
 from passes.cost_model import (
+    allocation_time,
     collective_time,
     compute_time,
     dtype_bytes,
@@ -331,22 +332,29 @@ class _Builder:
         i = info(node)
         op = self.view_of(node)
         split = strategy.compute_split(self.mesh)
-        mem_bytes = 0.0
+        mem_bytes = alloc_fwd = alloc_bwd = 0.0
         if not getattr(rule, "is_view", False):
-            for shape, dt, spec in zip(op.in_shapes, op.in_dtypes, strategy.ins):
+            inputs = self.inputs_of(node)
+            for k, (shape, dt, spec) in enumerate(zip(op.in_shapes, op.in_dtypes, strategy.ins)):
                 if shape is not None and spec is not None:
-                    mem_bytes += local_bytes(shape, spec, self.mesh, dtype_bytes(dt))
+                    nbytes = local_bytes(shape, spec, self.mesh, dtype_bytes(dt))
+                    mem_bytes += nbytes
+                    if k < len(inputs) and info(inputs[k]).requires_grad:  # backward allocates its gradient
+                        alloc_bwd += allocation_time(nbytes, self.cluster)
             for shape, spec in zip(op.out_shapes, strategy.out):
                 if shape is not None:
-                    mem_bytes += local_bytes(shape, spec, self.mesh, dtype_bytes(i.dtype))
+                    nbytes = local_bytes(shape, spec, self.mesh, dtype_bytes(i.dtype))
+                    mem_bytes += nbytes
+                    alloc_fwd += allocation_time(nbytes, self.cluster)
         fwd = compute_time(i.flops / split, mem_bytes, i.dtype, rule.contraction, self.cluster)
         bwd = weight = 0.0
         if i.requires_grad:
             grads_in = sum(1 for a in self.inputs_of(node) if info(a).requires_grad)
             factor = min(2, grads_in) if rule.contraction else 1
-            bwd = factor * fwd
+            bwd = factor * fwd + alloc_bwd
             if rule.contraction and any(_is_parameter(a) and info(a).requires_grad for a in self.inputs_of(node)):
                 weight = fwd
+        fwd += alloc_fwd
         extra_fwd = extra_bwd = 0.0
         own = own_collectives(strategy.axes, dtype_bytes(i.dtype), self.mesh, self.cluster, split, fwd, bwd)
         for _, phase, t in own:

@@ -147,3 +147,81 @@ def test_bad_cluster_files_are_named(tmp_path):
     with contextlib.redirect_stderr(err):
         assert main(["calibrate", "--ranks", "1", "--out", str(tmp_path / "c.json")]) == 2
     assert "--ranks must be >= 2" in err.getvalue()
+
+
+CURVE = {"float32": [[8.0, 0.4], [32.0, 0.8], [96.0, 1.0]], "bfloat16": [[4.0, 0.25], [48.0, 0.5]]}
+SHAPES = {"float32": ((64, 64, 64), (512, 16, 512), (256, 256, 256)), "bfloat16": ((64, 16, 64), (256, 256, 256))}
+
+
+def test_matmul_curve_fit_gives_back_its_samples():
+    """Narrow and square products timed on a machine whose rate follows a known curve: the fit's
+    peak is the best rate measured, and the cost model with the fitted curve prices every sample
+    at its measured time."""
+    bare = dataclasses.replace(KNOWN, matmul_curve=CURVE, op_overhead_s=CALL_S)
+    samples = samples_of(KNOWN)
+    samples["matmul"] = []
+    for dtype, shapes in SHAPES.items():
+        elem = 4 if dtype == "float32" else 2
+        for m, k, n in shapes:
+            flops, nbytes = 2 * m * k * n, (m * k + k * n + m * n) * elem
+            t = compute_time(flops, nbytes, dtype, True, bare)
+            samples["matmul"].append({"dtype": dtype, "m": m, "k": k, "n": n, "flops": flops, "bytes": nbytes, "s": t})
+    got = fit(samples, ranks=4)
+    priced_by = dataclasses.replace(got, op_overhead_s=CALL_S)
+    for s in samples["matmul"]:
+        assert math.isclose(compute_time(s["flops"], s["bytes"], s["dtype"], True, priced_by), s["s"], rel_tol=1e-9)
+    for dtype in SHAPES:
+        best = max(s["flops"] / (s["s"] - CALL_S) for s in samples["matmul"] if s["dtype"] == dtype)
+        assert math.isclose(got.peak_flops[dtype], best, rel_tol=1e-9)
+        assert max(y for _, y in got.matmul_curve[dtype]) == 1.0 and len(got.matmul_curve[dtype]) == len(SHAPES[dtype])
+
+
+def test_cost_model_reads_the_matmul_curve():
+    spec = dataclasses.replace(KNOWN, op_overhead_s=0.0, memory_bandwidth=1e15, matmul_curve=CURVE)
+    flops = 4e9  # float32 peak 40 GFLOP/s: 0.1 s at the full rate
+    assert math.isclose(compute_time(flops, flops / 96, "float32", True, spec), 0.1)
+    assert math.isclose(compute_time(flops, flops / 500, "float32", True, spec), 0.1)  # flat beyond the ends
+    assert math.isclose(compute_time(flops, flops / 8, "float32", True, spec), 0.1 / 0.4)
+    assert math.isclose(compute_time(flops, flops / 2, "float32", True, spec), 0.1 / 0.4)
+    assert math.isclose(compute_time(flops, flops / 16, "float32", True, spec), 0.1 / 0.6)  # halfway in log 8..32
+    assert math.isclose(compute_time(flops, flops / 16, "float16", True, spec), 0.1 / 0.6)  # float16: float32's curve
+    # bfloat16 its own curve (peak 12 GFLOP/s); elementwise ops ignore the curve
+    assert math.isclose(compute_time(flops, flops / 48, "bfloat16", True, spec), flops / 12e9 / 0.5)
+    assert math.isclose(compute_time(flops, flops / 8, "float32", False, spec), 0.1)
+    # without a curve (the presets): matmul_efficiency for every shape
+    h100 = get_cluster("h100")
+    assert h100.matmul_curve == {}
+    assert math.isclose(compute_time(1e12, 1e9, "bfloat16", True, h100), 1e12 / (989e12 * 0.7))
+
+
+def test_fresh_allocations_are_fitted_and_priced_under_a_budget():
+    from partitioner.cluster import for_memory_budget
+    from passes.cost_model import allocation_time
+    from runtime.host_memory import MMAP_THRESHOLD
+
+    per_byte = 0.9e-9
+    samples = samples_of(KNOWN)
+    samples["fresh"] = [
+        {"bytes": b, "kept_s": 1e-6 + b / 20e9, "s": 1e-6 + b / 20e9 + b * per_byte}
+        for b in (1 << 18, 1 << 21, 1 << 23)
+    ]
+    got = fit(samples, ranks=4)
+    assert math.isclose(got.fresh_page_s_per_byte, per_byte, rel_tol=1e-9) and not got.fresh_allocations
+    assert fit(samples_of(KNOWN), ranks=4).fresh_page_s_per_byte == 0.0  # not measured: not priced
+
+    assert allocation_time(1 << 20, got) == 0.0  # glibc's threshold left alone: nothing to price
+    under = for_memory_budget(got, "1GiB")
+    assert under.fresh_allocations and for_memory_budget(got, None) is got
+    assert for_memory_budget("h100", "1GiB") == get_cluster("h100")  # nothing measured: unchanged
+    assert math.isclose(allocation_time(1 << 20, under), (1 << 20) * per_byte)
+    assert allocation_time(MMAP_THRESHOLD - 4, under) == 0.0  # from the heap
+
+    # the planner adds them per op: lm_head's output (8 x 64 x 256 fp32, 512 KiB) in forward, the
+    # gradient of its input (ln_f's output, 128 KiB) in backward; its weight (64 KiB) is under the threshold
+    model, inputs = gpt_demo(batch=8, seq=64, n_layer=1, n_embd=64, n_head=2, vocab_size=256)
+    base = partitioner.plan(model, inputs, mesh_shape=(1,), cluster=got)
+    fresh = partitioner.plan(model, inputs, mesh_shape=(1,), cluster=under)
+    name = next(r["name"] for r in base.records if r.get("module") == "lm_head" and r["kind"] == "op")
+    extra = fresh.record(name)["compute_s"] - base.record(name)["compute_s"]
+    assert math.isclose(extra, (8 * 64 * 256 * 4 + 8 * 64 * 64 * 4) * per_byte, rel_tol=1e-9)
+    assert fresh.estimate().step_time_s > base.estimate().step_time_s
