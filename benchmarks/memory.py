@@ -36,7 +36,6 @@ benchmarks/results/<date>-memory.md]``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import os
 import statistics
@@ -186,17 +185,12 @@ def _plans():
     """The three Partita plans: no budget, a budget data parallelism cannot meet, a budget that
     forces recomputation. Returns (parameters, DP's estimated peak, [(name, budget, plan)])."""
     import partitioner
-    from partitioner.cluster import get_cluster
 
     model, batch = _model()
     n_params = sum(p.numel() for p in model.parameters())
 
-    # every run here is under a memory cap, which fixes glibc's mmap threshold (bench_common): each
-    # large allocation is a fresh mapping, priced as such for every plan, the one without a budget too
-    spec = dataclasses.replace(get_cluster(CLUSTER), fresh_allocations=True)
-
     def plan(budget, **kw):
-        return partitioner.plan(model, batch, mesh_shape=(WORLD,), cluster=spec, memory_budget=budget, **kw)
+        return partitioner.plan(model, batch, mesh_shape=(WORLD,), cluster=CLUSTER, memory_budget=budget, **kw)
 
     free = plan(None)
     dp = plan(None, pins={"idx": ["S(0)"], "targets": ["S(0)"], "*": ["R"], "h.*": ["S(0)"], "ln_f": ["S(0)"],

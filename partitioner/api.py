@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from partitioner.cluster import for_memory_budget, get_cluster, parse_bytes
+from partitioner.cluster import get_cluster, parse_bytes
 from partitioner.mesh import MeshSpec
 from partitioner.precision import Precision
 from partitioner.progress import verbose_to_stderr
@@ -174,7 +174,6 @@ def plan(
         plan.estimate().comm_bytes["all_reduce"]     # bytes per mesh axis
         print(plan.explain("model.layers.0.mlp.down_proj"))
     """
-    cluster = for_memory_budget(cluster, memory_budget)  # a CPU job under a budget: fresh allocations
     if devices is not None or global_batch is not None:
         searched = _plan_for_devices(
             model,

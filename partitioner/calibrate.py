@@ -24,7 +24,7 @@ Algorithm
    Last (it cannot be undone in the process), with glibc's mmap threshold fixed as a CPU job
    under a memory budget runs (``runtime/host_memory.py``), an ``add`` writing a fresh output is
    timed against one writing a kept buffer, at sizes above the threshold: the difference per
-   byte (a line through the origin) is ``fresh_page_s_per_byte``, the zero-filled pages of a
+   byte (the median over sizes) is ``fresh_page_s_per_byte``, the zero-filled pages of a
    fresh mapping, which the cost model adds per large tensor an op allocates in such a job.
 3. **Collectives.** Every kind the runtime issues (all-reduce, all-gather, reduce-scatter,
    all-to-all, and a ring exchange of sends and receives) is timed at several payloads on the
@@ -53,6 +53,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -86,7 +87,7 @@ DEFAULT_SIZES = {
     "trials": 3,
     "seconds": 0.05,
     "burst": 2e-3,
-    "fresh": (1 << 18, 1 << 21, 1 << 23),
+    "fresh": (1 << 18, 1 << 19, 1 << 20, 1 << 21, 1 << 23),
 }
 """Matrix sides and ``(m, k, n)`` shapes of narrow products, dtypes, elementwise elements
 (float32), ops per fx program, collective payload bytes, timed trials per point, the length of
@@ -388,10 +389,10 @@ def fit_compute(samples: dict) -> dict:
         curves[dtype] = [[x, sum(r) / len(r) / peaks[dtype]] for x, r in sorted(rates.items())]
     if "float32" not in peaks:
         raise ValueError("calibrate: the fit needs float32 matmul times (the default for other dtypes)")
-    fresh = [s for s in samples.get("fresh", []) if s["s"] > s["kept_s"]]
-    fresh_per_byte = 0.0
-    if fresh:
-        (fresh_per_byte,) = _weighted_lstsq([[s["bytes"]] for s in fresh], [s["s"] - s["kept_s"] for s in fresh], [0])
+    # per byte, the median over sizes (one noisy size must not set it; a relative least-squares
+    # line through the origin follows the cheapest sample)
+    fresh = sorted(max(s["s"] - s["kept_s"], 0.0) / s["bytes"] for s in samples.get("fresh", []))
+    fresh_per_byte = statistics.median(fresh) if fresh else 0.0
     return {
         "op_overhead_s": per_op / 2,
         "memory_bandwidth": 1.0 / per_byte,

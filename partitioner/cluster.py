@@ -265,9 +265,11 @@ def calibrate_cpu(*, refresh: bool = False) -> ClusterSpec:
 
 
 def for_memory_budget(cluster, memory_budget) -> ClusterSpec:
-    """The cluster a job is priced with: under a memory budget, large allocations are fresh
-    mappings where a fresh page has a measured cost (a CPU: ``auto_parallelize`` then fixes
-    glibc's mmap threshold), so :attr:`ClusterSpec.fresh_allocations` is set; otherwise as given."""
+    """The cluster a CPU job run by ``auto_parallelize`` under ``memory_budget`` is priced with:
+    there glibc's mmap threshold is fixed (``runtime/host_memory.py``) and every large allocation
+    is a fresh mapping, so where a fresh page has a measured cost :attr:`ClusterSpec.fresh_allocations`
+    is set; without a budget the spec as given. (``partitioner.plan`` alone changes no allocator:
+    it prices what it is given.)"""
     spec = get_cluster(cluster)
     if memory_budget is None or spec.fresh_page_s_per_byte <= 0 or spec.fresh_allocations:
         return spec
