@@ -249,6 +249,7 @@ def plan_captured(
     tensor_parallel="auto",
     host_memory_budget=None,
     microbatches=1,
+    holds_gradient_sums=False,
 ) -> ShardingPlan:
     """:func:`plan` for a graph already captured and analysed (``passes.capture`` +
     ``passes.analyze``); ``auto_parallelize`` uses it so the model is captured once.
@@ -258,7 +259,9 @@ def plan_captured(
     ``recompute``: ``"auto"``, ``"all"`` or ``"none"`` (see :func:`plan`; pipeline stages keep
     the default, ``"none"``). ``zero1``: offer ZeRO-1 weights (pipeline stages do not: their
     runtime keeps no compute copies). ``microbatches``: a pipeline stage's microbatches per step (its
-    parameter-gradient syncs, once per step, are weighed at their share per microbatch)."""
+    parameter-gradient syncs, once per step, are weighed at their share per microbatch).
+    ``holds_gradient_sums``: a pipeline stage (it holds its gradient sums over the microbatches:
+    counted in its memory)."""
     if objective not in _OBJECTIVES:
         raise ValueError(f"objective must be one of {_OBJECTIVES}, got {objective!r}")
     if optimizer not in ("adam", "sgd", None):
@@ -305,6 +308,7 @@ def plan_captured(
             zero1=zero1,
             host_budget=parse_bytes(host_memory_budget) if host_memory_budget is not None else None,
             microbatches=microbatches,
+            holds_gradient_sums=holds_gradient_sums,
         )
     t3 = time.perf_counter()
     stats = dict(result.stats, **timings, plan_s=t3 - t2, total_s=t3 - t0)

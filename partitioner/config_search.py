@@ -392,7 +392,19 @@ class _Planner:
         return self._caps[size]
 
     def _plan(
-        self, cap, name, shape, names, *, pins=None, copies=1, recompute="none", budget=None, zero1=True, microbatches=1
+        self,
+        cap,
+        name,
+        shape,
+        names,
+        *,
+        pins=None,
+        copies=1,
+        recompute="none",
+        budget=None,
+        zero1=True,
+        microbatches=1,
+        holds_gradient_sums=False,
     ):
         from partitioner.api import plan_captured
 
@@ -411,6 +423,7 @@ class _Planner:
             recompute=recompute,
             zero1=zero1,
             microbatches=microbatches,
+            holds_gradient_sums=holds_gradient_sums,
         )
 
     def plan(self, c: ParallelConfig) -> ShardingPlan:
@@ -540,6 +553,7 @@ class _Planner:
                 budget=budget,
                 zero1=False,
                 microbatches=c.microbatches,
+                holds_gradient_sums=True,
             )
             sent_as.update(_sent_placements(g, made_by[k], len(shape)))
         plans = [made_by[k] for k in range(len(graphs))]

@@ -11,8 +11,10 @@ backward holds). :mod:`passes.memory_accounting` writes those fields.
 The peak follows the step:
 
 * forward, at op ``t``: parameters + optimizer state + inputs + everything kept by ops up to
-  ``t`` + ``t``'s transient (gradients are not held: ``zero_grad`` sets them to None);
-* backward: parameters + gradients + optimizer state + inputs + everything kept (released as
+  ``t`` + ``t``'s transient (gradients are not held: ``zero_grad`` sets them to None), and in a
+  pipeline stage the gradient sums it holds back over the microbatches (``held_gradients``,
+  there from the first microbatch's backward on);
+* backward: parameters + gradients + optimizer state + inputs (+ held gradient sums) + everything kept (released as
   backward proceeds; the start is the worst case) + the largest backward transient.
 
 ``peak`` is the larger of the two. Plans saved before these fields existed report the sum of
@@ -38,6 +40,9 @@ class MemoryBreakdown:
     saved_activations: float = 0.0
     gathered_buffers: float = 0.0
     """Tensors made by resharding (gathered weights, moved activations) that backward keeps."""
+    held_gradients: float = 0.0
+    """A pipeline stage's gradient sums held back over a step's microbatches, one per parameter
+    edge that reduces (resident from the first backward to the stage's last: in both peaks)."""
     offloaded: float = 0.0
     """Bytes kept in host memory instead: offloaded weights' optimizer state, with the tensor the
     optimizer steps and its gradient (not part of the device's peak)."""
@@ -71,13 +76,14 @@ def memory_breakdown(records: list) -> MemoryBreakdown:
         m.gradients += r.get("gradients", 0.0)
         m.optimizer_state += r.get("optimizer_state", 0.0)
         m.offloaded += r.get("offloaded", 0.0)
+        m.held_gradients += r.get("held_gradients", 0.0)
         m.inputs += r.get("input_bytes", 0.0)
         m.saved_activations += r.get("saved_activations", 0.0)
         m.gathered_buffers += r.get("gathered_buffers", 0.0)
         kept += r.get("saved_activations", 0.0) + r.get("gathered_buffers", 0.0)
         fwd_extra = max(fwd_extra, kept + r.get("transient_fwd", 0.0))
         bwd_extra = max(bwd_extra, r.get("transient_bwd", 0.0))
-    resident = m.parameters + m.optimizer_state + m.inputs
+    resident = m.parameters + m.optimizer_state + m.inputs + m.held_gradients
     m.forward_peak = resident + fwd_extra
     m.backward_peak = resident + m.gradients + kept + bwd_extra
     return m

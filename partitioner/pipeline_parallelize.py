@@ -345,6 +345,7 @@ def _plan_stages(
                 sequence_parallel=sequence_parallel,
                 zero1=False,
                 microbatches=config.microbatches,
+                holds_gradient_sums=True,
             )
             plans.append(made.to_json())
             sent_as.update(_sent_placements(g, made, len(sub.shape)))

@@ -59,6 +59,7 @@ __all__ = [
     "saved_bytes",
     "edge_allocates",
     "edge_gathers",
+    "grad_communicates",
     "largest_share",
     "extra_payload",
     "own_collectives",
@@ -289,6 +290,15 @@ def edge_gathers(src, dst, mesh_shape) -> bool:
     """Whether the edge's forward sends data (a collective writes the consumer's copy): what a
     parameter stored ZeRO-3 style frees after forward and gathers again for backward."""
     return any(is_shard(p) or is_partial(p) for _, p, _ in _moves(src, dst, mesh_shape))
+
+
+def grad_communicates(src, grad, mesh_shape) -> bool:
+    """Whether the backward of an edge from a value placed ``src``, its gradient arriving placed
+    ``grad``, sends data (the runtime's ``Reshard.backward_communicates``): a parameter's such edge
+    is a gradient synchronisation, which a pipeline stage holds back over a step's microbatches."""
+    if src is None or grad is None:
+        return False
+    return any(is_shard(p) or is_partial(p) for _, p, _ in _moves(grad, dual_spec(tuple(src)), mesh_shape))
 
 
 def edge_allocates(src, dst, grad, mesh_shape, *, requires_grad: bool, from_param: bool) -> bool:

@@ -48,6 +48,7 @@ from passes.cost_model import (
     dtype_bytes,
     edge_allocates,
     edge_gathers,
+    grad_communicates,
     largest_share,
     local_bytes,
     param_state_parts,
@@ -58,14 +59,24 @@ __all__ = ["memory_fields"]
 
 
 def memory_fields(
-    graph: fx.Graph, choices: dict, mesh_shape, *, optimizer, activation_copies: int = 1, tied=(), recomputed=None
+    graph: fx.Graph,
+    choices: dict,
+    mesh_shape,
+    *,
+    optimizer,
+    activation_copies: int = 1,
+    tied=(),
+    recomputed=None,
+    holds_gradient_sums: bool = False,
 ) -> dict:
     """Node name -> memory fields (bytes per device) for a solved plan; ``choices``: node ->
     NodeChoice (the solver's decision for every node that has one); ``tied``: lists of placeholder
     names that are one tensor (tied weights: its state counts once, on the first name);
     ``recomputed``: node -> its layer, for the nodes of layers recomputed in backward (what they
     keep is rebuilt while their layer's backward runs: a backward transient; the checkpoint keeps
-    the layer's inputs)."""
+    the layer's inputs); ``holds_gradient_sums``: a pipeline stage, whose parameter edges that
+    reduce gradients hold the sum over a step's microbatches (``held_gradients`` on the consumer:
+    the gradient in the layout the consumer makes it, ``runtime.grad_sync.DeferredSyncs``)."""
     recomputed = recomputed or {}
     again = {name for names in tied for name in names[1:]}
     mesh = tuple(mesh_shape)
@@ -198,6 +209,21 @@ def memory_fields(
         if i.requires_grad:
             grads_in = sum(value_bytes(u) for u in tensor_input_nodes(n) if info(u).requires_grad)
             f["transient_bwd"] = value_bytes(n) + grads_in + regathered.get(n, 0.0)
+    if holds_gradient_sums:
+        for n in graph.nodes:
+            mine = choices.get(n)
+            if mine is None or mine.strategy is None:
+                continue
+            for k, u in enumerate(tensor_input_nodes(n)):
+                ui = info(u)
+                if ui.kind != "param" or not ui.requires_grad or k >= len(mine.ins) or mine.ins[k] is None:
+                    continue
+                grad = mine.strategy.grad_spec(k)
+                if grad_communicates(out_spec(u), grad, mesh):
+                    f = fields.setdefault(n.name, {})
+                    f["held_gradients"] = f.get("held_gradients", 0.0) + local_bytes(
+                        ui.shape or (), grad, mesh, dtype_bytes(ui.dtype)
+                    )
     for layer, storages in layer_kept.items():  # alive while the layer's backward reruns it
         rebuilt = sum(nbytes for key, (nbytes, _) in storages.items() if key not in kept)
         f = fields.setdefault(first_of[layer].name, {})

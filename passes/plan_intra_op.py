@@ -82,6 +82,7 @@ def _collective_dicts(collectives, phase, input_index, mesh_shape, cluster, axis
             **({"bucketed": True} if c.bucketed else {}),
         }
         for c in collectives
+        if mesh_shape[c.axis] > 1  # a one-device axis sends nothing
     ]
 
 
@@ -141,7 +142,7 @@ def _node_record(node, choice, space, axis_names, rep_node):
         for c, phase, t in own_collectives(
             strategy.axes, dtype_bytes(i.dtype), mesh, cluster, split, choice.forward_s, backward_s
         ):
-            if phase == "bwd" and not i.requires_grad:
+            if (phase == "bwd" and not i.requires_grad) or mesh[c.axis] <= 1:
                 continue
             (entry,) = _collective_dicts([c], phase, None, mesh, cluster, axis_names)
             entry["time_s"] = t
@@ -212,12 +213,15 @@ def plan_intra_op(
     zero1=True,
     host_budget=None,
     microbatches=1,
+    holds_gradient_sums=False,
 ) -> IntraOpResult:
     """``recompute``: activation checkpointing of repeated blocks, ``"auto"`` (kept, selective or
     full, chosen by the solver when the budget needs it), ``"selective"``, ``"all"`` or ``"none"``
     (:mod:`passes.recompute`). ``zero1``: offer ZeRO-1 weights (False for pipeline stages).
     ``host_budget``: host-memory bytes per device for offloaded optimizer state (None: nothing is
-    offloaded); offloading only adds time, so it is chosen when the device budget needs it."""
+    offloaded); offloading only adds time, so it is chosen when the device budget needs it.
+    ``holds_gradient_sums``: a pipeline stage, which holds its parameter-gradient sums over the
+    microbatches of a step (counted in its memory: :func:`passes.memory_accounting.memory_fields`)."""
     log = log or (lambda msg: None)
     check_recompute_mode(recompute)
     graph: fx.Graph = cap.graph
@@ -289,7 +293,7 @@ def plan_intra_op(
         )
 
     redo = RecomputeChoice()
-    peak_of = _peak_of(space, cap, optimizer, activation_copies, lambda: redo)
+    peak_of = _peak_of(space, cap, optimizer, activation_copies, lambda: redo, holds_gradient_sums)
     least_kept = min_memory([g.memory for g in space.groups])
     least = least_kept
     result = None
@@ -387,6 +391,7 @@ def plan_intra_op(
         activation_copies=activation_copies,
         tied=tied_placeholders(cap),
         recomputed=regions,
+        holds_gradient_sums=holds_gradient_sums,
     )
     for rec in records:
         rec.update(exact.get(rec["name"], {}))
@@ -472,7 +477,7 @@ def _infeasible(budget, mesh_shape, least_kept, least, recompute, blocks) -> str
     )
 
 
-def _peak_of(space, cap, optimizer, activation_copies, redo):
+def _peak_of(space, cap, optimizer, activation_copies, redo, holds_gradient_sums=False):
     """choice -> (the plan's peak per device, the part of it no ILP row sees: transients)."""
     from partitioner.memory import memory_breakdown
 
@@ -490,6 +495,7 @@ def _peak_of(space, cap, optimizer, activation_copies, redo):
             activation_copies=activation_copies,
             tied=tied,
             recomputed=redo().regions(space.blocks, redo().decode(choice)),
+            holds_gradient_sums=holds_gradient_sums,
         )
         m = memory_breakdown([dict(fields.get(n.name, {}), name=n.name) for n in graph.nodes])
         return m.peak, m.peak - (m.state + m.inputs + m.saved)
