@@ -332,27 +332,30 @@ def _weight_dims(node, wc):
     return (n[0], k[0]) if len(k) == 1 and len(n) == 1 else None
 
 
-def _param_weight_dims(param):
+def _param_weight_dims(param, aliases=()):
     """(output dim, contracted dim) of ``param`` as the 2-D weight a weight contraction reads
-    directly (see :func:`_weight_dims`); None when no weight contraction reads it so."""
-    for user in param.users:
-        wc = weight_contraction(user)
-        if wc is not None and tensor_input_nodes(user)[wc[1]] is param:
-            dims = _weight_dims(user, wc)
-            if dims is not None:
-                return dims
+    directly (see :func:`_weight_dims`), under its own name or one of ``aliases`` (the other
+    placeholders of a tied weight); None when no weight contraction reads it so."""
+    for node in (param, *aliases):
+        for user in node.users:
+            wc = weight_contraction(user)
+            if wc is not None and tensor_input_nodes(user)[wc[1]] is node:
+                dims = _weight_dims(user, wc)
+                if dims is not None:
+                    return dims
     return None
 
 
-def cube_storage(param, mesh_shape) -> list:
+def cube_storage(param, mesh_shape, aliases=()) -> list:
     """3D's storage of a weight contraction's 2-D weight on a ``c x c x c`` mesh: W/p a device,
     the ``c x c`` block a contraction uses (``n`` and ``k`` over axes 1, 2 in either order) cut
     once more over axis 0 along ``k``, innermost (:class:`passes.placements.InnerShard`), so that
     gathering it for use is one contiguous all-gather along axis 0 and its gradient one
     reduce-scatter there: ``[Si(k), S(n), S(k)]`` and ``[Si(k), S(k), S(n)]``. Empty for any
-    other parameter or mesh, or dims the grid does not divide."""
+    other parameter or mesh, or dims the grid does not divide. ``aliases``: as for
+    :func:`_param_weight_dims` (a tied weight is stored so when any of its names is such a weight)."""
     mesh = tuple(mesh_shape)
-    dims = _param_weight_dims(param) if param.op == "placeholder" else None
+    dims = _param_weight_dims(param, aliases) if param.op == "placeholder" else None
     if dims is None or not _fits("3d", mesh):
         return []
     n_dim, k_dim = dims
@@ -363,13 +366,14 @@ def cube_storage(param, mesh_shape) -> list:
     return [(inner, Shard(n_dim), Shard(k_dim)), (inner, Shard(k_dim), Shard(n_dim))]
 
 
-def storage_options(param, specs: list, mesh_shape) -> list:
+def storage_options(param, specs: list, mesh_shape, aliases=()) -> list:
     """A parameter placeholder's storage options: under forced 3D a weight contraction's 2-D
     weight takes only :func:`cube_storage` (W/p a device; a weight whose dims the grid does not
-    divide is refused, naming it), under ``"auto"`` on a cube mesh those are added to ``specs``."""
+    divide is refused, naming it), under ``"auto"`` on a cube mesh those are added to ``specs``.
+    ``aliases``: the placeholders this one decides for (a tied weight's other names)."""
     mode = _SETTING["mode"]
-    cube = cube_storage(param, mesh_shape)
-    if mode == "3d" and _param_weight_dims(param) is not None:
+    cube = cube_storage(param, mesh_shape, aliases)
+    if mode == "3d" and _param_weight_dims(param, aliases) is not None:
         if not cube:
             c = mesh_shape[0]
             raise ValueError(

@@ -483,7 +483,8 @@ class _Builder:
             if pin is not None:
                 specs = [s for s in specs if s == pin] or [pin]
             elif i.kind == "param":  # 3D's weights: stored W/p, cut innermost over the rows axis
-                specs = multidim_tp.storage_options(node, specs, self.mesh)
+                aliases = [n for n, r in self.blocks.rep.items() if r is node and n.op == "placeholder"]
+                specs = multidim_tp.storage_options(node, specs, self.mesh, aliases)
             choices = []
             for spec in specs:
                 elem = dtype_bytes(i.dtype)

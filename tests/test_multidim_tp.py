@@ -21,7 +21,7 @@ import math
 
 import pytest
 import torch
-from parity_utils import Checks, nested_approx_equal, parity_worker
+from parity_utils import Checks, build, nested_approx_equal, parity_worker
 
 from passes.multidim_tp import check_mesh, linear_comm_bytes
 from runtime.launch import run_on_ranks
@@ -235,6 +235,20 @@ def test_3d_weight_storage_is_cut_innermost_and_gathers_in_one_collective():
         i, j, h = comm.coords
         cols = h * 4 + i * 2
         assert torch.equal(shard_tensor(full, stored, comm), full[j * 2 : j * 2 + 2, cols : cols + 2]), rank
+
+
+def test_3d_stores_a_tied_weight_w_over_p_under_every_name():
+    """HF GPT-2 ties ``lm_head`` to the embedding ``wte``: one tensor, decided under its first
+    name (the embedding's), stored W/p because its other name is a linear weight; Conv1D's
+    ``[K, N]`` weights are cut innermost along their dim 0 (parity on 8 ranks: the 3D runs above,
+    same machinery)."""
+    import partitioner
+
+    model, inputs = build("gpt2")
+    plan = partitioner.plan(model, inputs, mesh_shape=(2, 2, 2), cluster="h100", tensor_parallel="3d")
+    stored = {r["fqn"]: r["out"][0] for r in plan.records if r.get("kind") == "param"}
+    assert stored["transformer.wte.weight"] == stored["lm_head.weight"] == "[Si(1), S(1), S(0)]", stored
+    assert stored["transformer.h.0.attn.c_attn.weight"].startswith("[Si(0)"), stored
 
 
 @pytest.mark.parametrize(
