@@ -9,9 +9,10 @@ backward hands the partial gradient to :class:`GradientBuckets` instead of reduc
 Buckets fill in the order backward produces gradients (the same on every rank); a full bucket
 is flattened and all-reduced asynchronously while backward goes on; at the end of backward
 (an autograd engine callback) the last buckets are reduced, every one is waited for, and the
-reduced gradients are added to ``.grad``, so gradient accumulation across calls behaves as
-without buckets. The bytes sent are those the plan priced (the same payload per axis, in
-fewer, larger collectives).
+reduced gradients are added to ``.grad`` (a ``.grad`` that was None becomes a view of the
+reduced buffer: the gradients are held once, in the buffers, not also as separate tensors), so
+gradient accumulation across calls behaves as without buckets. The bytes sent are those the
+plan priced (the same payload per axis, in fewer, larger collectives).
 
 Accumulation without communication (``ParallelModule.no_sync``, as DDP and FSDP have it):
 :class:`DeferredSyncs` holds, per parameter edge whose backward communicates (a bucketed
@@ -59,6 +60,8 @@ class GradientBuckets:
         flat = torch.cat([g.reshape(-1) for _, g in entries])
         if self.reduce_dtype is not None:  # reduced in the plan's reduce dtype, added back in the grads'
             flat = flat.to(self.reduce_dtype)
+        # the flat buffer holds the gradients now: keep their layout only, so they are freed
+        entries = [(param, g.shape, g.dtype) for param, g in entries]
         work = None
         for i, axis in enumerate(axes):
             with grad_sync_scope():
@@ -79,11 +82,13 @@ class GradientBuckets:
                 if work is not None:
                     work.wait()
                 offset = 0
-                for param, grad in entries:
-                    piece = flat[offset : offset + grad.numel()].view_as(grad).to(grad.dtype)
-                    offset += grad.numel()
+                for param, shape, dtype in entries:
+                    numel = shape.numel()
+                    piece = flat[offset : offset + numel].view(shape).to(dtype)
+                    offset += numel
                     if param.grad is None:
-                        param.grad = piece.clone()
+                        # a view of the reduced buffer (one copy of the gradients, not two)
+                        param.grad = piece
                     else:
                         param.grad.add_(piece)
         self._launched.clear()

@@ -13,8 +13,9 @@ One step:
 
 1. **Refresh** (before a forward): every copy whose shard changed since it was last gathered (its
    ``_version``: the optimizer's in-place update, a state-dict load; or never gathered) is
-   all-gathered from the shards, all such weights together: one flat buffer per mesh axis,
-   counted as ``all_gather`` in phase ``fwd``. The first forward gathers every copy once.
+   all-gathered from the shards, such weights together: flat buffers per mesh axis of at most
+   ``REFRESH_BUCKET_BYTES`` (4 MiB) of gathered weights each, counted as ``all_gather`` in phase
+   ``fwd`` (the bytes are the weights', however they are cut). The first forward gathers every copy once.
 2. **Backward** accumulates each copy's gradient in the copy's layout, ``Partial`` on the shard's
    axes (lowering makes the weight's edges leave it so: no all-reduce), over every backward of
    the step (``no_sync`` micro-steps included).
@@ -49,6 +50,11 @@ from runtime.collectives import (
 )
 
 __all__ = ["ZERO1_KEY", "OptimizerShards"]
+
+REFRESH_BUCKET_BYTES = 4 * 2**20
+"""The refresh's flat all-gathers carry at most this many bytes of gathered weights each: the
+flat output and the joined weights (about twice this) are alive beside the copies only while
+one bucket is gathered."""
 
 ZERO1_KEY = "partita.zero1"
 """Key in a lowered program's meta: ZeRO-1 parameter placeholder -> (compute placement, shard placement)."""
@@ -110,7 +116,9 @@ class OptimizerShards:
 
     # -- refresh: shards -> compute copies ------------------------------------------------------
     def refresh(self) -> None:
-        """All-gather the compute copies whose shards changed, one flat buffer per mesh axis."""
+        """All-gather the compute copies whose shards changed: per mesh axis, flat buffers of at
+        most :data:`REFRESH_BUCKET_BYTES` of gathered weights each (a larger weight alone), so the
+        buffers alive beside the copies stay bounded whatever the model's size."""
         stale = [w for w in self._weights.values() if w.copy is None or w.version != w.shard._version]
         groups: dict = {}
         for w in stale:
@@ -118,17 +126,36 @@ class OptimizerShards:
             groups.setdefault((tuple(a for a, _, _ in steps), w.shard.dtype), []).append((w, steps))
         with torch.no_grad():
             for (axes, _), members in groups.items():
-                pieces = [w.shard.detach().to(w.device, non_blocking=True) for w, _ in members]
-                for j, axis in enumerate(axes):
-                    dims = [steps[j][1].dim for _, steps in members]
-                    pieces = self._gather(pieces, axis, dims, [w.strided.get(axis) for w, _ in members])
-                for (w, _), whole in zip(members, pieces):
-                    if w.copy is None:  # its own storage (not the shard's, where nothing moved)
-                        w.copy = whole.clone(memory_format=torch.contiguous_format).requires_grad_(True)
-                        w.copy.register_post_accumulate_grad_hook(self._arm)
-                    else:
-                        w.copy.copy_(whole)
-                    w.version = w.shard._version
+                for bucket in self._buckets(members, axes):
+                    self._refresh_bucket(bucket, axes)
+
+    def _buckets(self, members: list, axes: tuple) -> list:
+        """``members`` in order, cut where the gathered bytes would pass the bucket size."""
+        factor = 1
+        for axis in axes:
+            factor *= self.comm.shape[axis]
+        buckets, current, size = [], [], 0
+        for member in members:
+            nbytes = member[0].shard.numel() * member[0].shard.element_size() * factor
+            if current and size + nbytes > REFRESH_BUCKET_BYTES:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(member)
+            size += nbytes
+        return buckets + ([current] if current else [])
+
+    def _refresh_bucket(self, members: list, axes: tuple) -> None:
+        pieces = [w.shard.detach().to(w.device, non_blocking=True) for w, _ in members]
+        for j, axis in enumerate(axes):
+            dims = [steps[j][1].dim for _, steps in members]
+            pieces = self._gather(pieces, axis, dims, [w.strided.get(axis) for w, _ in members])
+        for (w, _), whole in zip(members, pieces):
+            if w.copy is None:  # its own storage (not the shard's, where nothing moved)
+                w.copy = whole.clone(memory_format=torch.contiguous_format).requires_grad_(True)
+                w.copy.register_post_accumulate_grad_hook(self._arm)
+            else:
+                w.copy.copy_(whole)
+            w.version = w.shard._version
 
     def _gather(self, pieces: list, axis: int, dims: list, strided: list) -> list:
         """One flat all-gather on ``axis`` of every piece; each piece joined along its ``dims``

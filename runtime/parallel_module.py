@@ -250,6 +250,34 @@ class ParallelModule(ShardedCheckpointIO, torch.nn.Module):
         edge. Activation collectives (Megatron's all-reduces) still run in every call."""
         return self._deferred.deferred()
 
+    def free_source_weights(self) -> int:
+        """Release the whole weights of the model this module was built from; returns the bytes.
+
+        The user's module (kept to lower other input shapes) and its capture hold its parameters
+        and buffers at full size: beside this rank's shards, a whole copy of the model on every
+        rank, which no plan's memory estimate counts. This empties the storage of each of them
+        that this module does not use itself (a weight passed through unmoved is kept), as
+        FSDP2's ``fully_shard`` leaves the module it shards: the source model cannot run
+        afterwards, and this module serves only the input shapes and modes it has programs for."""
+        own = {t.untyped_storage().data_ptr() for t in [*self.parameters(), *self.buffers(), *self._shards.copies()]}
+        sources: list = []
+        model = getattr(self._specialize, "model", None)  # partitioner.specialize.Specializer's source
+        if model is not None:
+            sources += [*model.parameters(), *model.buffers()]
+        for variant in self._variants.values():
+            exported = variant.captured.exported
+            if exported is not None:
+                sources += [t for t in exported.state_dict.values() if isinstance(t, torch.Tensor)]
+        freed = 0
+        for t in sources:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in own and storage.nbytes() and t.device.type != "meta":
+                freed += storage.nbytes()
+                storage.resize_(0)
+        object.__setattr__(self, "_specialize", None)
+        object.__setattr__(self, "_sources_freed", True)
+        return freed
+
     def attach_specializer(self, specialize) -> None:
         """``specialize(training, args, kwargs) -> Variant``: lowers the model for a call whose mode
         or input shapes no program here serves yet (``partitioner.specialize.Specializer``)."""
@@ -356,6 +384,7 @@ class ParallelModule(ShardedCheckpointIO, torch.nn.Module):
             raise ValueError(
                 f"this parallel model was lowered for {base_key} and is now called in {mode} mode with "
                 f"inputs {key[1]}; build it with auto_parallelize to serve other shapes and modes"
+                + (" (and do not call free_source_weights)" if getattr(self, "_sources_freed", False) else "")
             )
         if not self.local_inputs:
             call_args, call_kwargs = args, kwargs

@@ -13,9 +13,12 @@ shard once per step and the stepped shard all-gathered into the copy once per st
 * Known answer (GPT on (4,), data parallel): with the budget below what replicated optimizer
   state needs, ``zero="auto"`` makes every weight ZeRO-1 (no weight gathered for use, none tensor
   parallel), and a step of two micro-steps (the first under ``no_sync``) sends exactly one
-  reduce-scatter and one all-gather of the parameters and no gradient all-reduce; gradients
-  and the parameters after the step equal the reference's; after loading other weights into the
-  shards, the next forward computes with them.
+  reduce-scatter and one all-gather of the parameters and no gradient all-reduce (the refresh
+  cut into buckets of 64 KiB, which changes no byte); gradients and the parameters after the step
+  equal the reference's; after loading other weights into the shards, the next forward computes
+  with them. ``free_source_weights`` releases the source model's whole weights first (all of
+  them: every weight here is a ZeRO-1 shard), and afterwards a new input shape is refused with
+  the reason.
 """
 
 import copy
@@ -99,14 +102,23 @@ def test_zero1_matches_one_device():
 
 def known_answer_worker(rank, world, cfg):
     import partitioner
+    from runtime import optimizer_shards
 
     checks = Checks(rank)
     mesh = (4,)
     model, inputs = build("gpt")
     ref = copy.deepcopy(model)
     pins = free_weights("gpt", "dp", mesh)
+    # the refresh gathers in buckets of at most this many bytes: many here, the bytes unchanged
+    optimizer_shards.REFRESH_BUCKET_BYTES = 64 * 1024
     pm = partitioner.auto_parallelize(model, inputs, mesh=mesh, cluster="h100", recompute="none", pins=pins,
                                       memory_budget=cfg["budget"])
+    # the whole weights the source model holds are released; the parallel model trains on
+    source = [p for p in model.parameters()]
+    freed = pm.free_source_weights()
+    checks.true(f"released {freed} B, not the source model's {sum(p.numel() * 4 for p in source)} B",
+                freed == sum(p.numel() * p.element_size() for p in source)
+                and all(p.untyped_storage().nbytes() == 0 for p in source))
     params = [r for r in pm.plan.records if r["kind"] == "param"]
     checks.true("not every weight is ZeRO-1: " + ", ".join(r["fqn"] for r in params if not r.get("stored")),
                 all(r.get("stored") for r in params))
@@ -143,6 +155,11 @@ def known_answer_worker(rank, world, cfg):
     pm.load_full_state_dict(start.state_dict())
     checks.close("loss after loading the starting weights", loss_of(call(pm, inputs)).detach(),
                  loss_of(call(start, inputs)).detach())
+    try:  # other input shapes would need the source model: refused, saying why
+        pm(inputs[0][:4], inputs[1][:4])
+        checks.true("a new input shape ran after free_source_weights", False)
+    except ValueError as e:
+        checks.true(f"the refusal does not name free_source_weights: {e}", "free_source_weights" in str(e))
     return {"rank": rank, "failures": checks.failures}
 
 
