@@ -6,20 +6,38 @@ import resource
 import subprocess
 
 
-def cap_private_memory(nbytes: int) -> None:
+def process_status(field: str) -> int:
+    """One ``kB`` field of ``/proc/self/status`` in bytes (``VmData``: private data, what
+    ``RLIMIT_DATA`` limits; ``VmRSS``; ``VmHWM``: the peak resident set); 0 when absent."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_peak_rss() -> bool:
+    """Restart ``VmHWM`` from the current resident set (Linux ``clear_refs`` 5); False if refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def cap_private_memory(nbytes: int, since: int | None = None) -> None:
     """Let this process allocate at most ``nbytes`` more private data (``RLIMIT_DATA`` over what
-    it holds now, from ``/proc/self/status``): an allocation past it fails with MemoryError.
+    it holds now, from ``/proc/self/status``; with ``since``, a ``VmData`` reading taken earlier,
+    over that: what was allocated since counts against the cap): an allocation past it fails
+    with MemoryError.
 
     Freed tensors are first made to leave the process (``runtime.host_memory``), whichever
     framework runs under the cap: the cap then measures live tensors, not glibc's heap."""
     from runtime.host_memory import return_freed_blocks
 
     return_freed_blocks()
-    data = 0
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmData:"):
-                data = int(line.split()[1]) * 1024
+    data = process_status("VmData") if since is None else since
     resource.setrlimit(resource.RLIMIT_DATA, (data + int(nbytes), resource.RLIM_INFINITY))
 
 
