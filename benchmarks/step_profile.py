@@ -86,7 +86,7 @@ def kind_of(name: str) -> str:
     base = name.replace("autograd::engine::evaluate_function: ", "").replace("aten::", "").replace("aten.", "")
     if "AccumulateGrad" in base:
         return "accumulate"
-    if any(a in base.lower() for a in ATTENTION):
+    if any(a.replace("_", "") in base.lower().replace("_", "") for a in ATTENTION):  # ScaledDotProduct...Backward0
         return "attention"
     op = base.split(".")[0]
     if op.endswith("Backward0") or op.endswith("Backward1"):

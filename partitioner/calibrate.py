@@ -21,8 +21,9 @@ Algorithm
    intensity), which the cost model reads piecewise linearly in ``log I``: a narrow product (a
    tensor-parallel shard, a small head dimension) is priced at the rate its shape reaches, not at
    the square matmuls' peak.
-   Last (it cannot be undone in the process), with glibc's mmap threshold fixed as a CPU job
-   under a memory budget runs (``runtime/host_memory.py``), an ``add`` writing a fresh output is
+   In fresh processes (fixing the threshold cannot be undone, and a used heap serves requests
+   from its freed blocks), with glibc's mmap threshold fixed as a CPU job under a memory budget
+   runs (``runtime/host_memory.py``), an ``add`` writing a fresh output is
    timed against one writing a kept buffer, at sizes above the threshold: the difference per
    byte (the median over sizes) is ``fresh_page_s_per_byte``, the zero-filled pages of a
    fresh mapping, which the cost model adds per large tensor an op allocates in such a job.
@@ -68,6 +69,7 @@ __all__ = [
     "compute_samples",
     "fit",
     "fit_compute",
+    "fresh_rank",
     "fresh_samples",
     "matmul_intensity",
     "measure",
@@ -233,15 +235,28 @@ def rank_samples(rank: int, world: int, sizes: dict, progress: bool = False) -> 
                 say(
                     f"{kind} on {n} ranks, {payload} bytes, after {sizes['burst'] * 1e3:g} ms of work: {t * 1e6:.1f} us"
                 )
-    out["fresh"] = fresh_samples(sizes, slowest, say)
     return out
+
+
+def fresh_rank(rank: int, world: int, sizes: dict) -> list:
+    """One rank's :func:`fresh_samples`, in processes of their own (see there), all ranks at once."""
+    import torch
+    import torch.distributed as dist
+
+    def slowest(value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    return fresh_samples(sizes, slowest)
 
 
 def fresh_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = None) -> list:
     """What a large allocation costs when it is a fresh mapping: an elementwise ``add`` into a new
     output, and into a kept one, with glibc's mmap threshold fixed (``runtime/host_memory.py``,
-    as a CPU job under a memory budget runs). Last: fixing the threshold cannot be undone in
-    this process."""
+    as a CPU job under a memory budget runs). In a process of its own, first thing: fixing the
+    threshold cannot be undone, and a heap that already holds freed blocks serves requests from
+    them instead of fresh mappings (as a job that fixes it at its start does not)."""
     import torch
 
     from runtime.host_memory import return_freed_blocks
@@ -323,7 +338,9 @@ def measure(ranks: int = 2, sizes: dict | None = None, *, progress: bool = False
     unknown = set(merged) - set(DEFAULT_SIZES)
     if unknown:
         raise ValueError(f"calibrate: unknown size keys {sorted(unknown)}; known: {sorted(DEFAULT_SIZES)}")
-    return run_on_ranks(rank_samples, ranks, merged, progress, timeout_s=timeout_s, collective_timeout_s=120)[0]
+    out = run_on_ranks(rank_samples, ranks, merged, progress, timeout_s=timeout_s, collective_timeout_s=120)[0]
+    out["fresh"] = run_on_ranks(fresh_rank, ranks, merged, timeout_s=timeout_s, collective_timeout_s=120)[0]
+    return out
 
 
 # -- fitting ------------------------------------------------------------------------------------
