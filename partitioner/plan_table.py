@@ -388,8 +388,10 @@ def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = 
 def weight_storage(plan) -> dict:
     """Parameter record name -> how it is stored: ``"replicated"``, ``"sharded"`` (used where it
     lies: tensor parallel), ``"zero1"`` (used whole where replicated, the optimizer's shard cut
-    there), ``"zero2"`` (gathered for use, the copy kept for backward) or
-    ``"zero3"`` (gathered for use, freed after forward and gathered again in backward)."""
+    there), ``"zero2"`` (gathered for use, the copy kept for backward),
+    ``"zero3"`` (gathered for use, freed after forward and gathered again in backward) or ``"cube"``
+    (3D tensor parallel: cut over the whole cube, ``Si(d)`` innermost, gathered along the rows
+    axis for use)."""
     params = {r["name"]: r for r in plan.records if r.get("kind") == "param"}
     gathered = set()
     for r in plan.records:
@@ -403,6 +405,8 @@ def weight_storage(plan) -> dict:
             out[name] = "zero1"
         elif "S(" not in "".join(r.get("out") or ()):
             out[name] = "replicated"
+        elif "Si(" in "".join(r.get("out") or ()):
+            out[name] = "cube"
         elif name not in gathered:
             out[name] = "sharded"
         else:
@@ -413,7 +417,7 @@ def weight_storage(plan) -> dict:
 def _storage_lines(plan, width, wide) -> list:
     """``weights: 12 replicated (data parallel), 4 ZeRO-3 (...)``, when some weight is gathered for use."""
     kinds = Counter(weight_storage(plan).values())
-    if not kinds["zero1"] and not kinds["zero2"] and not kinds["zero3"]:
+    if not kinds["zero1"] and not kinds["zero2"] and not kinds["zero3"] and not kinds["cube"]:
         return []
     said = {
         "replicated": "replicated",
@@ -421,6 +425,7 @@ def _storage_lines(plan, width, wide) -> list:
         "zero1": "ZeRO-1 (used whole, optimizer state sharded, one reduce-scatter and one all-gather per step)",
         "zero2": "ZeRO-2 (stored sharded, gathered for use, kept for backward)",
         "zero3": "ZeRO-3 (stored sharded, gathered for use, freed after forward and gathered again in backward)",
+        "cube": "3D tensor parallel (stored W/p over the cube, gathered along the rows axis for use)",
     }
     text = "weights: " + ", ".join(f"{kinds[k]} {v}" for k, v in said.items() if kinds[k])
     return [text] if wide else textwrap.wrap(text, width, subsequent_indent="  ")

@@ -249,6 +249,11 @@ def test_3d_stores_a_tied_weight_w_over_p_under_every_name():
     stored = {r["fqn"]: r["out"][0] for r in plan.records if r.get("kind") == "param"}
     assert stored["transformer.wte.weight"] == stored["lm_head.weight"] == "[Si(1), S(1), S(0)]", stored
     assert stored["transformer.h.0.attn.c_attn.weight"].startswith("[Si(0)"), stored
+    from partitioner.plan_table import weight_storage
+
+    cube = {n for n, kind in weight_storage(plan).items() if kind == "cube"}
+    assert {r["name"] for r in plan.records if r.get("kind") == "param" and r["out"][0].startswith("[Si(")} == cube
+    assert "3D tensor parallel (stored W/p over the cube" in plan.summary() and "ZeRO-2" not in plan.summary()
 
 
 @pytest.mark.parametrize(
