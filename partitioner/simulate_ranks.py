@@ -97,17 +97,25 @@ def _program_collectives(program, shapes: dict, stage_shape, axis_map) -> tuple:
     """(forward events, backward activation events, backward parameter events) of one lowered
     program, the backward ones already in autograd's (reverse) order."""
     from runtime.collectives import Reshard
+    from runtime.prefetch import PrefetchGather
 
     fwd, bwd_act, bwd_param = [], [], []
+    started = set()  # edges whose first gather a PrefetchGather issued earlier
     for node in program.graph.nodes:
         if node.op != "call_module":
             continue
         module = program.get_submodule(node.target)
+        source = node.args[0] if node.args else None
+        shape = shapes.get(getattr(source, "name", ""), ())
+        if isinstance(module, PrefetchGather):  # the edge's first move, an all-gather, starts here
+            kind, axis = _moves(module.edge.forward_steps, stage_shape)[0]
+            fwd.append(RankEvent(kind, axis_map[axis], shape, node.target))
+            started.add(id(module.edge))
+            continue
         if not isinstance(module, Reshard):
             continue
-        source = node.args[0]
-        shape = shapes.get(getattr(source, "name", ""), ())
-        for kind, axis in _moves(module.forward_steps, stage_shape):
+        moves = _moves(module.forward_steps, stage_shape)
+        for kind, axis in moves[1:] if id(module) in started else moves:
             fwd.append(RankEvent(kind, axis_map[axis], shape, node.target))
         back = [
             RankEvent(k, axis_map[a], shape, node.target + ".grad")

@@ -16,6 +16,8 @@ graph in order and emit a new fx graph:
   copy (placed as the record's ``out``); its edges leave the gradient ``Partial`` where the copy
   is replicated, and ``gm.meta["partita.zero1"]`` lists the placements and whether the stepped
   tensor is on the host, for :mod:`runtime.optimizer_shards`;
+* the gathers of weights stored sharded start one gather ahead of their use
+  (:func:`passes.prefetch_gathers.prefetch_gathers`);
 * outputs the plan replicates are resharded to ``Replicate``; device arguments baked in at
   capture time (``meta``) are replaced by this rank's device;
 * the nodes emitted for each region the plan recomputes (records marked ``recompute``, named
@@ -40,6 +42,7 @@ from torch.utils import _pytree as pytree
 
 from passes.analyze import info
 from passes.placements import local_shape, parse_spec
+from passes.prefetch_gathers import prefetch_gathers
 from passes.rules import op_view, rule_for, tensor_input_nodes
 from passes.strategy_space import required_output_spec, zero1_grad_spec
 from runtime.collectives import MeshComm, Reshard
@@ -312,12 +315,14 @@ def lower_to_local(
         if info(node).kind == "param":  # these edges' backward syncs the parameter's gradient
             for _, edge in b.edges_from.get(node.name, ()):
                 edge.param_edge = node.name
+                edge.weight_name = info(node).name
                 # ZeRO-3: gathered copies freed after forward, gathered again in backward
                 edge.regather = bool(record(node).get("regather")) and edge.forward_communicates
                 gm.meta[REGATHER_KEY] = gm.meta.get(REGATHER_KEY, False) or edge.regather
     bucketable = _bucketable(graph, b) if bucket_grads else {}
     spans = {layer: (before.next, end) for layer, (before, end) in layers.items() if end is not before}
     moved = outline_recomputed(gm, spans)
+    prefetch_gathers(gm)  # weight gathers started one ahead of their use
     gm.meta["partita.output_specs"] = output_specs  # placement of each returned value, in order
     gm.meta[ZERO1_KEY] = zero1
     gm.meta["partita.bucketable_grads"] = {moved.get(name, name): param for name, param in bucketable.items()}

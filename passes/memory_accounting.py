@@ -29,6 +29,8 @@ keeps (:mod:`passes.saved_tensors` says what each op saves) and counts each stor
   ops use, plus the optimizer's shard with its gradient and state.
 * **Offloaded parameters** (``offload``): the compute copy and its gradient on the device; the
   tensor the optimizer steps, its gradient and its state in host memory (``offloaded``).
+* **Prefetched gathers** (:mod:`passes.prefetch_gathers`): a weight's gather started ahead of
+  its use is a transient of every op it runs beside (forward, and ZeRO-3 regathers in backward).
 * **Recomputed layers** (activation checkpointing): what their ops keep is rebuilt while the
   layer's backward reruns it (a backward transient, on the layer's first node); the checkpoint
   keeps the values entering the layer.
@@ -53,6 +55,7 @@ from passes.cost_model import (
     local_bytes,
     param_state_parts,
 )
+from passes.prefetch_gathers import backward_windows, first_gather, forward_windows
 from passes.rules import tensor_input_nodes
 
 __all__ = ["memory_fields"]
@@ -224,8 +227,42 @@ def memory_fields(
                     f["held_gradients"] = f.get("held_gradients", 0.0) + local_bytes(
                         ui.shape or (), grad, mesh, dtype_bytes(ui.dtype)
                     )
+    _prefetched(graph, choices, mesh, recomputed, fields)
     for layer, storages in layer_kept.items():  # alive while the layer's backward reruns it
         rebuilt = sum(nbytes for key, (nbytes, _) in storages.items() if key not in kept)
         f = fields.setdefault(first_of[layer].name, {})
         f["transient_bwd"] = f.get("transient_bwd", 0.0) + rebuilt
     return {name: f for name, f in fields.items() if f}
+
+
+def _prefetched(graph: fx.Graph, choices: dict, mesh, recomputed: dict, fields: dict) -> None:
+    """Add the weight gathers started ahead of their use (:mod:`passes.prefetch_gathers`) to the
+    transients of the ops they run beside: forward gathers of top-level edges, and ZeRO-3
+    regathers in backward (their gathered buffer, alive from the start to the use)."""
+    ops = [n for n in graph.nodes if n.op == "call_function" and info(n).kind == "op"]
+    ahead: dict = {"transient_fwd": [], "transient_bwd": []}  # field -> [(op position, bytes)]
+    for j, c in enumerate(ops):
+        mine = choices.get(c)
+        if mine is None or mine.strategy is None:
+            continue
+        layer = recomputed.get(c)
+        saves = info(c).saves
+        saved = saves.inputs if saves is not None else ()
+        for k, u in enumerate(tensor_input_nodes(c)):
+            placed, ui = choices.get(u), info(u)
+            if ui.kind != "param" or placed is None or placed.stored is not None or placed.offload:
+                continue
+            if k >= len(mine.ins) or mine.ins[k] is None or layer is not None:
+                continue
+            first = first_gather(placed.out[0], mine.ins[k], ui.shape or (), mesh, dtype_bytes(ui.dtype))
+            if first is None:
+                continue
+            ahead["transient_fwd"].append((j, first.payload_bytes))
+            if placed.regather and k in saved:
+                ahead["transient_bwd"].append((j, first.payload_bytes))
+    for name, windows in (("transient_fwd", forward_windows), ("transient_bwd", backward_windows)):
+        found = ahead[name]
+        for (_, nbytes), window in zip(found, windows([j for j, _ in found])):
+            for i in window:
+                f = fields.setdefault(ops[i].name, {})
+                f[name] = f.get(name, 0.0) + nbytes

@@ -33,6 +33,7 @@ from passes.cost_model import (
 from passes.ilp_solver import NODE_LIMIT, min_memory, solve_ilp
 from passes.memory_accounting import memory_fields
 from passes.placements import format_spec, local_shape
+from passes.prefetch_gathers import credit_prefetch
 from passes.recompute import (
     RecomputeChoice,
     add_recompute_options,
@@ -113,6 +114,8 @@ def _node_record(node, choice, space, axis_names, rep_node):
         for s, sp in zip(i.out_shapes, choice.out)
     ]
     rec["compute_s"] = float(choice.compute_s)
+    if choice.forward_s:
+        rec["forward_s"] = float(choice.forward_s)
     if choice.regather:
         rec["regather"] = True  # ZeRO-3: gathered copies freed after forward, gathered again for backward
     comm = []
@@ -396,6 +399,7 @@ def plan_intra_op(
     for rec in records:
         rec.update(exact.get(rec["name"], {}))
     multidim_tp.label_records(records, space.mesh_shape)
+    overlap = credit_prefetch(records)  # weight gathers started ahead of their use (passes/prefetch_gathers.py)
 
     alternatives = _alternatives(space, result.choice, axis_names, redo)
     t3 = time.perf_counter()
@@ -408,6 +412,7 @@ def plan_intra_op(
         "options": n_opts,
         "edges": len(space.edges),
         "objective_s": result.objective,
+        "prefetch_overlap_s": overlap,
         "pruned_options": space.pruned,
         "least_memory": least,
         "least_memory_without_recompute": least_kept,

@@ -49,6 +49,9 @@ __all__ = [
     "MeshComm",
     "CommCounter",
     "run_steps",
+    "start_steps",
+    "gather_first",
+    "PendingMoves",
     "Reshard",
     "record_collective",
     "grad_sync_scope",
@@ -213,6 +216,24 @@ def _strided_order(x, dim, pieces, n, inverse=False):
     return x.unflatten(dim, (n, pieces, m) if inverse else (pieces, n, m)).transpose(dim, dim + 1).flatten(dim, dim + 2)
 
 
+def _start_gather(x, axis, p, comm: MeshComm, phase, src_pieces, *, async_op: bool):
+    """Start the all-gather of ``x`` (placed ``p`` on ``axis``) along ``p.dim``: (the work, or
+    None when synchronous, and ``finish()``, which returns the whole tensor once it is done)."""
+    n, name = comm.shape[axis], comm.axis_names[axis]
+    inp = x.movedim(p.dim, 0).contiguous()
+    out = inp.new_empty((n * inp.shape[0],) + tuple(inp.shape[1:]))
+    record_collective("all_gather", name, _nbytes(out), phase)
+    work = _all_gather_single(out, inp, group=comm.groups[axis], async_op=async_op)
+
+    def finish(inp=inp):  # ``inp`` stays alive while the work may still read it
+        # contiguous in the order of the dims (a later ``view``, e.g. a flattening before a
+        # matmul, needs the layout a whole tensor has)
+        whole = out.movedim(0, p.dim).contiguous() if p.dim else out
+        return _strided_order(whole, p.dim, src_pieces, n, inverse=True) if src_pieces else whole
+
+    return work, finish
+
+
 def _move(x, axis, p, q, comm: MeshComm, phase, src_pieces=None, dst_pieces=None):
     """One per-axis move. ``src_pieces`` / ``dst_pieces``: the shard of ``p`` / ``q`` is strided
     (rank ``c`` holds block ``c`` of each of that many equal pieces: the layout a split of a
@@ -233,14 +254,8 @@ def _move(x, axis, p, q, comm: MeshComm, phase, src_pieces=None, dst_pieces=None
         dist.all_to_all_single(received, pieces, group=group)
         return torch.cat(list(received.unbind(0)), dim=p.dim)
     if is_shard(p):  # all_gather along p.dim
-        inp = x.movedim(p.dim, 0).contiguous()
-        out = inp.new_empty((n * inp.shape[0],) + tuple(inp.shape[1:]))
-        record_collective("all_gather", name, _nbytes(out), phase)
-        _all_gather_single(out, inp, group=group)
-        # contiguous in the order of the dims (a later ``view``, e.g. a flattening before a
-        # matmul, needs the layout a whole tensor has)
-        out = out.movedim(0, p.dim).contiguous() if p.dim else out
-        return _strided_order(out, p.dim, src_pieces, n, inverse=True) if src_pieces else out
+        _work, finish = _start_gather(x, axis, p, comm, phase, src_pieces, async_op=False)
+        return finish()
     if is_partial(p) and is_shard(q):  # reduce_scatter along q.dim
         record_collective("reduce_scatter", name, _nbytes(x), phase)
         if dst_pieces:
@@ -269,12 +284,74 @@ def run_steps(x: torch.Tensor, steps, comm: MeshComm, phase: str, strided_src=No
     shard is strided in the source / destination placement (see :func:`_move`)."""
     held = dict(strided_src or {})  # axis -> pieces, for the shards now in strided order
     for axis, p, q in steps:
-        src_pieces = held.pop(axis, None) if is_shard(p) else None
-        dst_pieces = (strided_dst or {}).get(axis) if is_shard(q) else None
-        x = _move(x, axis, p, q, comm, phase, src_pieces, dst_pieces)
-        if dst_pieces:
-            held[axis] = dst_pieces
+        x = _step(x, axis, p, q, comm, phase, held, strided_dst)
     return x
+
+
+def _step(x, axis, p, q, comm: MeshComm, phase, held: dict, strided_dst) -> torch.Tensor:
+    """One move of :func:`run_steps`; ``held``: axis -> pieces of the shards now strided."""
+    src_pieces = held.pop(axis, None) if is_shard(p) else None
+    dst_pieces = (strided_dst or {}).get(axis) if is_shard(q) else None
+    x = _move(x, axis, p, q, comm, phase, src_pieces, dst_pieces)
+    if dst_pieces:
+        held[axis] = dst_pieces
+    return x
+
+
+def _sends(move, comm: MeshComm) -> bool:
+    axis, p, _q = move
+    return comm.shape[axis] > 1 and (is_shard(p) or is_partial(p))
+
+
+def gather_first(steps, comm: MeshComm) -> bool:
+    """True when the first move of ``steps`` that sends data is an all-gather (what
+    :func:`start_steps` can leave running)."""
+    first = next((m for m in steps or () if _sends(m, comm)), None)
+    return first is not None and is_shard(first[1]) and not is_shard(first[2])
+
+
+class PendingMoves:
+    """:func:`run_steps` with its first all-gather in flight: :meth:`wait` finishes it (within a
+    timeout) and runs the moves after it."""
+
+    def __init__(self, work, finish, rest, comm, phase, held, strided_dst, what: str):
+        self.work, self.finish, self.rest = work, finish, rest
+        self.comm, self.phase, self.held, self.strided_dst, self.what = comm, phase, held, strided_dst, what
+
+    def wait(self, timeout_s: float) -> torch.Tensor:
+        import datetime
+
+        try:
+            self.work.wait(datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            raise TimeoutError(
+                f"the prefetched all-gather of {self.what} ({self.phase}) did not complete within "
+                f"{timeout_s:g} s ({exc}): a rank of its mesh axis did not reach the same gather (it "
+                f"failed or runs another program); raise the limit with runtime.prefetch.wait_timeout()"
+            ) from exc
+        x = self.finish()
+        for axis, p, q in self.rest:
+            x = _step(x, axis, p, q, self.comm, self.phase, self.held, self.strided_dst)
+        return x
+
+
+def start_steps(x, steps, comm: MeshComm, phase: str, strided_src=None, strided_dst=None, *, what="a tensor"):
+    """Run ``steps`` up to their first all-gather (which :func:`gather_first` must find) and start
+    it asynchronously; the rest runs in :meth:`PendingMoves.wait`. ``what`` names the tensor in a
+    timeout's error."""
+    held = dict(strided_src or {})
+    steps = list(steps)
+    j = next((j for j, m in enumerate(steps) if _sends(m, comm)), None)
+    if j is None:
+        raise ValueError(f"start_steps: no move of {steps} sends data")
+    for axis, p, q in steps[:j]:
+        x = _step(x, axis, p, q, comm, phase, held, strided_dst)
+    axis, p, q = steps[j]
+    if is_shard(q):
+        raise ValueError(f"start_steps: the first move that sends data, {p} -> {q} on axis {axis}, is no all-gather")
+    src_pieces = held.pop(axis, None)
+    work, finish = _start_gather(x, axis, p, comm, phase, src_pieces, async_op=True)
+    return PendingMoves(work, finish, steps[j + 1 :], comm, phase, held, strided_dst, what)
 
 
 class _ReshardFn(torch.autograd.Function):
@@ -337,6 +414,8 @@ class Reshard(torch.nn.Module):
         # set when ``no_sync`` may hold back this edge's backward (ParallelModule._add_variant)
         self.deferred: DeferredSyncs | None = None
         self.regather = False  # set by lowering: a ZeRO-3 parameter's edge (runtime/regather.py)
+        self.weight_name: str | None = None  # set by lowering: the parameter's FQN (errors, logs)
+        self.pending = None  # a prefetched forward gather: (input, its version, PendingMoves)
 
     @property
     def forward_communicates(self) -> bool:
@@ -379,7 +458,31 @@ class Reshard(torch.nn.Module):
     def _strided_of(spec, strided):
         return {a: f for a, f in strided.items() if spec is not None and is_shard(spec[a])}
 
+    @property
+    def prefetchable(self) -> bool:
+        """True when the forward's first move that sends data is an all-gather (a weight stored
+        sharded): it can start before the program reaches this edge (:mod:`runtime.prefetch`)."""
+        return gather_first(self.forward_steps, self.comm)
+
+    def start_forward(self, x, phase: str) -> PendingMoves:
+        """The forward moves of ``x`` with the first all-gather left running (see :attr:`prefetchable`)."""
+        return start_steps(
+            x,
+            self.forward_steps,
+            self.comm,
+            phase,
+            self._strided_of(self.src, self.src_strided),
+            self._strided_of(self.dst, self.strided),
+            what=self.weight_name or self.param_edge or "a tensor",
+        )
+
     def _forward_moves(self, x, phase="fwd"):
+        if phase == "fwd" and self.pending is not None:  # started ahead (runtime/prefetch.py)
+            from runtime.prefetch import take_prefetched
+
+            out = take_prefetched(self, x)
+            if out is not None:
+                return out
         return run_steps(
             x,
             self.forward_steps,

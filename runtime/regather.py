@@ -13,7 +13,12 @@ parameter the plan marks ``regather`` (ZeRO-3), the edge instead:
    and offset), so the copy is freed as soon as forward no longer uses it;
 3. when backward unpacks the recipe, the edge gathers the shard again (the same collectives as
    forward, counted in phase ``bwd``) and the view is rebuilt on the new copy. Tensors saved
-   from one copy share one regather while its result is alive.
+   from one copy share one regather while its result is alive;
+4. **prefetch**: the copies saved are chained in the order forward saved them; backward unpacks
+   them in about the reverse order, so when a copy is gathered again, the regather of the copy
+   saved just before it is started asynchronously (when its edge's first move that sends data is
+   an all-gather: :mod:`runtime.prefetch`), and its own unpack waits for it. One regather is in
+   flight at a time; the issue order is the backward's, the same on every rank.
 
 Only the outermost hooks see a save: inside a recomputed layer (activation checkpointing,
 which holds its own hooks) the rerun keeps its gathered copies until the layer's backward ends,
@@ -45,37 +50,57 @@ def remember(copy: torch.Tensor, edge, shard: torch.Tensor) -> None:
     def forget(_ref, key=key) -> None:
         _COPIES.pop(key, None)
 
-    _COPIES[key] = (weakref.ref(copy, forget), edge, shard, _Holder(copy.size(), copy.stride()))
+    _COPIES[key] = (weakref.ref(copy, forget), edge, shard, _Holder(copy.size(), copy.stride(), edge, shard))
 
 
 class _Holder:
-    """The regathered copy, shared by every tensor saved from one forward copy."""
+    """The regathered copy, shared by every tensor saved from one forward copy; ``prev``: the
+    holder of the copy saved just before it in forward (the regather expected next)."""
 
-    def __init__(self, size, stride):
+    def __init__(self, size, stride, edge, shard):
         self.size, self.stride = size, stride  # the forward copy's layout, which saved views assume
+        self.edge, self.shard = edge, shard
         self.ref: weakref.ref | None = None
+        self.prev: _Holder | None = None
+        self.chained = False  # linked into its scope's chain
+        self.pending = None  # its regather, started ahead (runtime/prefetch.py)
 
-    def get(self, edge, shard) -> torch.Tensor:
+    def get(self) -> torch.Tensor:
         full = self.ref() if self.ref is not None else None
         if full is None:
+            from runtime.prefetch import finish
+
             with torch.no_grad():
-                gathered = edge.regather_moves(shard.detach())
+                if self.pending is not None:
+                    pending, self.pending = self.pending, None
+                    gathered = finish(self.edge, pending)
+                else:
+                    gathered = self.edge.regather_moves(self.shard.detach())
                 full = torch.empty_strided(self.size, self.stride, dtype=gathered.dtype, device=gathered.device)
                 full.copy_(gathered)
             self.ref = weakref.ref(full)
+            self._start_previous()
         return full
+
+    def _start_previous(self) -> None:
+        prev, self.prev = self.prev, None
+        if prev is None or prev.pending is not None or (prev.ref is not None and prev.ref() is not None):
+            return
+        if prev.edge.prefetchable:
+            from runtime.prefetch import issue
+
+            prev.pending = issue(prev.edge, prev.shard, "bwd")
 
 
 class _Recipe:
-    __slots__ = ("edge", "shard", "holder", "size", "stride", "offset")
+    __slots__ = ("holder", "size", "stride", "offset")
 
-    def __init__(self, edge, shard, holder, t: torch.Tensor):
-        self.edge, self.shard, self.holder = edge, shard, holder
+    def __init__(self, holder, t: torch.Tensor):
+        self.holder = holder
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
 
     def rebuild(self) -> torch.Tensor:
-        full = self.holder.get(self.edge, self.shard)
-        return full.as_strided(self.size, self.stride, self.offset)
+        return self.holder.get().as_strided(self.size, self.stride, self.offset)
 
 
 def _recipe_for(t: torch.Tensor):
@@ -83,8 +108,7 @@ def _recipe_for(t: torch.Tensor):
     entry = _COPIES.get(id(base))
     if entry is None or entry[0]() is not base:
         return None
-    _, edge, shard, holder = entry
-    return _Recipe(edge, shard, holder, t)
+    return _Recipe(entry[3], t)
 
 
 class _Outer:
@@ -108,10 +132,14 @@ def regather_scope(program) -> contextlib.AbstractContextManager:
     if not meta.get(REGATHER_KEY):
         return contextlib.nullcontext()
     outer = _outer_hooks()
+    last: list = [None]  # the holder saved last in this forward (the chain of regathers)
 
     def pack(t):
         recipe = _recipe_for(t)
         if recipe is not None:
+            holder = recipe.holder
+            if not holder.chained:
+                holder.prev, holder.chained, last[0] = last[0], True, holder
             return recipe
         return t if outer is None else _Outer(outer[0](t))
 
