@@ -111,12 +111,14 @@ def _portable(exc):
 
 class CommCounter(contextlib.AbstractContextManager):
     """Counts payload bytes per (kind, axis name) and per phase while active; ``grad_sync``:
-    the part that synced parameter gradients, per (kind, axis name)."""
+    the part that synced parameter gradients, per (kind, axis name); ``grad_sync_calls``: how
+    many collectives sent it (bucketed syncs send many gradients in one)."""
 
     def __init__(self):
         self.bytes = defaultdict(lambda: defaultdict(float))
         self.by_phase = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
         self.grad_sync = defaultdict(lambda: defaultdict(float))
+        self.grad_sync_calls = defaultdict(lambda: defaultdict(int))
         self.calls = 0
 
     def __enter__(self):
@@ -132,6 +134,7 @@ class CommCounter(contextlib.AbstractContextManager):
         self.by_phase[phase][kind][axis] += nbytes
         if _GRAD_SYNC[0]:
             self.grad_sync[kind][axis] += nbytes
+            self.grad_sync_calls[kind][axis] += 1
         self.calls += 1
 
     def as_dict(self) -> dict:
@@ -381,7 +384,7 @@ class _ReshardFn(torch.autograd.Function):
             if grad is None:
                 return None, None
         if module.sync is not None:  # a parameter's gradient sync, bucketed (runtime/grad_sync.py)
-            module.sync.add(module.sync_param, grad, module.sync_axes)
+            module.sync.add(module.sync_param, grad, module)
             return None, None
         if module.backward_steps is None:
             return None, None
@@ -408,7 +411,6 @@ class Reshard(torch.nn.Module):
         # set when this edge's backward joins gradient buckets (ParallelModule._add_variant)
         self.sync: GradientBuckets | None = None
         self.sync_param: torch.Tensor | None = None
-        self.sync_axes: tuple[int, ...] = ()
         self.param_edge: str | None = None  # set by lowering: the parameter placeholder this edge reads
         self.reduce_dtype: torch.dtype | None = None  # a parameter edge's gradient sync dtype (precision)
         # set when ``no_sync`` may hold back this edge's backward (ParallelModule._add_variant)
@@ -449,10 +451,12 @@ class Reshard(torch.nn.Module):
         return moved.clone() if self.param_edge is not None and moved._base is not None else moved
 
     @property
-    def backward_is_allreduce(self) -> bool:
-        """True when the backward moves are only Partial -> Replicate all-reduces."""
-        moves = [m for m in self.backward_steps or () if self.comm.shape[m[0]] > 1]
-        return bool(moves) and all(is_partial(p) and type(q).__name__ == "Replicate" for _, p, q in moves)
+    def sync_moves(self):
+        """The backward's reduction for gradient buckets (:func:`runtime.grad_sync.reduce_moves`):
+        None unless every move that sends is ``Partial -> Replicate`` or ``Partial -> Shard``."""
+        from runtime.grad_sync import reduce_moves
+
+        return reduce_moves(self.backward_steps, self.comm, self._strided_of(self.grad_dst, self.src_strided))
 
     @staticmethod
     def _strided_of(spec, strided):

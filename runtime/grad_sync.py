@@ -2,17 +2,22 @@
 
 The plan decides which parameters need it: a parameter replicated on a mesh axis whose
 consumer does different work per rank there receives a partial gradient that must be
-all-reduced on that axis. When that is all its gradient needs (one consuming edge, only
-``Partial -> Replicate`` moves), lowering marks the edge's :class:`Reshard` as *deferred*: its
-backward hands the partial gradient to :class:`GradientBuckets` instead of reducing it alone.
+all-reduced on that axis; a weight stored sharded and gathered for use (ZeRO-2 / ZeRO-3)
+receives one that must be reduce-scattered. When a parameter edge's backward is only such
+reductions (``Partial -> Replicate`` or ``Partial -> Shard`` moves), lowering marks its
+:class:`Reshard` as *bucketed*: its backward hands the partial gradient to
+:class:`GradientBuckets` instead of reducing it alone.
 
-Buckets fill in the order backward produces gradients (the same on every rank); a full bucket
-is flattened and all-reduced asynchronously while backward goes on; at the end of backward
-(an autograd engine callback) the last buckets are reduced, every one is waited for, and the
-reduced gradients are added to ``.grad`` (a ``.grad`` that was None becomes a view of the
-reduced buffer: the gradients are held once, in the buffers, not also as separate tensors), so
-gradient accumulation across calls behaves as without buckets. The bytes sent are those the
-plan priced (the same payload per axis, in fewer, larger collectives).
+Buckets (one per reduction signature: the mesh axes and the kind of move on each) fill in the
+order backward produces gradients (the same on every rank); a full bucket is reduced with one
+flat collective per axis (:func:`flat_reduce`: gradients concatenated; for a reduce-scatter,
+each gradient's shard dim moved to the front and cut in the ranks' blocks, so rank ``r``'s
+blocks of every gradient lie together) asynchronously while backward goes on; at the end of
+backward (an autograd engine callback) the last buckets are reduced, every one is waited for,
+and the reduced gradients are added to ``.grad`` (a ``.grad`` that was None becomes a view of
+the reduced buffer: the gradients are held once, in the buffers, not also as separate tensors),
+so gradient accumulation across calls behaves as without buckets. The bytes sent are those the plan priced (the same payload per
+axis, in fewer, larger collectives: the estimate prices gradient syncs as bucketed).
 
 Accumulation without communication (``ParallelModule.no_sync``, as DDP and FSDP have it):
 :class:`DeferredSyncs` holds, per parameter edge whose backward communicates (a bucketed
@@ -29,63 +34,136 @@ the end of that backward, in the order they were first held (the same on every r
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
 
-from runtime.collectives import MeshComm, grad_sync_scope, record_collective
+from passes.placements import is_partial, is_shard
+from runtime.collectives import (
+    MeshComm,
+    _reduce_scatter_single,
+    _strided_order,
+    grad_sync_scope,
+    record_collective,
+)
 
-__all__ = ["GradientBuckets", "DeferredSyncs"]
+__all__ = ["GradientBuckets", "DeferredSyncs", "flat_reduce", "reduce_moves"]
+
+
+def flat_reduce(grads: list, key: tuple, parts: list, comm: MeshComm, *, async_last: bool = False):
+    """Reduce several gradients with one flat collective per move of their common reduction
+    (:func:`reduce_moves`): ``key`` lists ``(axis, kind)``, ``kind`` ``"all_reduce"`` (``Partial
+    -> Replicate``) or ``"reduce_scatter"``; ``parts[i][j]`` is gradient ``i``'s ``(dim, strided
+    pieces)`` for move ``j`` (a reduce-scatter to ``Shard(dim)``, cut in the strided layout of that
+    many pieces where given). Each collective is counted (phase ``bwd``, as a gradient sync) with
+    the bytes of its flat buffer: the sum of the per-gradient collectives'. Returns (the last
+    collective's work, or None, and ``finish()`` giving the reduced pieces)."""
+    pieces = list(grads)
+    work = None
+    for j, (axis, kind) in enumerate(key):
+        dims, strided = [mine[j][0] for mine in parts], [mine[j][1] for mine in parts]
+        pieces = [p() if callable(p) else p for p in pieces]  # the collective before this one is done
+        last = async_last and j == len(key) - 1
+        n, name, group = comm.shape[axis], comm.axis_names[axis], comm.groups[axis]
+        if kind == "all_reduce":
+            shapes = [p.shape for p in pieces]
+            flat = torch.cat([p.reshape(-1) for p in pieces])
+            with grad_sync_scope():
+                record_collective("all_reduce", name, flat.numel() * flat.element_size(), "bwd")
+            work = dist.all_reduce(flat, group=group, async_op=last)
+            pieces = _split(flat, [(s, None) for s in shapes])
+            continue
+        rows, layout = [], []
+        for p, d, f in zip(pieces, dims, strided):
+            x = _strided_order(p, d, f, n) if f else p
+            moved = x.movedim(d, 0)
+            layout.append(((moved.shape[0] // n,) + tuple(moved.shape[1:]), d))
+            rows.append(moved.reshape(n, -1))
+        flat = torch.cat(rows, dim=1).contiguous().view(-1)  # rank r's block of every gradient, in a row
+        out = flat.new_empty((flat.numel() // n,))
+        with grad_sync_scope():
+            record_collective("reduce_scatter", name, flat.numel() * flat.element_size(), "bwd")
+        work = _reduce_scatter_single(out, flat, group=group, async_op=last)
+        pieces = _split(out, layout)
+    return work, lambda: [p() if callable(p) else p for p in pieces]
+
+
+def _split(flat: torch.Tensor, layout: list) -> list:
+    """Pieces of ``flat`` in order: ``(shape, dim)`` each, ``dim`` where the shape was moved to
+    the front (None: as it is). Lazy (callables): an asynchronous collective is still writing."""
+    out, offset = [], 0
+    for shape, d in layout:
+        size = math.prod(shape)
+        piece = flat[offset : offset + size]
+        out.append(
+            lambda piece=piece, shape=shape, d=d: piece.view(shape) if d is None else piece.view(shape).movedim(0, d)
+        )
+        offset += size
+    return out
+
+
+def reduce_moves(steps, comm: MeshComm, strided: dict) -> tuple | None:
+    """The signature of a gradient's reduction for :func:`flat_reduce` (``((axis, kind), ...)``)
+    and its per-gradient part (``((dim, strided pieces), ...)``), when every move of ``steps`` that
+    involves more than one device is ``Partial -> Replicate`` or ``Partial -> Shard``; else None."""
+    key, mine = [], []
+    for axis, p, q in steps or ():
+        if comm.shape[axis] <= 1:
+            continue
+        if not is_partial(p) or is_partial(q):
+            return None
+        if is_shard(q):
+            key.append((axis, "reduce_scatter"))
+            mine.append((q.dim, strided.get(axis)))
+        else:
+            key.append((axis, "all_reduce"))
+            mine.append((None, None))
+    return (tuple(key), tuple(mine)) if key else None
 
 
 class GradientBuckets:
     def __init__(self, comm: MeshComm, bucket_bytes: int = 25 * 2**20):
         self.comm = comm
         self.bucket_bytes = bucket_bytes
-        self._open: dict = {}  # axes -> list of (param, grad)
-        self._launched: list = []  # (axes, entries, flat, work or None)
+        self._open: dict = {}  # reduction signature -> list of (param, grad, per-gradient moves)
+        self._launched: list = []  # (entries, work or None, finish)
         self._armed = False
         self.reduce_dtype: torch.dtype | None = None  # gradients reduced in this dtype (None: their own)
 
-    def add(self, param: torch.Tensor, grad: torch.Tensor, axes: tuple) -> None:
+    def add(self, param: torch.Tensor, grad: torch.Tensor, edge) -> None:
+        """Queue ``grad``, the gradient ``edge`` (a parameter's Reshard) moves, for its reduction."""
         if not self._armed:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._armed = True
-        bucket = self._open.setdefault(axes, [])
-        bucket.append((param, grad))
-        if sum(g.numel() * g.element_size() for _, g in bucket) >= self.bucket_bytes:
-            self._launch(axes, self._open.pop(axes))
+        key, mine = edge.sync_moves
+        bucket = self._open.setdefault(key, [])
+        bucket.append((param, grad, mine))
+        if sum(g.numel() * g.element_size() for _, g, _ in bucket) >= self.bucket_bytes:
+            self._launch(key, self._open.pop(key))
 
-    def _launch(self, axes, entries) -> None:
-        flat = torch.cat([g.reshape(-1) for _, g in entries])
-        if self.reduce_dtype is not None:  # reduced in the plan's reduce dtype, added back in the grads'
-            flat = flat.to(self.reduce_dtype)
-        # the flat buffer holds the gradients now: keep their layout only, so they are freed
-        entries = [(param, g.shape, g.dtype) for param, g in entries]
-        work = None
-        for i, axis in enumerate(axes):
-            with grad_sync_scope():
-                record_collective("all_reduce", self.comm.axis_names[axis], flat.numel() * flat.element_size(), "bwd")
-            last = i == len(axes) - 1
-            if last:  # the last (usually only) axis overlaps with the rest of backward
-                work = dist.all_reduce(flat, group=self.comm.groups[axis], async_op=True)
-            else:
-                dist.all_reduce(flat, group=self.comm.groups[axis])
-        self._launched.append((entries, flat, work))
+    def _launch(self, key, entries) -> None:
+        grads = [g if self.reduce_dtype is None else g.to(self.reduce_dtype) for _, g, _ in entries]
+        parts = [mine for *_, mine in entries]
+        # the flat buffers hold the gradients now: keep their dtype only, so they are freed
+        entries = [(param, g.dtype) for param, g, _ in entries]
+        # the last (usually only) collective overlaps with the rest of backward
+        work, finish = flat_reduce(grads, key, parts, self.comm, async_last=True)
+        del grads
+        self._launched.append((entries, work, finish))
 
     def _finish(self) -> None:
-        for axes in sorted(self._open):
-            self._launch(axes, self._open[axes])
+        for key in sorted(self._open):
+            self._launch(key, self._open[key])
         self._open.clear()
         with torch.no_grad():
-            for entries, flat, work in self._launched:
+            for entries, work, finish in self._launched:
                 if work is not None:
                     work.wait()
-                offset = 0
-                for param, shape, dtype in entries:
-                    numel = shape.numel()
-                    piece = flat[offset : offset + numel].view(shape).to(dtype)
-                    offset += numel
+                for (param, dtype), piece in zip(entries, finish()):
+                    piece = piece.to(dtype)
+                    if not piece.is_contiguous():  # a reduce-scatter's piece cut along a later dim
+                        piece = piece.contiguous()
                     if param.grad is None:
                         # a view of the reduced buffer (one copy of the gradients, not two)
                         param.grad = piece

@@ -19,9 +19,11 @@ One step:
 2. **Backward** accumulates each copy's gradient in the copy's layout, ``Partial`` on the shard's
    axes (lowering makes the weight's edges leave it so: no all-reduce), over every backward of
    the step (``no_sync`` micro-steps included).
-3. **Reduce** (at the end of a backward that is not inside ``no_sync``): each copy's gradient is
-   reduce-scattered into its shard's ``.grad`` (added to what is there, as ``.grad`` accumulates)
-   and the copy's gradient is dropped; counted as a gradient sync in phase ``bwd``.
+3. **Reduce** (at the end of a backward that is not inside ``no_sync``): the copies' gradients
+   are reduce-scattered into their shards' ``.grad`` (added to what is there, as ``.grad``
+   accumulates), all weights with the same reduction together: one flat reduce-scatter per
+   mesh axis (:func:`runtime.grad_sync.flat_reduce`); the copies' gradients are dropped;
+   counted as a gradient sync in phase ``bwd``.
 
 So a step that accumulates over any number of micro-steps sends one reduce-scatter and one
 all-gather of each ZeRO-1 weight: what the plan prices (``zero1_collectives``).
@@ -40,14 +42,8 @@ from dataclasses import dataclass
 import torch
 
 from passes.placements import is_shard, transition_steps
-from runtime.collectives import (
-    MeshComm,
-    _all_gather_single,
-    _strided_order,
-    grad_sync_scope,
-    record_collective,
-    run_steps,
-)
+from runtime.collectives import MeshComm, _all_gather_single, _strided_order, record_collective
+from runtime.grad_sync import flat_reduce, reduce_moves
 
 __all__ = ["ZERO1_KEY", "OptimizerShards"]
 
@@ -181,22 +177,35 @@ class OptimizerShards:
             self._armed = True
 
     def _reduce(self) -> None:
-        """End of a backward: outside ``no_sync``, reduce-scatter every copy's gradient into its shard's."""
+        """End of a backward: outside ``no_sync``, reduce every copy's gradient into its shard's,
+        the weights with the same reduction together (one flat collective per mesh axis)."""
         self._armed = False
         if self.deferred.deferring:
             return
-        with torch.no_grad(), grad_sync_scope():
-            for w in self._weights.values():
-                if w.copy is None or w.copy.grad is None:
-                    continue
-                grad, w.copy.grad = w.copy.grad, None
-                dtype = self.reduce_dtype or grad.dtype
-                steps = transition_steps(w.grad_spec, w.stored_spec)
-                moved = run_steps(grad.to(dtype), steps, self.comm, "bwd", None, w.strided).to(grad.dtype)
-                if moved is grad or moved._base is not None:  # a local slice: keep the piece only
-                    moved = moved.clone()
-                moved = moved.to(w.shard.device)  # an offloaded shard: its gradient to the host
-                if w.shard.grad is None:
-                    w.shard.grad = moved
-                else:
-                    w.shard.grad.add_(moved)
+        groups: dict = {}  # reduction signature -> [(weight, its gradient, its per-weight moves)]
+        for w in self._weights.values():
+            if w.copy is None or w.copy.grad is None:
+                continue
+            grad, w.copy.grad = w.copy.grad, None
+            moves = reduce_moves(transition_steps(w.grad_spec, w.stored_spec), self.comm, w.strided)
+            if moves is None:  # nothing to reduce (no axis of more than one device)
+                self._add(w, grad.clone())
+                continue
+            groups.setdefault(moves[0], []).append((w, grad, moves[1]))
+        with torch.no_grad():
+            for key, members in groups.items():
+                grads = [g.to(self.reduce_dtype or g.dtype) for _, g, _ in members]
+                _, finish = flat_reduce(grads, key, [mine for *_, mine in members], self.comm)
+                for (w, grad, _), piece in zip(members, finish()):
+                    self._add(w, piece.to(grad.dtype))
+
+    @staticmethod
+    def _add(w: _Weight, piece: torch.Tensor) -> None:
+        """Add a reduced gradient piece to the shard's ``.grad`` (its own storage, on the shard's
+        device: an offloaded shard's gradient goes to the host)."""
+        piece = piece.clone() if piece._base is not None else piece
+        piece = piece.to(w.shard.device)
+        if w.shard.grad is None:
+            w.shard.grad = piece
+        else:
+            w.shard.grad.add_(piece)

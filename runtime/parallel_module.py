@@ -206,7 +206,6 @@ class ParallelModule(ShardedCheckpointIO, torch.nn.Module):
         for module_name, placeholder in (program.meta.get("partita.bucketable_grads") or {}).items():
             module = cast(Reshard, program.get_submodule(module_name))  # lower_to_local's edge modules
             module.sync, module.sync_param = self._buckets, self._get(cap.params[placeholder])
-            module.sync_axes = tuple(axis for axis, _, _ in module.backward_steps or () if self.comm.shape[axis] > 1)
         held = program.meta.get(ZERO1_KEY) or {}  # their gradients accumulate in compute copies
         for edge in program.modules():  # every parameter edge whose backward sends: no_sync defers it
             if (

@@ -10,7 +10,8 @@ use and gathered again in backward). One forked run, every rank:
   own; backward, every regather but the first is issued (when the one after it in forward is
   unpacked) before matmuls of backward that it overlaps, and waited for later;
 * loss and every gradient equal the single-device model's, the communication counted equals the
-  estimate (prefetching sends the same bytes);
+  estimate (prefetching sends the same bytes), and the weights' gradient reduce-scatters (and
+  all-reduces), priced as bucketed, are one flat collective each;
 * a prefetched gather that one rank never joins in time raises ``TimeoutError`` naming the weight
   (the other ranks join it afterwards, so the run ends cleanly).
 
@@ -98,7 +99,11 @@ def prefetch_worker(rank, world, cfg):
     # parity and communication: one more step, with the reference
     for p in pm.parameters():
         p.grad = None
-    check_step_like_one_device(pm, ref, inputs, checks, "prefetched")
+    counter = check_step_like_one_device(pm, ref, inputs, checks, "prefetched")
+    # the weights' reduce-scatters, priced as bucketed, run as one flat collective (one bucket)
+    calls = {k: dict(v) for k, v in counter.grad_sync_calls.items()}
+    checks.true(f"gradient syncs are not one flat collective per kind: {calls}",
+                calls.get("reduce_scatter") == {"a0": 1} and all(n == 1 for v in calls.values() for n in v.values()))
 
     # a gather one rank does not join in time: rank 0 waits 1 s, then the others join it
     edge = prefetches[0].edge

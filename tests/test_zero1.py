@@ -13,7 +13,8 @@ shard once per step and the stepped shard all-gathered into the copy once per st
 * Known answer (GPT on (4,), data parallel): with the budget below what replicated optimizer
   state needs, ``zero="auto"`` makes every weight ZeRO-1 (no weight gathered for use, none tensor
   parallel), and a step of two micro-steps (the first under ``no_sync``) sends exactly one
-  reduce-scatter and one all-gather of the parameters and no gradient all-reduce (the refresh
+  reduce-scatter and one all-gather of the parameters (the reduction one flat collective) and no
+  gradient all-reduce (the refresh
   cut into buckets of 64 KiB, which changes no byte); gradients and the parameters after the step
   equal the reference's; after loading other weights into the shards, the next forward computes
   with them. ``free_source_weights`` releases the source model's whole weights first (all of
@@ -144,6 +145,8 @@ def known_answer_worker(rank, world, cfg):
                 counted.get("all_gather") == {"a0": float(nbytes)})
     checks.true(f"gradient syncs other than one reduce-scatter: {counter.grad_sync_dict()}",
                 counter.grad_sync_dict() == {"reduce_scatter": {"a0": float(nbytes)}})
+    calls = {k: dict(v) for k, v in counter.grad_sync_calls.items()}
+    checks.true(f"the reduce-scatters are not one flat collective: {calls}", calls == {"reduce_scatter": {"a0": 1}})
     est = pm.plan.estimate().comm_bytes
     checks.true(f"estimate {est} is not one reduce-scatter and one all-gather of the parameters",
                 est.get("reduce_scatter") == {"a0": float(nbytes)} and est.get("all_gather") == {"a0": float(nbytes)})
