@@ -13,7 +13,11 @@ The cost model prices everything in seconds from these numbers (decision 4 in do
   axis whose process groups stay inside one node uses ``intra_node``; otherwise ``inter_node``;
 * a copy between a device and its host's memory (offloaded optimizer state): ``latency_s +
   bytes / bandwidth`` on ``host_link`` (PCIe on the GPU presets; none on a CPU, whose copies run
-  at its memory bandwidth).
+  at its memory bandwidth);
+* the optimizer's step: the bytes it reads and writes per parameter element at
+  ``memory_bandwidth``, or at ``host_memory_bandwidth`` for state offloaded to the host (the
+  presets: a DGX node's two sockets of 8-channel DDR5-4800, 614 GB/s, or DDR4-3200 on A100's,
+  410 GB/s, shared by its 8 GPUs).
 
 Presets (``h100``, ``h200``, ``a100``) use vendor figures for SXM parts with NVLink inside an
 8-GPU node and one InfiniBand NIC per GPU across nodes. ``cpu`` is this machine: the compute
@@ -129,6 +133,10 @@ class ClusterSpec:
     optimizer state offloaded to the host moves; None: the device's own memory is the host's
     (a CPU), copies run at ``memory_bandwidth``."""
 
+    host_memory_bandwidth: float | None = None
+    """Host memory bytes per second available to one device (its share of the host's DRAM
+    bandwidth), at which an offloaded optimizer's step runs; None: ``memory_bandwidth`` (a CPU)."""
+
     def host(self) -> LinkSpec:
         """:attr:`host_link`, or this device's memory when there is none (see there)."""
         return self.host_link or LinkSpec(bandwidth=self.memory_bandwidth, latency_s=0.0)
@@ -160,9 +168,10 @@ class ClusterSpec:
         return cls(**data)
 
 
-def _gpu(name, fp32, bf16, hbm_bw, mem_gib, nvlink, ib, pcie, notes):
+def _gpu(name, fp32, bf16, hbm_bw, mem_gib, nvlink, ib, pcie, notes, host_bw=614e9 / 8):
     return ClusterSpec(
         host_link=LinkSpec(bandwidth=pcie, latency_s=10e-6),
+        host_memory_bandwidth=host_bw,
         name=name,
         peak_flops={"float32": fp32, "bfloat16": bf16, "float16": bf16},
         memory_bandwidth=hbm_bw,
@@ -181,7 +190,8 @@ PRESETS = {
     "h200": _gpu("h200", 67e12, 989e12, 4.8e12, 141, 450e9, 50e9, 50e9,
                  "H200 SXM: H100 compute, 141 GB HBM3e at 4.8 TB/s"),
     "a100": _gpu("a100", 19.5e12, 312e12, 2.0e12, 80, 300e9, 25e9, 25e9,
-                 "A100 SXM 80GB: NVLink3 300 GB/s per direction, 200 Gb/s InfiniBand per GPU, PCIe 4 x16 to the host"),
+                 "A100 SXM 80GB: NVLink3 300 GB/s per direction, 200 Gb/s InfiniBand per GPU, PCIe 4 x16 to the host",
+                 host_bw=410e9 / 8),
 }
 # fmt: on
 

@@ -87,6 +87,9 @@ class Estimate:
     in backward): what a pipeline runs once per step, not once per microbatch."""
     grad_sync_bytes: dict = field(default_factory=dict)
     """``grad_sync_bytes[kind][axis_name]``: the part of ``comm_bytes`` those collectives send."""
+    optimizer_s: float = 0.0
+    """The optimizer's step (part of ``step_time_s``): the bytes it reads and writes per element
+    of the tensors it steps, at the device's memory bandwidth (the host's for offloaded state)."""
 
     def total_comm_bytes(self) -> float:
         return sum(v for per_axis in self.comm_bytes.values() for v in per_axis.values())
@@ -100,9 +103,10 @@ class Estimate:
             )
             or "none"
         )
+        optimizer = f", optimizer step {_fmt_time(self.optimizer_s)}" if self.optimizer_s else ""
         text = (
             f"step {_fmt_time(self.step_time_s)} (compute {_fmt_time(self.compute_s)}, communication "
-            f"{_fmt_time(self.comm_s)}); memory {_fmt_bytes(self.memory_bytes)} per device; "
+            f"{_fmt_time(self.comm_s)}{optimizer}); memory {_fmt_bytes(self.memory_bytes)} per device; "
             f"communication per device: {comm}"
         )
         if self.memory is not None and self.memory.offloaded:
@@ -238,7 +242,7 @@ class ShardingPlan:
         return source is not None and source["kind"] == "param"
 
     def _intra_op_estimate(self) -> Estimate:
-        compute = comm_t = weight = sync_t = 0.0
+        compute = comm_t = weight = sync_t = optimizer = 0.0
         comm = defaultdict(lambda: defaultdict(float))
         sync = defaultdict(lambda: defaultdict(float))
         phases = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
@@ -246,6 +250,7 @@ class ShardingPlan:
             compute += r.get("compute_s", 0.0)
             comm_t += r.get("host_transfer_s", 0.0)  # offloaded optimizer state: host copies
             weight += r.get("weight_grad_s", 0.0)
+            optimizer += r.get("optimizer_step_s", 0.0)
             for c in r.get("comm", []):
                 comm_t += c["time_s"]
                 comm[c["kind"]][c["axis"]] += c["bytes"]
@@ -256,9 +261,10 @@ class ShardingPlan:
         as_dict = lambda d: {k: dict(v) for k, v in d.items()}  # noqa: E731
         memory = memory_breakdown(self.records)
         return Estimate(
-            step_time_s=compute + comm_t,
+            step_time_s=compute + comm_t + optimizer,
             compute_s=compute,
             comm_s=comm_t,
+            optimizer_s=optimizer,
             memory_bytes=memory.peak,
             comm_bytes=as_dict(comm),
             comm_bytes_by_phase={p: as_dict(v) for p, v in phases.items()},
@@ -315,6 +321,7 @@ class ShardingPlan:
             bubble_s=max(0.0, pipe["step_time_s"] - pipe["busy_s"]),
             grad_sync_s=busiest.grad_sync_s,
             grad_sync_bytes=busiest.grad_sync_bytes,
+            optimizer_s=max(s.optimizer_s for s in stages),
         )
 
     def _with_throughput(self, est: Estimate) -> Estimate:
@@ -446,6 +453,13 @@ class ShardingPlan:
                 lines.append(
                     f"  {mark} out {o['out'][0]:<18} in {ins:<40} {_fmt_time(o['time_s']):>12}  "
                     f"{_fmt_bytes(o['memory']):>10}{zero}"
+                )
+        for r in hits:
+            if r.get("optimizer_step_s"):  # priced in the estimate after solving (the solver does not weigh it)
+                where = "host" if r.get("offload") else "device"
+                lines.append(
+                    f"{r['fqn']}: optimizer step {_fmt_time(r['optimizer_step_s'])} (memory-bound, in {where} "
+                    f"memory; in the estimate's step, not weighed by the solver)"
                 )
         cores = {r["block"] for r in hits if r.get("recompute") and ".attention" in (r.get("region") or "")}
         redone = sorted({r["block"] for r in hits if r.get("recompute")} - cores)

@@ -47,6 +47,8 @@ __all__ = [
     "Collective",
     "collective_time",
     "host_copy_time",
+    "optimizer_step_bytes",
+    "optimizer_step_time",
     "reshard",
     "collective_kind",
     "dtype_bytes",
@@ -122,6 +124,30 @@ def host_copy_time(nbytes: float, cluster) -> float:
     link (``cluster.host()``), one transfer each way."""
     link = cluster.host()
     return 2 * (link.latency_s + nbytes / link.bandwidth)
+
+
+def optimizer_step_bytes(numel: float, elem: int, optimizer: str | None) -> float:
+    """Bytes the optimizer's step reads and writes for ``numel`` parameter elements of ``elem``
+    bytes. Adam(W): reads the parameter, its gradient and two moments, writes the parameter and
+    the moments: 28 B per fp32 element; a low-precision parameter steps an fp32 master copy (reads
+    the gradient, the master and the moments, writes them and the parameter): ``24 + 2 elem``.
+    SGD (no momentum): reads the parameter and the gradient, writes the parameter. None: 0."""
+    if optimizer is None:
+        return 0.0
+    if optimizer == "sgd":
+        return 3.0 * numel * elem
+    if elem >= 4:
+        return 7.0 * numel * elem
+    return numel * (24.0 + 2 * elem)
+
+
+def optimizer_step_time(numel: float, elem: int, optimizer: str | None, cluster, *, offloaded: bool) -> float:
+    """Seconds of the optimizer's step over ``numel`` elements: memory-bound, at the device's
+    memory bandwidth, or the host's (``host_memory_bandwidth``) for state offloaded there."""
+    bandwidth = cluster.memory_bandwidth
+    if offloaded and getattr(cluster, "host_memory_bandwidth", None):
+        bandwidth = cluster.host_memory_bandwidth
+    return optimizer_step_bytes(numel, elem, optimizer) / bandwidth
 
 
 def reshard(src, dst, shape, mesh_shape, elem: int) -> list:

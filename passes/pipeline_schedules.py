@@ -1121,7 +1121,8 @@ def stage_durations(estimates: Sequence, takes_activations: Sequence[bool]) -> t
 
     ``estimates[s]`` is stage ``s``'s cost estimate for one microbatch (``step_time_s``:
     forward + backward; ``weight_grad_s``: its parameter-gradient products; ``grad_sync_s``: its
-    parameter-gradient reduction, which a pipeline runs once per step, :func:`stage_syncs`). A
+    parameter-gradient reduction and ``optimizer_s`` its optimizer step, which a pipeline runs
+    once per step, :func:`stage_syncs`). A
     third of the rest is forward, two thirds backward. ``weight`` is what a zero-bubble W pass
     runs: the parameter products, or the whole backward on a stage that takes no floating-point
     activations (the first: its input-gradient pass has nothing to compute, so all of its
@@ -1129,7 +1130,7 @@ def stage_durations(estimates: Sequence, takes_activations: Sequence[bool]) -> t
     """
     forward, backward, weight = {}, {}, {}
     for s, (est, takes) in enumerate(zip(estimates, takes_activations)):
-        per_microbatch = est.step_time_s - est.grad_sync_s
+        per_microbatch = est.step_time_s - est.grad_sync_s - getattr(est, "optimizer_s", 0.0)
         forward[s] = per_microbatch / 3.0
         backward[s] = 2.0 * per_microbatch / 3.0
         weight[s] = min(est.weight_grad_s, backward[s]) if takes else backward[s]
@@ -1137,9 +1138,9 @@ def stage_durations(estimates: Sequence, takes_activations: Sequence[bool]) -> t
 
 
 def stage_syncs(estimates: Sequence) -> dict:
-    """stage -> seconds of its parameter-gradient reduction, once per step (``sync_time`` of
-    :func:`simulate`)."""
-    return {s: est.grad_sync_s for s, est in enumerate(estimates)}
+    """stage -> seconds of its parameter-gradient reduction and its optimizer step, once per step
+    (``sync_time`` of :func:`simulate`)."""
+    return {s: est.grad_sync_s + getattr(est, "optimizer_s", 0.0) for s, est in enumerate(estimates)}
 
 
 def auto_stage_in_flight(p: int, m: int) -> dict:

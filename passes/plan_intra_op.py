@@ -28,6 +28,7 @@ from passes.cost_model import (
     dtype_bytes,
     host_copy_time,
     local_bytes,
+    optimizer_step_time,
     own_collectives,
 )
 from passes.ilp_solver import NODE_LIMIT, min_memory, solve_ilp
@@ -129,6 +130,12 @@ def _node_record(node, choice, space, axis_names, rep_node):
         if choice.offload:  # optimizer state and step on the host: the gradient there and the tensor back
             rec["offload"] = True
             rec["host_transfer_s"] = host_copy_time(local_bytes(i.shape, stored, mesh, dtype_bytes(i.dtype)), cluster)
+    if i.kind == "param" and i.requires_grad and space.optimizer is not None:
+        # the optimizer's step over the tensor it steps (the stored piece, or its ZeRO-1 shard)
+        numel = local_bytes(i.shape, choice.stored or choice.out[0], mesh, 1)
+        rec["optimizer_step_s"] = optimizer_step_time(
+            numel, dtype_bytes(i.dtype), space.optimizer, cluster, offloaded=bool(choice.offload)
+        )
     if choice.weight_grad_s:
         rec["weight_grad_s"] = float(choice.weight_grad_s)
     rec["memory"] = float(choice.memory)
@@ -373,9 +380,10 @@ def plan_intra_op(
             continue
         rep = blocks.represent(node)
         rec = _node_record(node, choices.get(node), space, axis_names, rep)
-        if node.name in again:  # a tied weight's ZeRO-1 / offload traffic is its first name's
+        if node.name in again:  # a tied weight's ZeRO-1 / offload traffic and its step are its first name's
             rec["comm"] = []
             rec.pop("host_transfer_s", None)
+            rec.pop("optimizer_step_s", None)
         rec["comm"] = rec["comm"] + _edge_comm(node, choices, space, axis_names)
         rec["decision"] = "leader" if rep in leaders else ("output" if node.op == "output" else "follower")
         if node in block_label:
@@ -413,6 +421,7 @@ def plan_intra_op(
         "edges": len(space.edges),
         "objective_s": result.objective,
         "prefetch_overlap_s": overlap,
+        "optimizer_step_s": sum(r.get("optimizer_step_s", 0.0) for r in records),
         "pruned_options": space.pruned,
         "least_memory": least,
         "least_memory_without_recompute": least_kept,

@@ -176,6 +176,8 @@ class StrategySpace:
     """Options dropped by the ``max_options`` cap (0: the space is complete)."""
     grad_reduce_bytes: int | None = None
     """Bytes per element parameter gradients are reduced in (None: the parameter's own dtype)."""
+    optimizer: str | None = None
+    """The optimizer the plan is made for (``"adam"``, ``"sgd"``, None)."""
 
 
 def _options_for_placeholder(shape, mesh_shape) -> list:
@@ -759,6 +761,7 @@ def build_space(
         mesh_shape=tuple(mesh_shape),
         cluster=cluster,
         pruned=b.pruned,
+        optimizer=optimizer,
     )
 
 
