@@ -458,8 +458,8 @@ class ShardingPlan:
             if r.get("optimizer_step_s"):  # priced in the estimate after solving (the solver does not weigh it)
                 where = "host" if r.get("offload") else "device"
                 lines.append(
-                    f"{r['fqn']}: optimizer step {_fmt_time(r['optimizer_step_s'])} (memory-bound, in {where} "
-                    f"memory; in the estimate's step, not weighed by the solver)"
+                    f"{r['fqn']}: optimizer step {_fmt_time(r['optimizer_step_s'])} (at {where} memory bandwidth; "
+                    f"in the estimate, not in the solver's choice)"
                 )
         cores = {r["block"] for r in hits if r.get("recompute") and ".attention" in (r.get("region") or "")}
         redone = sorted({r["block"] for r in hits if r.get("recompute")} - cores)

@@ -64,4 +64,4 @@ def test_offloaded_state_steps_at_the_host_bandwidth(fake_process_group):
 
     expected = sum(28 * stepped(r) / (H100_HOST if r.get("offload") else H100_HBM) for r in params)
     assert plan.estimate().optimizer_s == pytest.approx(expected, rel=1e-12)
-    assert "in host memory" in plan.explain(offloaded[0]["fqn"])
+    assert "at host memory bandwidth" in plan.explain(offloaded[0]["fqn"])
