@@ -16,8 +16,9 @@ blocks of every gradient lie together) asynchronously while backward goes on; at
 backward (an autograd engine callback) the last buckets are reduced, every one is waited for,
 and the reduced gradients are added to ``.grad`` (a ``.grad`` that was None becomes a view of
 the reduced buffer: the gradients are held once, in the buffers, not also as separate tensors),
-so gradient accumulation across calls behaves as without buckets. The bytes sent are those the plan priced (the same payload per
-axis, in fewer, larger collectives: the estimate prices gradient syncs as bucketed).
+so gradient accumulation across calls behaves as without buckets. The bytes sent are those the
+plan priced (the same payload per axis, in fewer, larger collectives: the estimate prices
+gradient syncs as bucketed).
 
 Accumulation without communication (``ParallelModule.no_sync``, as DDP and FSDP have it):
 :class:`DeferredSyncs` holds, per parameter edge whose backward communicates (a bucketed
