@@ -1,5 +1,5 @@
 """Choose the whole configuration for N devices: pipeline x data x tensor degrees, microbatches,
-schedule and activation checkpointing (``partitioner.plan(..., devices=N)``).
+schedule, activation checkpointing and ZeRO stage (``partitioner.plan(..., devices=N)``).
 
 Algorithm
 ---------
@@ -14,16 +14,20 @@ Algorithm
    ranks can share, each schedule of ``passes.pipeline_schedules`` but GPipe (never faster than
    1F1B and heavier) - 1F1B, ZB-H1, and interleaved with 2 stages per rank where ``m`` is a
    multiple of ``p`` and ``L >= 2p`` - and recomputation ``none`` or ``all`` (without a
-   pipeline the intra-op solver decides it, ``recompute="auto"``).
+   pipeline the intra-op solver decides it, ``recompute="auto"``); with ``d > 1`` each with
+   every ZeRO stage on ``dp`` (:func:`zero_stages`: 0, 1 without a pipeline and with Adam, 2, 3).
 3. **Lower bounds, cheap.** Memory per device: parameter state (weights, gradients, optimizer
-   state) over all ``N`` devices, plus the activations the schedule keeps alive for the layers
+   state) by ZeRO stage (:meth:`_Bounds.state_per_device`: what the stage keeps whole on ``dp``
+   cut by ``tp`` alone, the rest over all ``N`` devices), plus the activations the schedule keeps alive for the layers
    of the first stage, spread over the stage's ``d * t`` devices (with recomputation only each
    layer's input, plus one layer's). Time: training FLOPs (3 forwards, 4 when recomputing) over
    ``N`` devices at the preset's peak times its matmul efficiency, divided by ``1 - bubble``
    with the schedule's closed-form bubble. A candidate whose memory bound exceeds the budget is
    dropped (``over budget``).
 4. **Quick estimate.** A closed-form step time (the time bound plus Megatron-style tensor
-   all-reduces per layer, the data-parallel gradient all-reduce, and the stage-to-stage sends,
+   all-reduces per layer, the data-parallel traffic of the ZeRO stage: a gradient all-reduce
+   once (0), a reduce-scatter and an all-gather once (1), a reduce-scatter once and a weight
+   all-gather per microbatch (2) or two (3), and the stage-to-stage sends,
    on the links the mesh axes cross) orders the survivors; it is never reported as a plan's
    estimate.
 5. **Plan the survivors with the real planner**, in that order after one seed, the usual
@@ -41,7 +45,10 @@ Algorithm
    one costs seconds at large scale; one refused over budget counts half), one per set of
    degrees ``(p, d, t)`` (the best-ranked microbatch count and recomputation for them; 1F1B
    and ZB-H1 come from the same plannings);
-   the rest are listed as not planned, with their bounds.
+   the rest are listed as not planned, with their bounds. A set of degrees refused over budget
+   is planned again by a candidate with a smaller memory bound (a higher ZeRO stage). The stage
+   reaches the solver as ``zero=`` (:func:`planner_zero`), and the configuration records the
+   stage the plan's weights use (:func:`zero_stage_of`).
 6. The fastest plan that fits is returned with its :class:`ParallelConfig` (``plan.config``)
    and the search's table (``plan.explain()``: runner-ups, their estimates, why they lost).
 
@@ -210,9 +217,21 @@ def _state_bytes_per_param(optimizer) -> int:
     return 4 + (4 if optimizer is not None else 0) + (8 if optimizer == "adam" else 0)
 
 
-def enumerate_configs(devices, global_batch, layers, devices_per_node, *, recompute="auto", pipelines=True):
+def zero_stages(data: int, pipeline: int, optimizer) -> tuple:
+    """The ZeRO stages a candidate with ``data`` data-parallel ranks tries: none without a data
+    axis (``"auto"``: the solver's own choice on the other axes); 1 needs Adam's state and no
+    pipeline (stage programs keep no compute copies)."""
+    if data == 1:
+        return ("auto",)
+    return tuple(z for z in (0, 1, 2, 3) if z != 1 or (optimizer == "adam" and pipeline == 1))
+
+
+def enumerate_configs(
+    devices, global_batch, layers, devices_per_node, *, recompute="auto", pipelines=True, optimizer="adam"
+):
     """Every configuration step 2 of the module docstring lists (pipelined recomputation only
-    where ``recompute`` allows it: ``"auto"`` tries ``none`` and ``all``)."""
+    where ``recompute`` allows it: ``"auto"`` tries ``none`` and ``all``), each with every ZeRO
+    stage :func:`zero_stages` allows."""
     out = []
     pipe_rc = ("none", "all") if recompute == "auto" else (recompute,)
     for t in _divisors(devices):
@@ -226,7 +245,8 @@ def enumerate_configs(devices, global_batch, layers, devices_per_node, *, recomp
                 continue  # the same one-axis stage mesh as (p, t, 1): the solver places it alike
             if p == 1:
                 if global_batch % d == 0:
-                    out.append(ParallelConfig(1, d, t, 1, None, 1, recompute, global_batch))
+                    for z in zero_stages(d, 1, optimizer):
+                        out.append(ParallelConfig(1, d, t, 1, None, 1, recompute, global_batch, zero=z))
                 continue
             if not pipelines or p > layers:
                 continue
@@ -240,7 +260,8 @@ def enumerate_configs(devices, global_batch, layers, devices_per_node, *, recomp
                     for rc in pipe_rc:
                         if rc == "all" and layers // (p * v) < 2:
                             continue  # a stage of one layer has no repeated block to recompute
-                        out.append(ParallelConfig(p, d, t, m, name, v, rc, global_batch))
+                        for z in zero_stages(d, p, optimizer):
+                            out.append(ParallelConfig(p, d, t, m, name, v, rc, global_batch, zero=z))
     return out
 
 
@@ -279,6 +300,7 @@ class _Bounds:
         self.peak = spec.flops_for(name) * spec.matmul_efficiency
         self.state = facts.params * _state_bytes_per_param(optimizer)
         self.bytes_per_param = _state_bytes_per_param(optimizer)
+        self.grad_bytes = 4 if optimizer is not None else 0
         self._state_cache: dict = {}
         self.reduce_bytes = precision.grad_reduce_bytes or 4
 
@@ -306,16 +328,31 @@ class _Bounds:
         return self.state_per_device(c) + acts / share
 
     def state_per_device(self, c: ParallelConfig) -> float:
-        """Parameter state on the busiest device, at best: each weight's share of a stage cut
-        by the stage mesh axes that divide one of its dims (a weight of width 25,600 cannot be
-        split 96 ways), the stage holding at least ``1/p`` of the weights."""
-        key = (c.pipeline, c.data, c.tensor)
+        """Parameter state on the busiest device, at best, the stage holding at least ``1/p`` of
+        the weights. Each weight's sharded part is its share cut by the stage mesh axes that
+        divide one of its dims (a weight of width 25,600 cannot be split 96 ways); what the ZeRO
+        stage keeps whole on the data axes (``dp`` and ``sp``) is cut by ``tp`` alone: stage 0
+        all of it (fp32 weight, gradient, optimizer state), 1 the weight and its gradient (the
+        compute copy) beside a shard of everything, 2 the gathered weight kept for backward
+        (with nothing recomputed: a recomputed layer gathers again, so otherwise as 3), 3 one
+        layer's gathered weights; ``"auto"`` (no data axis) all sharded."""
+        stage = 3 if c.zero == 2 and c.recompute != "none" else c.zero
+        key = (c.pipeline, c.data * c.sequence, c.tensor, stage)
         if key not in self._state_cache:
-            total = sum(
-                count * math.prod(shape) / _most_splits(shape, c.data, c.tensor)
-                for shape, count in self.f.param_shapes.items()
-            )
-            self._state_cache[key] = total * self.bytes_per_param / c.pipeline
+            data = c.data * c.sequence
+            whole = {0: self.bytes_per_param, 1: 4 + self.grad_bytes, 2: 4}.get(stage, 0)  # type: ignore[arg-type]
+            total = 0.0
+            for shape, count in self.f.param_shapes.items():
+                n = count * math.prod(shape)
+                tp_only = n / _most_splits(shape, 1, c.tensor)
+                if stage == 0:
+                    total += tp_only * whole
+                else:
+                    total += tp_only * whole + n / _most_splits(shape, data, c.tensor) * self.bytes_per_param
+            total /= c.pipeline
+            if stage == 3 and self.f.layers:
+                total += self.f.layer_params * 4 / c.tensor  # the one layer gathered at a time
+            self._state_cache[key] = total
         return self._state_cache[key]
 
     def activations_without_recompute(self, c: ParallelConfig) -> float:
@@ -341,17 +378,29 @@ class _Bounds:
             per_micro += per_stage_layers * (6 if c.recompute == "all" else 4) * (ar + overhead + link.latency_s)
         once = 0.0
         if c.data > 1:
-            # the stage's gradients all-reduced once per step (bucketed; a pipeline holds them back
-            # until its last microbatch), or, when cheaper, a per-layer reduction of activations
-            # over dp in every microbatch: a stand-in for the plans the solver finds without
-            # replicated weights on dp (sharded weights, activations split on both axes)
+            # by ZeRO stage: the stage's gradients all-reduced once per step (0; bucketed, a
+            # pipeline holds them back until its last microbatch), reduce-scattered and the
+            # stepped shards all-gathered once (1), or reduce-scattered once and the weights
+            # gathered in every microbatch's forward (2) and again in its backward (3); or, when
+            # cheaper, a per-layer reduction of activations over dp in every microbatch: a stand-in
+            # for the plans the solver finds with activations split on both axes
             link = spec.link_for_axis(shape, 1)
+            share = (c.data - 1) / c.data / link.bandwidth
             grads = f.params / (c.pipeline * c.tensor) * self.reduce_bytes
-            sync = 2 * (c.data - 1) / c.data * grads / link.bandwidth + overhead + link.latency_s
+            weights = f.params / (c.pipeline * c.tensor) * 4
+            hop = overhead + link.latency_s
+            gathers = {2: 1, 3: 2}.get(c.zero, 0)  # type: ignore[arg-type]
+            if c.zero in (0, "auto"):
+                sync, gather = 2 * share * grads + hop, 0.0
+            elif c.zero == 1:
+                sync, gather = share * (grads + weights) + 2 * hop, 0.0
+            else:
+                sync, gather = share * grads + hop, gathers * (share * weights + hop)
             ar = 2 * (c.data - 1) / c.data * f.boundary_per_sample * mb / c.tensor / link.bandwidth
             as_tensor = per_stage_layers * (6 if c.recompute == "all" else 4) * (ar + overhead + link.latency_s)
-            if sync <= as_tensor * c.microbatches:
+            if sync + gather * c.microbatches <= as_tensor * c.microbatches:
                 once = sync
+                per_micro += gather
             else:
                 per_micro += as_tensor
         if c.pipeline > 1:  # an activation forward and its gradient back, per microbatch
@@ -405,6 +454,8 @@ class _Planner:
         zero1=True,
         microbatches=1,
         holds_gradient_sums=False,
+        zero="auto",
+        sequence_parallel="auto",
     ):
         from partitioner.api import plan_captured
 
@@ -424,18 +475,30 @@ class _Planner:
             zero1=zero1,
             microbatches=microbatches,
             holds_gradient_sums=holds_gradient_sums,
+            zero=zero,
+            sequence_parallel=sequence_parallel,
         )
 
     def plan(self, c: ParallelConfig) -> ShardingPlan:
-        """The real plan for ``c`` (raises InfeasibleBudgetError when nothing fits)."""
+        """The real plan for ``c`` (raises InfeasibleBudgetError when nothing fits); its config
+        records the ZeRO stage the plan's weights use (:func:`zero_stage_of`)."""
         if c.pipeline == 1:
             self.plannings += 1
             made = self._plan(
-                self.capture(self.batch), self.name, c.stage_mesh_shape, c.stage_axis_names, recompute=c.recompute
+                self.capture(self.batch),
+                self.name,
+                c.stage_mesh_shape,
+                c.stage_axis_names,
+                recompute=c.recompute,
+                zero=planner_zero(c.zero),
+                sequence_parallel=c.sequence_parallel,
             )
-            made.data["config"] = c.to_dict()
-            return made
-        return self._pipeline(c)
+        else:
+            made = self._pipeline(c)
+        if c.zero != "auto":
+            c = replace(c, zero=zero_stage_of(made))
+        made.data["config"] = c.to_dict()
+        return made
 
     # -- pipelines ---------------------------------------------------------------------------
     def stage_lengths(self, stages: int) -> list:
@@ -520,7 +583,7 @@ class _Planner:
         ]
         class_copies = [max(copies[s] for s in range(stages) if stage_map[s] == k) for k in range(len(classes))]
         family = "interleaved" if c.schedule == "interleaved" else "auto"
-        key = (size, c.pipeline, c.data, c.tensor, c.virtual_stages, c.recompute, family)
+        key = (size, c.pipeline, c.data, c.sequence, c.tensor, c.virtual_stages, c.recompute, family, c.zero)
         if key in self._stage_sets:
             return self._stage_sets[key]
         self.plannings += 1
@@ -554,6 +617,8 @@ class _Planner:
                 zero1=False,
                 microbatches=c.microbatches,
                 holds_gradient_sums=True,
+                zero=planner_zero(c.zero),
+                sequence_parallel=c.sequence_parallel,
             )
             sent_as.update(_sent_placements(g, made_by[k], len(shape)))
         plans = [made_by[k] for k in range(len(graphs))]
@@ -651,6 +716,33 @@ class _Planner:
             },
         }
         return ShardingPlan(data)
+
+
+def planner_zero(stage):
+    """The intra-op solver's ``zero=`` for a configuration's stage: 0 and 2 offer neither ZeRO-1
+    nor a regather (the budget decides whether a weight is stored sharded), 1 and 3 force theirs
+    on the weights so stored; ``"auto"`` leaves the choice per weight to the solver."""
+    return {0: 2}.get(stage, stage)
+
+
+def zero_stage_of(plan: ShardingPlan) -> int:
+    """The ZeRO stage a plan's weights use on its data axes (``dp``, ``sp``): 3 when one is
+    gathered again in backward, 2 when one is stored sharded there, 1 when one's optimizer
+    shard is (ZeRO-1), else 0."""
+    plans = plan.stage_plans if plan.data.get("pipeline") else [plan]
+    stage = 0
+    for part in plans:
+        names = list(part.axis_names)
+        data_axes = [k for k, a in enumerate(names) if a in ("dp", "sp")]
+        for r in part.records:
+            if r.get("kind") != "param":
+                continue
+            stored = _split_spec(r.get("stored") or r["out"][0])
+            cut = any(k < len(stored) and stored[k].startswith("S(") for k in data_axes)
+            if not cut:
+                continue
+            stage = max(stage, 3 if r.get("zero") == 3 else 1 if r.get("stored") else 2)
+    return stage
 
 
 def _send_pins(first, second, second_plan, ndim) -> dict:
@@ -769,7 +861,13 @@ def search_config(
     facts = planner.facts = ModelFacts.of(model, planner.capture(batch), batch)
     bounds = _Bounds(facts, spec, precision, optimizer, batch)
     configs = enumerate_configs(
-        devices, batch, facts.layers, spec.devices_per_node, recompute=recompute, pipelines=pipelines
+        devices,
+        batch,
+        facts.layers,
+        spec.devices_per_node,
+        recompute=recompute,
+        pipelines=pipelines,
+        optimizer=optimizer,
     )
     if not pipeline_recompute:
         configs = [c for c in configs if c.pipeline == 1 or c.recompute == "none"]
@@ -819,7 +917,7 @@ def search_config(
     if seed is not None:  # planned first: the best plan is never worse than the usual recipe
         queue.remove(seed)
         queue.insert(0, seed)
-    tried: dict = {}  # (p, d, t) -> the microbatches and recomputation planned for them
+    tried: dict = {}  # (p, d, s, t) -> (what was planned for them, its memory bound if refused over budget)
     refused = 0  # plannings refused over budget count half toward max_plans (they stop early)
     while queue:
         cand = queue.pop(0)
@@ -827,19 +925,27 @@ def search_config(
             cand.status = "pruned"
             cand.reason = f"its time bound {_fmt_s(cand.time_lb)} exceeds the best step {_fmt_s(best.step_time_s)}"
             continue
-        degrees = (cand.config.pipeline, cand.config.data, cand.config.tensor)
+        degrees = (cand.config.pipeline, cand.config.data, cand.config.sequence, cand.config.tensor)
         if not _cached(planner, cand.config):
             if planner.plannings - refused / 2 >= max_plans:
                 cand.reason = f"search limit ({max_plans} plannings); quick estimate {_fmt_s(cand.quick_s)}"
                 continue
-            if degrees in tried:
-                cand.reason = f"these degrees were planned with {tried[degrees]}; quick estimate {_fmt_s(cand.quick_s)}"
+            # one planning per set of degrees, and another only with less memory (a higher ZeRO
+            # stage, say) after that one was refused over budget
+            if degrees in tried and not (tried[degrees][1] is not None and cand.memory_lb < tried[degrees][1]):
+                cand.reason = (
+                    f"these degrees were planned with {tried[degrees][0]}; quick estimate {_fmt_s(cand.quick_s)}"
+                )
                 continue
-        tried.setdefault(degrees, f"{cand.config.microbatches} microbatches, recompute {cand.config.recompute}")
+        tried[degrees] = (
+            f"{cand.config.microbatches} microbatches, recompute {cand.config.recompute}, ZeRO {cand.config.zero}",
+            None,
+        )
         try:
             made = planner.plan(cand.config)
         except InfeasibleBudgetError as exc:
             refused += 1
+            tried[degrees] = (tried[degrees][0], cand.memory_lb)
             cand.status = "over budget"
             cand.reason = str(exc).split(". ")[0]
             if least_seen is None or cand.memory_lb < least_seen[0]:
@@ -851,6 +957,9 @@ def search_config(
                 queue.sort(key=order)
             continue
         est = made.estimate()
+        if made.config is not None and made.config.zero != cand.config.zero:
+            cand.reason = f"asked ZeRO-{cand.config.zero}; "
+            cand.config = made.config
         cand.status, cand.plan = "planned", made
         cand.step_time_s, cand.memory_bytes = est.step_time_s, est.memory_bytes
         logger.info(
@@ -874,7 +983,7 @@ def search_config(
     for cand in cands:
         if cand.status == "planned" and cand is not best:
             slower = 100 * (cand.step_time_s / best.step_time_s - 1)
-            cand.reason = f"slower by {slower:.1f}%"
+            cand.reason += f"slower by {slower:.1f}%"
     best.status, best.reason = "chosen", ""
     plan = best.plan
     assert plan is not None
@@ -916,10 +1025,12 @@ def _cached(planner: _Planner, c: ParallelConfig) -> bool:
         c.microbatch_size,
         c.pipeline,
         c.data,
+        c.sequence,
         c.tensor,
         c.virtual_stages,
         c.recompute,
         family,
+        c.zero,
     ) in planner._stage_sets
 
 

@@ -1,12 +1,13 @@
 """``ParallelConfig``: the whole configuration of a training job on N devices, as one value.
 
-Degrees (pipeline x data x tensor), the mesh they make (axis names ``pp``, ``dp``, ``tp``; an
-axis of size 1 is left out), the microbatches per step, the pipeline schedule and activation
-checkpointing. :mod:`partitioner.config_search` chooses one; a :class:`ShardingPlan` made by the
+Degrees (pipeline x data x sequence x tensor), the mesh they make (axis names ``pp``, ``dp``,
+``sp``, ``tp``; an axis of size 1 is left out), the microbatches per step, the pipeline schedule,
+activation checkpointing, the ZeRO stage on the data-parallel axes and the sequence-parallel
+attention. :mod:`partitioner.config_search` chooses one; a :class:`ShardingPlan` made by the
 search carries it (``plan.config``) and shows it in its summary. Plain data, no torch import:
 JSON in, JSON out.
 
-The mesh is laid out row-major, so the last axis (``tp``) is the innermost: its groups are
+The mesh is laid out row-major, so the last axis (``tp``, else ``sp``) is the innermost: its groups are
 consecutive ranks, inside one node when ``tensor <= devices_per_node``. The axis names state the
 search's intent (the batch split on ``dp``, tensor groups inside a node on ``tp``); the
 intra-op solver places every tensor on each axis freely, so a plan may also shard weights on
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["ParallelConfig"]
+__all__ = ["ParallelConfig", "ZERO_STAGES"]
+
+ZERO_STAGES = ("auto", 0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -39,39 +42,59 @@ class ParallelConfig:
     ``auto`` (the intra-op solver decides)."""
     global_batch: int = 0
     """Samples per training step (all microbatches, all data-parallel ranks)."""
+    zero: int | str = "auto"
+    """ZeRO stage of the weights on the data-parallel axes: ``0`` (replicated: one gradient
+    all-reduce), ``1`` (optimizer state sharded), ``2`` (weights, gradients and state sharded,
+    the gathered copy kept for backward), ``3`` (gathered again in backward), or ``"auto"`` (the
+    intra-op solver decides per weight). A searched plan records the stage its weights use."""
+    sequence: int = 1
+    """Ranks along ``sp`` in every stage: the sequence split over them (ring or Ulysses attention)."""
+    sequence_parallel: str = "auto"
+    """Attention over ``sp`` (``"ring"`` or ``"ulysses"`` when ``sequence > 1``); ``"auto"``
+    otherwise (the solver may still choose either on any axis)."""
 
     def __post_init__(self):
-        for name in ("pipeline", "data", "tensor", "microbatches", "virtual_stages"):
+        for name in ("pipeline", "data", "tensor", "microbatches", "virtual_stages", "sequence"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ParallelConfig.{name} must be a positive int, got {value!r}")
+        if self.zero not in ZERO_STAGES:
+            raise ValueError(f"ParallelConfig.zero must be one of {ZERO_STAGES}, got {self.zero!r}")
+        if self.sequence > 1 and self.sequence_parallel not in ("ring", "ulysses"):
+            raise ValueError(
+                f"ParallelConfig.sequence_parallel must be 'ring' or 'ulysses' with sequence={self.sequence}, "
+                f"got {self.sequence_parallel!r}"
+            )
 
     @property
     def devices(self) -> int:
-        return self.pipeline * self.data * self.tensor
+        return self.pipeline * self.data * self.sequence * self.tensor
 
     @property
     def stage_mesh_shape(self) -> tuple:
-        """The mesh one pipeline stage is planned on (``dp``, ``tp``; size-1 axes left out)."""
-        shape = tuple(n for n in (self.data, self.tensor) if n > 1)
+        """The mesh one pipeline stage is planned on (``dp``, ``sp``, ``tp``; size-1 axes left out)."""
+        shape = tuple(n for _, n in self._stage_axes())
         return shape or (1,)
 
     @property
     def stage_axis_names(self) -> tuple:
-        names = tuple(a for a, n in (("dp", self.data), ("tp", self.tensor)) if n > 1)
+        names = tuple(a for a, _ in self._stage_axes())
         return names or ("dp",)
+
+    def _stage_axes(self) -> list:
+        return [(a, n) for a, n in (("dp", self.data), ("sp", self.sequence), ("tp", self.tensor)) if n > 1]
 
     @property
     def mesh_shape(self) -> tuple:
-        """The whole job's mesh: ``(pipeline, data, tensor)`` without size-1 axes."""
+        """The whole job's mesh: ``(pipeline, data, sequence, tensor)`` without size-1 axes."""
         if self.pipeline > 1:
-            return (self.pipeline,) + tuple(n for n in (self.data, self.tensor) if n > 1)
+            return (self.pipeline,) + tuple(n for _, n in self._stage_axes())
         return self.stage_mesh_shape
 
     @property
     def axis_names(self) -> tuple:
         if self.pipeline > 1:
-            return ("pp",) + tuple(a for a, n in (("dp", self.data), ("tp", self.tensor)) if n > 1)
+            return ("pp",) + tuple(a for a, _ in self._stage_axes())
         return self.stage_axis_names
 
     @property
@@ -81,7 +104,9 @@ class ParallelConfig:
 
     def describe(self) -> str:
         parts = [
-            f"pipeline {self.pipeline} x data {self.data} x tensor {self.tensor} = {self.devices} devices, "
+            f"pipeline {self.pipeline} x data {self.data}"
+            + (f" x sequence {self.sequence} ({self.sequence_parallel})" if self.sequence > 1 else "")
+            + f" x tensor {self.tensor} = {self.devices} devices, "
             f"mesh {self.mesh_shape} ({', '.join(self.axis_names)})"
         ]
         if self.pipeline > 1:
@@ -92,6 +117,8 @@ class ParallelConfig:
         elif self.global_batch:
             parts.append(f"batch {self.global_batch}")
         parts.append(f"recompute {self.recompute}")
+        if self.zero != "auto":
+            parts.append(f"ZeRO-{self.zero}")
         return "; ".join(parts)
 
     def __str__(self) -> str:

@@ -10,7 +10,7 @@ from parity_utils import Checks, adam_in_lockstep, check_grads_by_alias, nested_
 
 import partitioner
 from partitioner import models
-from partitioner.config_search import plan_config
+from partitioner.config_search import plan_config, search_config, zero_stage_of
 from partitioner.parallel_config import ParallelConfig
 from passes.plan_intra_op import InfeasibleBudgetError
 
@@ -76,11 +76,33 @@ def test_a_budget_under_half_the_state_forces_the_weights_apart():
         assert any("S(" in plan.placement_of(name) for name, _ in model.named_parameters())
 
 
+def test_a_budget_under_the_replicated_state_makes_the_search_choose_zero_2():
+    # on 2 data-parallel ranks the replicated state (16 B per parameter) is over a budget of 0.95
+    # of it, and ZeRO-1 saves nothing there (a whole compute copy and its gradient, 8 B, beside
+    # 16 B / 2 of shards): only storing weights sharded (ZeRO-2, 4 + 16 / 2 B; ZeRO-3 only adds
+    # a regather) fits; without pipelines the one set of degrees is (1, 2, 1)
+    model, inputs = models.gpt_demo(batch=8, seq=16, n_layer=2, n_embd=128, vocab_size=512)
+    state = _state_bytes(model)
+    budget = int(0.95 * state)
+    plan = search_config(model, inputs, devices=2, cluster="h100", memory_budget=budget, pipelines=False)
+    assert (plan.config.data, plan.config.zero) == (2, 2)
+    assert zero_stage_of(plan) == 2 and "ZeRO-2" in plan.summary()
+    est = plan.estimate()
+    assert est.memory_bytes <= budget
+    assert est.memory.parameters + est.memory.gradients + est.memory.optimizer_state < state
+    stored = {r["out"][0] for r in plan.records if r["kind"] == "param"}
+    assert "[S(0)]" in stored and all(r.get("zero") != 3 for r in plan.records)
+    rows = {r["config"]["zero"]: r for r in plan.data["search"]["rows"]}
+    for stage in (0, 1):  # their bounds keep 16 B per parameter whole
+        assert rows[stage]["status"] == "over budget" and rows[stage]["memory_lower_bound"] > budget
+    assert "ZeRO-0" in plan.explain() and "ZeRO-1" in plan.explain()
+
+
 def test_a_pipelined_plan_is_one_sharding_plan_with_bubble_and_send_recv(tmp_path):
     model, inputs = models.gpt_demo(batch=8, seq=16, n_layer=4)
     config = ParallelConfig(pipeline=2, data=2, microbatches=4, schedule="1f1b")
     plan = plan_config(model, inputs, config, cluster="h100")
-    assert plan.config == ParallelConfig(2, 2, 1, 4, "1f1b", 1, "none", 8)
+    assert plan.config == ParallelConfig(2, 2, 1, 4, "1f1b", 1, "none", 8, zero="auto")
     assert plan.mesh_shape == (2, 2) and plan.axis_names == ("pp", "dp")
     stages = plan.stage_plans
     assert len(stages) == 2 and all(s.mesh_shape == (2,) for s in stages)
