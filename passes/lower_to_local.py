@@ -378,16 +378,22 @@ def _outline(gm: fx.GraphModule, name: str, layer: str, nodes: list) -> dict:
 
 
 def _bucketable(graph, b) -> dict:
-    """Reshard submodule -> parameter placeholder, for the parameter edges whose backward sends
-    only reductions (all-reduces, reduce-scatters): those join DDP-style buckets
-    (runtime/grad_sync.py), each edge's gradient added to its parameter's ``.grad``."""
+    """Reshard submodule -> parameter placeholder, for parameters whose whole gradient sync is one
+    edge's reductions (all-reduces, reduce-scatters): those join DDP-style buckets
+    (runtime/grad_sync.py). A parameter with several such edges (a tied weight) keeps per-edge
+    syncs: in a bucket, its ``.grad`` (a view of the reduced buffer) would keep the other edge's
+    piece alive too."""
     out = {}
     for node in graph.nodes:
         if node.op != "placeholder" or info(node).kind != "param":
             continue
-        for name, m in b.edges_from.get(node.name, ()):
-            if m.sync_moves is not None:
-                out[name] = node.name
+        moving = [
+            (name, m)
+            for name, m in b.edges_from.get(node.name, ())
+            if any(b.comm.shape[s[0]] > 1 for s in m.backward_steps or ())
+        ]
+        if len(moving) == 1 and moving[0][1].sync_moves is not None:
+            out[moving[0][0]] = node.name
     return out
 
 

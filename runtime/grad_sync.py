@@ -3,8 +3,8 @@
 The plan decides which parameters need it: a parameter replicated on a mesh axis whose
 consumer does different work per rank there receives a partial gradient that must be
 all-reduced on that axis; a weight stored sharded and gathered for use (ZeRO-2 / ZeRO-3)
-receives one that must be reduce-scattered. When a parameter edge's backward is only such
-reductions (``Partial -> Replicate`` or ``Partial -> Shard`` moves), lowering marks its
+receives one that must be reduce-scattered. When that is all its gradient needs (one consuming
+edge whose backward is only ``Partial -> Replicate`` or ``Partial -> Shard`` moves), lowering marks its
 :class:`Reshard` as *bucketed*: its backward hands the partial gradient to
 :class:`GradientBuckets` instead of reducing it alone.
 
@@ -162,9 +162,7 @@ class GradientBuckets:
                 if work is not None:
                     work.wait()
                 for (param, dtype), piece in zip(entries, finish()):
-                    piece = piece.to(dtype)
-                    if not piece.is_contiguous():  # a reduce-scatter's piece cut along a later dim
-                        piece = piece.contiguous()
+                    piece = piece.to(dtype)  # (cut along a later dim: strided like a reduce-scatter's)
                     if param.grad is None:
                         # a view of the reduced buffer (one copy of the gradients, not two)
                         param.grad = piece
