@@ -8,7 +8,8 @@ gradient and the parameters after 3 AdamW steps equal one device; the collective
 rerun repeats the core's forward collectives) equal the plan's estimate; the saved activations
 ``partitioner.measure_memory`` counts equal the estimate within 5%, and are fewer than the same
 program's with its regions run plainly (everything kept) and, on mesh (4,), more than the same
-model's with every layer recomputed in full.
+model's with every layer recomputed in full (for ViT, that plan too is checked against one
+device: loss, every gradient, counted communication, parameters after 3 AdamW steps).
 
 One process (fixed cluster ``h100``, models on ``meta``): the attention core found in each
 model's graph; under a budget between the least memory of full recomputation and of keeping
@@ -109,10 +110,13 @@ def selective_worker(rank, world, mesh, configs, with_full):
         full = None
         if with_full:  # the same pins, every layer recomputed in full
             whole = copy.deepcopy(ref)
+            full_ref = copy.deepcopy(ref)
             full_pm = partitioner.auto_parallelize(whole, inputs, mesh=mesh, pins=pins, cluster="h100",
                                                    recompute="all")
             full = _saved(full_pm, inputs)
             checks.true(f"{label}: measured saved: full {full} < selective {selective}", full < selective)
+            if name in FULL_PARITY:
+                _full_recompute_parity(full_pm, full_ref, inputs, checks, f"{label} full")
         report.append((label, full, selective, kept, est))
         for n, p in pm.named_parameters():  # the gradients of the parity step, for the first AdamW step
             p.grad = kept_grads.get(n)
@@ -121,6 +125,25 @@ def selective_worker(rank, world, mesh, configs, with_full):
         for pname, p in ref.named_parameters(remove_duplicate=False):
             checks.close(f"{label}: parameter {pname} after 3 AdamW steps", state[pname], p.detach())
     return {"failures": checks.failures, "report": report}
+
+
+FULL_PARITY = {"vit"}
+"""Models whose full recomputation on (4,) is also checked against one device here (GPT and LLaMA
+are in ``tests/test_activation_checkpointing.py``, with ViT on (2, 2))."""
+
+
+def _full_recompute_parity(pm, ref, inputs, checks, label):
+    """Loss, every gradient, counted communication == estimate, parameters after 3 AdamW steps."""
+    from parity_utils import check_step_like_one_device
+
+    for model in (pm, ref):
+        for p in model.parameters():
+            p.grad = None
+    check_step_like_one_device(pm, ref, inputs, checks, label)
+    adam_in_lockstep(pm.parameters(), ref, inputs, 3, lambda: _step(pm, inputs), checks)
+    state = pm.full_state_dict()
+    for pname, p in ref.named_parameters(remove_duplicate=False):
+        checks.close(f"{label}: parameter {pname} after 3 AdamW steps", state[pname], p.detach())
 
 
 RUNS = [  # LLaMA's two attentions on one mesh each; full recomputation (a plan of its own) on one mesh
