@@ -321,16 +321,23 @@ class PendingMoves:
         self.work, self.finish, self.rest = work, finish, rest
         self.comm, self.phase, self.held, self.strided_dst, self.what = comm, phase, held, strided_dst, what
 
-    def wait(self, timeout_s: float) -> torch.Tensor:
+    def wait(self, timeout_s: float | None = None) -> torch.Tensor:
+        """Finish the moves. ``timeout_s``: a limit on the gather's wait (None: the process
+        group's own collective timeout, as for every other collective); a gather that fails or
+        does not complete in time raises ``RuntimeError`` naming the tensor."""
         import datetime
 
         try:
-            self.work.wait(datetime.timedelta(seconds=timeout_s))
+            if timeout_s is None:
+                self.work.wait()
+            else:
+                self.work.wait(datetime.timedelta(seconds=timeout_s))
         except RuntimeError as exc:
-            raise TimeoutError(
-                f"the prefetched all-gather of {self.what} ({self.phase}) did not complete within "
-                f"{timeout_s:g} s ({exc}): a rank of its mesh axis did not reach the same gather (it "
-                f"failed or runs another program); raise the limit with runtime.prefetch.wait_timeout()"
+            limit = "the process group's timeout" if timeout_s is None else f"{timeout_s:g} s"
+            raise RuntimeError(
+                f"the prefetched all-gather of {self.what} ({self.phase}) did not complete within {limit}: "
+                f"{exc} (a rank of its mesh axis did not reach the same gather: it failed, stalled or runs "
+                f"another program)"
             ) from exc
         x = self.finish()
         for axis, p, q in self.rest:

@@ -11,8 +11,9 @@ activations, so it can run while earlier ops compute. Two places start one ahead
 * **Backward** (:mod:`runtime.regather`): when a ZeRO-3 copy is gathered again, the regather
   expected next (the copy saved just before it in forward) is started the same way.
 
-The bytes are those of the same collectives, counted when they are issued. A wait that does not
-complete within the limit raises :class:`TimeoutError` naming the weight. :func:`prefetch_log`
+The bytes are those of the same collectives, counted when they are issued. A wait that fails or
+does not complete within the process group's collective timeout (the job's, as for every other
+collective; :func:`wait_timeout` sets another limit) raises ``RuntimeError`` naming the weight. :func:`prefetch_log`
 records, in order, each ``("issue" | "wait", weight, phase, result)`` event, so a test can see
 that a gather was issued before the ops in front of its use ran.
 """
@@ -27,13 +28,14 @@ from runtime.collectives import PendingMoves
 
 __all__ = ["PrefetchGather", "take_prefetched", "issue", "finish", "wait_timeout", "prefetch_log"]
 
-_TIMEOUT_S = [600.0]  # the limit on waiting for a prefetched gather
+_TIMEOUT_S: list = [None]  # a limit on waiting for a prefetched gather (None: the process group's timeout)
 _LOGS: list = []  # active event logs (prefetch_log)
 
 
 @contextlib.contextmanager
 def wait_timeout(seconds: float):
-    """Inside, waiting for a prefetched gather fails after ``seconds`` (default 600)."""
+    """Inside, waiting for a prefetched gather fails after ``seconds`` (outside: after the
+    process group's own collective timeout, the job's, as every other collective)."""
     if not seconds > 0:
         raise ValueError(f"wait_timeout: seconds must be > 0, got {seconds!r}")
     previous, _TIMEOUT_S[0] = _TIMEOUT_S[0], float(seconds)
