@@ -380,12 +380,13 @@ def _outline(gm: fx.GraphModule, name: str, layer: str, nodes: list) -> dict:
 def _bucketable(graph, b) -> dict:
     """Reshard submodule -> parameter placeholder, for parameters whose whole gradient sync is one
     edge's reductions (all-reduces, reduce-scatters): those join DDP-style buckets
-    (runtime/grad_sync.py). A parameter with several such edges (a tied weight) keeps per-edge
-    syncs: in a bucket, its ``.grad`` (a view of the reduced buffer) would keep the other edge's
-    piece alive too."""
+    (runtime/grad_sync.py). A parameter used by several ops (a tied weight) keeps per-edge syncs:
+    its other uses may give it a ``.grad`` before the bucket is reduced, and its piece of the
+    reduced buffer, only added there, would stay alive with the buffer (the other parameters'
+    ``.grad`` are views of it)."""
     out = {}
     for node in graph.nodes:
-        if node.op != "placeholder" or info(node).kind != "param":
+        if node.op != "placeholder" or info(node).kind != "param" or len(node.users) != 1:
             continue
         moving = [
             (name, m)
