@@ -1,4 +1,4 @@
-"""Choose the whole configuration for N devices: pipeline x data x tensor degrees, microbatches,
+"""Choose the whole configuration for N devices: pipeline x data x sequence x tensor degrees, microbatches,
 schedule, activation checkpointing and ZeRO stage (``partitioner.plan(..., devices=N)``).
 
 Algorithm
@@ -16,6 +16,8 @@ Algorithm
    multiple of ``p`` and ``L >= 2p`` - and recomputation ``none`` or ``all`` (without a
    pipeline the intra-op solver decides it, ``recompute="auto"``); with ``d > 1`` each with
    every ZeRO stage on ``dp`` (:func:`zero_stages`: 0, 1 without a pipeline and with Adam, 2, 3).
+   For a long sequence (:func:`sequence_degrees`) also ``N = d * s`` with a sequence axis
+   ``sp`` and ring or Ulysses attention forced on it (no pipeline, no tensor axis).
 3. **Lower bounds, cheap.** Memory per device: parameter state (weights, gradients, optimizer
    state) by ZeRO stage (:meth:`_Bounds.state_per_device`: what the stage keeps whole on ``dp``
    cut by ``tp`` alone, the rest over all ``N`` devices), plus the activations the schedule keeps alive for the layers
@@ -106,6 +108,15 @@ def _batch_of(example_inputs) -> int:
         if isinstance(x, torch.Tensor) and x.dim() > 0:
             return int(x.shape[0])
     raise ValueError("the example inputs have no tensor with a batch dimension: pass global_batch= and batched inputs")
+
+
+def _seq_of(example_inputs, batch: int) -> int:
+    """The sequence length: dim 1 of the first batched input with two dims or more (0 if none)."""
+    values = example_inputs.values() if isinstance(example_inputs, dict) else example_inputs
+    for x in values:
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[0] == batch:
+            return int(x.shape[1])
+    return 0
 
 
 def _at_batch(example_inputs, batch: int, size: int):
@@ -226,13 +237,43 @@ def zero_stages(data: int, pipeline: int, optimizer) -> tuple:
     return tuple(z for z in (0, 1, 2, 3) if z != 1 or (optimizer == "adam" and pipeline == 1))
 
 
+def sequence_degrees(devices: int, global_batch: int, seq_len: int) -> list:
+    """Sequence-parallel degrees ``s > 1`` offered for a long sequence (at least 64 tokens per
+    sample of the global batch, or a batch smaller than the devices): ``s`` divides the devices
+    and the sequence into ``2 s`` chunks (the causal ring's zig-zag)."""
+    if seq_len < 2 or not (seq_len >= 64 * global_batch or global_batch < devices):
+        return []
+    return [s for s in _divisors(devices) if s > 1 and seq_len % (2 * s) == 0]
+
+
 def enumerate_configs(
-    devices, global_batch, layers, devices_per_node, *, recompute="auto", pipelines=True, optimizer="adam"
+    devices,
+    global_batch,
+    layers,
+    devices_per_node,
+    *,
+    recompute="auto",
+    pipelines=True,
+    optimizer="adam",
+    seq_len=0,
 ):
     """Every configuration step 2 of the module docstring lists (pipelined recomputation only
     where ``recompute`` allows it: ``"auto"`` tries ``none`` and ``all``), each with every ZeRO
-    stage :func:`zero_stages` allows."""
+    stage :func:`zero_stages` allows; for a long sequence (:func:`sequence_degrees`), also
+    ``N = d * s`` without a pipeline or tensor axis, ring or Ulysses attention over ``sp``
+    (forced modes put the sequence on the last axis and the batch on the others)."""
     out = []
+    for s in sequence_degrees(devices, global_batch, seq_len):
+        d = devices // s
+        if global_batch % d:
+            continue
+        for algo in ("ring", "ulysses"):
+            for z in zero_stages(d * s, 1, optimizer):
+                out.append(
+                    ParallelConfig(
+                        1, d, 1, 1, None, 1, recompute, global_batch, zero=z, sequence=s, sequence_parallel=algo
+                    )
+                )
     pipe_rc = ("none", "all") if recompute == "auto" else (recompute,)
     for t in _divisors(devices):
         if devices_per_node % t and t > 1:
@@ -312,7 +353,7 @@ class _Bounds:
     def memory(self, c: ParallelConfig) -> float:
         f = self.f
         mb = self.batch / c.microbatches
-        share = c.data * c.tensor
+        share = c.data * c.sequence * c.tensor
         if c.pipeline == 1:
             kept_layer = f.boundary_per_sample if c.recompute != "none" else f.layer_saved_per_sample
             acts = f.layers * kept_layer * mb + f.other_saved_per_sample * mb
@@ -358,7 +399,11 @@ class _Bounds:
     def activations_without_recompute(self, c: ParallelConfig) -> float:
         """A whole-model (``p = 1``) plan's activation bound with nothing recomputed."""
         f = self.f
-        return (f.layers * f.layer_saved_per_sample + f.other_saved_per_sample) * self.batch / (c.data * c.tensor)
+        return (
+            (f.layers * f.layer_saved_per_sample + f.other_saved_per_sample)
+            * self.batch
+            / (c.data * c.sequence * c.tensor)
+        )
 
     def time(self, c: ParallelConfig) -> float:
         passes = 4 if c.recompute == "all" else 3
@@ -367,17 +412,34 @@ class _Bounds:
 
     def quick(self, c: ParallelConfig) -> float:
         f, spec = self.f, self.spec
-        shape = (c.pipeline, c.data, c.tensor)
+        shape = (c.pipeline, c.data * c.sequence, c.tensor)
+        data = c.data * c.sequence  # the weights' data axes: a sequence split replicates them too
         mb = self.batch / c.microbatches
         per_stage_layers = max(1, f.layers // c.pipeline) if f.layers else 1
         overhead = spec.collective_overhead_s
         per_micro = 0.0
         if c.tensor > 1:  # Megatron: two all-reduces forward and two backward per layer (three with a rerun)
             link = spec.link_for_axis(shape, 2)
-            ar = 2 * (c.tensor - 1) / c.tensor * f.boundary_per_sample * mb / c.data / link.bandwidth
+            ar = 2 * (c.tensor - 1) / c.tensor * f.boundary_per_sample * mb / data / link.bandwidth
             per_micro += per_stage_layers * (6 if c.recompute == "all" else 4) * (ar + overhead + link.latency_s)
         once = 0.0
-        if c.data > 1:
+        if c.sequence > 1:
+            # per layer, with local blocks of b = boundary / (d s) bytes: the ring sends k and v
+            # (2b) s - 1 times forward and twice that backward; Ulysses makes 9 all-to-alls of b
+            # (q, k, v, output forward; dO, dq, dk, dv and the row sums backward); a rerun adds
+            # the forward's share again (all of it counted, none hidden behind compute)
+            link = spec.link_for_axis(shape, 1)
+            local = f.boundary_per_sample * mb / data
+            n = c.sequence
+            if c.sequence_parallel == "ring":
+                hops = 3 * (n - 1)
+                moved = hops * 2 * local
+            else:
+                hops = 9
+                moved = hops * (n - 1) / n * local
+            rerun = 4 / 3 if c.recompute == "all" else 1.0
+            per_micro += per_stage_layers * rerun * (moved / link.bandwidth + hops * (overhead + link.latency_s))
+        if data > 1:
             # by ZeRO stage: the stage's gradients all-reduced once per step (0; bucketed, a
             # pipeline holds them back until its last microbatch), reduce-scattered and the
             # stepped shards all-gathered once (1), or reduce-scattered once and the weights
@@ -385,7 +447,7 @@ class _Bounds:
             # cheaper, a per-layer reduction of activations over dp in every microbatch: a stand-in
             # for the plans the solver finds with activations split on both axes
             link = spec.link_for_axis(shape, 1)
-            share = (c.data - 1) / c.data / link.bandwidth
+            share = (data - 1) / data / link.bandwidth
             grads = f.params / (c.pipeline * c.tensor) * self.reduce_bytes
             weights = f.params / (c.pipeline * c.tensor) * 4
             hop = overhead + link.latency_s
@@ -396,7 +458,7 @@ class _Bounds:
                 sync, gather = share * (grads + weights) + 2 * hop, 0.0
             else:
                 sync, gather = share * grads + hop, gathers * (share * weights + hop)
-            ar = 2 * (c.data - 1) / c.data * f.boundary_per_sample * mb / c.tensor / link.bandwidth
+            ar = 2 * (data - 1) / data * f.boundary_per_sample * mb / c.tensor / link.bandwidth
             as_tensor = per_stage_layers * (6 if c.recompute == "all" else 4) * (ar + overhead + link.latency_s)
             if sync + gather * c.microbatches <= as_tensor * c.microbatches:
                 once = sync
@@ -583,7 +645,17 @@ class _Planner:
         ]
         class_copies = [max(copies[s] for s in range(stages) if stage_map[s] == k) for k in range(len(classes))]
         family = "interleaved" if c.schedule == "interleaved" else "auto"
-        key = (size, c.pipeline, c.data, c.sequence, c.tensor, c.virtual_stages, c.recompute, family, c.zero)
+        key = (
+            size,
+            c.pipeline,
+            c.data,
+            c.sequence,
+            c.tensor,
+            c.virtual_stages,
+            c.recompute,
+            family,
+            planner_zero(c.zero),
+        )
         if key in self._stage_sets:
             return self._stage_sets[key]
         self.plannings += 1
@@ -868,6 +940,7 @@ def search_config(
         recompute=recompute,
         pipelines=pipelines,
         optimizer=optimizer,
+        seq_len=_seq_of(inputs, batch),
     )
     if not pipeline_recompute:
         configs = [c for c in configs if c.pipeline == 1 or c.recompute == "none"]
@@ -930,36 +1003,49 @@ def search_config(
             if planner.plannings - refused / 2 >= max_plans:
                 cand.reason = f"search limit ({max_plans} plannings); quick estimate {_fmt_s(cand.quick_s)}"
                 continue
-            # one planning per set of degrees, and another only with less memory (a higher ZeRO
-            # stage, say) after that one was refused over budget
-            if degrees in tried and not (tried[degrees][1] is not None and cand.memory_lb < tried[degrees][1]):
+            # one planning per set of degrees, and another only after that one was refused over
+            # budget by less than what this one's parameter state saves (a higher ZeRO stage)
+            if degrees in tried and not (
+                tried[degrees][1] - bounds.state_per_device(cand.config) >= tried[degrees][2] > 0
+            ):
                 cand.reason = (
                     f"these degrees were planned with {tried[degrees][0]}; quick estimate {_fmt_s(cand.quick_s)}"
                 )
                 continue
         tried[degrees] = (
             f"{cand.config.microbatches} microbatches, recompute {cand.config.recompute}, ZeRO {cand.config.zero}",
-            None,
+            0.0,
+            0.0,
         )
         try:
             made = planner.plan(cand.config)
         except InfeasibleBudgetError as exc:
             refused += 1
-            tried[degrees] = (tried[degrees][0], cand.memory_lb)
             cand.status = "over budget"
             cand.reason = str(exc).split(". ")[0]
             if least_seen is None or cand.memory_lb < least_seen[0]:
                 least_seen = (cand.memory_lb, cand.reason)
             needed = re.search(r"\((\d+) bytes\)", str(exc))
             state = bounds.state_per_device(cand.config)
+            over = float(needed.group(1)) - budget if needed else 0.0
+            tried[degrees] = (tried[degrees][0], state, over)
             if needed and cand.memory_lb > state:
                 slack = max(slack, (float(needed.group(1)) - state) / (cand.memory_lb - state))
                 queue.sort(key=order)
+            continue
+        except ValueError as exc:  # a forced ring / Ulysses that cannot run here (heads, masks)
+            if cand.config.sequence == 1:
+                raise
+            tried[degrees] = (tried[degrees][0], math.inf, 1.0)  # the other algorithm may
+            cand.status, cand.reason = "cannot run", str(exc).split(". ")[0]
             continue
         est = made.estimate()
         if made.config is not None and made.config.zero != cand.config.zero:
             cand.reason = f"asked ZeRO-{cand.config.zero}; "
             cand.config = made.config
+            if any(o.plan is not None and o.config == made.config for o in cands):
+                cand.reason += "the plan of an earlier candidate (the same stage plans)"
+                continue
         cand.status, cand.plan = "planned", made
         cand.step_time_s, cand.memory_bytes = est.step_time_s, est.memory_bytes
         logger.info(
@@ -1030,7 +1116,7 @@ def _cached(planner: _Planner, c: ParallelConfig) -> bool:
         c.virtual_stages,
         c.recompute,
         family,
-        c.zero,
+        planner_zero(c.zero),
     ) in planner._stage_sets
 
 

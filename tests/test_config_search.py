@@ -10,7 +10,7 @@ from parity_utils import Checks, adam_in_lockstep, check_grads_by_alias, nested_
 
 import partitioner
 from partitioner import models
-from partitioner.config_search import plan_config, search_config, zero_stage_of
+from partitioner.config_search import enumerate_configs, plan_config, search_config, zero_stage_of
 from partitioner.parallel_config import ParallelConfig
 from passes.plan_intra_op import InfeasibleBudgetError
 
@@ -184,6 +184,28 @@ def test_auto_parallelize_without_mesh_trains_the_searched_configuration_like_on
     results = run_checked(_searched_parity_worker, cfg, timeout_s=240)
     assert all(ParallelConfig.from_dict(r["config"]) == expected for r in results)
     assert json.dumps(results[0]["config"]) == json.dumps(expected.to_dict())
+
+
+def test_a_long_sequence_on_one_sample_is_split_over_a_sequence_axis_and_trains_like_one_device():
+    # batch 1 cannot be split over 4 data-parallel ranks, nor into microbatches for a pipeline:
+    # without a sequence degree no configuration of 4 devices exists; with it, the search splits
+    # the 512 tokens 4 ways (ring or Ulysses attention on ``sp``)
+    assert enumerate_configs(4, 1, 2, 8, seq_len=0) == []
+    cfg = {"mesh": (4,), "batch": 1, "seq": 512}
+    model, inputs = models.gpt_demo(batch=1, seq=512, n_layer=2)
+    budget = 8 * 2**20
+    plan = partitioner.plan(model, inputs, devices=4, cluster="h100", memory_budget=budget)
+    config = plan.config
+    assert (config.sequence, config.data, config.tensor, config.pipeline) == (4, 1, 1, 1)
+    assert plan.mesh_shape == (4,) and plan.axis_names == ("sp",)
+    assert config.sequence_parallel in ("ring", "ulysses")
+    assert plan.data["sequence_parallel"] == config.sequence_parallel
+    assert f"{config.sequence_parallel}@sp" in plan.summary()
+    assert plan.estimate().memory_bytes <= budget
+    other = "ring" if config.sequence_parallel == "ulysses" else "ulysses"
+    assert f"sequence 4 ({other})" in plan.explain()
+    results = run_checked(_searched_parity_worker, cfg, timeout_s=240)
+    assert all(ParallelConfig.from_dict(r["config"]).sequence == 4 for r in results)
 
 
 # ------------------------------------------------------------------ simulation of every rank
