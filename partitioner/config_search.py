@@ -48,7 +48,7 @@ Algorithm
    degrees ``(p, d, t)`` (the best-ranked microbatch count and recomputation for them; 1F1B
    and ZB-H1 come from the same plannings);
    the rest are listed as not planned, with their bounds. A set of degrees refused over budget
-   is planned again by a candidate with a smaller memory bound (a higher ZeRO stage). The stage
+   is planned once more, by a higher ZeRO stage the solver is asked differently. The stage
    reaches the solver as ``zero=`` (:func:`planner_zero`), and the configuration records the
    stage the plan's weights use (:func:`zero_stage_of`).
 6. The fastest plan that fits is returned with its :class:`ParallelConfig` (``plan.config``)
@@ -792,9 +792,14 @@ class _Planner:
 
 def planner_zero(stage):
     """The intra-op solver's ``zero=`` for a configuration's stage: 0 and 2 offer neither ZeRO-1
-    nor a regather (the budget decides whether a weight is stored sharded), 1 and 3 force theirs
-    on the weights so stored; ``"auto"`` leaves the choice per weight to the solver."""
-    return {0: 2}.get(stage, stage)
+    nor a regather (the budget decides whether a weight is stored sharded), 1 forces ZeRO-1 on the
+    weights replicated on some axis, 3 lets the solver regather any sharded weight where the
+    budget needs it (``"auto"``, as does a candidate without a data axis)."""
+    return {0: 2, 3: "auto"}.get(stage, stage)
+
+
+def _stage_rank(stage) -> int:
+    return -1 if stage == "auto" else int(stage)
 
 
 def zero_stage_of(plan: ShardingPlan) -> int:
@@ -1003,19 +1008,22 @@ def search_config(
             if planner.plannings - refused / 2 >= max_plans:
                 cand.reason = f"search limit ({max_plans} plannings); quick estimate {_fmt_s(cand.quick_s)}"
                 continue
-            # one planning per set of degrees, and another only after that one was refused over
-            # budget by less than what this one's parameter state saves (a higher ZeRO stage)
+            # one planning per set of degrees, and one more after a refusal over budget: a higher
+            # ZeRO stage that the solver is asked differently (or the other sequence algorithm)
             if degrees in tried and not (
-                tried[degrees][1] - bounds.state_per_device(cand.config) >= tried[degrees][2] > 0
+                tried[degrees][1]
+                and _stage_rank(cand.config.zero) > _stage_rank(tried[degrees][2])
+                and planner_zero(cand.config.zero) != planner_zero(tried[degrees][2])
             ):
                 cand.reason = (
                     f"these degrees were planned with {tried[degrees][0]}; quick estimate {_fmt_s(cand.quick_s)}"
                 )
                 continue
+        retry = degrees in tried
         tried[degrees] = (
             f"{cand.config.microbatches} microbatches, recompute {cand.config.recompute}, ZeRO {cand.config.zero}",
-            0.0,
-            0.0,
+            False,
+            cand.config.zero,
         )
         try:
             made = planner.plan(cand.config)
@@ -1027,8 +1035,7 @@ def search_config(
                 least_seen = (cand.memory_lb, cand.reason)
             needed = re.search(r"\((\d+) bytes\)", str(exc))
             state = bounds.state_per_device(cand.config)
-            over = float(needed.group(1)) - budget if needed else 0.0
-            tried[degrees] = (tried[degrees][0], state, over)
+            tried[degrees] = (tried[degrees][0], not retry, cand.config.zero)
             if needed and cand.memory_lb > state:
                 slack = max(slack, (float(needed.group(1)) - state) / (cand.memory_lb - state))
                 queue.sort(key=order)
@@ -1036,16 +1043,16 @@ def search_config(
         except ValueError as exc:  # a forced ring / Ulysses that cannot run here (heads, masks)
             if cand.config.sequence == 1:
                 raise
-            tried[degrees] = (tried[degrees][0], math.inf, 1.0)  # the other algorithm may
+            tried[degrees] = (tried[degrees][0], True, -1)  # the other algorithm may
             cand.status, cand.reason = "cannot run", str(exc).split(". ")[0]
             continue
         est = made.estimate()
         if made.config is not None and made.config.zero != cand.config.zero:
             cand.reason = f"asked ZeRO-{cand.config.zero}; "
             cand.config = made.config
-            if any(o.plan is not None and o.config == made.config for o in cands):
-                cand.reason += "the plan of an earlier candidate (the same stage plans)"
-                continue
+        if any(o.plan is not None and o.config == made.config for o in cands):
+            cand.reason += "the plan of an earlier candidate (the same stage plans)"
+            continue
         cand.status, cand.plan = "planned", made
         cand.step_time_s, cand.memory_bytes = est.step_time_s, est.memory_bytes
         logger.info(
