@@ -68,23 +68,6 @@ def prefetch_gathers(gm: fx.GraphModule) -> int:
     return len(edges)
 
 
-def _first_gather(rec: dict, by_name: dict, phase: str, regather: bool) -> list:
-    """The prefetched collectives of ``rec``'s edges: per parameter input, its first all-gather
-    of ``phase`` (a forward gather, or a ZeRO-3 regather in backward)."""
-    out, seen = [], set()
-    for c in rec.get("comm", []):
-        k = c.get("input")
-        if k is None or c["phase"] != phase or bool(c.get("regather")) != regather or k in seen:
-            continue
-        source = by_name.get(rec["inputs"][k])
-        if source is None or source["kind"] != "param" or source.get("stored") or source.get("offload"):
-            continue
-        seen.add(k)
-        if c["kind"] == "all_gather":
-            out.append(c)
-    return out
-
-
 def first_gather(src, dst, shape, mesh_shape, elem: int):
     """The collective a weight's edge ``src -> dst`` starts ahead: its first, when that is an
     all-gather (the runtime's ``Reshard.prefetchable``); None otherwise."""
