@@ -644,18 +644,7 @@ class _Planner:
             for s, n in enumerate(lengths)
         ]
         class_copies = [max(copies[s] for s in range(stages) if stage_map[s] == k) for k in range(len(classes))]
-        family = "interleaved" if c.schedule == "interleaved" else "auto"
-        key = (
-            size,
-            c.pipeline,
-            c.data,
-            c.sequence,
-            c.tensor,
-            c.virtual_stages,
-            c.recompute,
-            family,
-            planner_zero(c.zero),
-        )
+        key = stage_set_key(c)
         if key in self._stage_sets:
             return self._stage_sets[key]
         self.plannings += 1
@@ -1110,9 +1099,9 @@ def _rule_of_thumb(cands: list, devices_per_node: int, bounds: _Bounds, budget: 
     return min(fits, key=lambda c: (c.config.pipeline, c.quick_s), default=None)
 
 
-def _cached(planner: _Planner, c: ParallelConfig) -> bool:
-    if c.pipeline == 1:
-        return False
+def stage_set_key(c: ParallelConfig) -> tuple:
+    """What a pipelined configuration's stage plans depend on: configurations with the same key
+    share one set of stage plans (1F1B and ZB-H1 among them; interleaved cuts its own)."""
     family = "interleaved" if c.schedule == "interleaved" else "auto"
     return (
         c.microbatch_size,
@@ -1124,7 +1113,11 @@ def _cached(planner: _Planner, c: ParallelConfig) -> bool:
         c.recompute,
         family,
         planner_zero(c.zero),
-    ) in planner._stage_sets
+    )
+
+
+def _cached(planner: _Planner, c: ParallelConfig) -> bool:
+    return c.pipeline > 1 and stage_set_key(c) in planner._stage_sets
 
 
 def _fmt_s(s: float) -> str:
