@@ -266,15 +266,24 @@ def parity_worker(rank, world, cfg):
     # 3. three AdamW steps on both
     steps = cfg.get("steps", 3)
     if steps:
-        def parallel_step():
-            step_loss = loss_of(call(pm, inputs))
-            step_loss.backward()
-            return step_loss
-        adam_in_lockstep(pm.parameters(), ref, inputs, steps, parallel_step, checks)
-        state = pm.full_state_dict()
-        for name, p in ref.named_parameters(remove_duplicate=False):
-            checks.close(f"parameter {name} after {steps} AdamW steps", state[name], p.detach())
+        train_like_one_device(pm, ref, inputs, steps, checks)
     return result
+
+
+def train_like_one_device(pm, ref, inputs, steps, checks, label=""):
+    """``steps`` AdamW steps on ``pm`` and the single-device ``ref`` in lockstep (both start from
+    the gradients they hold; see :func:`adam_in_lockstep`), then every parameter of ``ref``
+    compared with ``pm``'s full state dict."""
+    def parallel_step():
+        step_loss = loss_of(call(pm, inputs))
+        step_loss.backward()
+        return step_loss
+
+    adam_in_lockstep(pm.parameters(), ref, inputs, steps, parallel_step, checks)
+    state = pm.full_state_dict()
+    prefix = f"{label}: " if label else ""
+    for name, p in ref.named_parameters(remove_duplicate=False):
+        checks.close(f"{prefix}parameter {name} after {steps} AdamW steps", state[name], p.detach())
 
 
 def check_grads_by_alias(grads: dict, ref, checks, *, one_name: bool = False) -> dict:

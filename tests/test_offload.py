@@ -24,7 +24,7 @@ import copy
 import pytest
 import torch
 
-from parity_utils import Checks, adam_in_lockstep, build, call, check_step_like_one_device, loss_of
+from parity_utils import Checks, build, check_step_like_one_device, train_like_one_device
 from parity_utils import free_weights, pins_for, run_checked
 
 TIMEOUT_S = 240
@@ -104,20 +104,11 @@ def _offloaded_parity(name, mesh, kind, zero, short, checks):
     copies = {id(c) for c in pm.compute_copies()}
     params = dict(pm.named_parameters())
     checks.true(f"{label}: a compute copy is a parameter", not copies & {id(p) for p in params.values()})
-
-    def parallel_step(pm=pm, inputs=inputs):
-        loss = loss_of(call(pm, inputs))
-        loss.backward()
-        return loss
-
     # the optimizer's tensors for offloaded weights are in host memory (pinned when there is a GPU)
     checks.true(f"{label}: an offloaded parameter is not in host memory",
                 all(params[f].device.type == "cpu" and params[f].is_pinned() == torch.cuda.is_available()
                     for f in host))
-    adam_in_lockstep(pm.parameters(), ref, inputs, STEPS, parallel_step, checks)
-    state = pm.full_state_dict()
-    for pname, p in ref.named_parameters(remove_duplicate=False):
-        checks.close(f"{label}: parameter {pname} after {STEPS} AdamW steps", state[pname], p.detach())
+    train_like_one_device(pm, ref, inputs, STEPS, checks, label)
     return {label: len(host)}
 
 

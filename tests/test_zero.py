@@ -25,7 +25,7 @@ import copy
 
 import pytest
 
-from parity_utils import (Checks, adam_in_lockstep, build, call, check_step_like_one_device, free_weights, loss_of,
+from parity_utils import (Checks, build, check_step_like_one_device, free_weights, train_like_one_device,
                           run_checked)
 
 TIMEOUT_S = 240
@@ -66,16 +66,7 @@ def zero_worker(rank, world, cfg):
         for p in pm.parameters():
             p.grad = None
         counters[stage] = check_step_like_one_device(pm, reference, inputs, checks, label)
-
-        def parallel_step(pm=pm):
-            loss = loss_of(call(pm, inputs))
-            loss.backward()
-            return loss
-
-        adam_in_lockstep(pm.parameters(), reference, inputs, STEPS, parallel_step, checks)
-        state = pm.full_state_dict()
-        for name, p in reference.named_parameters(remove_duplicate=False):
-            checks.close(f"{label}: parameter {name} after {STEPS} AdamW steps", state[name], p.detach())
+        train_like_one_device(pm, reference, inputs, STEPS, checks, label)
         plans[stage], saved[stage] = pm, measured.saved_activations
     pm = plans[3]
     regathered = [r for r in pm.plan.records if r.get("regather")]

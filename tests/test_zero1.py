@@ -27,8 +27,8 @@ import copy
 import pytest
 import torch
 
-from parity_utils import (Checks, adam_in_lockstep, build, call, check_grads_by_alias, check_step_like_one_device,
-                          loss_of, free_weights, run_checked)
+from parity_utils import (Checks, build, call, check_grads_by_alias, check_step_like_one_device,
+                          loss_of, free_weights, run_checked, train_like_one_device)
 from runtime.collectives import CommCounter
 
 TIMEOUT_S = 240
@@ -70,15 +70,7 @@ def parity_worker(rank, world, cfg):
         for p in pm.parameters():  # the gradients of one step again, for the first AdamW step
             p.grad = None
         loss_of(call(pm, inputs)).backward()
-        def parallel_step(pm=pm, inputs=inputs):
-            loss = loss_of(call(pm, inputs))
-            loss.backward()
-            return loss
-
-        adam_in_lockstep(pm.parameters(), ref, inputs, STEPS, parallel_step, _Labelled(checks, label))
-        state = pm.full_state_dict()
-        for pname, p in ref.named_parameters(remove_duplicate=False):
-            checks.close(f"{label}: parameter {pname} after {STEPS} AdamW steps", state[pname], p.detach())
+        train_like_one_device(pm, ref, inputs, STEPS, _Labelled(checks, label))
         counts[label] = len(zero1)
     return {"rank": rank, "failures": checks.failures, "zero1": counts}
 
