@@ -90,6 +90,16 @@ class Estimate:
     optimizer_s: float = 0.0
     """The optimizer's step (part of ``step_time_s``): the bytes it reads and writes per element
     of the tensors it steps, at the device's memory bandwidth (the host's for offloaded state)."""
+    comm_calls: dict = field(default_factory=dict)
+    """``comm_calls[kind][axis_name]``: collective calls per device per step, each one paying the
+    latency terms once (bucketed gradients: one call per flat buffer; :mod:`passes.collective_calls`).
+    What ``runtime.collectives.CommCounter.calls_dict()`` counts."""
+    comm_calls_by_phase: dict = field(default_factory=dict)
+    """``comm_calls_by_phase[phase][kind][axis_name]``."""
+    flat_latency_s: float = 0.0
+    """The part of ``comm_s`` that is the latency terms of the calls sending bucketed entries
+    (flat buffers, and bucketed entries reduced on their own edge): added after solving, as the
+    prefetch credit and the optimizer step are."""
 
     def total_comm_bytes(self) -> float:
         return sum(v for per_axis in self.comm_bytes.values() for v in per_axis.values())
@@ -118,6 +128,16 @@ class Estimate:
             return ""
         bubble = f", pipeline bubble {_fmt_time(self.bubble_s)}" if self.bubble_s else ""
         return f"; {self.tflops_per_device:.1f} TFLOP/s per device (MFU {100 * self.mfu:.1f}%){bubble}"
+
+
+def _sum_phases(by_phase: dict) -> dict:
+    """``{kind: {axis: n}}`` summed over the phases of ``{phase: {kind: {axis: n}}}``."""
+    out: dict = defaultdict(lambda: defaultdict(int))
+    for kinds in by_phase.values():
+        for kind, axes in kinds.items():
+            for axis, n in axes.items():
+                out[kind][axis] += n
+    return {k: dict(v) for k, v in out.items()}
 
 
 def per_step_comm(per_microbatch: dict, grad_sync: dict, m: int) -> dict:
@@ -260,10 +280,16 @@ class ShardingPlan:
                     sync[c["kind"]][c["axis"]] += c["bytes"]
         as_dict = lambda d: {k: dict(v) for k, v in d.items()}  # noqa: E731
         memory = memory_breakdown(self.records)
+        calls = self._calls(bucket_grads=True)
+        flat = self._flat_latency(bucket_grads=True)
+        comm_t += flat
         return Estimate(
             step_time_s=compute + comm_t + optimizer,
             compute_s=compute,
             comm_s=comm_t,
+            comm_calls=_sum_phases(calls),
+            comm_calls_by_phase=calls,
+            flat_latency_s=flat,
             optimizer_s=optimizer,
             memory_bytes=memory.peak,
             comm_bytes=as_dict(comm),
@@ -273,6 +299,32 @@ class ShardingPlan:
             grad_sync_s=sync_t,
             grad_sync_bytes=as_dict(sync),
         )
+
+    def _calls(self, *, bucket_grads: bool) -> dict:
+        from passes.collective_calls import collective_calls
+
+        return collective_calls(self.records, self.mesh_shape, self.axis_names, bucket_grads=bucket_grads)
+
+    def _grad_sync_calls(self) -> dict:
+        """``{kind: {axis: n}}``: the backward entries that move parameter gradients, one call each
+        (a pipeline stage's syncs run per edge)."""
+        out: dict = defaultdict(lambda: defaultdict(int))
+        for r in self.records:
+            for c in r.get("comm", []):
+                if self._moves_param_grad(r, c):
+                    out[c["kind"]][c["axis"]] += 1
+        return {k: dict(v) for k, v in out.items()}
+
+    def _flat_latency(self, *, bucket_grads: bool) -> float:
+        """:func:`passes.collective_calls.unpriced_latency_s` with the plan's cluster (0 for a plan
+        saved without one)."""
+        if not isinstance(self.data.get("cluster"), dict):
+            return 0.0
+        from partitioner.cluster import get_cluster
+        from passes.collective_calls import unpriced_latency_s
+
+        cluster = get_cluster(self.data["cluster"])
+        return unpriced_latency_s(self.records, self.mesh_shape, self.axis_names, cluster, bucket_grads=bucket_grads)
 
     # -- the whole configuration (partitioner.config_search) -----------------------------------
     @property
@@ -309,6 +361,11 @@ class ShardingPlan:
             ph: per_step_comm(kinds, busiest.grad_sync_bytes if ph == "bwd" else {}, m)
             for ph, kinds in busiest.comm_bytes_by_phase.items()
         }
+        stage = self.stage_plans[pipe.get("busiest_stage", 0)]
+        stage_calls = stage._calls(bucket_grads=False)  # a stage's syncs: per edge, once per step
+        # (the stages' point-to-point sends, priced in p2p_time_s, are not collectives: not counted)
+        sync_calls = stage._grad_sync_calls()
+        calls = {ph: per_step_comm(kinds, sync_calls if ph == "bwd" else {}, m) for ph, kinds in stage_calls.items()}
         return Estimate(
             step_time_s=pipe["step_time_s"],
             compute_s=busiest.compute_s * m,
@@ -322,6 +379,8 @@ class ShardingPlan:
             grad_sync_s=busiest.grad_sync_s,
             grad_sync_bytes=busiest.grad_sync_bytes,
             optimizer_s=max(s.optimizer_s for s in stages),
+            comm_calls=_sum_phases(calls),
+            comm_calls_by_phase=calls,
         )
 
     def _with_throughput(self, est: Estimate) -> Estimate:

@@ -110,13 +110,17 @@ def _portable(exc):
 
 
 class CommCounter(contextlib.AbstractContextManager):
-    """Counts payload bytes per (kind, axis name) and per phase while active; ``grad_sync``:
-    the part that synced parameter gradients, per (kind, axis name); ``grad_sync_calls``: how
-    many collectives sent it (bucketed syncs send many gradients in one)."""
+    """Counts payload bytes and collective calls per (kind, axis name) and per phase while
+    active; ``grad_sync``: the part that synced parameter gradients, per (kind, axis name);
+    ``grad_sync_calls``: how many collectives sent it (bucketed syncs send many gradients in one).
+    The call counts are what the estimate's latency terms price (``Estimate.comm_calls``): a
+    count, unlike a time, that a test can compare exactly."""
 
     def __init__(self):
         self.bytes = defaultdict(lambda: defaultdict(float))
         self.by_phase = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
+        self.call_counts = defaultdict(lambda: defaultdict(int))
+        self.calls_by_phase = defaultdict(lambda: defaultdict(lambda: defaultdict(int)))
         self.grad_sync = defaultdict(lambda: defaultdict(float))
         self.grad_sync_calls = defaultdict(lambda: defaultdict(int))
         self.calls = 0
@@ -132,6 +136,8 @@ class CommCounter(contextlib.AbstractContextManager):
     def record(self, kind, axis, nbytes, phase):
         self.bytes[kind][axis] += nbytes
         self.by_phase[phase][kind][axis] += nbytes
+        self.call_counts[kind][axis] += 1
+        self.calls_by_phase[phase][kind][axis] += 1
         if _GRAD_SYNC[0]:
             self.grad_sync[kind][axis] += nbytes
             self.grad_sync_calls[kind][axis] += 1
@@ -145,6 +151,14 @@ class CommCounter(contextlib.AbstractContextManager):
 
     def grad_sync_dict(self) -> dict:
         return {k: dict(v) for k, v in self.grad_sync.items()}
+
+    def calls_dict(self) -> dict:
+        """``{kind: {axis name: collective calls}}``."""
+        return {k: dict(v) for k, v in self.call_counts.items()}
+
+    def calls_phase_dict(self) -> dict:
+        """``{phase: {kind: {axis name: collective calls}}}``."""
+        return {p: {k: dict(v) for k, v in kinds.items()} for p, kinds in self.calls_by_phase.items()}
 
 
 def record_collective(kind, axis_name, nbytes, phase):

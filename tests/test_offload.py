@@ -66,7 +66,8 @@ def test_solver_offloads_when_the_device_budget_needs_it(fake_process_group):
                                           for r in offloaded))
     steps = sum(r.get("optimizer_step_s", 0.0) for r in plan.records)  # offloaded: at the host's bandwidth
     assert est.step_time_s == pytest.approx(sum(r.get("compute_s", 0.0) for r in plan.records) + transfers
-                                            + sum(c["time_s"] for r in plan.records for c in r["comm"]) + steps)
+                                            + sum(c["time_s"] for r in plan.records for c in r["comm"]) + steps
+                                            + est.flat_latency_s)
     chosen = [line for line in plan.explain(offloaded[0]["fqn"]).splitlines() if line.lstrip().startswith("->")]
     assert chosen[0].endswith("offloaded"), chosen
     with pytest.raises(InfeasibleBudgetError, match="host_memory_budget=1000 bytes is too small"):

@@ -1,0 +1,142 @@
+"""How many collective calls a plan's step issues, per phase, kind and mesh axis.
+
+A collective's latency terms (``collective_overhead_s`` and the ring steps' ``latency_s``,
+:func:`passes.cost_model.collective_time`) are paid once per call, so the estimate must know the
+calls the runtime makes, not only the bytes. A plan's records list every collective once per
+edge or op (``rec["comm"]``); most of them are one call each. The ones marked ``bucketed`` are
+sent in flat buffers together with others, as the runtime groups them:
+
+* **Gradient buckets** (:class:`runtime.grad_sync.GradientBuckets`): the backward reductions of a
+  parameter used by exactly one op whose gradient needs only ``Partial -> Replicate`` /
+  ``Partial -> Shard`` moves (:func:`passes.lower_to_local._bucketable` decides it from the same
+  placements). Such gradients join one bucket per reduction signature (the ``(axis, kind)``
+  moves) in the order backward reaches them (here: reverse program order); a bucket is sent when
+  it holds :data:`runtime.grad_sync.BUCKET_BYTES` or more, and the rest at the end of backward:
+  one call per move of the signature per bucket. With ``bucket_grads=False`` (a pipeline's
+  stages, which hold their syncs over the step's microbatches) every edge reduces on its own.
+* **Compute copies** (ZeRO-1 and offloaded weights, :class:`runtime.optimizer_shards.OptimizerShards`):
+  their gradient reductions (the record's own ``bwd`` entries) are one flat collective per move
+  per reduction signature; the all-gathers of the stepped shards into the copies (``fwd``) are
+  grouped by gathered axes and cut into buffers of at most
+  :data:`runtime.optimizer_shards.REFRESH_BUCKET_BYTES` (a larger weight alone).
+* Every other bucketed entry (a tied weight's edges, a gradient with a local move besides its
+  reductions) is reduced on its own edge: one call each.
+
+:func:`collective_calls` gives the calls; :func:`unpriced_latency_s` the latency terms that the
+per-entry prices leave out (a bucketed entry's ``time_s`` is its bandwidth term only): once per
+flat call, and once per bucketed entry the runtime sends on its own.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from passes.placements import dual_spec, is_partial, parse_spec, transition_steps
+
+__all__ = ["collective_calls", "unpriced_latency_s"]
+
+
+def _flat_bucket_calls(members: list, limit: float, *, before: bool) -> int:
+    """Buffers sent for ``members`` (their byte sizes, in order) with a size limit: ``before``:
+    a buffer is cut before the member that would take it past ``limit`` (the copies' refresh);
+    else after the member that brings it to ``limit`` or more (gradient buckets)."""
+    count, size = 0, 0.0
+    for nbytes in members:
+        if before and size and size + nbytes > limit:
+            count, size = count + 1, 0.0
+        size += nbytes
+        if not before and size >= limit:
+            count, size = count + 1, 0.0
+    return count + (1 if size else 0)
+
+
+def _reductions_only(grad, src, mesh_shape) -> bool:
+    """The runtime's ``reduce_moves`` is not None: every move of the gradient on an axis of more
+    than one device is ``Partial -> Replicate`` or ``Partial -> Shard``."""
+    moves = [(a, p, q) for a, p, q in transition_steps(tuple(grad), tuple(dual_spec(src))) if mesh_shape[a] > 1]
+    return bool(moves) and all(is_partial(p) and not is_partial(q) for _, p, q in moves)
+
+
+def _grouped(records: list, mesh_shape, axis_names, bucket_grads: bool) -> tuple:
+    """(the flat calls, ``(phase, kind, axis name, count)``; the ids of the entries they send)."""
+    from runtime.grad_sync import BUCKET_BYTES
+    from runtime.optimizer_shards import REFRESH_BUCKET_BYTES
+
+    ndim = len(mesh_shape)
+    by_name = {r["name"]: r for r in records}
+    users: dict = defaultdict(set)
+    for r in records:
+        for name in r.get("inputs", ()):
+            users[name].add(r["name"])
+    covered: set = set()
+    buckets: dict = {}  # gradient signature -> gradient bytes, in backward order
+    copy_reduce: set = set()  # compute copies' reduction signatures
+    copy_gather: dict = {}  # gathered axes -> gathered bytes per weight, in program order
+    for r in reversed(records):
+        own = [c for c in r.get("comm", ()) if c.get("bucketed") and c.get("input") is None]
+        if own:  # a compute copy's reduction and gather (on the parameter's record)
+            covered.update(id(c) for c in own)
+            red = tuple((c["axis"], c["kind"]) for c in own if c["phase"] == "bwd")
+            if red:
+                copy_reduce.add(red)
+            gather = [c for c in own if c["phase"] == "fwd"]
+            if gather:
+                copy_gather.setdefault(tuple(c["axis"] for c in gather), []).insert(0, gather[0]["bytes"])
+        if not bucket_grads:
+            continue
+        edges: dict = defaultdict(list)
+        for c in r.get("comm", ()):
+            if c.get("bucketed") and c.get("input") is not None and c["phase"] == "bwd":
+                edges[c["input"]].append(c)
+        grads = r.get("grads") or []
+        for k, entries in edges.items():
+            param = by_name.get(r["inputs"][k])
+            if param is None or len(users[param["name"]]) != 1 or k >= len(grads) or grads[k] is None:
+                continue  # a tied weight: reduced per edge
+            if not _reductions_only(parse_spec(grads[k], ndim), parse_spec(param["out"][0], ndim), mesh_shape):
+                continue  # a local move besides the reductions: reduced per edge
+            buckets.setdefault(tuple((c["axis"], c["kind"]) for c in entries), []).append(entries[0]["bytes"])
+            covered.update(id(c) for c in entries)
+    flat = []
+    for sig, sizes in buckets.items():
+        n = _flat_bucket_calls(sizes, BUCKET_BYTES, before=False)
+        flat += [("bwd", kind, axis, n) for axis, kind in sig]
+    for sig in sorted(copy_reduce):
+        flat += [("bwd", kind, axis, 1) for axis, kind in sig]
+    for axes, sizes in copy_gather.items():
+        n = _flat_bucket_calls(sizes, REFRESH_BUCKET_BYTES, before=True)
+        flat += [("fwd", "all_gather", axis, n) for axis in axes]
+    return flat, covered
+
+
+def collective_calls(records: list, mesh_shape, axis_names, *, bucket_grads: bool = True) -> dict:
+    """``{phase: {kind: {axis name: calls}}}`` of one step of a plan's ``records``."""
+    calls: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(int)))
+    flat, covered = _grouped(records, mesh_shape, axis_names, bucket_grads)
+    for phase, kind, axis, n in flat:
+        calls[phase][kind][axis] += n
+    for r in records:
+        for c in r.get("comm", ()):
+            if id(c) not in covered:
+                calls[c["phase"]][c["kind"]][c["axis"]] += 1
+    return {p: {k: dict(v) for k, v in kinds.items()} for p, kinds in calls.items()}
+
+
+def unpriced_latency_s(records: list, mesh_shape, axis_names, cluster, *, bucket_grads: bool = True) -> float:
+    """The latency terms the records' per-entry prices leave out: a bucketed entry's ``time_s``
+    is its bandwidth term only, so each flat call pays its launch and ring steps here once, and so
+    does each bucketed entry that the runtime reduces on its own edge (a tied weight's)."""
+    from passes.cost_model import _STEPS
+
+    def fixed(kind, axis):
+        a = list(axis_names).index(axis)
+        link = cluster.link_for_axis(mesh_shape, a)
+        return cluster.collective_overhead_s + _STEPS[kind](mesh_shape[a]) * link.latency_s
+
+    flat, covered = _grouped(records, mesh_shape, axis_names, bucket_grads)
+    total = sum(n * fixed(kind, axis) for _phase, kind, axis, n in flat)
+    for r in records:
+        for c in r.get("comm", ()):
+            if c.get("bucketed") and id(c) not in covered:
+                total += fixed(c["kind"], c["axis"])
+    return total
