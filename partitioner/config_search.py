@@ -483,8 +483,18 @@ class _Planner:
         self._caps: dict = {}
         self._splits: dict = {}
         self._stage_sets: dict = {}
+        self._schedules: dict = {}
         self.plannings = 0
         self.facts: ModelFacts | None = None
+
+    def schedule(self, c: ParallelConfig) -> ps.Schedule:
+        """``c``'s compute schedule, made once per (schedule, stages, microbatches, stages per
+        rank): configurations that differ in their stage plans replay the same schedule, which
+        :func:`passes.pipeline_schedules.simulate` indexes and checks once."""
+        key = (c.schedule or "1f1b", c.pipeline, c.microbatches, c.virtual_stages)
+        if key not in self._schedules:
+            self._schedules[key] = ps.SCHEDULES[key[0]].make(*key[1:])
+        return self._schedules[key]
 
     def capture(self, size: int):
         if size not in self._caps:
@@ -728,7 +738,7 @@ class _Planner:
         ests = [plans[r].estimate() for r in stage_map]
         forward, backward, weight = ps.stage_durations(ests, [graphs[r].takes_activations for r in stage_map])
         _, p2p_s, p2p_bytes = self._p2p(c, graphs, sent_as)
-        sched = ps.SCHEDULES[c.schedule or "1f1b"].make(c.pipeline, c.microbatches, c.virtual_stages)
+        sched = self.schedule(c)
         sim = ps.simulate(sched, forward, backward, weight, comm_time=p2p_s, sync_time=ps.stage_syncs(ests))
         per_rank_memory = [0.0] * c.pipeline
         for s, est in enumerate(ests):

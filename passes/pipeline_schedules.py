@@ -76,6 +76,7 @@ bubble (idle) fraction; :meth:`Schedule.grid` replays it with unit durations to 
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -154,7 +155,8 @@ class Action:
     """For sends and receives: the stage at the other end. ``None`` for compute actions."""
 
     def __post_init__(self):
-        object.__setattr__(self, "kind", ActionKind(self.kind))
+        if self.kind.__class__ is not ActionKind:  # a plain string such as "F"
+            object.__setattr__(self, "kind", ActionKind(self.kind))
         if self.stage < 0 or self.microbatch < 0 or (self.peer is not None and self.peer < 0):
             raise ValueError(
                 f"stage, microbatch and peer must be >= 0, got {self.stage}, {self.microbatch} and {self.peer}"
@@ -726,6 +728,26 @@ class _Index:
                         self.recv_number[(rank, step)] = len(self.recvs[key])
                     (self.sends if a.is_send else self.recvs)[key].append((rank, step))
 
+    @functools.cached_property
+    def waits(self) -> list:
+        """waits[rank][step]: :meth:`remote_wait` of every action (computed once per schedule)."""
+        return [[self.remote_wait(r, i) for i in range(len(acts))] for r, acts in enumerate(self.schedule.actions)]
+
+    @functools.cached_property
+    def flat(self) -> tuple:
+        """The schedule as flat lists, positions numbered rank by rank: (offset of each rank's
+        first action, each action's remote wait as a position, -1 for none, -2 for one that never
+        runs; each action's ``is_compute``)."""
+        offsets, n = [], 0
+        for acts in self.schedule.actions:
+            offsets.append(n)
+            n += len(acts)
+        wait = [
+            -1 if w is None else -2 if isinstance(w, str) else offsets[w[0]] + w[1] for row in self.waits for w in row
+        ]
+        compute = [a.is_compute for acts in self.schedule.actions for a in acts]
+        return offsets, wait, compute
+
     def first(self, action):
         found = self.where.get(action)
         return found[0] if found else None
@@ -890,32 +912,59 @@ def _execute(
     """Run every rank's list in order; an action starts when its rank is free and its remote
     dependency (if any) has finished plus ``comm_time``. Stops at the fixed point."""
     index = index or _Index(schedule)
-    waits = {(r, i): index.remote_wait(r, i) for r, acts in enumerate(schedule.actions) for i in range(len(acts))}
-    ptr = [0] * schedule.num_ranks
-    clock = [0.0] * schedule.num_ranks
-    start, end = {}, {}
-    progress = True
-    while progress:
-        progress = False
-        for rank, acts in enumerate(schedule.actions):
-            while ptr[rank] < len(acts):
-                key = (rank, ptr[rank])
-                wait = waits[key]
-                ready = clock[rank]
-                if wait is not None:
-                    if wait not in end:  # not finished yet, or never (a string)
-                        break
-                    ready = max(ready, end[wait] + comm_time)
-                start[key] = ready
-                end[key] = clock[rank] = ready + duration(acts[ptr[rank]])
-                ptr[rank] += 1
-                progress = True
+    offsets = index.flat[0]
+    start, end, ptr = _execute_flat(schedule, index, [duration(a) for acts in schedule.actions for a in acts], comm_time)
+    started, ended = {}, {}
+    for rank, acts in enumerate(schedule.actions):
+        for i in range(ptr[rank]):
+            started[(rank, i)], ended[(rank, i)] = start[offsets[rank] + i], end[offsets[rank] + i]
     stuck = {r: ptr[r] for r in range(schedule.num_ranks) if ptr[r] < len(schedule.actions[r])}
-    return _Run(start, end, stuck)
+    return _Run(started, ended, stuck)
 
 
-def _deadlock_issues(schedule: Schedule, index: _Index) -> list:
-    run = _execute(schedule, lambda a: 0.0, index=index)
+def _execute_flat(schedule: Schedule, index: _Index, durations: list, comm_time: float) -> tuple:
+    """:func:`_execute` on the flat positions of :attr:`_Index.flat` (``durations`` >= 0, one per
+    position): (start, end, how far each rank got). A worklist: each rank runs until it meets a
+    remote dependency that has not finished and waits on that position; finishing an action
+    wakes the ranks waiting on it. Every action is visited once, and start times depend only on
+    the dependencies, not on the order ranks are advanced: the module docstring's fixed point."""
+    offsets, wait, _ = index.flat
+    ranks = schedule.num_ranks
+    stops = [offsets[r] + len(schedule.actions[r]) for r in range(ranks)]
+    start = [0.0] * len(wait)
+    end = [-1.0] * len(wait)  # -1: not finished
+    ptr = list(offsets)
+    clock = [0.0] * ranks
+    blocked: dict = {}  # position not finished yet -> ranks waiting on it
+    ready = list(range(ranks - 1, -1, -1))
+    while ready:
+        rank = ready.pop()
+        i, stop, now = ptr[rank], stops[rank], clock[rank]
+        while i < stop:
+            w = wait[i]
+            begin = now
+            if w >= 0:
+                done = end[w]
+                if done < 0:
+                    blocked.setdefault(w, []).append(rank)
+                    break
+                if done + comm_time > now:
+                    begin = done + comm_time
+            elif w == -2:  # waits for an action nobody runs
+                break
+            start[i] = begin
+            end[i] = now = begin + durations[i]
+            if i in blocked:
+                ready.extend(blocked.pop(i))
+            i += 1
+        ptr[rank], clock[rank] = i, now
+    return start, end, [ptr[r] - offsets[r] for r in range(ranks)]
+
+
+def _deadlock_issues(schedule: Schedule, index: _Index, run: _Run | None = None) -> list:
+    """The stuck ranks of ``run`` (default: an execution with zero durations; any durations reach
+    the same fixed point), each with what it waits for."""
+    run = run or _execute(schedule, lambda a: 0.0, index=index)
     issues = []
     for rank, step in run.stuck.items():
         wait = index.remote_wait(rank, step)
@@ -950,7 +999,10 @@ def check_schedule(schedule: Schedule) -> list:
 
 def assert_valid(schedule: Schedule) -> None:
     """Raise ``ValueError`` with the errors and the grid (offending actions marked ``!``)."""
-    issues = _issues(schedule)
+    _raise_for(schedule, _issues(schedule))
+
+
+def _raise_for(schedule: Schedule, issues: list) -> None:
     if issues:
         marks = [(i.rank, i.step) for i in issues if i.step is not None]
         raise ValueError(
@@ -978,13 +1030,33 @@ class TimedAction:
 
 
 @dataclass(frozen=True)
+class _Timed:
+    """A simulation's start and end of every action, at the flat positions of :attr:`_Index.flat`."""
+
+    schedule: Schedule
+    start: tuple
+    end: tuple
+
+
+@dataclass(frozen=True)
 class SimulationResult:
-    timelines: dict
-    """rank -> tuple of :class:`TimedAction`, the rank's compute actions in order (seconds)."""
     makespan: float
     """Seconds from the first start to the last end: one training step."""
     busy: dict
     """rank -> seconds spent computing."""
+    _timed: _Timed = field(repr=False, compare=False)
+
+    @functools.cached_property
+    def timelines(self) -> dict:
+        """rank -> tuple of :class:`TimedAction`, the rank's compute actions in order (seconds);
+        built on first use (the configuration search reads only the makespan and busy times)."""
+        timed, n, out = self._timed, 0, {}
+        for r, acts in enumerate(timed.schedule.actions):
+            out[r] = tuple(
+                TimedAction(r, i, a, timed.start[n + i], timed.end[n + i]) for i, a in enumerate(acts) if a.is_compute
+            )
+            n += len(acts)
+        return out
 
     def idle_fraction(self, rank: int) -> float:
         return 1.0 - self.busy[rank] / self.makespan if self.makespan > 0 else 0.0
@@ -1050,7 +1122,7 @@ def simulate(
     take no compute time, but a receive blocks its rank until the message arrives. Raises
     ``ValueError`` (as :func:`assert_valid`) for an invalid schedule.
     """
-    assert_valid(schedule)
+    index = _checked_index(schedule)
     S = schedule.num_stages
     fwd = _per_stage(forward_time, "forward_time", S)
     bwd = _per_stage(backward_time, "backward_time", S)
@@ -1066,18 +1138,32 @@ def simulate(
         for a in [schedule.actions[r][i]]
     }
 
-    def duration(a: Action) -> float:
-        return table[a.kind][a.stage] + last.get((a.kind, a.stage, a.microbatch), 0.0) if a.is_compute else 0.0
+    offsets, _, compute = index.flat
+    durations = [
+        table[a.kind][a.stage] + last.get((a.kind, a.stage, a.microbatch), 0.0) if a.is_compute else 0.0
+        for acts in schedule.actions
+        for a in acts
+    ]
+    start, end, ptr = _execute_flat(schedule, index, durations, comm_time)
+    if any(ptr[r] < len(acts) for r, acts in enumerate(schedule.actions)):
+        _raise_for(schedule, _deadlock_issues(schedule, index))
+    makespan = max((e for e, c in zip(end, compute) if c), default=0.0)
+    stops = offsets[1:] + [len(end)]
+    busy = {r: sum(durations[offsets[r] : stops[r]]) for r in range(schedule.num_ranks)}
+    return SimulationResult(makespan, busy, _Timed(schedule, tuple(start), tuple(end)))
 
-    run = _execute(schedule, duration, comm_time)
-    assert not run.stuck
-    timelines = {
-        r: tuple(TimedAction(r, i, a, run.start[(r, i)], run.end[(r, i)]) for i, a in enumerate(acts) if a.is_compute)
-        for r, acts in enumerate(schedule.actions)
-    }
-    makespan = max((t.end for tl in timelines.values() for t in tl), default=0.0)
-    busy = {r: sum(t.end - t.start for t in tl) for r, tl in timelines.items()}
-    return SimulationResult(timelines, makespan, busy)
+
+def _checked_index(schedule: Schedule) -> _Index:
+    """The schedule's :class:`_Index` once its static checks passed (else ``ValueError`` as
+    :func:`assert_valid`), kept on the schedule: a schedule simulated again (the configuration
+    search replays one schedule with many stage times) is indexed and checked once. The deadlock
+    part of the check is the simulation's own execution (the same fixed point)."""
+    index = schedule.__dict__.get("_checked_index")
+    if index is None:
+        index = _Index(schedule)
+        _raise_for(schedule, _static_issues(schedule, index))
+        object.__setattr__(schedule, "_checked_index", index)
+    return index
 
 
 def peak_in_flight(schedule: Schedule) -> dict:

@@ -470,6 +470,16 @@ def _add_forward_edges(space: StrategySpace, graph, masks: dict, base_size: dict
     blocks, groups, group_of = space.blocks, space.groups, space.group_of
     rep = blocks.represent
     pending: dict = {}
+    prices: dict = {}  # (what the price reads of the producer, its options, the consumer's) -> matrix
+
+    def distinct(specs) -> tuple:  # (the distinct specs, each entry's index among them)
+        seen: dict = {}
+        index = np.array([seen.setdefault(sp, len(seen)) for sp in specs], dtype=np.int64)
+        return list(seen), index
+
+    src_specs: dict = {}  # (group, representative) -> distinct output specs of its options
+    dst_specs: dict = {}  # (group, representative, input index) -> distinct input specs
+
     for node in graph.nodes:
         if node.op != "call_function" or info(node).kind != "op":
             continue
@@ -483,15 +493,19 @@ def _add_forward_edges(space: StrategySpace, graph, masks: dict, base_size: dict
                 continue
             src_options = groups[gu].options[: base_size.get(gu, len(groups[gu].options))]
             dst_options = groups[gv].options[: base_size[gv]]
-            m = np.array(
-                [
-                    [
-                        0.0 if d[rv].ins[k] is None else _forward_edge_time(space, u, s[rep(u)].out[0], d[rv].ins[k])
-                        for d in dst_options
-                    ]
-                    for s in src_options
-                ]
-            )
+            ru = rep(u)
+            if (gu, ru) not in src_specs:
+                src_specs[(gu, ru)] = distinct([s[ru].out[0] for s in src_options])
+            if (gv, rv, k) not in dst_specs:
+                dst_specs[(gv, rv, k)] = distinct([d[rv].ins[k] for d in dst_options])
+            i = info(u)
+            key = (i.out_shapes[0] if i.out_shapes else (), i.dtype, i.requires_grad, i.kind, gu, ru, gv, rv, k)
+            if key not in prices:  # repeated layers share groups: priced once for all of them
+                (srcs, si), (dsts, di) = src_specs[(gu, ru)], dst_specs[(gv, rv, k)]
+                # once per distinct pair of placements, then spread over the options
+                small = [[0.0 if b is None else _forward_edge_time(space, u, a, b) for b in dsts] for a in srcs]
+                prices[key] = np.array(small).reshape(len(srcs), len(dsts))[np.ix_(si, di)]
+            m = prices[key]
             pending[(gu, gv)] = pending.get((gu, gv), 0.0) + m
     for (gu, gv), m in pending.items():
         if not np.any(m):
