@@ -132,6 +132,7 @@ class ActionKind(str, Enum):
     RECV_B = "RECV_B"
 
 
+_KIND_OF = {k.value: k for k in ActionKind}
 _COMPUTE = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
 _SENDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
 _RECVS = frozenset({ActionKind.RECV_F, ActionKind.RECV_B})
@@ -156,7 +157,7 @@ class Action:
 
     def __post_init__(self):
         if self.kind.__class__ is not ActionKind:  # a plain string such as "F"
-            object.__setattr__(self, "kind", ActionKind(self.kind))
+            object.__setattr__(self, "kind", _KIND_OF.get(self.kind) or ActionKind(self.kind))
         if self.stage < 0 or self.microbatch < 0 or (self.peer is not None and self.peer < 0):
             raise ValueError(
                 f"stage, microbatch and peer must be >= 0, got {self.stage}, {self.microbatch} and {self.peer}"
