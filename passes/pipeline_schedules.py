@@ -914,9 +914,10 @@ def _execute(
     dependency (if any) has finished plus ``comm_time``. Stops at the fixed point."""
     index = index or _Index(schedule)
     offsets = index.flat[0]
-    start, end, ptr = _execute_flat(schedule, index, [duration(a) for acts in schedule.actions for a in acts], comm_time)
+    durations = [duration(a) for acts in schedule.actions for a in acts]
+    start, end, ptr = _execute_flat(schedule, index, durations, comm_time)
     started, ended = {}, {}
-    for rank, acts in enumerate(schedule.actions):
+    for rank in range(schedule.num_ranks):
         for i in range(ptr[rank]):
             started[(rank, i)], ended[(rank, i)] = start[offsets[rank] + i], end[offsets[rank] + i]
     stuck = {r: ptr[r] for r in range(schedule.num_ranks) if ptr[r] < len(schedule.actions[r])}
