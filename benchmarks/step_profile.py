@@ -1,7 +1,8 @@
 """Where one rank's measured step departs from its estimate, per kind of work.
 
-One rank's training step (the runtime benchmark's Megatron TP LLaMA on 4 gloo ranks, or the
-pipeline benchmark's GPT stages) is run under ``torch.profiler`` and its time is split into
+One rank's training step (the runtime benchmark's Megatron TP LLaMA on 4 gloo ranks, the
+pipeline benchmark's GPT stages, or one of the memory benchmark's Partita plans on 4 ranks,
+``--memory``) is run under ``torch.profiler`` and its time is split into
 kinds, next to the plan's per-node estimate split the same way:
 
 * forward: each top-level aten op the rank's program calls, by name (``linear``, views,
@@ -13,12 +14,15 @@ kinds, next to the plan's per-node estimate split the same way:
 Kinds: ``matmul`` (linear, mm, matmul, bmm, addmm and their backward nodes), ``attention``
 (scaled-dot-product attention), ``view`` (ops that make views: priced 0 by the cost model),
 ``accumulate`` (``AccumulateGrad``: gradients added into ``.grad``), ``comm``, ``optimizer``,
-``other`` (elementwise, norms, losses, embeddings). The estimate's kinds come from the plan's
+``other`` (elementwise, norms, losses, embeddings), ``recompute`` (a recomputed layer's rerun:
+the forward-only ops and collectives a backward node runs inside it; the estimate's
+``recompute_s`` and rerun collectives). The estimate's kinds come from the plan's
 records (``compute_s`` by the record's op, ``comm`` time_s). What the profile cannot attribute
 (Python between ops, the profiler's own cost) is ``unattributed``. Each kind also gets its op
 count, so a per-op cost can be read off.
 
-Usage: ``python benchmarks/step_profile.py --cluster cal4.json [--size medium] [--steps 4]``.
+Usage: ``python benchmarks/step_profile.py --cluster cal4.json [--size medium | --memory
+recompute] [--steps 4]``.
 The profiler adds a few microseconds per op; the unprofiled median step is printed beside.
 """
 
@@ -104,8 +108,40 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+RERUN = {
+    "linear",
+    "addmm",
+    "layer_norm",
+    "native_layer_norm",
+    "gelu",
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "embedding",
+    "softmax",
+    "_softmax",
+}
+"""Forward-only aten ops (their backward formulas call others: ``mm``, ``gelu_backward``): one of
+them inside a backward node is a recomputed layer's rerun (non-reentrant checkpointing reruns
+the layer when backward first unpacks one of its saved tensors)."""
+
+
+def _rerun_s(event) -> float:
+    """Seconds of a recomputed layer's rerun inside a backward node: the forward ops
+    (:data:`RERUN`) and the collectives (the rerun's weight gathers) at any depth below it."""
+    total = 0.0
+    for child in event.cpu_children:
+        op = child.name.replace("aten::", "")
+        if op in RERUN or kind_of(child.name) == "comm":
+            total += child.cpu_time_total / 1e6
+        else:
+            total += _rerun_s(child)
+    return total
+
+
 def profile_split(prof) -> tuple[dict, dict]:
-    """(seconds, count) per kind from one profiled step: top-level ops only (no double count)."""
+    """(seconds, count) per kind from one profiled step: top-level ops only (no double count);
+    a backward node's rerun of a recomputed layer's forward ops is the kind ``recompute``."""
     seconds: dict = defaultdict(float)
     count: dict = defaultdict(int)
     events = list(prof.events())
@@ -122,8 +158,13 @@ def profile_split(prof) -> tuple[dict, dict]:
             seconds["zero_grad"] += dt
         elif name.startswith(("autograd::engine::evaluate_function", "aten::", "c10d", "gloo")) or "Reshard" in name:
             k = kind_of(name)
-            seconds[k] += dt
+            backward = name.startswith("autograd::engine::evaluate_function") and k != "comm"
+            rerun = _rerun_s(e) if backward else 0.0
+            seconds[k] += dt - rerun
             count[k] += 1
+            if rerun:
+                seconds["recompute"] += rerun
+                count["recompute"] += 1
     return dict(seconds), dict(count)
 
 
@@ -135,10 +176,11 @@ def estimate_split(plan) -> tuple[dict, dict]:
         if r.get("kind") != "op":
             continue
         k = kind_of(str(r.get("target", "")))
-        seconds[k] += r.get("compute_s", 0.0)
+        seconds[k] += r.get("compute_s", 0.0) - r.get("recompute_s", 0.0)
+        seconds["recompute"] += r.get("recompute_s", 0.0)
         count[k] += 1
         for c in r.get("comm", []):
-            seconds["comm"] += c["time_s"]
+            seconds["recompute" if c.get("recompute") else "comm"] += c["time_s"]
             count["comm"] += 1
     return dict(seconds), dict(count)
 
@@ -165,6 +207,29 @@ def _gpt_rank(rank, world, steps, size, cluster):
     )
     pm = partitioner.auto_parallelize(model, (ids, targets), mesh=(1,), cluster=cluster)
     return _profile(pm, (ids, targets), steps, rank, pm.plan, optimizer=False)
+
+
+def _memory_rank(rank, world, steps, row, plan_dict):
+    import memory as mb
+
+    import partitioner
+    from partitioner.sharding_plan import ShardingPlan
+
+    model, batch = mb._model()
+    pm = partitioner.auto_parallelize(model, batch, mesh=(world,), plan=ShardingPlan.from_dict(plan_dict))
+    return _profile(pm, batch, steps, rank, pm.plan)
+
+
+def _memory_plan(row: str, cluster: str) -> tuple[str, dict]:
+    """The memory benchmark's Partita plan whose run name contains ``row``, made for ``cluster``."""
+    import memory as mb
+
+    mb._use_cluster(cluster)
+    _, _, plans = mb._plans()
+    name, _, plan = next((p for p in plans if row in p[0]), (None, None, None))
+    if plan is None:
+        raise SystemExit(f"no memory-benchmark run named like {row!r}: {[p[0] for p in plans]}")
+    return name, plan.to_dict()
 
 
 def _profile(pm, batch, steps, rank, plan, optimizer=True):
@@ -212,6 +277,12 @@ def main(argv=None):
         choices=("small", "medium", "gpt"),
         help="the runtime benchmark's LLaMA (4 ranks), or one pipeline-benchmark stage on 1 rank",
     )
+    ap.add_argument(
+        "--memory",
+        default=None,
+        help="instead: the memory benchmark's Partita run whose name contains this (e.g. 'below DP', "
+        "'recompute'), 4 ranks",
+    )
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -219,7 +290,11 @@ def main(argv=None):
 
     from runtime.launch import run_on_ranks
 
-    if args.size == "gpt":
+    if args.memory:
+        name, plan_dict = _memory_plan(args.memory, args.cluster)
+        size = f"memory benchmark: {name}, 4 ranks"
+        results = run_on_ranks(_memory_rank, 4, args.steps, name, plan_dict, timeout_s=1200)
+    elif args.size == "gpt":
         size = "GPT stage (pipeline benchmark: 4 layers, width 192, 4 x 128 tokens), forward + backward, 1 rank"
         import pipeline  # noqa: F401 - sizes
 

@@ -41,6 +41,14 @@ Algorithm
    ``latency_s`` and one seconds-per-wire-byte per kind; the all-reduce's is the link's
    ``bandwidth`` and the other kinds' are its ``efficiency``. Both fixed terms stay >= 0 (a
    negative one is dropped and the rest refitted).
+   **Overlap.** A prefetched weight gather (``passes/prefetch_gathers.py``) runs asynchronously
+   beside compute; on a GPU it has its own engine, on gloo its transfers run on threads that
+   compete with the compute for the cores. Every rank times an all-gather of a weight's size
+   (the largest payload up to 2 MiB) alone, matmuls about as long alone, and the gather started
+   before the matmuls and waited for after them: ``prefetch_overlap = (compute + gather - both)
+   / min(compute, gather)`` (within 0-1) is the fraction of the shorter one that running them
+   together hides, the fraction of the overlapped compute the cost model credits a prefetched
+   gather with.
 4. **Fits minimise relative error** (every sample weighted by ``1 / t**2``), so small and large
    sizes count alike. The written model is the least-squares optimum over its own samples: the
    weighted residuals are orthogonal to every fitted term (what the test checks).
@@ -73,6 +81,8 @@ __all__ = [
     "fresh_samples",
     "matmul_intensity",
     "measure",
+    "overlap_sample",
+    "prefetch_overlap",
     "rank_samples",
     "write_cluster_file",
 ]
@@ -235,7 +245,67 @@ def rank_samples(rank: int, world: int, sizes: dict, progress: bool = False) -> 
                 say(
                     f"{kind} on {n} ranks, {payload} bytes, after {sizes['burst'] * 1e3:g} ms of work: {t * 1e6:.1f} us"
                 )
+    payload = max([p for p in sizes["payloads"] if p <= 1 << 21] or [min(sizes["payloads"])])  # a weight's size
+    out["overlap"] = overlap_sample(rank, world, payload, a, per_mm, trials, mean, slowest)
+    o = out["overlap"]
+    say(
+        f"all-gather of {o['payload']} bytes started before {o['compute_s'] * 1e3:.2f} ms of matmuls: "
+        f"{o['both_s'] * 1e3:.2f} ms together, {o['gather_s'] * 1e3:.2f} ms alone"
+    )
     return out
+
+
+def overlap_sample(rank, world, payload, a, per_mm, trials, mean, agree) -> dict:
+    """How much of an asynchronous all-gather (a prefetched weight gather) computing beside it
+    hides: on every rank at once, the gather of ``payload`` bytes alone, a run of matmuls about as
+    long alone, and the gather started before the matmuls and waited for after them (``both``),
+    interleaved, each the mean over ``8 trials`` rounds and over ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from runtime.collectives import _all_gather_single
+
+    numel = max(world, payload // 4 // world * world)
+    out, inp = torch.empty(numel), torch.ones(numel // world)
+
+    def gather(async_op=False):
+        return _all_gather_single(out, inp, async_op=async_op)
+
+    gather()
+    alone = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        gather()
+        alone.append(time.perf_counter() - t0)
+    count = max(1, int(agree(statistics.median(alone) / per_mm)))  # matmuls as long as a gather
+
+    def compute():
+        for _ in range(count):
+            torch.mm(a, a)
+
+    def both():
+        work = gather(async_op=True)
+        compute()
+        work.wait()
+
+    sums = {"compute_s": 0.0, "gather_s": 0.0, "both_s": 0.0}
+    rounds = 8 * trials
+    for _ in range(rounds):
+        for key, fn in (("compute_s", compute), ("gather_s", gather), ("both_s", both)):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            sums[key] += time.perf_counter() - t0
+    return {"payload": payload, **{k: mean(v / rounds) for k, v in sums.items()}}
+
+
+def prefetch_overlap(sample: dict | None) -> float:
+    """The fraction of the shorter of a gather and its compute that running them together hid
+    (``(compute + gather - both) / min(compute, gather)``, kept within 0-1); 1.0 unmeasured."""
+    if not sample:
+        return 1.0
+    c, g, both = sample["compute_s"], sample["gather_s"], sample["both_s"]
+    return min(1.0, max(0.0, (c + g - both) / max(min(c, g), 1e-12)))
 
 
 def fresh_rank(rank: int, world: int, sizes: dict) -> list:
@@ -454,6 +524,7 @@ def fit(samples: dict, *, ranks: int, name: str = "calibrated", memory_bytes: in
         matmul_curve=compute["matmul_curve"],
         fresh_page_s_per_byte=compute["fresh_page_s_per_byte"],
         op_overhead_s=compute["op_overhead_s"],
+        prefetch_overlap=prefetch_overlap(samples.get("overlap")),
         collective_efficiency={k: per_wire["all_reduce"] / v for k, v in per_wire.items() if k != "all_reduce"},
         notes=f"measured by `partitioner calibrate` on {ranks} gloo ranks of {platform.node() or 'this machine'}",
     )
@@ -496,7 +567,8 @@ def calibrate(
         f"collective overhead {spec.collective_overhead_s * 1e6:.1f} us + {spec.intra_node.latency_s * 1e6:.1f} us "
         f"per ring step, link {spec.intra_node.bandwidth / 1e9:.2f} GB/s; matmul fraction of peak by FLOPs per byte "
         f"{', '.join(f'{x:.0f}: {y:.2f}' for x, y in spec.matmul_curve.get('float32', []))}; a fresh allocation "
-        f"{spec.fresh_page_s_per_byte * 1e9:.2f} ns per byte"
+        f"{spec.fresh_page_s_per_byte * 1e9:.2f} ns per byte; a prefetched gather's overlap with compute "
+        f"{spec.prefetch_overlap:.2f}"
     )
     say(f"cluster file written to {path}")
     return spec

@@ -128,6 +128,12 @@ class ClusterSpec:
     """Whether the job priced gets every allocation of ``MMAP_THRESHOLD`` bytes or more as a fresh
     mapping: a CPU job under a memory budget, where ``auto_parallelize`` fixes glibc's mmap
     threshold (``runtime/host_memory.py``; :func:`for_memory_budget`)."""
+    prefetch_overlap: float = 1.0
+    """The fraction of the shorter of a prefetched all-gather and the compute it runs beside that
+    running them together hides (:func:`passes.prefetch_gathers.credit_prefetch`): 1.0 where the
+    collective has its own engine and link (the GPU presets); measured by ``partitioner
+    calibrate`` on CPUs, where the gather's transfers and reductions run on threads that compete
+    with the compute for the same cores."""
     host_link: LinkSpec | None = None
     """The link between a device and its host's memory (PCIe on the GPU presets), over which
     optimizer state offloaded to the host moves; None: the device's own memory is the host's

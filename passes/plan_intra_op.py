@@ -407,7 +407,8 @@ def plan_intra_op(
     for rec in records:
         rec.update(exact.get(rec["name"], {}))
     multidim_tp.label_records(records, space.mesh_shape)
-    overlap = credit_prefetch(records)  # weight gathers started ahead of their use (passes/prefetch_gathers.py)
+    # weight gathers started ahead of their use (passes/prefetch_gathers.py), at the measured overlap
+    overlap = credit_prefetch(records, getattr(space.cluster, "prefetch_overlap", 1.0))
 
     alternatives = _alternatives(space, result.choice, axis_names, redo)
     t3 = time.perf_counter()

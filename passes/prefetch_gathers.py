@@ -22,7 +22,10 @@ overlaps the forward compute of the ops from ``g_k``'s consumer up to (not inclu
 (``g_0``'s: every op before its consumer); a prefetched regather of copy ``j`` overlaps the
 backward compute of the ops after its consumer up to and including the consumer of copy ``j + 1``
 (whose backward unpack started it). The collective's time becomes its exposed part,
-``max(0, gather - overlapped compute)`` (the full time stays as ``gather_s``), and its output
+``gather - f min(gather, overlapped compute)`` (the full time stays as ``gather_s``), ``f`` the
+cluster's ``prefetch_overlap``: the fraction of the shorter of the two that running them
+together hides (1.0 on the GPU presets, ``max(0, gather - compute)``; measured by ``partitioner
+calibrate`` on CPUs, where the gather's threads and the compute share the cores), and its output
 buffer is alive beside each op of its window: :mod:`passes.memory_accounting` adds it to their
 transients (``transient_fwd`` / ``transient_bwd``), so the budgeted solve's peak check sees
 it. Other collectives in the window are not taken into account (the link is assumed free for
@@ -106,10 +109,11 @@ def _gathers(rec: dict, by_name: dict, regather: bool) -> list:
     return out
 
 
-def credit_prefetch(records: list) -> float:
+def credit_prefetch(records: list, overlap: float = 1.0) -> float:
     """Credit the overlap of prefetched gathers on ``records`` (a solved plan's, graph order; see
-    the module docstring): each one's ``time_s`` becomes its exposed part. Returns the seconds
-    credited. (Their bytes in flight are counted by :func:`passes.memory_accounting.memory_fields`.)"""
+    the module docstring): each one's ``time_s`` becomes its exposed part, ``overlap`` being the
+    cluster's ``prefetch_overlap``. Returns the seconds credited. (Their bytes in flight are
+    counted by :func:`passes.memory_accounting.memory_fields`.)"""
     by_name = {r["name"]: r for r in records}
     ops = [r for r in records if r.get("kind") == "op"]
     fwd_s = [r.get("forward_s", 0.0) for r in ops]
@@ -125,6 +129,6 @@ def credit_prefetch(records: list) -> float:
         ]
         for (_, c), window in zip(found, windows([j for j, _ in found])):
             full = c.setdefault("gather_s", c["time_s"])
-            c["time_s"] = max(0.0, full - sum(seconds[i] for i in window))
+            c["time_s"] = full - overlap * min(full, sum(seconds[i] for i in window))
             credited += full - c["time_s"]
     return credited

@@ -225,3 +225,16 @@ def test_fresh_allocations_are_fitted_and_priced_under_a_budget():
     extra = fresh.record(name)["compute_s"] - base.record(name)["compute_s"]
     assert math.isclose(extra, (8 * 64 * 256 * 4 + 8 * 64 * 64 * 4) * per_byte, rel_tol=1e-9)
     assert fresh.estimate().step_time_s > base.estimate().step_time_s
+
+
+def test_prefetch_overlap_is_fitted():
+    """``prefetch_overlap``: the part of the shorter of a gather and the compute beside it that
+    running them together hid, within 0-1; 1.0 (the presets' full credit) when not measured."""
+    samples = samples_of(KNOWN)
+    assert fit(samples, ranks=4).prefetch_overlap == 1.0
+    samples["overlap"] = {"payload": 1 << 21, "compute_s": 4e-3, "gather_s": 6e-3, "both_s": 8e-3}
+    assert math.isclose(fit(samples, ranks=4).prefetch_overlap, 0.5)  # 2 ms of the 4 hidden
+    samples["overlap"]["both_s"] = 12e-3  # together slower than one after the other: nothing hidden
+    assert fit(samples, ranks=4).prefetch_overlap == 0.0
+    samples["overlap"]["both_s"] = 5e-3  # as if the compute were free: capped at all of it
+    assert fit(samples, ranks=4).prefetch_overlap == 1.0

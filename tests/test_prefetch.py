@@ -153,3 +153,28 @@ def test_prefetch_overlap_is_priced(fake_process_group):
     # the step is priced after solving too, with the flat buffers' call latency (passes/collective_calls.py)
     solved = stats["objective_s"] - credit + stats["optimizer_step_s"] + plan.estimate().flat_latency_s
     assert plan.estimate().step_time_s == pytest.approx(solved, rel=1e-9)
+
+
+def test_prefetch_credit_scales_with_the_measured_overlap(fake_process_group):
+    """``ClusterSpec.prefetch_overlap`` (``partitioner calibrate`` measures it) is the fraction of
+    the overlapped compute a prefetched gather is credited with: the same plan (the solver prices
+    gathers whole, so the overlap does not change it) gets that fraction of the full credit, and
+    none at 0."""
+    import dataclasses
+
+    import partitioner
+
+    fake_process_group(4)
+    model, inputs = build("gpt")
+    n_params = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
+    credit, placements = {}, {}
+    for f in (1.0, 0.25, 0.0):
+        cluster = dataclasses.replace(partitioner.get_cluster("h100"), prefetch_overlap=f)
+        plan = partitioner.plan(model, inputs, mesh_shape=(4,), cluster=cluster, recompute="none", zero=3,
+                                memory_budget=int(BUDGET * 16 * n_params))
+        credit[f] = plan.data["stats"]["prefetch_overlap_s"]
+        placements[f] = [r["out"] for r in plan.records]
+        prefetched = [c for r in plan.records for c in r["comm"] if "gather_s" in c]
+        assert prefetched and all(c["gather_s"] - c["time_s"] <= f * c["gather_s"] + 1e-15 for c in prefetched)
+    assert placements[1.0] == placements[0.25] == placements[0.0]
+    assert credit[1.0] > 0 and credit[0.25] == pytest.approx(0.25 * credit[1.0], rel=1e-9) and credit[0.0] == 0.0
