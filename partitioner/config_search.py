@@ -42,7 +42,9 @@ Algorithm
    placements) are planned once. The pipeline's step is the schedule simulated with the
    stages' per-microbatch estimates and the point-to-point time of the largest boundary
    message on the link the pipeline axis crosses. 1F1B and ZB-H1 share one set of stage plans
-   (planned for the most microbatches either keeps alive). Stop when the next candidate's time
+   (planned for the most microbatches either keeps alive: ZB-H1 keeps ``p`` at every stage,
+   1F1B ``p - s`` at stage ``s``); :func:`plan_config`, for one given configuration, plans its
+   stages for its own schedule. Stop when the next candidate's time
    bound exceeds the best step found, or after ``max_plans`` distinct plannings (each extra
    one costs seconds at large scale; one refused over budget counts half), one per set of
    degrees ``(p, d, t)`` (the best-ranked microbatch count and recomputation for them; 1F1B
@@ -484,6 +486,7 @@ class _Planner:
         self._splits: dict = {}
         self._stage_sets: dict = {}
         self._schedules: dict = {}
+        self.share_schedules = True  # 1F1B and ZB-H1 share stage plans (the search); False: exact
         self.plannings = 0
         self.facts: ModelFacts | None = None
 
@@ -638,8 +641,8 @@ class _Planner:
 
         size = c.microbatch_size
         stages = c.pipeline * c.virtual_stages
-        if c.schedule == "interleaved":
-            copies = ps.SCHEDULES["interleaved"].in_flight(c.pipeline, c.microbatches, c.virtual_stages)
+        if c.schedule == "interleaved" or not self.share_schedules:
+            copies = ps.SCHEDULES[c.schedule or "1f1b"].in_flight(c.pipeline, c.microbatches, c.virtual_stages)
         else:
             copies = ps.auto_stage_in_flight(c.pipeline, c.microbatches)
         lengths = self.stage_lengths(stages)
@@ -654,7 +657,7 @@ class _Planner:
             for s, n in enumerate(lengths)
         ]
         class_copies = [max(copies[s] for s in range(stages) if stage_map[s] == k) for k in range(len(classes))]
-        key = stage_set_key(c)
+        key = stage_set_key(c, shared=self.share_schedules)
         if key in self._stage_sets:
             return self._stage_sets[key]
         self.plannings += 1
@@ -888,6 +891,7 @@ def plan_config(
     )
     planner.inputs = _at_batch(example_inputs, batch, config.global_batch)
     planner.batch = config.global_batch
+    planner.share_schedules = False  # its stages hold what its own schedule keeps alive
     planner.facts = ModelFacts.of(model, planner.capture(config.global_batch), config.global_batch)
     return planner.plan(config)
 
@@ -1109,10 +1113,11 @@ def _rule_of_thumb(cands: list, devices_per_node: int, bounds: _Bounds, budget: 
     return min(fits, key=lambda c: (c.config.pipeline, c.quick_s), default=None)
 
 
-def stage_set_key(c: ParallelConfig) -> tuple:
+def stage_set_key(c: ParallelConfig, shared: bool = True) -> tuple:
     """What a pipelined configuration's stage plans depend on: configurations with the same key
-    share one set of stage plans (1F1B and ZB-H1 among them; interleaved cuts its own)."""
-    family = "interleaved" if c.schedule == "interleaved" else "auto"
+    share one set of stage plans (with ``shared``, the search's way, 1F1B and ZB-H1 among them,
+    planned for the activations either keeps alive; interleaved cuts its own)."""
+    family = "auto" if shared and c.schedule != "interleaved" else c.schedule
     return (
         c.microbatch_size,
         c.pipeline,

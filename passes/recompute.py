@@ -348,7 +348,9 @@ def _core_memory(m, opt, instance: set, layer: set, copies: int, mesh_shape, cou
             for sh, spec in zip(i.out_shapes, opt.out)
             if sh is not None and spec is not None
         )
-    return opt.memory + count * out + checkpoint_input_bytes(m, opt, instance, layer, copies, mesh_shape, count)
+    return (
+        opt.memory / copies + count * out + checkpoint_input_bytes(m, opt, instance, layer, copies, mesh_shape, count)
+    )
 
 
 def _classes(rows) -> tuple:
@@ -373,7 +375,8 @@ def _rerun(g, ops: list) -> np.ndarray:
 
 def _rerun_memory(g, instance: set, layer: set, copies: int, mesh_shape, core: bool) -> np.ndarray:
     """Bytes per option when the members of ``g`` in ``instance`` (one layer's rerun range) are
-    recomputed: what the rerun rebuilds, once (alive while one layer reruns), and per layer what
+    recomputed: what the rerun rebuilds, once (one microbatch's: an option's memory counts
+    ``copies`` microbatches, and only one layer of one microbatch reruns at a time), and per layer what
     stays: for a whole layer, the outputs that leave it (the next checkpoint's input, what the
     code after the block reads); for an attention core, what its checkpoint keeps (its outputs
     are counted by the ops outside that save them). Other members keep theirs."""
@@ -386,7 +389,7 @@ def _rerun_memory(g, instance: set, layer: set, copies: int, mesh_shape, core: b
             elif core:
                 total += _core_memory(m, opt[m], instance, layer, copies, mesh_shape, g.count)
             else:
-                total += opt[m].memory + g.count * boundary_bytes(m, opt[m], instance, copies, mesh_shape)
+                total += opt[m].memory / copies + g.count * boundary_bytes(m, opt[m], instance, copies, mesh_shape)
         out.append(total)
     return np.array(out)
 
@@ -552,8 +555,9 @@ def mark_recomputed(rec, node, choice, key, members, first: bool, copies: int, m
     rec["recompute_s"] = float(choice.forward_s)
     rec["compute_s"] += float(choice.forward_s)
     rec["comm"] = rec["comm"] + [dict(c, recompute=True) for c in rec["comm"] if c["phase"] == "fwd"]
+    rebuilt = choice.memory / copies  # one microbatch's, alive while one region reruns
     if len(key) == 3:  # an attention core: the row of _core_memory, per layer
-        kept = (_core_memory(node, choice, members, layer, copies, mesh_shape, count) - choice.memory) / count
+        kept = (_core_memory(node, choice, members, layer, copies, mesh_shape, count) - rebuilt) / count
     else:
         kept = boundary_bytes(node, choice, members, copies, mesh_shape)
-    rec["memory"] = float(kept + (choice.memory if first else 0.0))
+    rec["memory"] = float(kept + (rebuilt if first else 0.0))
