@@ -41,6 +41,12 @@ Algorithm
    ``latency_s`` and one seconds-per-wire-byte per kind; the all-reduce's is the link's
    ``bandwidth`` and the other kinds' are its ``efficiency``. Both fixed terms stay >= 0 (a
    negative one is dropped and the rest refitted).
+   **Arrival.** The collective samples follow a short burst (``burst``); in a step, ranks
+   compute longer between calls, and ranks sharing cores progress unevenly, so they arrive
+   further apart. Every rank times a tiny all-reduce after ``burst`` and after each of the longer
+   computations ``waits`` (10-100 ms): ``arrival_wait`` is, per length, the time beyond the
+   ``burst`` one (kept >= 0 and non-decreasing), which the estimate adds per collective call by
+   the compute since the previous call (:func:`passes.collective_calls.arrival_wait_s`).
    **Overlap.** A prefetched weight gather (``passes/prefetch_gathers.py``) runs asynchronously
    beside compute; on a GPU it has its own engine, on gloo its transfers run on threads that
    compete with the compute for the cores. Every rank times an all-gather of a weight's size
@@ -73,6 +79,8 @@ from partitioner.cluster import ClusterSpec, LinkSpec, cluster_file_dict
 __all__ = [
     "DEFAULT_SIZES",
     "TINY_SIZES",
+    "arrival_samples",
+    "arrival_wait",
     "calibrate",
     "compute_samples",
     "fit",
@@ -100,11 +108,12 @@ DEFAULT_SIZES = {
     "seconds": 0.05,
     "burst": 2e-3,
     "fresh": (1 << 18, 1 << 19, 1 << 20, 1 << 21, 1 << 23),
+    "waits": (1e-2, 3e-2, 1e-1),
 }
 """Matrix sides and ``(m, k, n)`` shapes of narrow products, dtypes, elementwise elements
 (float32), ops per fx program, collective payload bytes, timed trials per point, the length of
-one timed loop, the computation before each collective, and the bytes of the fresh allocations
-timed last."""
+one timed loop, the computation before each collective, the bytes of the fresh allocations
+timed last, and the longer computations before a tiny all-reduce (``arrival_wait``)."""
 
 TINY_SIZES = {
     "matmul": (16, 32),
@@ -117,6 +126,7 @@ TINY_SIZES = {
     "seconds": 0.002,
     "burst": 1e-4,
     "fresh": (1 << 17, 1 << 18),
+    "waits": (1e-3,),
 }
 """A quick run for tests: the same code on sizes that take milliseconds."""
 
@@ -245,6 +255,11 @@ def rank_samples(rank: int, world: int, sizes: dict, progress: bool = False) -> 
                 say(
                     f"{kind} on {n} ranks, {payload} bytes, after {sizes['burst'] * 1e3:g} ms of work: {t * 1e6:.1f} us"
                 )
+    out["arrival"] = arrival_samples(a, per_mm, (sizes["burst"], *sizes["waits"]), trials, mean, slowest)
+    say(
+        "a tiny all-reduce after "
+        + ", ".join(f"{x['compute_s'] * 1e3:g} ms of work: {x['s'] * 1e3:.2f} ms" for x in out["arrival"])
+    )
     payload = max([p for p in sizes["payloads"] if p <= 1 << 21] or [min(sizes["payloads"])])  # a weight's size
     out["overlap"] = overlap_sample(rank, world, payload, a, per_mm, trials, mean, slowest)
     o = out["overlap"]
@@ -253,6 +268,42 @@ def rank_samples(rank: int, world: int, sizes: dict, progress: bool = False) -> 
         f"{o['both_s'] * 1e3:.2f} ms together, {o['gather_s'] * 1e3:.2f} ms alone"
     )
     return out
+
+
+def arrival_samples(a, per_mm, bursts, trials, mean, agree) -> list:
+    """The seconds inside a tiny all-reduce when every rank computed ``b`` seconds of matmuls
+    before it, for each ``b`` of ``bursts`` (the collective samples' burst first): the mean over
+    ``4 trials`` calls (after one unmeasured) and over ranks."""
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.ones(2)
+    out = []
+    for b in bursts:
+        count = max(1, int(agree(b / per_mm)))
+        inside = 0.0
+        for i in range(4 * trials + 1):
+            for _ in range(count):
+                torch.mm(a, a)
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            inside += (time.perf_counter() - t0) if i else 0.0
+        out.append({"compute_s": b, "s": mean(inside / (4 * trials))})
+    return out
+
+
+def arrival_wait(samples: list | None) -> list:
+    """``ClusterSpec.arrival_wait`` from :func:`arrival_samples`: per compute length, the seconds
+    a call took beyond the first (shortest) length's, at least 0 and never less than at a shorter
+    length (a longer computation does not bring the ranks closer)."""
+    if not samples or len(samples) < 2:
+        return []
+    ordered = sorted(samples, key=lambda x: x["compute_s"])
+    curve, top = [], 0.0
+    for x in ordered:
+        top = max(top, x["s"] - ordered[0]["s"])
+        curve.append([x["compute_s"], top])
+    return curve
 
 
 def overlap_sample(rank, world, payload, a, per_mm, trials, mean, agree) -> dict:
@@ -525,6 +576,7 @@ def fit(samples: dict, *, ranks: int, name: str = "calibrated", memory_bytes: in
         fresh_page_s_per_byte=compute["fresh_page_s_per_byte"],
         op_overhead_s=compute["op_overhead_s"],
         prefetch_overlap=prefetch_overlap(samples.get("overlap")),
+        arrival_wait=arrival_wait(samples.get("arrival")),
         collective_efficiency={k: per_wire["all_reduce"] / v for k, v in per_wire.items() if k != "all_reduce"},
         notes=f"measured by `partitioner calibrate` on {ranks} gloo ranks of {platform.node() or 'this machine'}",
     )
@@ -568,7 +620,8 @@ def calibrate(
         f"per ring step, link {spec.intra_node.bandwidth / 1e9:.2f} GB/s; matmul fraction of peak by FLOPs per byte "
         f"{', '.join(f'{x:.0f}: {y:.2f}' for x, y in spec.matmul_curve.get('float32', []))}; a fresh allocation "
         f"{spec.fresh_page_s_per_byte * 1e9:.2f} ns per byte; a prefetched gather's overlap with compute "
-        f"{spec.prefetch_overlap:.2f}"
+        f"{spec.prefetch_overlap:.2f}; a collective after "
+        + ", ".join(f"{x * 1e3:g} ms of work: +{y * 1e3:.2f} ms" for x, y in spec.arrival_wait)
     )
     say(f"cluster file written to {path}")
     return spec

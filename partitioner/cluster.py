@@ -134,6 +134,14 @@ class ClusterSpec:
     collective has its own engine and link (the GPU presets); measured by ``partitioner
     calibrate`` on CPUs, where the gather's transfers and reductions run on threads that compete
     with the compute for the same cores."""
+    arrival_wait: list = field(default_factory=list)
+    """``[[seconds of compute, extra seconds], ...]``: how much longer a collective call takes when
+    the ranks computed that long since their previous one than after the short burst the
+    collective fit was measured after (the first point, extra 0): ranks sharing cores progress
+    unevenly, so the longer the compute between two calls, the further apart the ranks arrive at
+    the second. Read piecewise linearly, flat beyond the ends
+    (:func:`passes.cost_model.arrival_wait`). Measured by ``partitioner calibrate``; empty (the
+    presets): nothing added."""
     host_link: LinkSpec | None = None
     """The link between a device and its host's memory (PCIe on the GPU presets), over which
     optimizer state offloaded to the host moves; None: the device's own memory is the host's

@@ -100,6 +100,10 @@ class Estimate:
     """The part of ``comm_s`` that is the latency terms of the calls sending bucketed entries
     (flat buffers, and bucketed entries reduced on their own edge): added after solving, as the
     prefetch credit and the optimizer step are."""
+    arrival_wait_s: float = 0.0
+    """The part of ``comm_s`` the collective calls wait for ranks arriving apart after the compute
+    since their previous call (the cluster's measured ``arrival_wait``; 0 on the presets): added
+    after solving (:func:`passes.collective_calls.arrival_wait_s`)."""
 
     def total_comm_bytes(self) -> float:
         return sum(v for per_axis in self.comm_bytes.values() for v in per_axis.values())
@@ -282,7 +286,8 @@ class ShardingPlan:
         memory = memory_breakdown(self.records)
         calls = self._calls(bucket_grads=True)
         flat = self._flat_latency(bucket_grads=True)
-        comm_t += flat
+        wait = self._arrival_wait()
+        comm_t += flat + wait
         return Estimate(
             step_time_s=compute + comm_t + optimizer,
             compute_s=compute,
@@ -290,6 +295,7 @@ class ShardingPlan:
             comm_calls=_sum_phases(calls),
             comm_calls_by_phase=calls,
             flat_latency_s=flat,
+            arrival_wait_s=wait,
             optimizer_s=optimizer,
             memory_bytes=memory.peak,
             comm_bytes=as_dict(comm),
@@ -314,6 +320,16 @@ class ShardingPlan:
                 if self._moves_param_grad(r, c):
                     out[c["kind"]][c["axis"]] += 1
         return {k: dict(v) for k, v in out.items()}
+
+    def _arrival_wait(self) -> float:
+        """:func:`passes.collective_calls.arrival_wait_s` with the plan's cluster (0 without one)."""
+        if not isinstance(self.data.get("cluster"), dict):
+            return 0.0
+        from partitioner.cluster import get_cluster
+        from passes.collective_calls import arrival_wait_s
+
+        cluster = get_cluster(self.data["cluster"])
+        return arrival_wait_s(self.records, self.mesh_shape, self.axis_names, cluster)
 
     def _flat_latency(self, *, bucket_grads: bool) -> float:
         """:func:`passes.collective_calls.unpriced_latency_s` with the plan's cluster (0 for a plan

@@ -25,6 +25,15 @@ sent in flat buffers together with others, as the runtime groups them:
 :func:`collective_calls` gives the calls; :func:`unpriced_latency_s` the latency terms that the
 per-entry prices leave out (a bucketed entry's ``time_s`` is its bandwidth term only): once per
 flat call, and once per bucketed entry the runtime sends on its own.
+
+:func:`arrival_wait_s` prices how far apart the ranks arrive at each call
+(:func:`passes.cost_model.arrival_wait`, by the compute since the rank's previous call). The
+step's calls in the order they run: forward, the records in program order, each record's
+forward entries (its input edges) before its forward compute; backward, in reverse, each
+record's regathers before its backward compute, a recomputed layer's rerun (its compute, then
+its collectives) before it too, its other backward entries (its input edges' gradients) after it;
+the flat calls at the end of backward (the first after the compute left, the others at once) and
+the copies' refresh gathers at the start of forward.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from collections import defaultdict
 
 from passes.placements import dual_spec, is_partial, parse_spec, transition_steps
 
-__all__ = ["collective_calls", "unpriced_latency_s"]
+__all__ = ["collective_calls", "unpriced_latency_s", "arrival_wait_s"]
 
 
 def _flat_bucket_calls(members: list, limit: float, *, before: bool) -> int:
@@ -139,4 +148,43 @@ def unpriced_latency_s(records: list, mesh_shape, axis_names, cluster, *, bucket
         for c in r.get("comm", ()):
             if c.get("bucketed") and id(c) not in covered:
                 total += fixed(c["kind"], c["axis"])
+    return total
+
+
+def arrival_wait_s(records: list, mesh_shape, axis_names, cluster, *, bucket_grads: bool = True) -> float:
+    """Seconds the step's collective calls wait for ranks arriving apart (see the module doc)."""
+    from passes.cost_model import arrival_wait
+
+    if not getattr(cluster, "arrival_wait", None):
+        return 0.0
+    flat, covered = _grouped(records, mesh_shape, axis_names, bucket_grads)
+    total, since = 0.0, 0.0
+
+    def call() -> None:
+        nonlocal total, since
+        total += arrival_wait(since, cluster)
+        since = 0.0
+
+    for _ in range(sum(n for phase, _, _, n in flat if phase == "fwd")):
+        call()
+    for r in records:
+        for c in r.get("comm", ()):
+            if c["phase"] == "fwd" and not c.get("recompute") and id(c) not in covered:
+                call()
+        since += r.get("forward_s", 0.0)
+    for r in reversed(records):
+        comm = [c for c in r.get("comm", ()) if id(c) not in covered]
+        for c in comm:
+            if c.get("regather"):
+                call()
+        since += r.get("recompute_s", 0.0)
+        for c in comm:
+            if c.get("recompute"):
+                call()
+        since += r.get("compute_s", 0.0) - r.get("forward_s", 0.0) - r.get("recompute_s", 0.0)
+        for c in comm:
+            if c["phase"] == "bwd" and not c.get("regather"):
+                call()
+    for _ in range(sum(n for phase, _, _, n in flat if phase == "bwd")):
+        call()
     return total

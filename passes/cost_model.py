@@ -56,6 +56,7 @@ __all__ = [
     "compute_time",
     "matmul_fraction",
     "allocation_time",
+    "arrival_wait",
     "param_state_bytes",
     "param_state_parts",
     "saved_bytes",
@@ -209,6 +210,21 @@ def matmul_fraction(cluster, dtype_name: str, intensity: float) -> float:
         if intensity <= x1:
             w = math.log(intensity / x0) / math.log(x1 / x0)
             return y0 + w * (y1 - y0)
+    return curve[-1][1]
+
+
+def arrival_wait(compute_s: float, cluster) -> float:
+    """Seconds a collective call takes beyond its :func:`collective_time` when the ranks computed
+    ``compute_s`` since their previous call: the cluster's ``arrival_wait`` curve, piecewise linear
+    in the compute between its points, flat beyond them (0 without a curve)."""
+    curve = getattr(cluster, "arrival_wait", None)
+    if not curve:
+        return 0.0
+    if compute_s <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if compute_s <= x1:
+            return y0 + (compute_s - x0) / (x1 - x0) * (y1 - y0)
     return curve[-1][1]
 
 

@@ -238,3 +238,30 @@ def test_prefetch_overlap_is_fitted():
     assert fit(samples, ranks=4).prefetch_overlap == 0.0
     samples["overlap"]["both_s"] = 5e-3  # as if the compute were free: capped at all of it
     assert fit(samples, ranks=4).prefetch_overlap == 1.0
+
+
+def test_arrival_wait_is_fitted_and_priced_per_call():
+    """``arrival_wait``: per compute length before a tiny all-reduce, its time beyond the shortest
+    length's (>= 0, non-decreasing); the cost model reads it piecewise linearly, flat beyond the
+    ends; the estimate adds it once per collective call (a constant curve: that much per call)."""
+    from passes.cost_model import arrival_wait
+
+    samples = samples_of(KNOWN)
+    assert fit(samples, ranks=4).arrival_wait == []
+    samples["arrival"] = [{"compute_s": b, "s": s} for b, s in ((2e-3, 3e-3), (1e-2, 6e-3), (3e-2, 5e-3), (1e-1, 9e-3))]
+    got = fit(samples, ranks=4)
+    assert got.arrival_wait == [[2e-3, 0.0], [1e-2, 3e-3], [3e-2, 3e-3], [1e-1, pytest.approx(6e-3)]]
+    assert arrival_wait(1e-3, got) == 0.0 and arrival_wait(1.0, got) == pytest.approx(6e-3)
+    assert arrival_wait(6e-3, got) == pytest.approx(1.5e-3)
+    assert arrival_wait(1.0, get_cluster("h100")) == 0.0
+
+    model, inputs = gpt_demo(batch=8, seq=16, n_layer=2, n_embd=64, n_head=4, vocab_size=128)
+    wait = 2.5e-3
+    flat = dataclasses.replace(got, arrival_wait=[[0.0, wait], [1.0, wait]])
+    for cluster in (flat, dataclasses.replace(got, arrival_wait=[])):
+        pins = {"idx": ["S(0)"], "targets": ["S(0)"], "h.*": ["S(0)"], "ln_f": ["S(0)"], "lm_head": ["S(0)"]}
+        est = partitioner.plan(model, inputs, mesh_shape=(4,), cluster=cluster, recompute="all", pins=pins).estimate()
+        calls = sum(n for kinds in est.comm_calls.values() for n in kinds.values())
+        assert calls >= 3
+        assert est.arrival_wait_s == pytest.approx(wait * calls if cluster.arrival_wait else 0.0, rel=1e-12)
+        assert est.step_time_s == pytest.approx(est.compute_s + est.comm_s + est.optimizer_s, rel=1e-12)
