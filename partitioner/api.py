@@ -259,7 +259,8 @@ def plan_captured(
     ``recompute``: ``"auto"``, ``"all"`` or ``"none"`` (see :func:`plan`; pipeline stages keep
     the default, ``"none"``). ``zero1``: offer ZeRO-1 weights (pipeline stages do not: their
     runtime keeps no compute copies). ``microbatches``: a pipeline stage's microbatches per step (its
-    parameter-gradient syncs, once per step, are weighed at their share per microbatch).
+    held-back parameter-gradient all-reduces, once per step, are weighed at their share per
+    microbatch; reduce-scatters onto weights stored sharded run every microbatch).
     ``holds_gradient_sums``: a pipeline stage (it holds its gradient sums over the microbatches:
     counted in its memory)."""
     if objective not in _OBJECTIVES:

@@ -444,8 +444,9 @@ class _Bounds:
         if data > 1:
             # by ZeRO stage: the stage's gradients all-reduced once per step (0; bucketed, a
             # pipeline holds them back until its last microbatch), reduce-scattered and the
-            # stepped shards all-gathered once (1), or reduce-scattered once and the weights
-            # gathered in every microbatch's forward (2) and again in its backward (3); or, when
+            # stepped shards all-gathered once (1), or reduce-scattered once (in a pipeline: in
+            # every microbatch) and the weights gathered in every microbatch's forward (2) and
+            # again in its backward (3); or, when
             # cheaper, a per-layer reduction of activations over dp in every microbatch: a stand-in
             # for the plans the solver finds with activations split on both axes
             link = spec.link_for_axis(shape, 1)
@@ -460,6 +461,8 @@ class _Bounds:
                 sync, gather = share * (grads + weights) + 2 * hop, 0.0
             else:
                 sync, gather = share * grads + hop, gathers * (share * weights + hop)
+                if c.pipeline > 1:  # a pipeline stage reduce-scatters them in every microbatch
+                    sync, gather = 0.0, gather + sync
             ar = 2 * (data - 1) / data * f.boundary_per_sample * mb / c.tensor / link.bandwidth
             as_tensor = per_stage_layers * (6 if c.recompute == "all" else 4) * (ar + overhead + link.latency_s)
             if sync + gather * c.microbatches <= as_tensor * c.microbatches:

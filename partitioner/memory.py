@@ -12,8 +12,8 @@ The peak follows the step:
 
 * forward, at op ``t``: parameters + optimizer state + inputs + everything kept by ops up to
   ``t`` + ``t``'s transient (gradients are not held: ``zero_grad`` sets them to None), and in a
-  pipeline stage the gradient sums it holds back over the microbatches (``held_gradients``,
-  there from the first microbatch's backward on);
+  pipeline stage the gradient sums it holds back over the microbatches (``held_gradients``, the
+  all-reduced ones, there from the first microbatch's backward on);
 * backward: parameters + gradients + optimizer state + inputs (+ held gradient sums) + everything kept (released as
   backward proceeds; the start is the worst case) + the largest backward transient.
 
@@ -42,7 +42,8 @@ class MemoryBreakdown:
     """Tensors made by resharding (gathered weights, moved activations) that backward keeps."""
     held_gradients: float = 0.0
     """A pipeline stage's gradient sums held back over a step's microbatches, one per parameter
-    edge that reduces (resident from the first backward to the stage's last: in both peaks)."""
+    edge that all-reduces (resident from the first backward to the stage's last: in both peaks;
+    a weight stored sharded reduce-scatters in every microbatch and holds nothing here)."""
     offloaded: float = 0.0
     """Bytes kept in host memory instead: offloaded weights' optimizer state, with the tensor the
     optimizer steps and its gradient (not part of the device's peak)."""

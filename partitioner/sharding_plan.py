@@ -13,6 +13,7 @@ per training step, keyed by collective kind and mesh axis name.
 
 from __future__ import annotations
 
+import functools
 import json
 import textwrap
 from collections import defaultdict
@@ -83,8 +84,9 @@ class Estimate:
     bubble_s: float = 0.0
     """Pipelines: the busiest rank's idle time in the simulated schedule (0 without a pipeline)."""
     grad_sync_s: float = 0.0
-    """The part of ``comm_s`` that moves parameter gradients (their all-reduces and reduce-scatters
-    in backward): what a pipeline runs once per step, not once per microbatch."""
+    """The part of ``comm_s`` that moves parameter gradients a pipeline stage holds back and
+    reduces once per step, not once per microbatch: the all-reduces onto replicated storage (a
+    weight stored sharded reduce-scatters its gradient in every microbatch: not counted here)."""
     grad_sync_bytes: dict = field(default_factory=dict)
     """``grad_sync_bytes[kind][axis_name]``: the part of ``comm_bytes`` those collectives send."""
     optimizer_s: float = 0.0
@@ -146,8 +148,9 @@ def _sum_phases(by_phase: dict) -> dict:
 
 def per_step_comm(per_microbatch: dict, grad_sync: dict, m: int) -> dict:
     """A pipeline stage's ``{kind: {axis: bytes}}`` over a step of ``m`` microbatches: its
-    collectives once per microbatch, except the parameter-gradient ones (``grad_sync``, part of
-    ``per_microbatch``), sent once per step (:class:`runtime.pipeline.PipelineRunner`)."""
+    collectives once per microbatch, except the parameter-gradient ones it holds back
+    (``grad_sync``, part of ``per_microbatch``), sent once per step
+    (:class:`runtime.pipeline.PipelineRunner`)."""
     return {
         kind: {
             axis: (v - grad_sync.get(kind, {}).get(axis, 0.0)) * m + grad_sync.get(kind, {}).get(axis, 0.0)
@@ -155,6 +158,15 @@ def per_step_comm(per_microbatch: dict, grad_sync: dict, m: int) -> dict:
         }
         for kind, axes in per_microbatch.items()
     }
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _held_back(src: str, grad: str, mesh_shape: tuple) -> bool:
+    """:func:`passes.cost_model.grad_held_back` for placements written as text (imports torch)."""
+    from passes.cost_model import grad_held_back
+    from passes.placements import parse_spec
+
+    return grad_held_back(parse_spec(src, len(mesh_shape)), parse_spec(grad, len(mesh_shape)), mesh_shape)
 
 
 @dataclass
@@ -256,14 +268,22 @@ class ShardingPlan:
             return self._with_throughput(self._pipeline_estimate())
         return self._with_throughput(self._intra_op_estimate())
 
-    def _moves_param_grad(self, record: dict, c: dict) -> bool:
+    def _held_grad_sync(self, record: dict, c: dict) -> bool:
         """A collective of ``record``'s backward that moves a parameter's gradient (on the edge
-        from the parameter; a ZeRO-3 regather is the weight, not its gradient)."""
+        from the parameter; a ZeRO-3 regather is the weight, not its gradient) and that a
+        pipeline stage holds back to once per step: an all-reduce onto replicated storage, not a
+        reduce-scatter onto a weight stored sharded (:func:`passes.cost_model.grad_held_back`;
+        a plan saved without the consumers' gradient placements: every such collective)."""
         k = c.get("input")
         if c["phase"] != "bwd" or k is None or c.get("regather"):
             return False
         source = self._by_name.get(record["inputs"][k])
-        return source is not None and source["kind"] == "param"
+        if source is None or source["kind"] != "param":
+            return False
+        grads = record.get("grads")
+        if not grads or k >= len(grads) or grads[k] is None or not source.get("out"):
+            return True
+        return _held_back(source["out"][0], grads[k], self.mesh_shape)
 
     def _intra_op_estimate(self) -> Estimate:
         compute = comm_t = weight = sync_t = optimizer = 0.0
@@ -279,7 +299,7 @@ class ShardingPlan:
                 comm_t += c["time_s"]
                 comm[c["kind"]][c["axis"]] += c["bytes"]
                 phases[c["phase"]][c["kind"]][c["axis"]] += c["bytes"]
-                if self._moves_param_grad(r, c):
+                if self._held_grad_sync(r, c):
                     sync_t += c["time_s"]
                     sync[c["kind"]][c["axis"]] += c["bytes"]
         as_dict = lambda d: {k: dict(v) for k, v in d.items()}  # noqa: E731
@@ -364,9 +384,9 @@ class ShardingPlan:
     def _pipeline_estimate(self) -> Estimate:
         """The schedule's simulated step (bubble and point-to-point time included) on the busiest
         rank: its stages' per-microbatch compute and collectives times the microbatches (the
-        parameter-gradient reductions once: the runtime holds them back until the stage's last
-        backward of the step), plus the activations and gradients it sends to its neighbours
-        (``send_recv`` on ``pp``)."""
+        all-reduced parameter gradients once: the runtime holds them back until the stage's last
+        backward of the step; reduce-scatters onto weights stored sharded every microbatch), plus
+        the activations and gradients it sends to its neighbours (``send_recv`` on ``pp``)."""
         pipe = self.data["pipeline"]
         stages = [p.estimate() for p in self.stage_plans]
         m = pipe["microbatches"]

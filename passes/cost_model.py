@@ -41,7 +41,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from passes.placements import Partial, dual_spec, is_partial, is_shard, total_shard_degree, transition_steps
+from passes.placements import (
+    Partial,
+    dual_spec,
+    gradient_shrinks,
+    is_partial,
+    is_shard,
+    total_shard_degree,
+    transition_steps,
+)
 
 __all__ = [
     "Collective",
@@ -63,6 +71,7 @@ __all__ = [
     "edge_allocates",
     "edge_gathers",
     "grad_communicates",
+    "grad_held_back",
     "largest_share",
     "extra_payload",
     "own_collectives",
@@ -337,10 +346,22 @@ def edge_gathers(src, dst, mesh_shape) -> bool:
 def grad_communicates(src, grad, mesh_shape) -> bool:
     """Whether the backward of an edge from a value placed ``src``, its gradient arriving placed
     ``grad``, sends data (the runtime's ``Reshard.backward_communicates``): a parameter's such edge
-    is a gradient synchronisation, which a pipeline stage holds back over a step's microbatches."""
+    is a gradient synchronisation (which a pipeline stage may hold back: :func:`grad_held_back`)."""
     if src is None or grad is None:
         return False
     return any(is_shard(p) or is_partial(p) for _, p, _ in _moves(grad, dual_spec(tuple(src)), mesh_shape))
+
+
+def grad_held_back(src, grad, mesh_shape) -> bool:
+    """Whether a pipeline stage holds back the gradient of a parameter placed ``src`` along an
+    edge whose consumer makes it placed ``grad``, moving the sum over the step's microbatches
+    once (:class:`runtime.pipeline.PipelineRunner`): when the backward communicates and does not
+    shrink it (an all-reduce onto replicated storage). One that shrinks it (a reduce-scatter onto
+    a weight stored sharded, :func:`passes.placements.gradient_shrinks`, also when it all-reduces
+    on another axis) runs in every microbatch, and the stage keeps only the piece, in ``.grad``."""
+    if not grad_communicates(src, grad, mesh_shape):
+        return False
+    return not gradient_shrinks(tuple(grad), dual_spec(tuple(src)), mesh_shape)
 
 
 def edge_allocates(src, dst, grad, mesh_shape, *, requires_grad: bool, from_param: bool) -> bool:

@@ -50,7 +50,7 @@ from passes.cost_model import (
     dtype_bytes,
     edge_allocates,
     edge_gathers,
-    grad_communicates,
+    grad_held_back,
     largest_share,
     local_bytes,
     param_state_parts,
@@ -78,8 +78,10 @@ def memory_fields(
     ``recomputed``: node -> its layer, for the nodes of layers recomputed in backward (what they
     keep is rebuilt while their layer's backward runs: a backward transient; the checkpoint keeps
     the layer's inputs); ``holds_gradient_sums``: a pipeline stage, whose parameter edges that
-    reduce gradients hold the sum over a step's microbatches (``held_gradients`` on the consumer:
-    the gradient in the layout the consumer makes it, ``runtime.grad_sync.DeferredSyncs``)."""
+    all-reduce gradients hold the sum over a step's microbatches (``held_gradients`` on the
+    consumer: the gradient in the layout the consumer makes it, ``runtime.grad_sync.DeferredSyncs``;
+    edges that reduce-scatter onto a weight stored sharded move it in every microbatch and hold
+    nothing more: :func:`passes.cost_model.grad_held_back`)."""
     recomputed = recomputed or {}
     again = {name for names in tied for name in names[1:]}
     mesh = tuple(mesh_shape)
@@ -222,7 +224,7 @@ def memory_fields(
                 if ui.kind != "param" or not ui.requires_grad or k >= len(mine.ins) or mine.ins[k] is None:
                     continue
                 grad = mine.strategy.grad_spec(k)
-                if grad_communicates(out_spec(u), grad, mesh):
+                if grad_held_back(out_spec(u), grad, mesh):
                     f = fields.setdefault(n.name, {})
                     f["held_gradients"] = f.get("held_gradients", 0.0) + local_bytes(
                         ui.shape or (), grad, mesh, dtype_bytes(ui.dtype)

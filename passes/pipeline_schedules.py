@@ -1208,9 +1208,9 @@ def stage_durations(estimates: Sequence, takes_activations: Sequence[bool]) -> t
     """(forward, backward, weight) seconds per microbatch for each stage, as dicts by stage.
 
     ``estimates[s]`` is stage ``s``'s cost estimate for one microbatch (``step_time_s``:
-    forward + backward; ``weight_grad_s``: its parameter-gradient products; ``grad_sync_s``: its
-    parameter-gradient reduction and ``optimizer_s`` its optimizer step, which a pipeline runs
-    once per step, :func:`stage_syncs`). A
+    forward + backward; ``weight_grad_s``: its parameter-gradient products; ``grad_sync_s``: the
+    parameter-gradient reductions it holds back and ``optimizer_s`` its optimizer step, which a
+    pipeline runs once per step, :func:`stage_syncs`). A
     third of the rest is forward, two thirds backward. ``weight`` is what a zero-bubble W pass
     runs: the parameter products, or the whole backward on a stage that takes no floating-point
     activations (the first: its input-gradient pass has nothing to compute, so all of its

@@ -34,6 +34,7 @@ __all__ = [
     "local_shape",
     "shard_degree",
     "total_shard_degree",
+    "gradient_shrinks",
     "spec_fits",
     "replicated",
     "is_shard",
@@ -155,6 +156,15 @@ def total_shard_degree(spec: Spec, mesh_shape: Sequence[int]) -> int:
         if type(p) in _SHARD_TYPES:
             k *= n
     return k
+
+
+def gradient_shrinks(grad: Spec | None, grad_dst: Spec | None, mesh_shape: Sequence[int]) -> bool:
+    """Whether moving a gradient placed ``grad`` (as its consumer makes it) to ``grad_dst`` (where
+    its parameter's storage needs it) leaves each device a smaller piece: a reduce-scatter onto a
+    weight stored sharded (ZeRO-2 / ZeRO-3), on any axis, whatever the other axes do."""
+    if grad is None or grad_dst is None:
+        return False
+    return total_shard_degree(grad_dst, mesh_shape) > total_shard_degree(grad, mesh_shape)
 
 
 def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> tuple:

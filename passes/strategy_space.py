@@ -43,6 +43,7 @@ from passes.cost_model import (
     dtype_bytes,
     edge_allocates,
     edge_gathers,
+    grad_held_back,
     host_copy_time,
     local_bytes,
     own_collectives,
@@ -321,8 +322,10 @@ class _Builder:
                 grad_reduce_bytes=self.grad_reduce_bytes,
                 grad_dst=grad_dst,
             )
-            # a parameter's gradient sync runs once per step: a microbatch's share of it
-            share = 1.0 / self.microbatches if i.kind == "param" else 1.0
+            # a pipeline stage's all-reduced gradient sync runs once per step: a microbatch's
+            # share of it (a reduce-scatter onto a weight stored sharded runs every microbatch)
+            held = i.kind == "param" and self.microbatches > 1 and grad_held_back(src_spec, grad_spec, self.mesh)
+            share = 1.0 / self.microbatches if held else 1.0
             t = self._edge_cache[key] = self.time_of(fwd) + share * self.time_of(bwd)
         return t
 
@@ -667,8 +670,10 @@ def build_space(
     ``activation_copies``: how many microbatches' saved activations are alive at once (a
     pipeline stage under its schedule; 1 otherwise), multiplying the activation memory.
     ``grad_reduce_bytes``: bytes per element of parameter gradient syncs (a reduce dtype).
-    ``microbatches``: the microbatches of a step this graph runs (a pipeline stage): parameter
-    gradient syncs run once per step, so one microbatch is priced ``1 / microbatches`` of them.
+    ``microbatches``: the microbatches of a step this graph runs (a pipeline stage): the parameter
+    gradient syncs it holds back run once per step, so one microbatch is priced ``1 /
+    microbatches`` of them (:func:`passes.cost_model.grad_held_back`: the all-reduces; a
+    reduce-scatter onto a weight stored sharded runs in every microbatch, priced whole).
     ``zero``: how a parameter stored sharded and gathered for use treats its gathered copies:
     ``"auto"`` (the solver chooses per parameter: kept for backward, ZeRO-2, or freed after
     forward and gathered again, ZeRO-3; or the compute copy whole and the optimizer state

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from passes.placements import dual_spec, format_spec, is_partial, is_shard, transition_steps
+from passes.placements import dual_spec, format_spec, gradient_shrinks, is_partial, is_shard, transition_steps
 
 if TYPE_CHECKING:
     from runtime.grad_sync import DeferredSyncs, GradientBuckets
@@ -451,6 +451,13 @@ class Reshard(torch.nn.Module):
         """True when the backward moves send anything (not only local slices and zeros)."""
         moves = [m for m in self.backward_steps or () if self.comm.shape[m[0]] > 1]
         return any(is_shard(p) or is_partial(p) for _, p, _ in moves)
+
+    @property
+    def backward_shrinks(self) -> bool:
+        """True when the backward leaves each device a smaller piece than it gets (a
+        reduce-scatter onto a weight stored sharded): a pipeline stage moves such a gradient in
+        every microbatch instead of holding it whole (:mod:`runtime.pipeline`)."""
+        return gradient_shrinks(self.grad, self.grad_dst, self.comm.shape)
 
     def backward_moves(self, grad: torch.Tensor) -> torch.Tensor:
         """The gradient moved from the consumer's placement to the dual of the producer's (a

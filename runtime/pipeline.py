@@ -18,14 +18,29 @@ Values that skip stages are carried through the stages between (a carried leaf i
 itself, so its gradient comes back through the same path). Gradients land in ``.grad`` as after
 a single-device ``loss.backward()`` on the whole batch; the loss is broadcast to every rank.
 
-Parameter gradients are reduced once per step, not once per microbatch: every parameter edge
-of a stage program whose backward communicates (a data-parallel all-reduce, the reduce-scatter
-of a weight stored sharded) holds its unreduced gradient in the stage's
-:class:`runtime.grad_sync.DeferredSyncs` during the stage's ``B`` / ``W`` actions; after the
-last one of the step (``passes.pipeline_schedules.last_weight_actions``) each held sum is moved
-in one collective (the moves are linear; a ``W`` action is several backward calls, so the
-reduction waits for the whole action). The cost model
-prices the same (``Estimate.grad_sync_s`` once per step).
+Parameter gradients are reduced by one of two rules, decided per parameter edge (each use of
+a parameter in a stage program) from its backward's placements:
+
+* **reduced once per step** when the backward communicates and leaves each device no less than
+  it gets (a data-parallel all-reduce onto replicated storage, ``P -> R``): the edge holds its
+  unreduced gradient in the stage's :class:`runtime.grad_sync.DeferredSyncs` during the stage's
+  ``B`` / ``W`` actions; after the last one of the step
+  (``passes.pipeline_schedules.last_weight_actions``) each held sum is moved in one collective
+  (the moves are linear; a ``W`` action is several backward calls, so the reduction waits for
+  the whole action). Holding costs the gradient's size, which the parameter's storage has too.
+* **reduced in every microbatch** when the backward shrinks the gradient (a reduce-scatter onto
+  a weight stored sharded, ZeRO-2 / ZeRO-3: ``Reshard.backward_shrinks``): holding it would keep
+  a full-size sum beside the shard all step, so each ``B`` / ``W`` moves it at once and the
+  shard accumulates in ``.grad``. It sends ``m`` collectives of the gradient's size per step
+  (``m`` microbatches) instead of one: time traded for the memory. A mixed
+  edge (a reduce-scatter on one axis and an all-reduce on another) follows this rule whole, its
+  all-reduce too, so nothing beyond the shard in ``.grad`` outlives a microbatch's backward.
+
+Tied weights are unaffected: each use's edge follows its own rule into the one ``.grad``, and
+the sum over the stages holding the weight is all-reduced after the step, as before. The cost
+model prices the same: ``Estimate.grad_sync_s`` (the held-back all-reduces) once per step, the
+reduce-scatters with the per-microbatch collectives, and ``MemoryBreakdown.held_gradients``
+the held sums only (:func:`passes.cost_model.grad_held_back`, the estimate's side of the rule).
 """
 
 from __future__ import annotations
@@ -329,7 +344,8 @@ class PipelineRunner(ShardedCheckpointIO, torch.nn.Module):
         self.trace = []
         self._split_backward = any(a.kind == "W" for acts in schedule.actions for a in acts)
         self._register_parameters()
-        # a stage's gradient syncs are held back in all its B / W actions of a step but the last
+        # a stage's all-reduced gradient syncs are held back in all its B / W actions of a step
+        # but the last; reduce-scatters onto weights stored sharded run in every one
         last = last_weight_actions(schedule)
         self._synced_at = {i for s, (r, i) in last.items() if r == comm_pp[1] and str(s) in self.stages}
         self._held = {}
@@ -337,7 +353,9 @@ class PipelineRunner(ShardedCheckpointIO, torch.nn.Module):
             stage = cast(StageProgram, module)
             held = self._held[int(key)] = DeferredSyncs()
             for edge in stage.program.modules():
-                if isinstance(edge, Reshard) and edge.param_edge is not None and edge.backward_communicates:
+                if not isinstance(edge, Reshard) or edge.param_edge is None:
+                    continue
+                if edge.backward_communicates and not edge.backward_shrinks:
                     edge.sync_param, edge.deferred = stage.param(edge.param_edge), held
 
     # -- helpers -----------------------------------------------------------------------------

@@ -1,27 +1,49 @@
-"""Pipeline stages' held gradient sums in the memory estimate; no collective on a size-1 axis.
+"""Pipeline stages' gradient reductions: held back or moved per microbatch, measured against the plan.
 
-A pipeline stage holds back its parameter-gradient reductions over the microbatches of a step
-(``runtime.grad_sync.DeferredSyncs``): every parameter edge whose backward communicates keeps the
-sum of its unreduced gradients, in the consumer's layout, until the stage's last backward. The
-estimate counts those sums (``MemoryBreakdown.held_gradients``, in both peaks); here the bytes
-the runtime holds at the moment it flushes are measured and compared with the stage plans'
-figure, on a data x tensor stage mesh and with data parallelism alone. A one-device mesh (and a
-pipeline whose stages are one device each) sends nothing, so its plan lists no collective.
+A pipeline stage holds back the all-reduces of its parameter gradients over the microbatches of a
+step (``runtime.grad_sync.DeferredSyncs``): every parameter edge whose backward communicates
+without shrinking the gradient keeps the sum of its unreduced gradients, in the consumer's layout,
+until the stage's last backward. An edge whose backward shrinks it (a reduce-scatter onto a weight
+stored sharded, ZeRO-2 / ZeRO-3) moves it in every microbatch and holds nothing: the stage keeps
+only the shard, in ``.grad``. The estimate counts the held sums (``MemoryBreakdown.held_gradients``,
+in both peaks) and prices the reduce-scatters once per microbatch, the all-reduces once per step.
+
+Here, on 2 stages x 2-way data parallelism (4 ranks), first with every weight replicated, then with
+the MLP weights stored sharded beside replicated ones in the same stages: the bytes the runtime holds
+when it flushes equal the stage plans' figure, the communication counted over a step equals the
+estimate's, and the runner matches one device (loss, every gradient, the parameters after 3 AdamW
+steps). The rule's two sides (the estimate's ``grad_held_back``, the runtime's
+``Reshard.backward_shrinks``) agree on mixed edges too. A one-device mesh (and a pipeline whose
+stages are one device each) sends nothing, so its plan lists no collective.
 """
 
 from __future__ import annotations
+
+import copy
+import functools
+from types import SimpleNamespace
+
+from parity_utils import Checks, adam_in_lockstep, call, check_grads_by_alias, loss_of, nested_approx_equal
 
 import partitioner
 from partitioner.models import gpt_demo
 from runtime.launch import run_on_ranks
 
+STEPS = 3
+MLP_WEIGHTS = ("h.*.mlp.c_fc.weight", "h.*.mlp.c_proj.weight")
+
 
 def _held_worker(rank, world, configs):
+    from partitioner.sharding_plan import per_step_comm
+    from passes.placements import is_shard
+    from runtime.collectives import CommCounter
     from runtime.grad_sync import DeferredSyncs
 
     out = []
     for pins in configs:
+        checks = Checks(rank)
         model, inputs = gpt_demo(batch=8, seq=16, n_layer=2, n_embd=32, n_head=2, vocab_size=64)
+        ref = copy.deepcopy(model)
         pipeline = {"degree": 2, "schedule": "1f1b", "microbatches": 4}
         runner = partitioner.auto_parallelize(model, inputs, mesh=(2, 2), pins=pins, cluster="h100", pipeline=pipeline)
         seen = []
@@ -33,32 +55,97 @@ def _held_worker(rank, world, configs):
 
         DeferredSyncs.flush = measuring_flush
         try:
-            runner.train_step(inputs)
+            with CommCounter() as counter:
+                loss = runner.train_step(inputs)
         finally:
             DeferredSyncs.flush = flush
-        est = runner.plan["stages"][runner.comm_pp[1]].estimate()
-        out.append({"held": seen, "estimated": est.memory.held_gradients, "memory": est.memory})
+        (key,) = runner.stages  # one stage per rank here
+        plan = runner.plan["stages"][int(key)]
+        est = plan.estimate()
+        expected = per_step_comm(est.comm_bytes, est.grad_sync_bytes, pipeline["microbatches"])
+        for diff in nested_approx_equal(counter.as_dict(), expected):
+            checks.true(f"communication over the step: {diff}", False)
+        ref_loss = loss_of(call(ref, inputs))
+        ref_loss.backward()
+        checks.close("loss", loss.detach(), ref_loss.detach())
+        key_of = check_grads_by_alias(runner.full_grads(), ref, checks, one_name=True)
+        adam_in_lockstep(runner.parameters(), ref, inputs, STEPS, functools.partial(runner.train_step, inputs), checks)
+        state = runner.full_state_dict()
+        for name, p in ref.named_parameters():
+            if name in key_of:
+                checks.close(f"parameter {name} after {STEPS} AdamW steps", state[key_of[name]], p.detach())
+        out.append(
+            {
+                "held": seen,
+                "estimated": est.memory.held_gradients,
+                "memory": est.memory,
+                "sharded_bytes": sum(  # this rank's pieces of the weights stored sharded
+                    p.numel() * p.element_size()
+                    for _, p, spec in runner.stages[key].placed_parameters()
+                    if any(is_shard(pl) for pl in spec)
+                ),
+                "failures": checks.failures,
+                "counted_reduce_scatter": sum(counter.grad_sync_dict().get("reduce_scatter", {}).values()),
+                "grad_sync_bytes": est.grad_sync_bytes,
+            }
+        )
     return out
 
 
-def test_held_gradient_sums_measured_equal_the_estimate():
+def test_held_gradient_sums_and_communication_equal_the_estimate():
     """2 stages x 2-way data parallel: replicated weights (their sums held, all-reduced once) and,
-    second, MLP weights stored sharded and gathered for use (their sums held whole, reduce-scattered
-    once)."""
+    second, MLP weights stored sharded beside replicated ones (theirs reduce-scattered in every
+    microbatch, nothing held for them)."""
     dp = {"idx": ["S(0)"], "targets": ["S(0)"], "*": ["R"], "h.?": ["S(0)"], "ln_f": ["S(0)"], "lm_head": ["S(0)"]}
-    sharded = dict(dp, **{"h.*.mlp.c_fc.weight": ["S(0)"], "h.*.mlp.c_proj.weight": ["S(1)"]})
-    per_rank = run_on_ranks(_held_worker, 4, [dp, sharded], timeout_s=180)
+    mixed = dict(dp, **{MLP_WEIGHTS[0]: ["S(0)"], MLP_WEIGHTS[1]: ["S(1)"]})
+    per_rank = run_on_ranks(_held_worker, 4, [dp, mixed], timeout_s=180)
+    failures = [f for runs in per_rank for r in runs for f in r["failures"]]
+    assert not failures, f"{len(failures)} mismatches, first ones:\n" + "\n".join(failures[:12])
     for runs in per_rank:
         for r in runs:
             assert len(r["held"]) == 1, r["held"]  # one flush per stage and step
-            assert r["estimated"] > 0
+            assert r["estimated"] > 0  # the replicated weights' sums, in both configurations
             assert r["held"][0] == r["estimated"], (r["held"], r["estimated"])
             m = r["memory"]
             assert m.backward_peak >= m.parameters + m.gradients + m.optimizer_state + m.held_gradients
-        # the sums are held whole (the consumer's layout) while the stored gradients shrink
-        replicated, stored_sharded = runs
-        assert stored_sharded["estimated"] == replicated["estimated"]
-        assert stored_sharded["memory"].gradients < replicated["memory"].gradients
+            assert "reduce_scatter" not in r["grad_sync_bytes"]  # never held back, never once per step
+        replicated, mixed_run = runs
+        assert replicated["sharded_bytes"] == 0 and replicated["counted_reduce_scatter"] == 0
+        # the sharded weights' gradients are no longer held (their whole size drops out of the
+        # sums), they are reduce-scattered in each of the 4 microbatches, and .grad holds the shard
+        whole = 2 * mixed_run["sharded_bytes"]  # 2-way data parallel: the whole is twice the shard
+        assert whole > 0
+        assert mixed_run["estimated"] == replicated["estimated"] - whole
+        assert mixed_run["counted_reduce_scatter"] == 4 * whole
+        assert mixed_run["memory"].gradients == replicated["memory"].gradients - whole / 2
+
+
+def test_held_back_rule_on_mixed_edges():
+    """Which parameter edges a stage holds back, on a 2 x 2 stage mesh: the estimate's rule and
+    the runtime's agree (a reduce-scatter on any axis, with an all-reduce on the other or not,
+    moves every microbatch; an all-reduce alone, or a gradient all-gathered, is held)."""
+    from passes.cost_model import grad_held_back
+    from passes.placements import dual_spec, parse_spec
+    from runtime.collectives import Reshard
+
+    mesh = (2, 2)
+    cases = {  # (parameter placement, gradient placement from the consumer) -> held back
+        ("[R, R]", "[P, R]"): True,  # data-parallel all-reduce
+        ("[R, S(1)]", "[P, S(1)]"): True,  # Megatron weight, all-reduced over dp
+        ("[R, R]", "[S(0), R]"): True,  # a gradient all-gathered onto replicated storage
+        ("[S(0), R]", "[P, R]"): False,  # ZeRO over dp: reduce-scatter
+        ("[S(0), R]", "[P, P]"): False,  # mixed: reduce-scatter on dp, all-reduce on tp
+        ("[S(0), S(1)]", "[P, S(1)]"): False,  # ZeRO over dp of a Megatron weight
+        ("[R, S(0)]", "[P, R]"): False,  # all-reduce on dp, the piece cut locally on tp
+        ("[R, R]", "[R, R]"): False,  # nothing to send
+    }
+    fake_comm = SimpleNamespace(shape=mesh)
+    for (src, grad), held in cases.items():
+        s, g = parse_spec(src, 2), parse_spec(grad, 2)
+        assert grad_held_back(s, g, mesh) is held, (src, grad)
+        edge = Reshard(fake_comm, s, s, g)
+        assert edge.grad_dst == dual_spec(s)
+        assert (edge.backward_communicates and not edge.backward_shrinks) is held, (src, grad)
 
 
 def test_no_collective_on_a_one_device_axis():
