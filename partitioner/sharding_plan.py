@@ -332,12 +332,12 @@ class ShardingPlan:
         return collective_calls(self.records, self.mesh_shape, self.axis_names, bucket_grads=bucket_grads)
 
     def _grad_sync_calls(self) -> dict:
-        """``{kind: {axis: n}}``: the backward entries that move parameter gradients, one call each
-        (a pipeline stage's syncs run per edge)."""
+        """``{kind: {axis: n}}``: the backward entries that move parameter gradients a pipeline
+        stage holds back (:meth:`_held_grad_sync`), one call each (its syncs run per edge)."""
         out: dict = defaultdict(lambda: defaultdict(int))
         for r in self.records:
             for c in r.get("comm", []):
-                if self._moves_param_grad(r, c):
+                if self._held_grad_sync(r, c):
                     out[c["kind"]][c["axis"]] += 1
         return {k: dict(v) for k, v in out.items()}
 

@@ -10,9 +10,9 @@ in both peaks) and prices the reduce-scatters once per microbatch, the all-reduc
 
 Here, on 2 stages x 2-way data parallelism (4 ranks), first with every weight replicated, then with
 the MLP weights stored sharded beside replicated ones in the same stages: the bytes the runtime holds
-when it flushes equal the stage plans' figure, the communication counted over a step equals the
-estimate's, and the runner matches one device (loss, every gradient, the parameters after 3 AdamW
-steps). The rule's two sides (the estimate's ``grad_held_back``, the runtime's
+when it flushes equal the stage plans' figure, the communication counted over a step (bytes and
+calls) equals the estimate's, and the runner matches one device (loss, every gradient, the
+parameters after 3 AdamW steps). The rule's two sides (the estimate's ``grad_held_back``, the runtime's
 ``Reshard.backward_shrinks``) agree on mixed edges too. A one-device mesh (and a pipeline whose
 stages are one device each) sends nothing, so its plan lists no collective.
 """
@@ -65,6 +65,13 @@ def _held_worker(rank, world, configs):
         expected = per_step_comm(est.comm_bytes, est.grad_sync_bytes, pipeline["microbatches"])
         for diff in nested_approx_equal(counter.as_dict(), expected):
             checks.true(f"communication over the step: {diff}", False)
+        # and the calls: per edge (a stage buckets nothing), the held-back ones once per step
+        calls = plan._calls(bucket_grads=False)
+        held_calls = plan._grad_sync_calls()
+        for phase, kinds in calls.items():
+            want = per_step_comm(kinds, held_calls if phase == "bwd" else {}, pipeline["microbatches"])
+            for diff in nested_approx_equal(counter.calls_phase_dict().get(phase, {}), want):
+                checks.true(f"{phase} collective calls over the step: {diff}", False)
         ref_loss = loss_of(call(ref, inputs))
         ref_loss.backward()
         checks.close("loss", loss.detach(), ref_loss.detach())
