@@ -49,7 +49,11 @@ Algorithm
    one costs seconds at large scale; one refused over budget counts half), one per set of
    degrees ``(p, d, t)`` (the best-ranked microbatch count and recomputation for them; 1F1B
    and ZB-H1 come from the same plannings);
-   the rest are listed as not planned, with their bounds. A set of degrees refused over budget
+   the rest are listed as not planned, with their bounds. Candidates likely to fit are planned
+   first: a refusal over budget scales the activations in every bound by what that plan
+   really needed, and a plan that fits only because the solver stored weights sharded beyond
+   the asked ZeRO stage counts as a refusal of that stage (the candidates whose bounds are as
+   tight are planned after the others). A set of degrees refused over budget
    is planned once more, by a higher ZeRO stage the solver is asked differently. The stage
    reaches the solver as ``zero=`` (:func:`planner_zero`), and the configuration records the
    stage the plan's weights use (:func:`zero_stage_of`).
@@ -1055,6 +1059,13 @@ def search_config(
         est = made.estimate()
         if made.config is not None and made.config.zero != cand.config.zero:
             cand.reason = f"asked ZeRO-{cand.config.zero}; "
+            if _stage_rank(made.config.zero) > _stage_rank(cand.config.zero):
+                # the solver had to store weights sharded to fit: the asked stage did not, so its
+                # bound was optimistic at least by budget / bound (a refusal, softly)
+                state = bounds.state_per_device(cand.config)
+                if cand.memory_lb > state:
+                    slack = max(slack, 1.001 * (budget - state) / (cand.memory_lb - state))
+                    queue.sort(key=order)
             cand.config = made.config
         if any(o.plan is not None and o.config == made.config for o in cands):
             cand.reason += "the plan of an earlier candidate (the same stage plans)"
