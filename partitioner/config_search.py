@@ -382,12 +382,16 @@ class _Bounds:
         all of it (fp32 weight, gradient, optimizer state), 1 the weight and its gradient (the
         compute copy) beside a shard of everything, 2 the gathered weight kept for backward
         (with nothing recomputed: a recomputed layer gathers again, so otherwise as 3), 3 one
-        layer's gathered weights; ``"auto"`` (no data axis) all sharded."""
+        layer's gathered weights; ``"auto"`` (no data axis) all sharded. A pipeline stage with
+        ZeRO-0 on a data axis also holds its gradients' sums over the microbatches
+        (:func:`passes.cost_model.grad_held_back`)."""
         stage = 3 if c.zero == 2 and c.recompute != "none" else c.zero
         key = (c.pipeline, c.data * c.sequence, c.tensor, stage)
         if key not in self._state_cache:
             data = c.data * c.sequence
             whole = {0: self.bytes_per_param, 1: 4 + self.grad_bytes, 2: 4}.get(stage, 0)  # type: ignore[arg-type]
+            if stage == 0 and c.pipeline > 1 and data > 1:  # the gradient sums a stage holds back
+                whole += self.grad_bytes
             total = 0.0
             for shape, count in self.f.param_shapes.items():
                 n = count * math.prod(shape)
