@@ -42,6 +42,10 @@ def test_search_returns_a_plan_for_n_devices_with_its_configuration_and_runner_u
     assert planned and "slower by" in why
     # every runner-up that was planned is no faster than the chosen one
     assert all(r["step_time_s"] >= est.step_time_s for r in planned)
+    # the memory bounds are lower bounds of the plans (a pipeline's held gradient sums included),
+    # for the candidates planned at the ZeRO stage they asked
+    kept = [r for r in search["rows"] if r["memory_bytes"] is not None and "asked ZeRO" not in r["reason"]]
+    assert kept and all(r["memory_lower_bound"] <= r["memory_bytes"] for r in kept), kept
     # the configuration round-trips through save / load
     loaded = partitioner.ShardingPlan.load(plan.save(tmp_path / "plan.json"))
     assert loaded.config == config
