@@ -43,10 +43,12 @@ Algorithm
    negative one is dropped and the rest refitted).
    **Arrival.** The collective samples follow a short burst (``burst``); in a step, ranks
    compute longer between calls, and ranks sharing cores progress unevenly, so they arrive
-   further apart. Every rank times a tiny all-reduce after ``burst`` and after each of the longer
-   computations ``waits`` (10-100 ms): ``arrival_wait`` is, per length, the time beyond the
-   ``burst`` one (kept >= 0 and non-decreasing), which the estimate adds per collective call by
-   the compute since the previous call (:func:`passes.collective_calls.arrival_wait_s`).
+   further apart. For ``burst`` and each of the longer computations ``waits`` (nominally 10-100
+   ms), runs of matmuls each followed by a tiny all-reduce are timed: a run's time and the time
+   inside the all-reduce after it (the mean over runs and ranks, the collective samples'
+   statistic). ``arrival_wait`` is, per measured run time, the time inside beyond the ``burst``
+   one (kept >= 0 and non-decreasing), which the estimate adds per collective call by the compute
+   since the previous call (:func:`passes.collective_calls.arrival_wait_s`).
    **Overlap.** A prefetched weight gather (``passes/prefetch_gathers.py``) runs asynchronously
    beside compute; on a GPU it has its own engine, on gloo its transfers run on threads that
    compete with the compute for the cores. Every rank times an all-gather of a weight's size
@@ -113,7 +115,7 @@ DEFAULT_SIZES = {
 """Matrix sides and ``(m, k, n)`` shapes of narrow products, dtypes, elementwise elements
 (float32), ops per fx program, collective payload bytes, timed trials per point, the length of
 one timed loop, the computation before each collective, the bytes of the fresh allocations
-timed last, and the longer computations before a tiny all-reduce (``arrival_wait``)."""
+timed last, and the longer runs of matmuls before a tiny all-reduce (``arrival_wait``)."""
 
 TINY_SIZES = {
     "matmul": (16, 32),
@@ -258,7 +260,7 @@ def rank_samples(rank: int, world: int, sizes: dict, progress: bool = False) -> 
     out["arrival"] = arrival_samples(a, per_mm, (sizes["burst"], *sizes["waits"]), trials, mean, slowest)
     say(
         "a tiny all-reduce after "
-        + ", ".join(f"{x['compute_s'] * 1e3:g} ms of work: {x['s'] * 1e3:.2f} ms" for x in out["arrival"])
+        + ", ".join(f"{x['compute_s'] * 1e3:.2f} ms of matmuls: {x['s'] * 1e3:.2f} ms" for x in out["arrival"])
     )
     payload = max([p for p in sizes["payloads"] if p <= 1 << 21] or [min(sizes["payloads"])])  # a weight's size
     out["overlap"] = overlap_sample(rank, world, payload, a, per_mm, trials, mean, slowest)
@@ -271,31 +273,36 @@ def rank_samples(rank: int, world: int, sizes: dict, progress: bool = False) -> 
 
 
 def arrival_samples(a, per_mm, bursts, trials, mean, agree) -> list:
-    """The seconds inside a tiny all-reduce when every rank computed ``b`` seconds of matmuls
-    before it, for each ``b`` of ``bursts`` (the collective samples' burst first): the mean over
-    ``4 trials`` calls (after one unmeasured) and over ranks."""
+    """For each ``b`` of ``bursts`` (the collective samples' burst first): runs of matmuls of about
+    ``b`` seconds, each followed by a tiny all-reduce, as a step's compute is followed by its next
+    collective; ``compute_s``: a run's time, ``s``: the time inside the all-reduce after it (from
+    the moment the rank enters it, as the collective samples), each the mean over ``4 trials``
+    runs (after one unmeasured) and over ranks."""
     import torch
     import torch.distributed as dist
 
     buf = torch.ones(2)
+    reps = 4 * trials
     out = []
     for b in bursts:
         count = max(1, int(agree(b / per_mm)))
-        inside = 0.0
-        for i in range(4 * trials + 1):
+        work = inside = 0.0
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
             for _ in range(count):
                 torch.mm(a, a)
-            t0 = time.perf_counter()
+            t1 = time.perf_counter()
             dist.all_reduce(buf)
-            inside += (time.perf_counter() - t0) if i else 0.0
-        out.append({"compute_s": b, "s": mean(inside / (4 * trials))})
+            if i:
+                work, inside = work + t1 - t0, inside + time.perf_counter() - t1
+        out.append({"compute_s": mean(work / reps), "s": mean(inside / reps)})
     return out
 
 
 def arrival_wait(samples: list | None) -> list:
-    """``ClusterSpec.arrival_wait`` from :func:`arrival_samples`: per compute length, the seconds
-    a call took beyond the first (shortest) length's, at least 0 and never less than at a shorter
-    length (a longer computation does not bring the ranks closer)."""
+    """``ClusterSpec.arrival_wait`` from :func:`arrival_samples`: per compute length, the time
+    inside the all-reduce beyond its time after the shortest (which the collective fit prices), at
+    least 0 and never less than after a shorter one."""
     if not samples or len(samples) < 2:
         return []
     ordered = sorted(samples, key=lambda x: x["compute_s"])

@@ -241,16 +241,20 @@ def test_prefetch_overlap_is_fitted():
 
 
 def test_arrival_wait_is_fitted_and_priced_per_call():
-    """``arrival_wait``: per compute length before a tiny all-reduce, its time beyond the shortest
-    length's (>= 0, non-decreasing); the cost model reads it piecewise linearly, flat beyond the
-    ends; the estimate adds it once per collective call (a constant curve: that much per call)."""
+    """``arrival_wait``: per run time of matmuls before a tiny all-reduce, the time inside it beyond
+    its time after the shortest run (>= 0, non-decreasing); the cost
+    model reads it piecewise linearly, flat beyond the ends; the estimate adds it once per
+    collective call (a constant curve: that much per call)."""
     from passes.cost_model import arrival_wait
 
     samples = samples_of(KNOWN)
     assert fit(samples, ranks=4).arrival_wait == []
-    samples["arrival"] = [{"compute_s": b, "s": s} for b, s in ((2e-3, 3e-3), (1e-2, 6e-3), (3e-2, 5e-3), (1e-1, 9e-3))]
+    samples["arrival"] = [  # the all-reduce took 3, 6, 5 and 9 ms after these runs
+        {"compute_s": b, "s": s} for b, s in ((2e-3, 3e-3), (1e-2, 6e-3), (3e-2, 5e-3), (1e-1, 9e-3))
+    ]
     got = fit(samples, ranks=4)
-    assert got.arrival_wait == [[2e-3, 0.0], [1e-2, 3e-3], [3e-2, 3e-3], [1e-1, pytest.approx(6e-3)]]
+    assert got.arrival_wait == [[2e-3, 0.0], [1e-2, pytest.approx(3e-3)], [3e-2, pytest.approx(3e-3)],
+                                [1e-1, pytest.approx(6e-3)]]
     assert arrival_wait(1e-3, got) == 0.0 and arrival_wait(1.0, got) == pytest.approx(6e-3)
     assert arrival_wait(6e-3, got) == pytest.approx(1.5e-3)
     assert arrival_wait(1.0, get_cluster("h100")) == 0.0
