@@ -107,7 +107,6 @@ __all__ = [
     "stage_in_flight",
     "stage_durations",
     "stage_syncs",
-    "last_weight_actions",
     "choose_schedule",
     "auto_stage_in_flight",
     "ScheduleKind",
@@ -1094,18 +1093,6 @@ def _per_stage(value: StageTime, what: str, num_stages: int) -> list:
     return times
 
 
-def last_weight_actions(schedule: Schedule) -> dict:
-    """stage -> (rank, index) of the stage's last ``B`` / ``W`` in its rank's order: the action
-    whose backward reduces the parameter gradients held back over the step's microbatches
-    (:class:`runtime.pipeline.PipelineRunner` defers every other one)."""
-    last = {}
-    for rank, acts in enumerate(schedule.actions):
-        for i, a in enumerate(acts):
-            if a.makes_weight_grads:
-                last[a.stage] = (rank, i)
-    return last
-
-
 def simulate(
     schedule: Schedule,
     forward_time: StageTime,
@@ -1120,7 +1107,9 @@ def simulate(
     ``stage -> seconds``. ``backward_time`` is the full backward ``B``; a split backward takes
     ``I = B - W`` and ``W = weight_time`` (default ``B / 2``). ``comm_time`` is added to every
     dependency that crosses ranks. ``sync_time``: the stage's parameter-gradient reduction, once
-    per step, added to its last ``B`` / ``W`` (:func:`last_weight_actions`). Sends and receives
+    per step, after its rank's last action (:class:`runtime.pipeline.PipelineRunner` moves the
+    held sums once the rank has issued everything: no other stage waits for them); it counts as
+    busy time of the rank. Sends and receives
     take no compute time, but a receive blocks its rank until the message arrives. Raises
     ``ValueError`` (as :func:`assert_valid`) for an invalid schedule.
     """
@@ -1134,24 +1123,17 @@ def simulate(
         raise ValueError(f"weight_time exceeds backward_time (B = I + W) for stages {over}")
     table = {ActionKind.F: fwd, ActionKind.B: bwd, ActionKind.W: wgt, ActionKind.I: [b - w for b, w in zip(bwd, wgt)]}
     syncs = [0.0] * S if sync_time is None else _per_stage(sync_time, "sync_time", S)
-    last = {
-        (a.kind, a.stage, a.microbatch): syncs[s]
-        for s, (r, i) in last_weight_actions(schedule).items()
-        for a in [schedule.actions[r][i]]
-    }
 
     offsets, _, compute = index.flat
-    durations = [
-        table[a.kind][a.stage] + last.get((a.kind, a.stage, a.microbatch), 0.0) if a.is_compute else 0.0
-        for acts in schedule.actions
-        for a in acts
-    ]
+    durations = [table[a.kind][a.stage] if a.is_compute else 0.0 for acts in schedule.actions for a in acts]
     start, end, ptr = _execute_flat(schedule, index, durations, comm_time)
     if any(ptr[r] < len(acts) for r, acts in enumerate(schedule.actions)):
         _raise_for(schedule, _deadlock_issues(schedule, index))
-    makespan = max((e for e, c in zip(end, compute) if c), default=0.0)
     stops = offsets[1:] + [len(end)]
-    busy = {r: sum(durations[offsets[r] : stops[r]]) for r in range(schedule.num_ranks)}
+    synced = [sum(syncs[s] for s in schedule.stages_of(r)) for r in range(schedule.num_ranks)]
+    finish = [max(end[offsets[r] : stops[r]], default=0.0) + synced[r] for r in range(schedule.num_ranks)]
+    makespan = max([e for e, c in zip(end, compute) if c] + finish, default=0.0)
+    busy = {r: sum(durations[offsets[r] : stops[r]]) + synced[r] for r in range(schedule.num_ranks)}
     return SimulationResult(makespan, busy, _Timed(schedule, tuple(start), tuple(end)))
 
 

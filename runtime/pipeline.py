@@ -24,10 +24,10 @@ a parameter in a stage program) from its backward's placements:
 * **reduced once per step** when the backward communicates and leaves each device no less than
   it gets (a data-parallel all-reduce onto replicated storage, ``P -> R``): the edge holds its
   unreduced gradient in the stage's :class:`runtime.grad_sync.DeferredSyncs` during the stage's
-  ``B`` / ``W`` actions; after the last one of the step
-  (``passes.pipeline_schedules.last_weight_actions``) each held sum is moved in one collective
-  (the moves are linear; a ``W`` action is several backward calls, so the reduction waits for
-  the whole action). Holding costs the gradient's size, which the parameter's storage has too.
+  ``B`` / ``W`` actions; once the rank has issued every action of the step (its last sends
+  included, so the stage before never waits for the reduction) each held sum is moved in one
+  collective, the rank's stages in order (the moves are linear). Holding costs the gradient's
+  size, which the parameter's storage has too.
 * **reduced in every microbatch** when the backward shrinks the gradient (a reduce-scatter onto
   a weight stored sharded, ZeRO-2 / ZeRO-3: ``Reshard.backward_shrinks``): holding it would keep
   a full-size sum beside the shard all step, so each ``B`` / ``W`` moves it at once and the
@@ -53,7 +53,6 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from passes.pipeline_schedules import last_weight_actions
 from passes.placements import replicated
 from runtime.collectives import MeshComm, Reshard
 from runtime.grad_sync import DeferredSyncs
@@ -344,10 +343,8 @@ class PipelineRunner(ShardedCheckpointIO, torch.nn.Module):
         self.trace = []
         self._split_backward = any(a.kind == "W" for acts in schedule.actions for a in acts)
         self._register_parameters()
-        # a stage's all-reduced gradient syncs are held back in all its B / W actions of a step
-        # but the last; reduce-scatters onto weights stored sharded run in every one
-        last = last_weight_actions(schedule)
-        self._synced_at = {i for s, (r, i) in last.items() if r == comm_pp[1] and str(s) in self.stages}
+        # a stage's all-reduced gradient syncs are held back in its B / W actions and moved after
+        # the rank's last action; reduce-scatters onto weights stored sharded run in every one
         self._held = {}
         for key, module in self.stages.items():
             stage = cast(StageProgram, module)
@@ -446,17 +443,19 @@ class PipelineRunner(ShardedCheckpointIO, torch.nn.Module):
         actions = self.schedule.actions[self.comm_pp[1]]
         self.trace = []
         posted = self._post_all_receives(actions)
-        for i, action in enumerate(actions):
+        for action in actions:
             t0 = time.perf_counter()
             if action.makes_weight_grads:
                 with self._held[action.stage].deferred():
                     self._run(action, step, posted)
-                if i in self._synced_at:  # the stage's last B / W: one reduction per edge, of the step's sum
-                    self._held[action.stage].flush()
             else:
                 self._run(action, step, posted)
             # absolute times, so ranks on one host line up whatever moment each entered the step
             self.trace.append((str(action), t0, time.perf_counter()))
+        # the step's held gradient sums, one reduction per edge, once this rank has issued every
+        # action (its last input gradients are on their way: the stage before does not wait)
+        for stage in sorted(self._held):
+            self._held[stage].flush()
         for work in step.pending:
             work.wait()
         for group, names in self.tied:  # a tied weight's gradient is the sum over the stages using it

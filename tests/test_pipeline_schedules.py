@@ -399,19 +399,21 @@ def test_stage_durations_split_the_estimate():
 
 
 @pytest.mark.parametrize("make", [lambda: one_f_one_b(2, 4), lambda: zb_h1(2, 4), lambda: gpipe(2, 4)])
-def test_a_stage_gradient_sync_runs_once_after_its_last_weight_pass(make):
-    from passes.pipeline_schedules import last_weight_actions
+def test_a_stage_gradient_sync_runs_once_after_its_ranks_last_action(make):
     schedule = make()
     base = simulate(schedule, 1.0, 2.0)
+    # stage 0 finishes the step in these schedules: its sync adds to the step once, not per microbatch
     synced = simulate(schedule, 1.0, 2.0, sync_time={0: 0.75, 1: 0.0})
-    rank, index = last_weight_actions(schedule)[0]
-    last = schedule.actions[rank][index]
-    assert last.makes_weight_grads and last.stage == 0
-    assert not any(a.makes_weight_grads and a.stage == 0 for a in schedule.actions[rank][index + 1:])
-    # stage 0 finishes the step in these schedules (its last backward is the last action): the sync
-    # adds to the step once, not once per microbatch
     assert synced.makespan == pytest.approx(base.makespan + 0.75)
     assert synced.busy[0] == pytest.approx(base.busy[0] + 0.75) and synced.busy[1] == pytest.approx(base.busy[1])
+    # the last stage's sync runs after its rank's last action, beside the stage before's last
+    # backward, not before the input gradient it sends there: the step ends when the later finishes
+    last = simulate(schedule, 1.0, 2.0, sync_time={0: 0.0, 1: 0.75})
+    rank1_done = max(t.end for t in base.timelines[1])
+    assert last.makespan == pytest.approx(max(base.makespan, rank1_done + 0.75))
+    assert last.timelines[0] == base.timelines[0]  # rank 0 never waits for it
+    long = simulate(schedule, 1.0, 2.0, sync_time={0: 0.0, 1: 50.0})
+    assert long.makespan == pytest.approx(rank1_done + 50.0)
 
 
 def test_choose_schedule_known_answers():
