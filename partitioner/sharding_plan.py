@@ -304,9 +304,7 @@ class ShardingPlan:
                     sync[c["kind"]][c["axis"]] += c["bytes"]
         as_dict = lambda d: {k: dict(v) for k, v in d.items()}  # noqa: E731
         memory = memory_breakdown(self.records)
-        calls = self._calls(bucket_grads=True)
-        flat = self._flat_latency(bucket_grads=True)
-        wait = self._arrival_wait()
+        calls, flat, wait = self._priced_calls()
         comm_t += flat + wait
         return Estimate(
             step_time_s=compute + comm_t + optimizer,
@@ -341,26 +339,24 @@ class ShardingPlan:
                     out[c["kind"]][c["axis"]] += 1
         return {k: dict(v) for k, v in out.items()}
 
-    def _arrival_wait(self) -> float:
-        """:func:`passes.collective_calls.arrival_wait_s` with the plan's cluster (0 without one)."""
+    def _priced_calls(self) -> tuple:
+        """(calls per phase, kind and axis; the flat calls' latency terms; the arrival waits):
+        :mod:`passes.collective_calls` with the plan's cluster (no cluster saved: 0 s each)."""
+        from passes.collective_calls import arrival_wait_s, collective_calls, group_calls, unpriced_latency_s
+
+        args = (self.records, self.mesh_shape, self.axis_names)
+        grouped = group_calls(*args)
+        calls = collective_calls(*args, grouped=grouped)
         if not isinstance(self.data.get("cluster"), dict):
-            return 0.0
+            return calls, 0.0, 0.0
         from partitioner.cluster import get_cluster
-        from passes.collective_calls import arrival_wait_s
 
         cluster = get_cluster(self.data["cluster"])
-        return arrival_wait_s(self.records, self.mesh_shape, self.axis_names, cluster)
-
-    def _flat_latency(self, *, bucket_grads: bool) -> float:
-        """:func:`passes.collective_calls.unpriced_latency_s` with the plan's cluster (0 for a plan
-        saved without one)."""
-        if not isinstance(self.data.get("cluster"), dict):
-            return 0.0
-        from partitioner.cluster import get_cluster
-        from passes.collective_calls import unpriced_latency_s
-
-        cluster = get_cluster(self.data["cluster"])
-        return unpriced_latency_s(self.records, self.mesh_shape, self.axis_names, cluster, bucket_grads=bucket_grads)
+        return (
+            calls,
+            unpriced_latency_s(*args, cluster, grouped=grouped),
+            arrival_wait_s(*args, cluster, grouped=grouped),
+        )
 
     # -- the whole configuration (partitioner.config_search) -----------------------------------
     @property

@@ -42,7 +42,7 @@ from collections import defaultdict
 
 from passes.placements import dual_spec, is_partial, parse_spec, transition_steps
 
-__all__ = ["collective_calls", "unpriced_latency_s", "arrival_wait_s"]
+__all__ = ["group_calls", "collective_calls", "unpriced_latency_s", "arrival_wait_s"]
 
 
 def _flat_bucket_calls(members: list, limit: float, *, before: bool) -> int:
@@ -66,12 +66,20 @@ def _reductions_only(grad, src, mesh_shape) -> bool:
     return bool(moves) and all(is_partial(p) and not is_partial(q) for _, p, q in moves)
 
 
-def _grouped(records: list, mesh_shape, axis_names, bucket_grads: bool) -> tuple:
-    """(the flat calls, ``(phase, kind, axis name, count)``; the ids of the entries they send)."""
+def group_calls(records: list, mesh_shape, axis_names, bucket_grads: bool = True) -> tuple:
+    """(the flat calls, ``(phase, kind, axis name, count)``; the ids of the entries they send):
+    what the functions below take as ``grouped`` (computed once for several of them)."""
     from runtime.grad_sync import BUCKET_BYTES
     from runtime.optimizer_shards import REFRESH_BUCKET_BYTES
 
     ndim = len(mesh_shape)
+    parsed: dict = {}
+
+    def spec(text):
+        if text not in parsed:
+            parsed[text] = parse_spec(text, ndim)
+        return parsed[text]
+
     by_name = {r["name"]: r for r in records}
     users: dict = defaultdict(set)
     for r in records:
@@ -102,7 +110,7 @@ def _grouped(records: list, mesh_shape, axis_names, bucket_grads: bool) -> tuple
             param = by_name.get(r["inputs"][k])
             if param is None or len(users[param["name"]]) != 1 or k >= len(grads) or grads[k] is None:
                 continue  # a tied weight: reduced per edge
-            if not _reductions_only(parse_spec(grads[k], ndim), parse_spec(param["out"][0], ndim), mesh_shape):
+            if not _reductions_only(spec(grads[k]), spec(param["out"][0]), mesh_shape):
                 continue  # a local move besides the reductions: reduced per edge
             buckets.setdefault(tuple((c["axis"], c["kind"]) for c in entries), []).append(entries[0]["bytes"])
             covered.update(id(c) for c in entries)
@@ -118,10 +126,10 @@ def _grouped(records: list, mesh_shape, axis_names, bucket_grads: bool) -> tuple
     return flat, covered
 
 
-def collective_calls(records: list, mesh_shape, axis_names, *, bucket_grads: bool = True) -> dict:
+def collective_calls(records: list, mesh_shape, axis_names, *, bucket_grads: bool = True, grouped=None) -> dict:
     """``{phase: {kind: {axis name: calls}}}`` of one step of a plan's ``records``."""
     calls: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(int)))
-    flat, covered = _grouped(records, mesh_shape, axis_names, bucket_grads)
+    flat, covered = grouped or group_calls(records, mesh_shape, axis_names, bucket_grads)
     for phase, kind, axis, n in flat:
         calls[phase][kind][axis] += n
     for r in records:
@@ -131,7 +139,9 @@ def collective_calls(records: list, mesh_shape, axis_names, *, bucket_grads: boo
     return {p: {k: dict(v) for k, v in kinds.items()} for p, kinds in calls.items()}
 
 
-def unpriced_latency_s(records: list, mesh_shape, axis_names, cluster, *, bucket_grads: bool = True) -> float:
+def unpriced_latency_s(
+    records: list, mesh_shape, axis_names, cluster, *, bucket_grads: bool = True, grouped=None
+) -> float:
     """The latency terms the records' per-entry prices leave out: a bucketed entry's ``time_s``
     is its bandwidth term only, so each flat call pays its launch and ring steps here once, and so
     does each bucketed entry that the runtime reduces on its own edge (a tied weight's)."""
@@ -142,7 +152,7 @@ def unpriced_latency_s(records: list, mesh_shape, axis_names, cluster, *, bucket
         link = cluster.link_for_axis(mesh_shape, a)
         return cluster.collective_overhead_s + _STEPS[kind](mesh_shape[a]) * link.latency_s
 
-    flat, covered = _grouped(records, mesh_shape, axis_names, bucket_grads)
+    flat, covered = grouped or group_calls(records, mesh_shape, axis_names, bucket_grads)
     total = sum(n * fixed(kind, axis) for _phase, kind, axis, n in flat)
     for r in records:
         for c in r.get("comm", ()):
@@ -151,13 +161,13 @@ def unpriced_latency_s(records: list, mesh_shape, axis_names, cluster, *, bucket
     return total
 
 
-def arrival_wait_s(records: list, mesh_shape, axis_names, cluster, *, bucket_grads: bool = True) -> float:
+def arrival_wait_s(records: list, mesh_shape, axis_names, cluster, *, bucket_grads: bool = True, grouped=None) -> float:
     """Seconds the step's collective calls wait for ranks arriving apart (see the module doc)."""
     from passes.cost_model import arrival_wait
 
     if not getattr(cluster, "arrival_wait", None):
         return 0.0
-    flat, covered = _grouped(records, mesh_shape, axis_names, bucket_grads)
+    flat, covered = grouped or group_calls(records, mesh_shape, axis_names, bucket_grads)
     total, since = 0.0, 0.0
 
     def call() -> None:
