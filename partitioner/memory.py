@@ -13,7 +13,9 @@ The peak follows the step:
 * forward, at op ``t``: parameters + optimizer state + inputs + everything kept by ops up to
   ``t`` + ``t``'s transient (gradients are not held: ``zero_grad`` sets them to None), and in a
   pipeline stage the gradient sums it holds back over the microbatches (``held_gradients``, the
-  all-reduced ones, there from the first microbatch's backward on);
+  all-reduced ones, there from the first microbatch's backward on) and the ``.grad`` of the
+  parameters it reduces every microbatch or not at all (``gradients_in_forward``: there from
+  the first backward too; a bound under GPipe, whose forwards all come first);
 * backward: parameters + gradients + optimizer state + inputs (+ held gradient sums) + everything kept (released as
   backward proceeds; the start is the worst case) + the largest backward transient.
 
@@ -40,6 +42,10 @@ class MemoryBreakdown:
     saved_activations: float = 0.0
     gathered_buffers: float = 0.0
     """Tensors made by resharding (gathered weights, moved activations) that backward keeps."""
+    gradients_in_forward: float = 0.0
+    """The part of ``gradients`` a pipeline stage has while later microbatches run forward: the
+    ``.grad`` of parameters with an edge not held back (reduce-scattered every microbatch, or not
+    reduced), made by the first microbatch's backward (in the forward peak)."""
     held_gradients: float = 0.0
     """A pipeline stage's gradient sums held back over a step's microbatches, one per parameter
     edge that all-reduces (resident from the first backward to the stage's last: in both peaks;
@@ -78,6 +84,7 @@ def memory_breakdown(records: list) -> MemoryBreakdown:
         m.optimizer_state += r.get("optimizer_state", 0.0)
         m.offloaded += r.get("offloaded", 0.0)
         m.held_gradients += r.get("held_gradients", 0.0)
+        m.gradients_in_forward += r.get("gradients_in_forward", 0.0)
         m.inputs += r.get("input_bytes", 0.0)
         m.saved_activations += r.get("saved_activations", 0.0)
         m.gathered_buffers += r.get("gathered_buffers", 0.0)
@@ -85,6 +92,6 @@ def memory_breakdown(records: list) -> MemoryBreakdown:
         fwd_extra = max(fwd_extra, kept + r.get("transient_fwd", 0.0))
         bwd_extra = max(bwd_extra, r.get("transient_bwd", 0.0))
     resident = m.parameters + m.optimizer_state + m.inputs + m.held_gradients
-    m.forward_peak = resident + fwd_extra
+    m.forward_peak = resident + m.gradients_in_forward + fwd_extra
     m.backward_peak = resident + m.gradients + kept + bwd_extra
     return m

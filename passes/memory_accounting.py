@@ -81,7 +81,9 @@ def memory_fields(
     all-reduce gradients hold the sum over a step's microbatches (``held_gradients`` on the
     consumer: the gradient in the layout the consumer makes it, ``runtime.grad_sync.DeferredSyncs``;
     edges that reduce-scatter onto a weight stored sharded move it in every microbatch and hold
-    nothing more: :func:`passes.cost_model.grad_held_back`)."""
+    nothing more: :func:`passes.cost_model.grad_held_back`), and whose parameters with an edge not
+    held back have their ``.grad`` from the first microbatch's backward on, while later
+    microbatches run forward (``gradients_in_forward`` on the parameter)."""
     recomputed = recomputed or {}
     again = {name for names in tied for name in names[1:]}
     mesh = tuple(mesh_shape)
@@ -215,6 +217,8 @@ def memory_fields(
             grads_in = sum(value_bytes(u) for u in tensor_input_nodes(n) if info(u).requires_grad)
             f["transient_bwd"] = value_bytes(n) + grads_in + regathered.get(n, 0.0)
     if holds_gradient_sums:
+        first = {name: names[0] for names in tied for name in names}
+        early = set()  # parameters (first tied name) with an edge not held back: .grad made per microbatch
         for n in graph.nodes:
             mine = choices.get(n)
             if mine is None or mine.strategy is None:
@@ -229,6 +233,12 @@ def memory_fields(
                     f["held_gradients"] = f.get("held_gradients", 0.0) + local_bytes(
                         ui.shape or (), grad, mesh, dtype_bytes(ui.dtype)
                     )
+                else:
+                    early.add(first.get(u.name, u.name))
+        for name in early:
+            f = fields.get(name, {})
+            if f.get("gradients"):
+                f["gradients_in_forward"] = f["gradients"]
     _prefetched(graph, choices, mesh, recomputed, fields)
     for layer, storages in layer_kept.items():  # alive while the layer's backward reruns it
         rebuilt = sum(nbytes for key, (nbytes, _) in storages.items() if key not in kept)

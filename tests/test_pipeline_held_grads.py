@@ -10,10 +10,11 @@ in both peaks) and prices the reduce-scatters once per microbatch, the all-reduc
 
 Here, on 2 stages x 2-way data parallelism (4 ranks), first with every weight replicated, then with
 the MLP weights stored sharded beside replicated ones in the same stages: the bytes the runtime holds
-when it flushes equal the stage plans' figure, the communication counted over a step (bytes and
-calls) equals the estimate's, and the runner matches one device (loss, every gradient, the
-parameters after 3 AdamW steps). The rule's two sides (the estimate's ``grad_held_back``, the runtime's
-``Reshard.backward_shrinks``) agree on mixed edges too. A one-device mesh (and a pipeline whose
+when it flushes equal the stage plans' figure, and so do the ``.grad`` bytes it has then (made
+per microbatch: in the forward peak, ``gradients_in_forward``); the communication counted over a
+step (bytes and calls) equals the estimate's, and the runner matches one device (loss, every
+gradient, the parameters after 3 AdamW steps). The rule's two sides (the estimate's
+``grad_held_back``, the runtime's ``Reshard.backward_shrinks``) agree on mixed edges too. A one-device mesh (and a pipeline whose
 stages are one device each) sends nothing, so its plan lists no collective.
 """
 
@@ -46,11 +47,15 @@ def _held_worker(rank, world, configs):
         ref = copy.deepcopy(model)
         pipeline = {"degree": 2, "schedule": "1f1b", "microbatches": 4}
         runner = partitioner.auto_parallelize(model, inputs, mesh=(2, 2), pins=pins, cluster="h100", pipeline=pipeline)
-        seen = []
+        seen, grads = [], []
         flush = DeferredSyncs.flush
+        (stage,) = runner.stages.values()  # one stage per rank here
 
-        def measuring_flush(self, flush=flush, seen=seen):
+        def measuring_flush(self, flush=flush, seen=seen, grads=grads, stage=stage):
+            # after the stage's last backward: the held sums, and the .grad made before them
             seen.append(sum(t.numel() * t.element_size() for t in self._held.values()))
+            made = [p.grad for _, p in stage.named_fqn_parameters() if p.grad is not None]
+            grads.append(sum(g.numel() * g.element_size() for g in made))
             flush(self)
 
         DeferredSyncs.flush = measuring_flush
@@ -59,7 +64,7 @@ def _held_worker(rank, world, configs):
                 loss = runner.train_step(inputs)
         finally:
             DeferredSyncs.flush = flush
-        (key,) = runner.stages  # one stage per rank here
+        (key,) = runner.stages
         plan = runner.plan["stages"][int(key)]
         est = plan.estimate()
         expected = per_step_comm(est.comm_bytes, est.grad_sync_bytes, pipeline["microbatches"])
@@ -85,6 +90,7 @@ def _held_worker(rank, world, configs):
             {
                 "held": seen,
                 "estimated": est.memory.held_gradients,
+                "grads_before_flush": grads,
                 "memory": est.memory,
                 "sharded_bytes": sum(  # this rank's pieces of the weights stored sharded
                     p.numel() * p.element_size()
@@ -114,6 +120,8 @@ def test_held_gradient_sums_and_communication_equal_the_estimate():
             assert r["estimated"] > 0  # the replicated weights' sums, in both configurations
             assert r["held"][0] == r["estimated"], (r["held"], r["estimated"])
             m = r["memory"]
+            # the .grad alive while later microbatches run forward, as the forward peak counts it
+            assert r["grads_before_flush"] == [m.gradients_in_forward], (r["grads_before_flush"], m)
             assert m.backward_peak >= m.parameters + m.gradients + m.optimizer_state + m.held_gradients
             assert "reduce_scatter" not in r["grad_sync_bytes"]  # never held back, never once per step
         replicated, mixed_run = runs
@@ -125,6 +133,9 @@ def test_held_gradient_sums_and_communication_equal_the_estimate():
         assert mixed_run["estimated"] == replicated["estimated"] - whole
         assert mixed_run["counted_reduce_scatter"] == 4 * whole
         assert mixed_run["memory"].gradients == replicated["memory"].gradients - whole / 2
+        # the shards are made by the first microbatch's backward (the replicated weights' .grad
+        # by the flush): in the forward peak
+        assert mixed_run["memory"].gradients_in_forward >= mixed_run["sharded_bytes"] > 0
 
 
 def test_held_back_rule_on_mixed_edges():
