@@ -730,8 +730,35 @@ class _Index:
 
     @functools.cached_property
     def waits(self) -> list:
-        """waits[rank][step]: :meth:`remote_wait` of every action (computed once per schedule)."""
-        return [[self.remote_wait(r, i) for i in range(len(acts))] for r, acts in enumerate(self.schedule.actions)]
+        """waits[rank][step]: :meth:`remote_wait` of every action (computed once per schedule; for
+        a compute-only schedule from two tables of first positions, the same answers)."""
+        s = self.schedule
+        if self.lowered:
+            return [[self.remote_wait(r, i) for i in range(len(acts))] for r, acts in enumerate(s.actions)]
+        F, B, I = ActionKind.F, ActionKind.B, ActionKind.I  # noqa: E741
+        first: dict = {F: {}, B: {}, I: {}}  # kind -> (stage, microbatch) -> first position
+        for r, acts in enumerate(s.actions):
+            for i, a in enumerate(acts):
+                if a.kind in first:
+                    first[a.kind].setdefault((a.stage, a.microbatch), (r, i))
+        owner, stages = s.stage_to_rank, s.num_stages
+        out = []
+        for r, acts in enumerate(s.actions):
+            row: list = []
+            for a in acts:
+                wait = None
+                st, mb = a.stage, a.microbatch
+                if a.kind is F and 0 < st < stages and owner[st - 1] != r:
+                    wait = first[F].get((st - 1, mb)) or f"{format_action(Action(F, st - 1, mb))}, which no rank runs"
+                elif (a.kind is B or a.kind is I) and st < stages - 1 and owner[st + 1] != r:
+                    wait = (
+                        first[B].get((st + 1, mb))
+                        or first[I].get((st + 1, mb))
+                        or f"the backward of stage {st + 1} microbatch {mb}, which no rank runs"
+                    )
+                row.append(wait)
+            out.append(row)
+        return out
 
     @functools.cached_property
     def flat(self) -> tuple:
