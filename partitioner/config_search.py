@@ -497,9 +497,20 @@ class _Planner:
         self._splits: dict = {}
         self._stage_sets: dict = {}
         self._schedules: dict = {}
+        self._fingerprints: dict = {}  # id of a cached capture -> its fingerprints
+        self._lengths: dict = {}  # stages -> layers per stage
         self.share_schedules = True  # 1F1B and ZB-H1 share stage plans (the search); False: exact
         self.plannings = 0
         self.facts: ModelFacts | None = None
+
+    def fingerprints(self, cap) -> dict:
+        """The whole model's fingerprints a pipelined plan records (computed once per capture)."""
+        if id(cap) not in self._fingerprints:
+            self._fingerprints[id(cap)] = {
+                "fingerprint": graph_fingerprint(cap),
+                "structure": graph_fingerprint(cap, shapes=False),
+            }
+        return self._fingerprints[id(cap)]
 
     def schedule(self, c: ParallelConfig) -> ps.Schedule:
         """``c``'s compute schedule, made once per (schedule, stages, microbatches, stages per
@@ -595,10 +606,12 @@ class _Planner:
 
         f = self.facts
         assert f is not None, "the planner's model facts are set before pipelines are planned"
-        costs = [f.layer_flops_per_sample] * f.layers
-        costs[0] += f.pre_flops_per_sample
-        costs[-1] += f.post_flops_per_sample
-        return balance_layers(costs, stages)
+        if stages not in self._lengths:
+            costs = [f.layer_flops_per_sample] * f.layers
+            costs[0] += f.pre_flops_per_sample
+            costs[-1] += f.post_flops_per_sample
+            self._lengths[stages] = balance_layers(costs, stages)
+        return list(self._lengths[stages])
 
     def _truncated(self, size: int, n_layers: int):
         """The model cut to its first ``n_layers`` repeated layers, captured at batch ``size``."""
@@ -749,7 +762,8 @@ class _Planner:
 
     def _pipeline(self, c: ParallelConfig) -> ShardingPlan:
         graphs, plans, stage_map, runs, sent_as = self._stage_plans(c)
-        ests = [plans[r].estimate() for r in stage_map]
+        class_ests = [p.estimate() for p in plans]  # once per stage class, not per stage
+        ests = [class_ests[r] for r in stage_map]
         forward, backward, weight = ps.stage_durations(ests, [graphs[r].takes_activations for r in stage_map])
         _, p2p_s, p2p_bytes = self._p2p(c, graphs, sent_as)
         sched = self.schedule(c)
@@ -769,8 +783,7 @@ class _Planner:
         data = {
             **{k: first[k] for k in ("format", "version", "training", "precision", "cluster", "budget", "objective")},
             "optimizer": self.optimizer,
-            "fingerprint": graph_fingerprint(whole),
-            "structure": graph_fingerprint(whole, shapes=False),
+            **self.fingerprints(whole),
             "model": self.name,
             "inputs": _inputs_of(whole),
             "mesh": MeshSpec.build(c.mesh_shape, c.axis_names).to_dict(),
