@@ -25,9 +25,11 @@ Search limits. Branch and bound stops at a relative gap of ``gap`` (1e-6: optima
 the one that normally binds on a hard budgeted problem: HiGHS usually finds its best plan in
 the first few hundred nodes and then spends minutes proving it; a node count, unlike a clock,
 stops at the same point on every machine, so the plan chosen does not depend on the machine's
-speed. The objective is divided by its largest coefficient and each byte row by its limit
-before HiGHS sees them (seconds of 1e-9 and bytes of 1e10 in one problem slow its search
-down about twice). The result carries the gap proven (``IlpResult.gap``: 0 when optimal), and the planner
+speed. HiGHS sees the objective in units of a lower bound of it (the sum of each group's
+cheapest option): its absolute tolerances (1e-6) then act as relative ones, where on seconds they
+stopped small models' searches up to 1% from the optimum. (Dividing the byte rows by their limit
+as well was tried: it changed which plan the peak re-solves end at, for the worse, on GPT-175B
+stages.) The result carries the gap proven (``IlpResult.gap``: 0 when optimal), and the planner
 logs it when the search stopped early.
 """
 
@@ -60,12 +62,6 @@ def min_memory(costs_memory: list) -> float:
     """The least memory of the groups' own terms (they separate): what any assignment needs at
     least (edge terms, buffers kept for backward, only add to it)."""
     return float(sum(np.min(m) for m in costs_memory))
-
-
-def _byte_row(row: np.ndarray, limit: float) -> LinearConstraint:
-    """``row . x <= limit`` in bytes, divided by the limit (coefficients near 1, as the objective's)."""
-    scale = float(limit) if limit and np.isfinite(limit) and limit > 1 else 1.0
-    return LinearConstraint((row / scale).reshape(1, -1), -np.inf, limit / scale)
 
 
 def solve_ilp(
@@ -149,19 +145,23 @@ def solve_ilp(
         mem_row = np.zeros(n)
         mem_row[:n_x] = x_mem
         mem_row[n_x:] = flow_mem
-        constraints.append(_byte_row(mem_row, budget))
+        constraints.append(LinearConstraint(mem_row.reshape(1, -1), -np.inf, budget))
     if host is not None and any(np.any(h) for h in host[0]):
         host_row = np.zeros(n)
         host_row[:n_x] = np.concatenate(host[0])
-        constraints.append(_byte_row(host_row, host[1]))
+        constraints.append(LinearConstraint(host_row.reshape(1, -1), -np.inf, host[1]))
     integrality = np.zeros(n)
     integrality[:n_x] = 1
     upper = np.ones(n)
     for g, i in forbidden or ():
         upper[offsets[g] + i] = 0.0
-    top = float(np.abs(c).max(initial=0.0))
+    # in units of a lower bound of the objective (each group's cheapest option): values near 1,
+    # so HiGHS's absolute tolerances (1e-6) are relative ones (dividing by the largest coefficient
+    # instead let one huge option loosen them: worse plans on large models)
+    unit = float(sum(np.min(np.abs(cost)) for cost in node_costs if len(cost))) if objective != "memory" else 0.0
+    unit = unit if unit > 0 else float(np.abs(c).max(initial=0.0))
     res = milp(
-        c / top if top > 0 else c,  # seconds (1e-9..1) scaled to at most 1: the same optimum, better conditioned
+        c / unit if unit > 0 else c,
         constraints=constraints,
         integrality=integrality,
         bounds=Bounds(np.zeros(n), upper),
