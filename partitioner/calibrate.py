@@ -284,8 +284,13 @@ def arrival_samples(a, per_mm, bursts, trials, mean, agree) -> list:
     buf = torch.ones(2)
     reps = 4 * trials
     out = []
+    dist.all_reduce(buf)
+    t0 = time.perf_counter()
+    for _ in range(50):  # a matmul's time now, every rank busy (``per_mm``, timed at the start, can be far off)
+        torch.mm(a, a)
+    per_mm = agree((time.perf_counter() - t0) / 50)
     for b in bursts:
-        count = max(1, int(agree(b / per_mm)))
+        count = max(1, int(b / per_mm))
         work = inside = 0.0
         for i in range(reps + 1):
             t0 = time.perf_counter()
