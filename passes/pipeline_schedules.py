@@ -710,23 +710,44 @@ class _Index:
 
     def __init__(self, schedule: Schedule):
         self.schedule = schedule
-        self.where = defaultdict(list)  # Action -> [(rank, step), ...]
-        for rank, acts in enumerate(schedule.actions):
-            for step, a in enumerate(acts):
-                self.where[a].append((rank, step))
         self.lowered = schedule.has_communication
-        # k-th receive on channel (a, b) matches the k-th send on it.
-        self.sends = defaultdict(list)
-        self.recvs = defaultdict(list)
-        self.recv_number = {}  # (rank, step) of a receive -> its k on its channel
-        owner = schedule.stage_to_rank
-        for rank, acts in enumerate(schedule.actions):
+
+    @functools.cached_property
+    def where(self) -> dict:
+        """Action -> [(rank, step), ...] (built on first use: a plainly valid compute-only
+        schedule, :func:`_plainly_valid`, is simulated without it)."""
+        where = defaultdict(list)
+        for rank, acts in enumerate(self.schedule.actions):
             for step, a in enumerate(acts):
-                if a.peer is not None and a.peer < schedule.num_stages:  # a send or receive
+                where[a].append((rank, step))
+        return where
+
+    @functools.cached_property
+    def _messages(self) -> tuple:
+        """The k-th receive on channel (a, b) matches the k-th send on it: (sends, receives: channel
+        -> positions in order; the k of each receive's position)."""
+        sends, recvs, number = defaultdict(list), defaultdict(list), {}
+        owner = self.schedule.stage_to_rank
+        for rank, acts in enumerate(self.schedule.actions):
+            for step, a in enumerate(acts):
+                if a.peer is not None and a.peer < self.schedule.num_stages:  # a send or receive
                     key = (rank, owner[a.peer]) if a.is_send else (owner[a.peer], rank)
                     if a.is_recv:
-                        self.recv_number[(rank, step)] = len(self.recvs[key])
-                    (self.sends if a.is_send else self.recvs)[key].append((rank, step))
+                        number[(rank, step)] = len(recvs[key])
+                    (sends if a.is_send else recvs)[key].append((rank, step))
+        return sends, recvs, number
+
+    @property
+    def sends(self) -> dict:
+        return self._messages[0]
+
+    @property
+    def recvs(self) -> dict:
+        return self._messages[1]
+
+    @property
+    def recv_number(self) -> dict:
+        return self._messages[2]
 
     @functools.cached_property
     def waits(self) -> list:
@@ -1172,9 +1193,44 @@ def _checked_index(schedule: Schedule) -> _Index:
     index = schedule.__dict__.get("_checked_index")
     if index is None:
         index = _Index(schedule)
-        _raise_for(schedule, _static_issues(schedule, index))
+        if not _plainly_valid(schedule):  # then the full check, which names what is wrong
+            _raise_for(schedule, _static_issues(schedule, index))
         object.__setattr__(schedule, "_checked_index", index)
     return index
+
+
+def _plainly_valid(schedule: Schedule) -> bool:
+    """True only when a compute-only schedule passes every static check of :func:`_static_issues`
+    (each action in range, on its stage's rank, once; every (stage, microbatch) with ``F`` and
+    either ``B`` or ``I`` and ``W``; the same-rank dependencies in order), checked on tables of
+    positions; False means "run the full check" (it names the errors), not "invalid"."""
+    if schedule.has_communication:
+        return False
+    S, M, owner = schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank
+    pos: dict = {}  # (kind, stage, microbatch) -> (rank, step)
+    for rank, acts in enumerate(schedule.actions):
+        for step, a in enumerate(acts):
+            key = (a.kind, a.stage, a.microbatch)
+            if a.stage >= S or a.microbatch >= M or owner[a.stage] != rank or key in pos:
+                return False
+            pos[key] = (rank, step)
+    F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W  # noqa: E741
+    for s in range(S):
+        for mb in range(M):
+            f, b, i, w = (pos.get((k, s, mb)) for k in (F, B, I, W))
+            if f is None or (b is None) == (i is None) or (i is None) != (w is None):
+                return False
+            back = b or i
+            assert back is not None
+            if back[1] < f[1] or (w is not None and i is not None and w[1] < i[1]):
+                return False
+            if s > 0 and owner[s - 1] == owner[s] and pos[(F, s - 1, mb)][1] > f[1]:
+                return False
+            if s < S - 1 and owner[s + 1] == owner[s]:
+                later = pos.get((B, s + 1, mb)) or pos.get((I, s + 1, mb))
+                if later is None or later[1] > back[1]:
+                    return False
+    return True
 
 
 def peak_in_flight(schedule: Schedule) -> dict:

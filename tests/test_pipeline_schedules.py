@@ -465,3 +465,41 @@ def test_registry_names_and_lookup():
     assert schedule_kind("ZB_H1") is SCHEDULES["zb-h1"]
     with pytest.raises(ValueError, match=r"unknown pipeline schedule 'pipedream'.*gpipe.*1f1b.*interleaved.*zb-h1"):
         schedule_kind("pipedream")
+
+
+def test_the_quick_validity_check_never_passes_what_the_full_check_refuses():
+    """``simulate`` checks a compute-only schedule on tables of positions first and runs the full
+    checker only when that fails; the quick check must never pass a schedule the checker refuses,
+    and it passes the generators' own schedules. Broken variants: actions swapped, dropped,
+    repeated or moved to another rank."""
+    import random
+
+    from passes.pipeline_schedules import _Index, _plainly_valid, _static_issues
+    rng = random.Random(0)
+    seen = {True: 0, False: 0}
+    for name in ("gpipe", "1f1b", "zb-h1", "interleaved"):
+        for p, m in [(1, 2), (2, 3), (3, 4), (4, 8)]:
+            try:
+                schedule = SCHEDULES[name].make(p, m, 2 if name == "interleaved" else 1)
+            except ValueError:
+                continue
+            assert _plainly_valid(schedule) and not _static_issues(schedule, _Index(schedule))
+            for _ in range(15):
+                r, r2 = rng.randrange(p), rng.randrange(p)
+                acts, other = list(schedule.actions[r]), list(schedule.actions[r2])
+                i, j = rng.randrange(len(acts)), rng.randrange(len(acts))
+                how = rng.randrange(4)
+                if how == 0:
+                    acts[i], acts[j] = acts[j], acts[i]
+                elif how == 1:
+                    del acts[i]
+                elif how == 2:
+                    acts.insert(j, acts[i])
+                broken = schedule.with_actions(r, acts)
+                if how == 3 and r2 != r:
+                    other.append(acts.pop(i))
+                    broken = schedule.with_actions(r, acts).with_actions(r2, other)
+                valid = not _static_issues(broken, _Index(broken))
+                assert valid or not _plainly_valid(broken), (name, p, m, format_schedule(broken))
+                seen[valid] += 1
+    assert seen[False] > 100  # the broken variants were mostly refused
