@@ -750,6 +750,16 @@ class _Index:
         return self._messages[2]
 
     @functools.cached_property
+    def positions(self) -> dict:
+        """(kind, stage, microbatch) -> the first (rank, step) holding such an action (a send or
+        receive's peer left out of the key)."""
+        first: dict = {}
+        for r, acts in enumerate(self.schedule.actions):
+            for i, a in enumerate(acts):
+                first.setdefault((a.kind, a.stage, a.microbatch), (r, i))
+        return first
+
+    @functools.cached_property
     def waits(self) -> list:
         """waits[rank][step]: :meth:`remote_wait` of every action (computed once per schedule; for
         a compute-only schedule from two tables of first positions, the same answers)."""
@@ -757,11 +767,7 @@ class _Index:
         if self.lowered:
             return [[self.remote_wait(r, i) for i in range(len(acts))] for r, acts in enumerate(s.actions)]
         F, B, I = ActionKind.F, ActionKind.B, ActionKind.I  # noqa: E741
-        first: dict = {F: {}, B: {}, I: {}}  # kind -> (stage, microbatch) -> first position
-        for r, acts in enumerate(s.actions):
-            for i, a in enumerate(acts):
-                if a.kind in first:
-                    first[a.kind].setdefault((a.stage, a.microbatch), (r, i))
+        first = self.positions
         owner, stages = s.stage_to_rank, s.num_stages
         out = []
         for r, acts in enumerate(s.actions):
@@ -770,11 +776,11 @@ class _Index:
                 wait = None
                 st, mb = a.stage, a.microbatch
                 if a.kind is F and 0 < st < stages and owner[st - 1] != r:
-                    wait = first[F].get((st - 1, mb)) or f"{format_action(Action(F, st - 1, mb))}, which no rank runs"
+                    wait = first.get((F, st - 1, mb)) or f"{format_action(Action(F, st - 1, mb))}, which no rank runs"
                 elif (a.kind is B or a.kind is I) and st < stages - 1 and owner[st + 1] != r:
                     wait = (
-                        first[B].get((st + 1, mb))
-                        or first[I].get((st + 1, mb))
+                        first.get((B, st + 1, mb))
+                        or first.get((I, st + 1, mb))
                         or f"the backward of stage {st + 1} microbatch {mb}, which no rank runs"
                     )
                 row.append(wait)
@@ -1193,27 +1199,26 @@ def _checked_index(schedule: Schedule) -> _Index:
     index = schedule.__dict__.get("_checked_index")
     if index is None:
         index = _Index(schedule)
-        if not _plainly_valid(schedule):  # then the full check, which names what is wrong
+        if not _plainly_valid(schedule, index):  # then the full check, which names what is wrong
             _raise_for(schedule, _static_issues(schedule, index))
         object.__setattr__(schedule, "_checked_index", index)
     return index
 
 
-def _plainly_valid(schedule: Schedule) -> bool:
+def _plainly_valid(schedule: Schedule, index: _Index | None = None) -> bool:
     """True only when a compute-only schedule passes every static check of :func:`_static_issues`
     (each action in range, on its stage's rank, once; every (stage, microbatch) with ``F`` and
     either ``B`` or ``I`` and ``W``; the same-rank dependencies in order), checked on tables of
     positions; False means "run the full check" (it names the errors), not "invalid"."""
-    if schedule.has_communication:
+    index = index or _Index(schedule)
+    if index.lowered:
         return False
     S, M, owner = schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank
-    pos: dict = {}  # (kind, stage, microbatch) -> (rank, step)
-    for rank, acts in enumerate(schedule.actions):
-        for step, a in enumerate(acts):
-            key = (a.kind, a.stage, a.microbatch)
-            if a.stage >= S or a.microbatch >= M or owner[a.stage] != rank or key in pos:
-                return False
-            pos[key] = (rank, step)
+    pos = index.positions
+    if len(pos) != sum(len(acts) for acts in schedule.actions):  # some action repeated
+        return False
+    if any(s >= S or mb >= M or owner[s] != rank for (_, s, mb), (rank, _) in pos.items()):
+        return False
     F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W  # noqa: E741
     for s in range(S):
         for mb in range(M):

@@ -494,16 +494,16 @@ def _add_forward_edges(space: StrategySpace, graph, masks: dict, base_size: dict
             gu = group_of.get(rep(u))
             if gu is None or info(u).kind == "ignored":
                 continue
-            src_options = groups[gu].options[: base_size.get(gu, len(groups[gu].options))]
-            dst_options = groups[gv].options[: base_size[gv]]
             ru = rep(u)
-            if (gu, ru) not in src_specs:
-                src_specs[(gu, ru)] = distinct([s[ru].out[0] for s in src_options])
-            if (gv, rv, k) not in dst_specs:
-                dst_specs[(gv, rv, k)] = distinct([d[rv].ins[k] for d in dst_options])
             i = info(u)
             key = (i.out_shapes[0] if i.out_shapes else (), i.dtype, i.requires_grad, i.kind, gu, ru, gv, rv, k)
             if key not in prices:  # repeated layers share groups: priced once for all of them
+                src_options = groups[gu].options[: base_size.get(gu, len(groups[gu].options))]
+                dst_options = groups[gv].options[: base_size[gv]]
+                if (gu, ru) not in src_specs:
+                    src_specs[(gu, ru)] = distinct([s[ru].out[0] for s in src_options])
+                if (gv, rv, k) not in dst_specs:
+                    dst_specs[(gv, rv, k)] = distinct([d[rv].ins[k] for d in dst_options])
                 (srcs, si), (dsts, di) = src_specs[(gu, ru)], dst_specs[(gv, rv, k)]
                 # once per distinct pair of placements, then spread over the options
                 small = [[0.0 if b is None else _forward_edge_time(space, u, a, b) for b in dsts] for a in srcs]
