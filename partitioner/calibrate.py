@@ -21,6 +21,14 @@ Algorithm
    intensity), which the cost model reads piecewise linearly in ``log I``: a narrow product (a
    tensor-parallel shard, a small head dimension) is priced at the rate its shape reaches, not at
    the square matmuls' peak.
+   **Rated ops.** Ops that reach neither the matmul curve nor memory bandwidth (on a CPU:
+   activations whose ``erf``, ``exp`` or ``tanh`` dominate, normalisations with several passes
+   over their input, a fused attention's blocked kernel) are timed forward + backward through
+   autograd on a transformer's activations (``op_tokens x op_width``; attention on ``attention``
+   shapes), and each op's rule is asked what it counts (its FLOPs and the backward multiples the
+   cost model charges, :func:`passes.cost_model.backward_factor`). ``op_rates[dtype][op]`` is
+   those FLOPs over the time beyond each pass's ``op_overhead_s`` (the mean over shapes), so the
+   cost model prices each sample at the time it took.
    In fresh processes (fixing the threshold cannot be undone, and a used heap serves requests
    from its freed blocks), with glibc's mmap threshold fixed as a CPU job under a memory budget
    runs (``runtime/host_memory.py``), an ``add`` writing a fresh output is
@@ -91,6 +99,8 @@ __all__ = [
     "fresh_samples",
     "matmul_intensity",
     "measure",
+    "op_rates",
+    "op_samples",
     "overlap_sample",
     "prefetch_overlap",
     "rank_samples",
@@ -111,11 +121,16 @@ DEFAULT_SIZES = {
     "burst": 2e-3,
     "fresh": (1 << 18, 1 << 19, 1 << 20, 1 << 21, 1 << 23),
     "waits": (1e-2, 3e-2, 1e-1),
+    "op_tokens": 512,
+    "op_width": 768,
+    "attention": ((4, 8, 128, 32), (2, 8, 256, 64)),
 }
 """Matrix sides and ``(m, k, n)`` shapes of narrow products, dtypes, elementwise elements
 (float32), ops per fx program, collective payload bytes, timed trials per point, the length of
 one timed loop, the computation before each collective, the bytes of the fresh allocations
-timed last, and the longer runs of matmuls before a tiny all-reduce (``arrival_wait``)."""
+timed last, the longer runs of matmuls before a tiny all-reduce (``arrival_wait``), and the
+activations the rated ops are timed on (``op_tokens x op_width``; attention: ``(batch, heads,
+sequence, head dim)`` shapes)."""
 
 TINY_SIZES = {
     "matmul": (16, 32),
@@ -129,6 +144,9 @@ TINY_SIZES = {
     "burst": 1e-4,
     "fresh": (1 << 17, 1 << 18),
     "waits": (1e-3,),
+    "op_tokens": 16,
+    "op_width": 32,
+    "attention": ((1, 2, 16, 8),),
 }
 """A quick run for tests: the same code on sizes that take milliseconds."""
 
@@ -190,6 +208,95 @@ def compute_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = 
         t = _timed(lambda program=program, x=x: program(x).sum().backward(), seconds, trials, sync)
         out["chains"].append({"ops": ops, "s": t})
         say(f"fx program of {ops} tiny ops, forward + backward: {t * 1e6:.1f} us, {t / ops * 1e6:.1f} us per op")
+    if "op_tokens" in sizes:
+        out["ops"] = op_samples(sizes, sync, say)
+    return out
+
+
+def _rated_ops(sizes: dict, dtype) -> list:
+    """``(aten overload, args, kwargs)`` of the ops :func:`op_samples` times: the activations,
+    normalisations, softmax and loss a transformer runs on ``op_tokens x op_width`` activations,
+    and fused attention on each ``attention`` shape (floating inputs require grad)."""
+    import torch
+
+    aten = torch.ops.aten
+    n, d = sizes["op_tokens"], sizes["op_width"]
+
+    def act():
+        return torch.randn(n, d, dtype=dtype, requires_grad=True)
+
+    def vec():
+        return torch.randn(d, dtype=dtype, requires_grad=True)
+
+    cases: list[tuple] = [(op, (act(),), {}) for op in (aten.gelu.default, aten.silu.default, aten.tanh.default)]
+    cases += [(op, (act(),), {}) for op in (aten.sigmoid.default, aten.exp.default)]
+    cases.append((aten.layer_norm.default, (act(), [d], vec(), vec()), {}))
+    cases.append((aten.rms_norm.default, (act(), [d], vec()), {}))
+    cases.append((aten.softmax.int, (act(), -1), {}))
+    cases.append((aten.cross_entropy_loss.default, (act(), torch.randint(0, d, (n,))), {}))
+    for b, h, q, hd in sizes["attention"]:
+        qkv = [torch.randn(b, h, q, hd, dtype=dtype, requires_grad=True) for _ in range(3)]
+        cases.append((aten.scaled_dot_product_attention.default, tuple(qkv), {"is_causal": True}))
+    return cases
+
+
+def _priced_work(target, args, kwargs, out) -> tuple:
+    """(FLOPs the op's rule counts, backward passes the cost model charges per forward) for one
+    call of ``target``: the op as an fx node whose values are the real tensors."""
+    import torch
+    import torch.fx as fx
+
+    from passes.cost_model import backward_factor
+    from passes.rules import op_view, rule_for
+
+    graph = fx.Graph()
+
+    def node_of(value, k):
+        if not isinstance(value, torch.Tensor):
+            return value
+        p = graph.placeholder(f"x{k}")
+        p.meta["val"] = value
+        return p
+
+    node = graph.call_function(
+        target,
+        tuple(node_of(a, k) for k, a in enumerate(args)),
+        {key: node_of(v, f"_{key}") for key, v in kwargs.items()},
+    )
+    node.meta["val"] = out
+    rule = rule_for(node)
+    grads_in = sum(1 for a in [*args, *kwargs.values()] if getattr(a, "requires_grad", False))
+    return rule.flops(op_view(node)), backward_factor(rule.contraction, grads_in)
+
+
+def op_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = None) -> list:
+    """Forward + backward (through autograd, as a training step runs them) of every op of
+    :func:`_rated_ops` for each dtype: ``{"op", "dtype", "flops", "passes", "s"}`` with ``flops``
+    what the op's rule counts per forward and ``passes`` forward plus the backward multiples the
+    cost model charges (``sync``: see :func:`_timed`)."""
+    import torch
+
+    from passes.rules import op_name
+
+    say = say or (lambda message: None)
+    out = []
+    for dtype_name in sizes["dtypes"]:
+        dtype = getattr(torch, dtype_name)
+        for target, args, kwargs in _rated_ops(sizes, dtype):
+            result = target(*args, **kwargs)
+            flops, factor = _priced_work(target, args, kwargs, result)
+            grad = torch.ones_like(result)
+
+            def step(target=target, args=args, kwargs=kwargs, grad=grad):
+                target(*args, **kwargs).backward(grad)
+
+            t = _timed(step, sizes["seconds"], sizes["trials"], sync)
+            name = op_name(target)
+            out.append({"op": name, "dtype": dtype_name, "flops": flops, "passes": 1 + factor, "s": t})
+            say(
+                f"{name} {dtype_name}, forward + backward: {t * 1e6:.1f} us, "
+                f"{flops * (1 + factor) / t / 1e9:.2f} GFLOP/s"
+            )
     return out
 
 
@@ -544,12 +651,27 @@ def fit_compute(samples: dict) -> dict:
     fresh = sorted(max(s["s"] - s["kept_s"], 0.0) / s["bytes"] for s in samples.get("fresh", []))
     fresh_per_byte = statistics.median(fresh) if fresh else 0.0
     return {
+        "op_rates": op_rates(samples.get("ops", []), per_op / 2),
         "op_overhead_s": per_op / 2,
         "memory_bandwidth": 1.0 / per_byte,
         "peak_flops": {**{d: peaks["float32"] for d in ("bfloat16", "float16")}, **peaks},
         "matmul_curve": curves,
         "fresh_page_s_per_byte": max(fresh_per_byte, 0.0),
     }
+
+
+def op_rates(samples: list, op_overhead_s: float) -> dict:
+    """``ClusterSpec.op_rates`` from :func:`op_samples`: per dtype and op, the rule's FLOPs of every
+    pass over the time the passes took beyond the fixed cost the cost model adds to each
+    (``op_overhead_s``), the mean over the op's shapes. The cost model then prices each sample
+    at the time it was measured in (the test checks it)."""
+    rates: dict = {}
+    for s in samples:
+        if s["flops"] <= 0:
+            continue
+        work = s["s"] - s["passes"] * op_overhead_s
+        rates.setdefault(s["dtype"], {}).setdefault(s["op"], []).append(s["flops"] * s["passes"] / max(work, 1e-12))
+    return {dtype: {op: sum(r) / len(r) for op, r in ops.items()} for dtype, ops in rates.items()}
 
 
 def matmul_intensity(sample: dict) -> float:
@@ -585,6 +707,7 @@ def fit(samples: dict, *, ranks: int, name: str = "calibrated", memory_bytes: in
         collective_overhead_s=overhead,
         matmul_efficiency=1.0,
         matmul_curve=compute["matmul_curve"],
+        op_rates=compute["op_rates"],
         fresh_page_s_per_byte=compute["fresh_page_s_per_byte"],
         op_overhead_s=compute["op_overhead_s"],
         prefetch_overlap=prefetch_overlap(samples.get("overlap")),

@@ -4,7 +4,8 @@ The cost model prices everything in seconds from these numbers (decision 4 in do
 
 * compute: ``flops / (peak_flops[dtype] * matmul_efficiency)`` for contractions (or the
   fraction of peak ``matmul_curve`` gives at the op's FLOPs per byte, where measured), and
-  ``bytes / memory_bandwidth`` for memory-bound ops (the larger of the two wins);
+  ``bytes / memory_bandwidth`` for memory-bound ops (the larger of the two wins); an op with a
+  measured rate (``op_rates``: attention, activations, normalisations) computes at that rate;
   plus ``op_overhead_s`` per op (the framework's dispatch; 0 in the GPU presets), and
   ``fresh_page_s_per_byte`` per byte of each large tensor an op allocates where
   ``fresh_allocations`` (a CPU job under a memory budget);
@@ -120,6 +121,14 @@ class ClusterSpec:
     ...]`` in increasing intensity, read piecewise linearly in log intensity, flat beyond the
     ends (:func:`passes.cost_model.matmul_fraction`). Measured by ``partitioner calibrate``;
     empty (the presets): ``matmul_efficiency`` for every shape."""
+    op_rates: dict = field(default_factory=dict)
+    """Per dtype, by op name (``aten.gelu``, ``aten.layer_norm``, ``aten.scaled_dot_product_attention``,
+    as :func:`passes.rules.base.op_name` gives it): the rate, in the op rule's counted FLOPs per
+    second, at which that op's forward and backward run on this device, for ops that reach neither
+    the matmul curve nor memory bandwidth (a fused attention's blocked kernel; on a CPU, the
+    ``erf``, ``exp`` and ``tanh`` of activations and the several passes of a normalisation).
+    Measured by ``partitioner calibrate`` (every op it times, forward and backward through
+    autograd); empty (the presets): the roofline for every op."""
     fresh_page_s_per_byte: float = 0.0
     """Seconds per byte of a large allocation that is a fresh mapping (the kernel zero-fills
     its pages on first touch): measured by ``partitioner calibrate`` with glibc's mmap

@@ -62,6 +62,7 @@ __all__ = [
     "dtype_bytes",
     "local_bytes",
     "compute_time",
+    "backward_factor",
     "matmul_fraction",
     "allocation_time",
     "arrival_wait",
@@ -192,18 +193,30 @@ def collective_kind(p, q):
     return None
 
 
-def compute_time(flops: float, mem_bytes: float, dtype, contraction: bool, cluster) -> float:
+def compute_time(flops: float, mem_bytes: float, dtype, contraction: bool, cluster, op: str | None = None) -> float:
     """Roofline: the slower of math and memory traffic, plus the cluster's fixed cost of one op
     (an op that neither computes nor moves memory, a view, costs nothing). A contraction runs at
     the fraction of peak the cluster's ``matmul_curve`` gives at its FLOPs per byte
-    (``flops / mem_bytes``; :func:`matmul_fraction`)."""
+    (``flops / mem_bytes``; :func:`matmul_fraction`). An op the cluster has a measured rate for
+    (``op_rates[dtype][op]``, ``op`` its name as :func:`passes.rules.base.op_name` gives it: a
+    fused attention, an activation whose ``erf`` or ``exp`` costs more than its memory traffic
+    on a CPU) computes at that rate instead."""
     name = str(dtype).replace("torch.", "") if dtype is not None else "float32"
-    if contraction:
+    rate = (getattr(cluster, "op_rates", None) or {}).get(name, {}).get(op) if op else None
+    if rate:
+        peak = rate
+    elif contraction:
         peak = cluster.flops_for(name) * matmul_fraction(cluster, name, flops / mem_bytes if mem_bytes else math.inf)
     else:
         peak = cluster.flops_for("float32") * cluster.matmul_efficiency
     roof = max(flops / peak, mem_bytes / cluster.memory_bandwidth)
     return roof + cluster.op_overhead_s if roof > 0 else 0.0
+
+
+def backward_factor(contraction: bool, grads_in: int) -> int:
+    """Backward's work as a multiple of forward's: a contraction makes one product per input that
+    needs a gradient (two at most: ``x @ w`` gives ``dx`` and ``dw``), any other op one pass."""
+    return min(2, grads_in) if contraction else 1
 
 
 def matmul_fraction(cluster, dtype_name: str, intensity: float) -> float:

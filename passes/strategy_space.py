@@ -38,6 +38,7 @@ from passes.analyze import info
 from passes.blocks import Blocks
 from passes.cost_model import (
     allocation_time,
+    backward_factor,
     collective_time,
     compute_time,
     dtype_bytes,
@@ -53,7 +54,7 @@ from passes.cost_model import (
     saved_bytes,
 )
 from passes.placements import P, R, Shard, dual_spec, is_shard, replicated, spec_fits
-from passes.rules import Strategy, expand_to_mesh, op_view, rule_for, tensor_input_nodes
+from passes.rules import Strategy, expand_to_mesh, op_name, op_view, rule_for, tensor_input_nodes
 
 __all__ = [
     "zero1_collectives",
@@ -351,12 +352,11 @@ class _Builder:
                     nbytes = local_bytes(shape, spec, self.mesh, dtype_bytes(i.dtype))
                     mem_bytes += nbytes
                     alloc_fwd += allocation_time(nbytes, self.cluster)
-        fwd = compute_time(i.flops / split, mem_bytes, i.dtype, rule.contraction, self.cluster)
+        fwd = compute_time(i.flops / split, mem_bytes, i.dtype, rule.contraction, self.cluster, op_name(node.target))
         bwd = weight = 0.0
         if i.requires_grad:
             grads_in = sum(1 for a in self.inputs_of(node) if info(a).requires_grad)
-            factor = min(2, grads_in) if rule.contraction else 1
-            bwd = factor * fwd + alloc_bwd
+            bwd = backward_factor(rule.contraction, grads_in) * fwd + alloc_bwd
             if rule.contraction and any(_is_parameter(a) and info(a).requires_grad for a in self.inputs_of(node)):
                 weight = fwd
         fwd += alloc_fwd

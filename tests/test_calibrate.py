@@ -105,6 +105,8 @@ def test_calibrate_writes_a_cluster_file_that_loads_and_plans(tmp_path):
     samples = run_on_ranks(rank_samples, 2, TINY_SIZES, timeout_s=60)[0]
     assert {s["kind"] for s in samples["collectives"]} == set(COLLECTIVES)
     spec = fit(samples, ranks=2, name="here")
+    assert set(spec.op_rates["float32"]) == {s["op"] for s in samples["ops"]}
+    assert all(rate > 0 for rate in spec.op_rates["float32"].values())
     path = tmp_path / "cluster.json"
     write_cluster_file(path, spec, samples, 2)
     assert get_cluster(path) == spec and get_cluster(str(path)) == spec
@@ -253,8 +255,12 @@ def test_arrival_wait_is_fitted_and_priced_per_call():
         {"compute_s": b, "s": s} for b, s in ((2e-3, 3e-3), (1e-2, 6e-3), (3e-2, 5e-3), (1e-1, 9e-3))
     ]
     got = fit(samples, ranks=4)
-    assert got.arrival_wait == [[2e-3, 0.0], [1e-2, pytest.approx(3e-3)], [3e-2, pytest.approx(3e-3)],
-                                [1e-1, pytest.approx(6e-3)]]
+    assert got.arrival_wait == [
+        [2e-3, 0.0],
+        [1e-2, pytest.approx(3e-3)],
+        [3e-2, pytest.approx(3e-3)],
+        [1e-1, pytest.approx(6e-3)],
+    ]
     assert arrival_wait(1e-3, got) == 0.0 and arrival_wait(1.0, got) == pytest.approx(6e-3)
     assert arrival_wait(6e-3, got) == pytest.approx(1.5e-3)
     assert arrival_wait(1.0, get_cluster("h100")) == 0.0
@@ -269,3 +275,57 @@ def test_arrival_wait_is_fitted_and_priced_per_call():
         assert calls >= 3
         assert est.arrival_wait_s == pytest.approx(wait * calls if cluster.arrival_wait else 0.0, rel=1e-12)
         assert est.step_time_s == pytest.approx(est.compute_s + est.comm_s + est.optimizer_s, rel=1e-12)
+
+
+def test_op_rates_fit_gives_back_their_samples():
+    """Ops timed forward + backward on a machine whose rates are known: the fit gives the rates
+    back, and the cost model prices every sample (each pass: its FLOPs at the rate plus the op's
+    fixed cost) at its measured time."""
+    rates = {"float32": {"aten.gelu": 2e9, "aten.scaled_dot_product_attention": 30e9}, "bfloat16": {"aten.gelu": 1e9}}
+    samples = samples_of(KNOWN)
+    samples["ops"] = []
+    for dtype, ops in rates.items():
+        for op, rate in ops.items():
+            passes = 3 if "attention" in op else 2
+            for flops in (1e6, 5e7):
+                t = passes * (flops / rate + KNOWN.op_overhead_s)
+                samples["ops"].append({"op": op, "dtype": dtype, "flops": flops, "passes": passes, "s": t})
+    got = fit(samples, ranks=4)
+    assert got.op_rates.keys() == rates.keys()
+    for dtype, ops in rates.items():
+        for op, rate in ops.items():
+            assert math.isclose(got.op_rates[dtype][op], rate, rel_tol=1e-6), (dtype, op)
+    for s in samples["ops"]:
+        contraction = s["passes"] == 3
+        priced = s["passes"] * compute_time(s["flops"], 0.0, s["dtype"], contraction, got, s["op"])
+        assert math.isclose(priced, s["s"], rel_tol=1e-6)
+
+
+def test_the_planner_prices_a_rated_op_at_its_rate():
+    """A measured rate replaces the roofline for that op (by name and dtype) and no other."""
+    model, inputs = gpt_demo(batch=2, seq=8, n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    slow = dataclasses.replace(KNOWN, op_rates={"float32": {"aten.gelu": 1e6}, "bfloat16": {"aten.layer_norm": 1e3}})
+    rated = partitioner.plan(model, inputs, mesh_shape=(1,), cluster=slow).records
+    plain = partitioner.plan(model, inputs, mesh_shape=(1,), cluster=KNOWN).records
+    gelu = [r for r in rated if r["target"] == "aten.gelu"]
+    assert len(gelu) == 1
+    numel = math.prod(gelu[0]["shapes"][0])  # the rule's FLOPs: one per output element
+    assert math.isclose(gelu[0]["compute_s"], 2 * (numel / 1e6 + KNOWN.op_overhead_s), rel_tol=1e-9)
+    for a, b in zip(rated, plain):
+        if a["target"] != "aten.gelu":  # float32 layer norms: the bfloat16 rate does not apply
+            assert a["compute_s"] == b["compute_s"], a["name"]
+
+
+def test_op_samples_count_what_the_rules_count():
+    """The measured ops carry the FLOPs their rules count and the passes the cost model charges."""
+    from partitioner.calibrate import op_samples
+
+    samples = op_samples(TINY_SIZES)
+    by_op = {s["op"]: s for s in samples}
+    assert {"aten.gelu", "aten.layer_norm", "aten.scaled_dot_product_attention", "aten.softmax.int"} <= set(by_op)
+    assert all(s["dtype"] == "float32" and s["s"] > 0 and s["flops"] > 0 for s in samples)
+    n, d = TINY_SIZES["op_tokens"], TINY_SIZES["op_width"]
+    assert by_op["aten.gelu"]["flops"] == n * d and by_op["aten.gelu"]["passes"] == 2
+    b, h, q, hd = TINY_SIZES["attention"][0]
+    attention = by_op["aten.scaled_dot_product_attention"]
+    assert attention["flops"] == 4 * b * h * q * q * hd and attention["passes"] == 3  # dq and dk, dv: two products
