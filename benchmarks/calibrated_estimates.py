@@ -1,6 +1,6 @@
 """Measured against estimated step time after ``partitioner calibrate``: issue 11's table in one run.
 
-1. ``partitioner calibrate --ranks 4`` (the runtime and memory benchmarks' rank count), then,
+1. ``partitioner calibrate --ranks 4`` (three passes, the median of each figure; the runtime and memory benchmarks' rank count), then,
    priced with it: the runtime benchmark's small and medium LLaMA under Megatron TP on 4 gloo
    ranks (forward, backward, AdamW), and the memory benchmark's Partita plans on 4 ranks (no
    budget; a budget below data parallelism's peak; one forcing recomputation; the tightest met).
@@ -93,7 +93,7 @@ def _calibrate(path, ranks, say):
 
     load = os.getloadavg()[0]
     start = time.perf_counter()
-    calibrate(path, ranks=ranks, name=f"calibrated-{ranks}")
+    calibrate(path, ranks=ranks, name=f"calibrated-{ranks}", repeats=3)
     say(f"calibrated {ranks} ranks in {time.perf_counter() - start:.0f} s (load {load:.1f}) -> {path}")
     return load
 

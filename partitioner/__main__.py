@@ -366,6 +366,8 @@ def _cmd_calibrate(args) -> int:
 
     if args.ranks < 2:
         raise CLIError(f"--ranks must be >= 2 (collectives need two ranks), got {args.ranks}")
+    if args.repeats < 1:
+        raise CLIError(f"--repeats must be >= 1, got {args.repeats}")
     if Path(args.out).is_dir():
         raise CLIError(f"--out {args.out} is a directory; give a file name such as cluster.json")
     memory = _parse_size(args.memory, "--memory")
@@ -379,6 +381,7 @@ def _cmd_calibrate(args) -> int:
             memory_bytes=memory,
             say=lambda m: _status(args, m),
             progress=not args.quiet,
+            repeats=args.repeats,
         )
     except (ValueError, OSError) as exc:
         raise CLIError(f"calibration failed: {exc}") from None
@@ -516,6 +519,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="calibrated", help="the cluster's name in plans (default: calibrated)")
     p.add_argument("--memory", metavar="BYTES", help="memory per device (default: the machine's memory / ranks)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a check that it runs, not a calibration")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="measure everything this many times and keep each figure's median (default: 3; a shared "
+        "machine's speed drifts for tens of seconds at a time)",
+    )
     p.add_argument("--as-cpu", action="store_true", help="also make it what cluster='cpu' means on this machine")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
     p.set_defaults(run=_cmd_calibrate)

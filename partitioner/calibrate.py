@@ -99,6 +99,7 @@ __all__ = [
     "fresh_samples",
     "matmul_intensity",
     "measure",
+    "median_samples",
     "op_rates",
     "op_samples",
     "overlap_sample",
@@ -567,20 +568,54 @@ def _collective(kind, payload, n, me, group, torch, dist, all_gather, reduce_sca
     return exchange
 
 
-def measure(ranks: int = 2, sizes: dict | None = None, *, progress: bool = False, timeout_s: float = 900) -> dict:
+def measure(
+    ranks: int = 2,
+    sizes: dict | None = None,
+    *,
+    progress: bool = False,
+    timeout_s: float = 900,
+    repeats: int = 1,
+    say: Callable[[str], None] | None = None,
+) -> dict:
     """Run the measurements on ``ranks`` local gloo ranks; returns the samples (rank 0's view of
-    the slowest rank): ``{"matmul": [...], "elementwise": [...], "collectives": [...]}``."""
+    the slowest rank): ``{"matmul": [...], "elementwise": [...], "collectives": [...], ...}``.
+    With ``repeats`` > 1 the whole set is measured that many times, one pass after another, and
+    every figure is the median over the passes (:func:`median_samples`): a machine whose speed
+    drifts for a while (a shared host's other tenants) spoils one pass, not the calibration."""
     from runtime.launch import run_on_ranks
 
     if ranks < 2:
         raise ValueError(f"calibrate: ranks must be >= 2 to measure collectives, got {ranks}")
+    if repeats < 1:
+        raise ValueError(f"calibrate: repeats must be >= 1, got {repeats}")
     merged = dict(DEFAULT_SIZES, **(sizes or {}))
     unknown = set(merged) - set(DEFAULT_SIZES)
     if unknown:
         raise ValueError(f"calibrate: unknown size keys {sorted(unknown)}; known: {sorted(DEFAULT_SIZES)}")
-    out = run_on_ranks(rank_samples, ranks, merged, progress, timeout_s=timeout_s, collective_timeout_s=120)[0]
-    out["fresh"] = run_on_ranks(fresh_rank, ranks, merged, timeout_s=timeout_s, collective_timeout_s=120)[0]
-    return out
+    passes = []
+    for k in range(repeats):
+        if repeats > 1 and say is not None:
+            say(f"pass {k + 1} of {repeats} (load average {os.getloadavg()[0]:.1f})")
+        out = run_on_ranks(rank_samples, ranks, merged, progress, timeout_s=timeout_s, collective_timeout_s=120)[0]
+        out["fresh"] = run_on_ranks(fresh_rank, ranks, merged, timeout_s=timeout_s, collective_timeout_s=120)[0]
+        passes.append(out)
+    return median_samples(passes)
+
+
+def median_samples(passes: list):
+    """One set of samples from several passes of the same measurements: the structure of the
+    first, every number the median over the passes (sizes, counts and shapes are equal in every
+    pass, so only the times change)."""
+    first = passes[0]
+    if isinstance(first, dict):
+        return {key: median_samples([p[key] for p in passes]) for key in first}
+    if isinstance(first, list):
+        if any(len(p) != len(first) for p in passes):
+            raise ValueError("calibrate: passes measured different sample lists; cannot merge them")
+        return [median_samples(list(column)) for column in zip(*passes)]
+    if isinstance(first, float) or (isinstance(first, int) and not isinstance(first, bool)):
+        return type(first)(statistics.median(passes)) if isinstance(first, float) else statistics.median_low(passes)
+    return first
 
 
 # -- fitting ------------------------------------------------------------------------------------
@@ -741,11 +776,13 @@ def calibrate(
     memory_bytes: int | None = None,
     say: Callable[[str], None] | None = None,
     progress: bool = False,
+    repeats: int = 1,
 ) -> ClusterSpec:
-    """Measure on ``ranks`` local ranks, fit, write the cluster file ``path``; returns the spec."""
+    """Measure on ``ranks`` local ranks (``repeats`` passes, the median of each figure), fit,
+    write the cluster file ``path``; returns the spec."""
     say = say or (lambda message: None)
     say(f"measuring on {ranks} gloo ranks (load average {os.getloadavg()[0]:.1f})")
-    samples = measure(ranks, sizes, progress=progress)
+    samples = measure(ranks, sizes, progress=progress, repeats=repeats, say=say)
     spec = fit(samples, ranks=ranks, name=name, memory_bytes=memory_bytes)
     write_cluster_file(path, spec, samples, ranks)
     say(

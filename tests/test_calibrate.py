@@ -133,6 +133,7 @@ def test_calibrate_writes_a_cluster_file_that_loads_and_plans(tmp_path):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         assert main(["calibrate", "--quick", "--ranks", "2", "--out", str(out_path), "--name", "cli"]) == 0
     assert "measuring on 2 gloo ranks" in err.getvalue() and "cluster file written to" in err.getvalue()
+    assert "pass 3 of 3" in err.getvalue()  # the default: three passes, each figure their median
     assert ClusterSpec.from_dict(json.loads(out.getvalue())) == get_cluster(out_path)
     assert get_cluster(out_path).name == "cli"
 
@@ -329,3 +330,25 @@ def test_op_samples_count_what_the_rules_count():
     b, h, q, hd = TINY_SIZES["attention"][0]
     attention = by_op["aten.scaled_dot_product_attention"]
     assert attention["flops"] == 4 * b * h * q * q * hd and attention["passes"] == 3  # dq and dk, dv: two products
+
+
+def test_repeated_passes_merge_to_their_medians():
+    """A pass spoilt by a slow spell of the machine does not move the calibration: every time is
+    the median over the passes, sizes and names stay as measured, mismatched passes are refused."""
+    from partitioner.calibrate import median_samples
+
+    def one_pass(scale):
+        return {
+            "matmul": [{"dtype": "float32", "m": 64, "flops": 524288, "s": 1e-4 * scale}],
+            "collectives": [{"kind": "all_reduce", "n": 2, "payload": 1024, "s": 2e-4 * scale}],
+            "overlap": {"payload": 2048, "both_s": 3e-3 * scale},
+        }
+
+    merged = median_samples([one_pass(1.0), one_pass(1.6), one_pass(1.1)])
+    assert merged["matmul"] == [{"dtype": "float32", "m": 64, "flops": 524288, "s": 1e-4 * 1.1}]
+    assert merged["collectives"][0]["s"] == 2e-4 * 1.1 and merged["collectives"][0]["payload"] == 1024
+    assert merged["overlap"] == {"payload": 2048, "both_s": 3e-3 * 1.1}
+    short = one_pass(1.0)
+    short["matmul"] = []
+    with pytest.raises(ValueError, match="different sample lists"):
+        median_samples([one_pass(1.0), short])
