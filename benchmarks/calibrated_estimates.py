@@ -1,22 +1,27 @@
 """Measured against estimated step time after ``partitioner calibrate``: issue 11's table in one run.
 
-1. ``partitioner calibrate --ranks 4`` (three passes, the median of each figure; the runtime and memory benchmarks' rank count), then,
-   priced with it: the runtime benchmark's small and medium LLaMA under Megatron TP on 4 gloo
-   ranks (forward, backward, AdamW), and the memory benchmark's Partita plans on 4 ranks (no
-   budget; a budget below data parallelism's peak; one forcing recomputation; the tightest met).
-2. ``partitioner calibrate --ranks 2`` (the pipeline benchmark's), then, priced with it: the
-   pipeline benchmark's GPT as 2 stages on 2 ranks, 8 microbatches, 1F1B and GPipe (forward and
-   backward of every microbatch, no optimizer step).
+1. ``partitioner calibrate --ranks 4`` (the runtime and memory benchmarks' rank count) and
+   ``--ranks 2`` (the pipeline benchmark's), each three passes with the median of every figure.
+2. The jobs, priced with the calibration of their rank count: the runtime benchmark's small and
+   medium LLaMA under Megatron TP on 4 gloo ranks (forward, backward, AdamW); the memory
+   benchmark's Partita plans on 4 ranks (no budget; a budget below data parallelism's peak; one
+   forcing recomputation; the tightest met); the pipeline benchmark's GPT as 2 stages on 2
+   ranks, 8 microbatches, 1F1B and GPipe (forward and backward of every microbatch, no
+   optimizer step).
+3. ``--rounds`` rounds (default 3), each running every job once, one after another: this shared
+   machine's speed drifts by 10-40% for tens of seconds at a time, so one run of a job can land
+   in a slow spell; the rounds spread each job over the whole benchmark.
 
-Each row: the median measured step after warm-up (the slowest rank's), the plan's estimate
-(``plan.estimate().step_time_s``; pipelines: the schedule simulated with the stage estimates,
+Each row: the median over the rounds of the measured step (each the median step after warm-up,
+the slowest rank's), every round's, the plan's estimate (``plan.estimate().step_time_s``;
+pipelines: the schedule simulated with the stage estimates,
 ``runtime.pipeline_trace.simulated_timeline``), measured / estimated, whether that is inside
-0.8-1.25, and the 1-minute load average when the row started (the calibrations' too). The
-models, plans and measurement are the benchmarks' own (``runtime_overhead.py``, ``memory.py``,
+0.8-1.25, and the highest 1-minute load average a round of the job started at. The models, plans
+and measurement are the benchmarks' own (``runtime_overhead.py``, ``memory.py``,
 ``pipeline.py``), without their anchors (DTensor, FSDP2, DDP, torch's pipelining).
 
-Usage: ``python benchmarks/calibrated_estimates.py [--out FILE.json] [--steps 8]``
-(about 6-8 minutes on the 2-core machine; the calibration files are written beside ``--out``,
+Usage: ``python benchmarks/calibrated_estimates.py [--out FILE.json] [--steps 8] [--rounds 3]``
+(about 9 minutes on the 2-core machine; the calibration files are written beside ``--out``,
 or to a temporary folder).
 """
 
@@ -74,16 +79,20 @@ def _pipeline_rank(rank, world, schedule, cluster, steps):
     return {"times": times[2:], "estimate_s": step_seconds(simulated_timeline(runner))}
 
 
-def _row(benchmark, run, measured, estimate, load, cluster_file):
+def _row(benchmark, run, samples, estimate, loads, cluster_file):
+    """One table row from a job's rounds: the median measured step over them, its spread, and
+    the loads each round started at."""
+    measured = statistics.median(samples)
     ratio = measured / estimate
     return {
         "benchmark": benchmark,
         "run": run,
         "measured_s": measured,
+        "measured_rounds_s": samples,
         "estimate_s": estimate,
         "ratio": ratio,
         "in_band": BAND[0] <= ratio <= BAND[1],
-        "load": load,
+        "load": max(loads),
         "cluster": cluster_file,
     }
 
@@ -98,15 +107,52 @@ def _calibrate(path, ranks, say):
     return load
 
 
-def main(argv=None):
+def _jobs(cal4, cal2, steps):
+    """``(benchmark, run, cluster file, measure)``: ``measure()`` runs the job once on its ranks
+    and returns (the measured step, the estimate)."""
     import memory as mem
     import pipeline as pl
     import runtime_overhead as ro
 
     from runtime.launch import run_on_ranks
 
+    jobs = []
+    for size in ro.SIZES:
+
+        def runtime_job(size=size):
+            res = run_on_ranks(_runtime_rank, 4, size, cal4, steps, timeout_s=900)
+            return max(r["measured_s"] for r in res), res[0]["estimate_s"]
+
+        jobs.append(("runtime_overhead", f"{size.split()[0]} LLaMA, Megatron TP, 4 ranks", cal4, runtime_job))
+    mem._use_cluster(cal4)
+    _, _, plans = mem._plans()
+    for name, _, plan in plans:
+
+        def memory_job(plan=plan):
+            res = run_on_ranks(
+                mem.partita_worker, 4, plan.to_dict(), max(3, steps // 2), timeout_s=900, collective_timeout_s=600
+            )
+            worst = mem._worst(res)
+            return worst["step_s"], worst["est_step_s"]
+
+        jobs.append(("memory", f"{name}, 4 ranks", cal4, memory_job))
+    for schedule in ("1f1b", "gpipe"):
+
+        def pipeline_job(schedule=schedule):
+            res = run_on_ranks(
+                _pipeline_rank, pl.P, schedule, cal2, max(4, steps // 2), timeout_s=900, collective_timeout_s=300
+            )
+            measured = statistics.median(max(ts) for ts in zip(*(r["times"] for r in res)))
+            return measured, res[0]["estimate_s"]
+
+        jobs.append(("pipeline", f"{schedule}, {pl.P} stages on {pl.P} ranks, {pl.M} microbatches", cal2, pipeline_job))
+    return jobs
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8, help="timed steps per run (runtime; memory and pipeline use half)")
+    ap.add_argument("--rounds", type=int, default=3, help="times each job runs, one round of all after another")
     ap.add_argument("--out", default=None, help="write the rows and calibration loads here as JSON")
     args = ap.parse_args(argv)
     folder = Path(args.out).parent if args.out else Path(tempfile.mkdtemp(prefix="partita-calibrated-"))
@@ -116,52 +162,29 @@ def main(argv=None):
     def say(message):
         print(f"[{time.perf_counter() - t0:5.0f} s] {message}", flush=True)
 
-    rows, calibrations = [], {}
+    calibrations = {}
     cal4, cal2 = str(folder / "cluster-4ranks.json"), str(folder / "cluster-2ranks.json")
     calibrations[cal4] = _calibrate(cal4, 4, say)
-    for size in ro.SIZES:
-        load = os.getloadavg()[0]
-        res = run_on_ranks(_runtime_rank, 4, size, cal4, args.steps, timeout_s=900)
-        measured = max(r["measured_s"] for r in res)
-        rows.append(
-            _row(
-                "runtime_overhead",
-                f"{size.split()[0]} LLaMA, Megatron TP, 4 ranks",
-                measured,
-                res[0]["estimate_s"],
-                load,
-                cal4,
-            )
-        )
-        say(_fmt(rows[-1]))
-    mem._use_cluster(cal4)
-    _, _, plans = mem._plans()
-    for name, _, plan in plans:
-        load = os.getloadavg()[0]
-        res = run_on_ranks(
-            mem.partita_worker, 4, plan.to_dict(), max(3, args.steps // 2), timeout_s=900, collective_timeout_s=600
-        )
-        worst = mem._worst(res)
-        rows.append(_row("memory", f"{name}, 4 ranks", worst["step_s"], worst["est_step_s"], load, cal4))
-        say(_fmt(rows[-1]))
     calibrations[cal2] = _calibrate(cal2, 2, say)
-    for schedule in ("1f1b", "gpipe"):
-        load = os.getloadavg()[0]
-        res = run_on_ranks(
-            _pipeline_rank, pl.P, schedule, cal2, max(4, args.steps // 2), timeout_s=900, collective_timeout_s=300
-        )
-        measured = statistics.median(max(ts) for ts in zip(*(r["times"] for r in res)))
-        rows.append(
-            _row(
-                "pipeline",
-                f"{schedule}, {pl.P} stages on {pl.P} ranks, {pl.M} microbatches",
-                measured,
-                res[0]["estimate_s"],
-                load,
-                cal2,
+    jobs = _jobs(cal4, cal2, args.steps)
+    measured: dict = {k: [] for k in range(len(jobs))}
+    estimates: dict = {}
+    loads: dict = {k: [] for k in range(len(jobs))}
+    for r in range(args.rounds):
+        for k, (benchmark, run, _, job) in enumerate(jobs):
+            loads[k].append(os.getloadavg()[0])
+            m, e = job()
+            measured[k].append(m)
+            if estimates.setdefault(k, e) != e:
+                raise RuntimeError(f"{benchmark} {run}: the estimate changed between rounds ({estimates[k]} -> {e})")
+            say(
+                f"round {r + 1}/{args.rounds}: {benchmark}: {run}: measured {m:.3f} s, estimated {e:.3f} s, "
+                f"ratio {m / e:.2f} (load {loads[k][-1]:.1f})"
             )
-        )
-        say(_fmt(rows[-1]))
+    rows = [
+        _row(benchmark, run, measured[k], estimates[k], loads[k], cluster)
+        for k, (benchmark, run, cluster, _) in enumerate(jobs)
+    ]
     print()
     print(table(rows))
     inside = sum(r["in_band"] for r in rows)
@@ -177,21 +200,16 @@ def main(argv=None):
         )
 
 
-def _fmt(row):
-    return (
-        f"{row['benchmark']}: {row['run']}: measured {row['measured_s']:.3f} s, estimated "
-        f"{row['estimate_s']:.3f} s, ratio {row['ratio']:.2f} (load {row['load']:.1f})"
-    )
-
-
 def table(rows) -> str:
     lines = [
-        "| benchmark | run | measured s | estimated s | measured / estimated | in 0.8-1.25 | load |",
-        "|---|---|---:|---:|---:|---|---:|",
+        "| benchmark | run | measured s (median) | measured s per round | estimated s | measured / estimated "
+        "| in 0.8-1.25 | load (max) |",
+        "|---|---|---:|---|---:|---:|---|---:|",
     ]
     for r in rows:
+        rounds = " / ".join(f"{x:.3f}" for x in r.get("measured_rounds_s", [r["measured_s"]]))
         lines.append(
-            f"| {r['benchmark']} | {r['run']} | {r['measured_s']:.3f} | {r['estimate_s']:.3f} | "
+            f"| {r['benchmark']} | {r['run']} | {r['measured_s']:.3f} | {rounds} | {r['estimate_s']:.3f} | "
             f"{r['ratio']:.2f} | {'yes' if r['in_band'] else 'no'} | {r['load']:.1f} |"
         )
     return "\n".join(lines)
