@@ -17,8 +17,11 @@ parameter the plan marks ``regather`` (ZeRO-3), the edge instead:
 4. **prefetch**: the copies saved are chained in the order forward saved them; backward unpacks
    them in about the reverse order, so when a copy is gathered again, the regather of the copy
    saved just before it is started asynchronously (when its edge's first move that sends data is
-   an all-gather: :mod:`runtime.prefetch`), and its own unpack waits for it. One regather is in
-   flight at a time; the issue order is the backward's, the same on every rank.
+   an all-gather: :mod:`runtime.prefetch`, and backward has not gathered that copy already: one
+   op saving two parameters, a norm's weight and bias, unpacks them in forward's order), and its
+   own unpack waits for it. One regather is in flight at a time; the issue order is the
+   backward's, the same on every rank. Every copy is gathered again at most once per backward
+   unpacking, as the plan prices.
 
 Only the outermost hooks see a save: inside a recomputed layer (activation checkpointing,
 which holds its own hooks) the rerun keeps its gathered copies until the layer's backward ends,
@@ -64,6 +67,7 @@ class _Holder:
         self.prev: _Holder | None = None
         self.chained = False  # linked into its scope's chain
         self.pending = None  # its regather, started ahead (runtime/prefetch.py)
+        self.gathered = False  # backward has gathered it again already (never start it ahead after)
 
     def get(self) -> torch.Tensor:
         full = self.ref() if self.ref is not None else None
@@ -79,12 +83,15 @@ class _Holder:
                 full = torch.empty_strided(self.size, self.stride, dtype=gathered.dtype, device=gathered.device)
                 full.copy_(gathered)
             self.ref = weakref.ref(full)
+            self.gathered = True
             self._start_previous()
         return full
 
     def _start_previous(self) -> None:
         prev, self.prev = self.prev, None
-        if prev is None or prev.pending is not None or (prev.ref is not None and prev.ref() is not None):
+        # a copy backward has gathered already is not the next one: its saves were unpacked before
+        # this copy's (one op saving two parameters unpacks them in the order forward saved them)
+        if prev is None or prev.pending is not None or prev.gathered:
             return
         if prev.edge.prefetchable:
             from runtime.prefetch import issue

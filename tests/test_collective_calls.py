@@ -8,7 +8,8 @@ gathers (``runtime/optimizer_shards.py``). Unlike a time, a count can be compare
 GPT (2 layers, width 64) on 4 gloo ranks, plans made here with the fixed ``"cpu"`` cluster, the
 memory benchmark's kinds (``benchmarks/memory.py``): data parallel; the solver's plan under a
 budget below data parallelism's peak (weights stored sharded and gathered, gathers prefetched);
-ZeRO-3 under that budget; full recomputation; ZeRO-1 (compute copies); the head tied to the
+ZeRO-3 under that budget; full recomputation; both under a tighter budget (the final norm's
+weight and bias regathered in backward); ZeRO-1 (compute copies); the head tied to the
 embedding (captured as two parameter placeholders, each bucketed). The bucket sizes are made
 small (``runtime.grad_sync.BUCKET_BYTES``, ``runtime.optimizer_shards.REFRESH_BUCKET_BYTES``, read
 by the runtime and the count alike) so that the gradients and the copies' gathers take several
@@ -91,6 +92,7 @@ def _plans():
         ("below data parallelism's peak", False, below_dp),
         ("ZeRO-3", False, plan(below, zero=3, recompute="none")),
         ("full recomputation", False, plan(pins=DP, recompute="all")),
+        ("ZeRO-3 and full recomputation", False, plan(int(0.6 * dp.estimate().memory_bytes), zero=3, recompute="all")),
         ("ZeRO-1", False, plan(pins=free_weights("gpt", "dp", (4,)), recompute="none", zero=1)),
         ("tied weight, data parallel", True, plan(tied=True, pins=DP, recompute="none", zero="auto")),
     ]
@@ -104,6 +106,10 @@ def test_counted_calls_equal_estimated_calls():
     assert any(r.get("stored") for r in by_name["ZeRO-1"].records)
     assert any(c.get("regather") for r in by_name["ZeRO-3"].records for c in r["comm"])
     assert any(c.get("recompute") for r in by_name["full recomputation"].records for c in r["comm"])
+    # a norm's weight and bias regathered outside the recomputed layers: one op saving two copies
+    # (backward unpacks them in forward's order: neither is started ahead twice)
+    norm = [r for r in by_name["ZeRO-3 and full recomputation"].records if r["target"] == "aten.layer_norm"]
+    assert any(sum(1 for c in r["comm"] if c.get("regather")) == 2 for r in norm)
     run_checked(calls_worker, {"mesh": [4], "plans": [(n, t, p.to_dict()) for n, t, p in plans]}, 120)
 
 
