@@ -173,6 +173,7 @@ def estimate_split(plan) -> tuple[dict, dict]:
     seconds: dict = defaultdict(float)
     count: dict = defaultdict(int)
     for r in plan.records:
+        seconds["optimizer"] += r.get("optimizer_step_s", 0.0)
         if r.get("kind") != "op":
             continue
         k = kind_of(str(r.get("target", "")))
@@ -300,8 +301,9 @@ def main(argv=None):
 
         results = run_on_ranks(_gpt_rank, 1, args.steps, size, args.cluster, timeout_s=1200)
     else:
-        size = next(s for s in ro.SIZES if s.startswith(args.size)) + ", Megatron TP on 4 ranks"
-        results = run_on_ranks(_tp_rank, 4, args.steps, size, args.cluster, timeout_s=1200)
+        name = next(s for s in ro.SIZES if s.startswith(args.size))
+        size = name + ", Megatron TP on 4 ranks"
+        results = run_on_ranks(_tp_rank, 4, args.steps, name, args.cluster, timeout_s=1200)
     r = results[0]
     print(
         f"{size}, rank 0: median step {r['median_s']:.4f} s, profiled step "

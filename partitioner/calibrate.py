@@ -29,6 +29,11 @@ Algorithm
    cost model charges, :func:`passes.cost_model.backward_factor`). ``op_rates[dtype][op]`` is
    those FLOPs over the time beyond each pass's ``op_overhead_s`` (the mean over shapes), so the
    cost model prices each sample at the time it took.
+   **Optimizer steps.** AdamW and SGD step over sets of float32 parameters (many tiny tensors, a
+   few large ones): the line ``t = tensors * tensor_s + bytes / bandwidth`` (bytes as the cost
+   model counts them) is ``optimizer_steps[optimizer]``. On a CPU torch steps one tensor at a
+   time (tens of microseconds of Python per tensor for AdamW) and streams the state from DRAM,
+   well below the cache-resident elementwise ops' bandwidth the roofline would use.
    In fresh processes (fixing the threshold cannot be undone, and a used heap serves requests
    from its freed blocks), with glibc's mmap threshold fixed as a CPU job under a memory budget
    runs (``runtime/host_memory.py``), an ``add`` writing a fresh output is
@@ -102,6 +107,8 @@ __all__ = [
     "median_samples",
     "op_rates",
     "op_samples",
+    "optimizer_samples",
+    "optimizer_steps",
     "overlap_sample",
     "prefetch_overlap",
     "rank_samples",
@@ -125,13 +132,15 @@ DEFAULT_SIZES = {
     "op_tokens": 512,
     "op_width": 768,
     "attention": ((4, 8, 128, 32), (2, 8, 256, 64)),
+    "optimizer": ((64, 64), (16, 1 << 16), (4, 1 << 20)),
 }
 """Matrix sides and ``(m, k, n)`` shapes of narrow products, dtypes, elementwise elements
 (float32), ops per fx program, collective payload bytes, timed trials per point, the length of
 one timed loop, the computation before each collective, the bytes of the fresh allocations
 timed last, the longer runs of matmuls before a tiny all-reduce (``arrival_wait``), and the
 activations the rated ops are timed on (``op_tokens x op_width``; attention: ``(batch, heads,
-sequence, head dim)`` shapes)."""
+sequence, head dim)`` shapes), and the parameter sets the optimizers step (``(tensors, elements
+each)``)."""
 
 TINY_SIZES = {
     "matmul": (16, 32),
@@ -148,6 +157,7 @@ TINY_SIZES = {
     "op_tokens": 16,
     "op_width": 32,
     "attention": ((1, 2, 16, 8),),
+    "optimizer": ((4, 16), (2, 256)),
 }
 """A quick run for tests: the same code on sizes that take milliseconds."""
 
@@ -211,6 +221,51 @@ def compute_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = 
         say(f"fx program of {ops} tiny ops, forward + backward: {t * 1e6:.1f} us, {t / ops * 1e6:.1f} us per op")
     if "op_tokens" in sizes:
         out["ops"] = op_samples(sizes, sync, say)
+    if "optimizer" in sizes:
+        out["optimizer"] = optimizer_samples(sizes, sync, say)
+    return out
+
+
+OPTIMIZERS = {"adam": ("AdamW", {"lr": 1e-3}), "sgd": ("SGD", {"lr": 1e-3})}
+"""The optimizers the cost model prices (``optimizer=`` of ``partitioner.plan``) and the torch
+class each is timed as, with its arguments."""
+
+
+def optimizer_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = None) -> list:
+    """One optimizer step over ``tensors`` float32 parameters of ``numel`` elements each (every
+    ``sizes["optimizer"]`` set, gradients present), for each optimizer the cost model prices:
+    ``{"optimizer", "tensors", "numel", "s"}`` (``sync``: see :func:`_timed`)."""
+    import torch
+
+    say = say or (lambda message: None)
+    out = []
+    for name, (cls, kwargs) in OPTIMIZERS.items():
+        for tensors, numel in sizes["optimizer"]:
+            params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(tensors)]
+            for p in params:
+                p.grad = torch.randn(numel)
+            opt = getattr(torch.optim, cls)(params, **kwargs)
+            t = _timed(opt.step, sizes["seconds"], sizes["trials"], sync)
+            out.append({"optimizer": name, "tensors": tensors, "numel": numel, "s": t})
+            say(f"{cls} step over {tensors} tensors of {numel} elements: {t * 1e6:.1f} us")
+    return out
+
+
+def optimizer_steps(samples: list) -> dict:
+    """``ClusterSpec.optimizer_steps`` from :func:`optimizer_samples`: per optimizer, the line
+    ``t = tensors * tensor_s + bytes / bandwidth`` (bytes: what the cost model counts,
+    :func:`passes.cost_model.optimizer_step_bytes`) fitted on relative error, both terms >= 0."""
+    from passes.cost_model import optimizer_step_bytes
+
+    out = {}
+    for name in sorted({s["optimizer"] for s in samples}):
+        mine = [s for s in samples if s["optimizer"] == name]
+        if len(mine) < 2:
+            continue
+        rows = [[float(s["tensors"]), s["tensors"] * optimizer_step_bytes(s["numel"], 4, name)] for s in mine]
+        (tensor_s, per_byte), _ = _fit_nonnegative(rows, [s["s"] for s in mine], [0])
+        if per_byte > 0:
+            out[name] = {"tensor_s": tensor_s, "bandwidth": 1.0 / per_byte}
     return out
 
 
@@ -687,6 +742,7 @@ def fit_compute(samples: dict) -> dict:
     fresh_per_byte = statistics.median(fresh) if fresh else 0.0
     return {
         "op_rates": op_rates(samples.get("ops", []), per_op / 2),
+        "optimizer_steps": optimizer_steps(samples.get("optimizer", [])),
         "op_overhead_s": per_op / 2,
         "memory_bandwidth": 1.0 / per_byte,
         "peak_flops": {**{d: peaks["float32"] for d in ("bfloat16", "float16")}, **peaks},
@@ -743,6 +799,7 @@ def fit(samples: dict, *, ranks: int, name: str = "calibrated", memory_bytes: in
         matmul_efficiency=1.0,
         matmul_curve=compute["matmul_curve"],
         op_rates=compute["op_rates"],
+        optimizer_steps=compute["optimizer_steps"],
         fresh_page_s_per_byte=compute["fresh_page_s_per_byte"],
         op_overhead_s=compute["op_overhead_s"],
         prefetch_overlap=prefetch_overlap(samples.get("overlap")),

@@ -16,7 +16,8 @@ The cost model prices everything in seconds from these numbers (decision 4 in do
   bytes / bandwidth`` on ``host_link`` (PCIe on the GPU presets; none on a CPU, whose copies run
   at its memory bandwidth);
 * the optimizer's step: the bytes it reads and writes per parameter element at
-  ``memory_bandwidth``, or at ``host_memory_bandwidth`` for state offloaded to the host (the
+  ``memory_bandwidth`` (where measured, ``optimizer_steps``: a fixed cost per tensor plus the bytes
+  at the step's own rate), or at ``host_memory_bandwidth`` for state offloaded to the host (the
   presets: a DGX node's two sockets of 8-channel DDR5-4800, 614 GB/s, or DDR4-3200 on A100's,
   410 GB/s, shared by its 8 GPUs).
 
@@ -129,6 +130,14 @@ class ClusterSpec:
     ``erf``, ``exp`` and ``tanh`` of activations and the several passes of a normalisation).
     Measured by ``partitioner calibrate`` (every op it times, forward and backward through
     autograd); empty (the presets): the roofline for every op."""
+    optimizer_steps: dict = field(default_factory=dict)
+    """By optimizer (``"adam"``, ``"sgd"``): ``{"tensor_s": seconds per parameter tensor,
+    "bandwidth": bytes per second}`` of its step, priced as ``tensor_s + bytes /
+    bandwidth`` per parameter (bytes: :func:`passes.cost_model.optimizer_step_bytes`) in place
+    of ``bytes / memory_bandwidth``. Measured by ``partitioner calibrate`` (torch's optimizer on
+    CPU steps one tensor at a time, tens of microseconds of Python each, and streams its state
+    from DRAM at a fraction of the rate cache-resident ops reach); empty (the presets): the
+    memory-bound step."""
     fresh_page_s_per_byte: float = 0.0
     """Seconds per byte of a large allocation that is a fresh mapping (the kernel zero-fills
     its pages on first touch): measured by ``partitioner calibrate`` with glibc's mmap

@@ -153,12 +153,17 @@ def optimizer_step_bytes(numel: float, elem: int, optimizer: str | None) -> floa
 
 
 def optimizer_step_time(numel: float, elem: int, optimizer: str | None, cluster, *, offloaded: bool) -> float:
-    """Seconds of the optimizer's step over ``numel`` elements: memory-bound, at the device's
-    memory bandwidth, or the host's (``host_memory_bandwidth``) for state offloaded there."""
-    bandwidth = cluster.memory_bandwidth
-    if offloaded and getattr(cluster, "host_memory_bandwidth", None):
-        bandwidth = cluster.host_memory_bandwidth
-    return optimizer_step_bytes(numel, elem, optimizer) / bandwidth
+    """Seconds of the optimizer's step over one parameter tensor of ``numel`` elements:
+    memory-bound, at the device's memory bandwidth, or the host's (``host_memory_bandwidth``) for
+    state offloaded there; on a cluster with a measured step for ``optimizer``
+    (``optimizer_steps``: a CPU, where the device's memory is the host's) its fixed cost per
+    tensor plus the bytes at its measured rate."""
+    nbytes = optimizer_step_bytes(numel, elem, optimizer)
+    host = offloaded and getattr(cluster, "host_memory_bandwidth", None)
+    measured = (getattr(cluster, "optimizer_steps", None) or {}).get(optimizer) if optimizer else None
+    if measured and not host:
+        return measured["tensor_s"] + nbytes / measured["bandwidth"]
+    return nbytes / (cluster.host_memory_bandwidth if host else cluster.memory_bandwidth)
 
 
 def reshard(src, dst, shape, mesh_shape, elem: int) -> list:

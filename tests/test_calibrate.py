@@ -106,6 +106,7 @@ def test_calibrate_writes_a_cluster_file_that_loads_and_plans(tmp_path):
     assert {s["kind"] for s in samples["collectives"]} == set(COLLECTIVES)
     spec = fit(samples, ranks=2, name="here")
     assert set(spec.op_rates["float32"]) == {s["op"] for s in samples["ops"]}
+    assert set(spec.optimizer_steps) == {"adam", "sgd"}
     assert all(rate > 0 for rate in spec.op_rates["float32"].values())
     path = tmp_path / "cluster.json"
     write_cluster_file(path, spec, samples, 2)
@@ -352,3 +353,37 @@ def test_repeated_passes_merge_to_their_medians():
     short["matmul"] = []
     with pytest.raises(ValueError, match="different sample lists"):
         median_samples([one_pass(1.0), short])
+
+
+def test_optimizer_steps_are_fitted_and_priced_per_tensor():
+    """Optimizer steps timed on a machine with a known fixed cost per tensor and rate: the fit
+    gives both back, and a plan prices each parameter's step with them (a fixed cost per tensor
+    plus its bytes at the measured rate) where the roofline priced the bytes only."""
+    from partitioner.calibrate import optimizer_steps
+    from passes.cost_model import optimizer_step_bytes, optimizer_step_time
+
+    known = {"adam": {"tensor_s": 40e-6, "bandwidth": 10e9}, "sgd": {"tensor_s": 3e-6, "bandwidth": 40e9}}
+    samples = []
+    for name, k in known.items():
+        for tensors, numel in ((64, 64), (16, 1 << 16), (4, 1 << 20)):
+            t = tensors * (k["tensor_s"] + optimizer_step_bytes(numel, 4, name) / k["bandwidth"])
+            samples.append({"optimizer": name, "tensors": tensors, "numel": numel, "s": t})
+    got = optimizer_steps(samples)
+    for name, k in known.items():
+        assert math.isclose(got[name]["tensor_s"], k["tensor_s"], rel_tol=1e-6), name
+        assert math.isclose(got[name]["bandwidth"], k["bandwidth"], rel_tol=1e-6), name
+    spec = dataclasses.replace(KNOWN, optimizer_steps=got)
+    for s in samples:
+        priced = s["tensors"] * optimizer_step_time(s["numel"], 4, s["optimizer"], spec, offloaded=False)
+        assert math.isclose(priced, s["s"], rel_tol=1e-6)
+    # without a measured step (the presets): the bytes at memory bandwidth, as before
+    assert optimizer_step_time(1e6, 4, "adam", KNOWN, offloaded=False) == 28e6 / KNOWN.memory_bandwidth
+
+    model, inputs = gpt_demo(batch=2, seq=8, n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    records = partitioner.plan(model, inputs, mesh_shape=(1,), cluster=spec, optimizer="adam").records
+    params = [r for r in records if r["kind"] == "param"]
+    assert params and all("optimizer_step_s" in r for r in params)
+    for r in params:
+        numel = math.prod(r["shapes"][0])
+        expected = 40e-6 + optimizer_step_bytes(numel, 4, "adam") / 10e9
+        assert math.isclose(r["optimizer_step_s"], expected, rel_tol=1e-6), r["name"]
