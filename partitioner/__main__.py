@@ -509,8 +509,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "calibrate",
         help="measure this machine into a cluster file (--cluster FILE)",
-        description="Time matmuls, elementwise ops and gloo collectives on local ranks, fit the cost model's "
-        "figures and write them to a cluster file.",
+        description="Time matmuls, elementwise ops, attention, activations and norms, optimizer steps and gloo "
+        "collectives on local ranks, fit the cost model's figures and write them to a cluster file.",
     )
     p.add_argument("--ranks", type=int, default=2, help="local gloo ranks, the devices measured (default: 2)")
     p.add_argument(

@@ -852,5 +852,10 @@ def calibrate(
         f"{spec.prefetch_overlap:.2f}; a collective after "
         + ", ".join(f"{x * 1e3:g} ms of work: +{y * 1e3:.2f} ms" for x, y in spec.arrival_wait)
     )
+    rates = spec.op_rates.get("float32", {})
+    if rates:
+        say("float32 op rates: " + ", ".join(f"{op} {r / 1e9:.2f} GFLOP/s" for op, r in sorted(rates.items())))
+    for name, step in sorted(spec.optimizer_steps.items()):
+        say(f"{name} step: {step['tensor_s'] * 1e6:.1f} us per tensor + bytes at {step['bandwidth'] / 1e9:.2f} GB/s")
     say(f"cluster file written to {path}")
     return spec
