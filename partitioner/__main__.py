@@ -366,8 +366,9 @@ def _cmd_calibrate(args) -> int:
 
     if args.ranks < 2:
         raise CLIError(f"--ranks must be >= 2 (collectives need two ranks), got {args.ranks}")
-    if args.repeats < 1:
-        raise CLIError(f"--repeats must be >= 1, got {args.repeats}")
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    if repeats < 1:
+        raise CLIError(f"--repeats must be >= 1, got {repeats}")
     if Path(args.out).is_dir():
         raise CLIError(f"--out {args.out} is a directory; give a file name such as cluster.json")
     memory = _parse_size(args.memory, "--memory")
@@ -381,7 +382,7 @@ def _cmd_calibrate(args) -> int:
             memory_bytes=memory,
             say=lambda m: _status(args, m),
             progress=not args.quiet,
-            repeats=args.repeats,
+            repeats=repeats,
         )
     except (ValueError, OSError) as exc:
         raise CLIError(f"calibration failed: {exc}") from None
@@ -522,9 +523,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--repeats",
         type=int,
-        default=3,
-        help="measure everything this many times and keep each figure's median (default: 3; a shared "
-        "machine's speed drifts for tens of seconds at a time)",
+        default=None,
+        help="measure everything this many times and keep each figure's median (default: 3, 1 with "
+        "--quick; a shared machine's speed drifts for tens of seconds at a time)",
     )
     p.add_argument("--as-cpu", action="store_true", help="also make it what cluster='cpu' means on this machine")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")

@@ -81,6 +81,7 @@ The cluster file is JSON: ``{"cluster": ClusterSpec fields, "samples": {...}, "m
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -263,16 +264,22 @@ def optimizer_steps(samples: list) -> dict:
         if len(mine) < 2:
             continue
         rows = [[float(s["tensors"]), s["tensors"] * optimizer_step_bytes(s["numel"], 4, name)] for s in mine]
-        (tensor_s, per_byte), _ = _fit_nonnegative(rows, [s["s"] for s in mine], [0])
-        if per_byte > 0:
-            out[name] = {"tensor_s": tensor_s, "bandwidth": 1.0 / per_byte}
+        times = [s["s"] for s in mine]
+        tensor_s, per_byte = _weighted_lstsq(rows, times, [0, 1])
+        if tensor_s < 0 or per_byte <= 0:  # noise: the one-term line that fits better
+            tensor_s, per_byte = min(
+                (_weighted_lstsq(rows, times, [j]) for j in (0, 1)),
+                key=lambda c: sum(((r[0] * c[0] + r[1] * c[1]) / t - 1.0) ** 2 for r, t in zip(rows, times)),
+            )
+        out[name] = {"tensor_s": max(tensor_s, 0.0), "bandwidth": 1.0 / per_byte if per_byte > 0 else math.inf}
     return out
 
 
 def _rated_ops(sizes: dict, dtype) -> list:
     """``(aten overload, args, kwargs)`` of the ops :func:`op_samples` times: the activations,
-    normalisations, softmax and loss a transformer runs on ``op_tokens x op_width`` activations,
-    and fused attention on each ``attention`` shape (floating inputs require grad)."""
+    normalisations, softmax and loss a transformer runs on ``op_tokens x op_width`` activations
+    (GELU exact and tanh-approximated), and fused attention on each ``attention`` shape, full and
+    causal (floating inputs require grad)."""
     import torch
 
     aten = torch.ops.aten
@@ -285,25 +292,28 @@ def _rated_ops(sizes: dict, dtype) -> list:
         return torch.randn(d, dtype=dtype, requires_grad=True)
 
     cases: list[tuple] = [(op, (act(),), {}) for op in (aten.gelu.default, aten.silu.default, aten.tanh.default)]
+    cases.append((aten.gelu.default, (act(),), {"approximate": "tanh"}))
     cases += [(op, (act(),), {}) for op in (aten.sigmoid.default, aten.exp.default)]
     cases.append((aten.layer_norm.default, (act(), [d], vec(), vec()), {}))
     cases.append((aten.rms_norm.default, (act(), [d], vec()), {}))
     cases.append((aten.softmax.int, (act(), -1), {}))
     cases.append((aten.cross_entropy_loss.default, (act(), torch.randint(0, d, (n,))), {}))
     for b, h, q, hd in sizes["attention"]:
-        qkv = [torch.randn(b, h, q, hd, dtype=dtype, requires_grad=True) for _ in range(3)]
-        cases.append((aten.scaled_dot_product_attention.default, tuple(qkv), {"is_causal": True}))
+        for causal in (False, True):
+            qkv = [torch.randn(b, h, q, hd, dtype=dtype, requires_grad=True) for _ in range(3)]
+            cases.append((aten.scaled_dot_product_attention.default, tuple(qkv), {"is_causal": causal}))
     return cases
 
 
 def _priced_work(target, args, kwargs, out) -> tuple:
-    """(FLOPs the op's rule counts, backward passes the cost model charges per forward) for one
-    call of ``target``: the op as an fx node whose values are the real tensors."""
+    """(FLOPs the op's rule counts, backward passes the cost model charges per forward, the name
+    its rate is kept under: :func:`passes.rules.base.rate_key`) for one call of ``target``: the
+    op as an fx node whose values are the real tensors."""
     import torch
     import torch.fx as fx
 
     from passes.cost_model import backward_factor
-    from passes.rules import op_view, rule_for
+    from passes.rules import op_view, rate_key, rule_for
 
     graph = fx.Graph()
 
@@ -322,17 +332,16 @@ def _priced_work(target, args, kwargs, out) -> tuple:
     node.meta["val"] = out
     rule = rule_for(node)
     grads_in = sum(1 for a in [*args, *kwargs.values()] if getattr(a, "requires_grad", False))
-    return rule.flops(op_view(node)), backward_factor(rule.contraction, grads_in)
+    return rule.flops(op_view(node)), backward_factor(rule.contraction, grads_in), rate_key(node)
 
 
 def op_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = None) -> list:
-    """Forward + backward (through autograd, as a training step runs them) of every op of
-    :func:`_rated_ops` for each dtype: ``{"op", "dtype", "flops", "passes", "s"}`` with ``flops``
+    """Forward + backward (through autograd, as a training step runs them; the input gradients
+    returned, not accumulated) of every op of :func:`_rated_ops` for each dtype: ``{"op",
+    "dtype", "flops", "passes", "s"}`` with ``op`` the name its rate is kept under, ``flops``
     what the op's rule counts per forward and ``passes`` forward plus the backward multiples the
     cost model charges (``sync``: see :func:`_timed`)."""
     import torch
-
-    from passes.rules import op_name
 
     say = say or (lambda message: None)
     out = []
@@ -340,14 +349,14 @@ def op_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = None)
         dtype = getattr(torch, dtype_name)
         for target, args, kwargs in _rated_ops(sizes, dtype):
             result = target(*args, **kwargs)
-            flops, factor = _priced_work(target, args, kwargs, result)
+            flops, factor, name = _priced_work(target, args, kwargs, result)
             grad = torch.ones_like(result)
+            inputs = [a for a in args if getattr(a, "requires_grad", False)]
 
-            def step(target=target, args=args, kwargs=kwargs, grad=grad):
-                target(*args, **kwargs).backward(grad)
+            def step(target=target, args=args, kwargs=kwargs, grad=grad, inputs=inputs):
+                torch.autograd.grad(target(*args, **kwargs), inputs, grad)
 
             t = _timed(step, sizes["seconds"], sizes["trials"], sync)
-            name = op_name(target)
             out.append({"op": name, "dtype": dtype_name, "flops": flops, "passes": 1 + factor, "s": t})
             say(
                 f"{name} {dtype_name}, forward + backward: {t * 1e6:.1f} us, "
@@ -659,8 +668,10 @@ def measure(
 
 def median_samples(passes: list):
     """One set of samples from several passes of the same measurements: the structure of the
-    first, every number the median over the passes (sizes, counts and shapes are equal in every
-    pass, so only the times change)."""
+    first, every number the median over the passes, each number on its own (sizes, counts and
+    shapes are equal in every pass, so only the times change; two times of one sample, such as
+    an overlap sample's alone and together, can come from different passes); anything else
+    (names, flags, tuples) as the first pass has it."""
     first = passes[0]
     if isinstance(first, dict):
         return {key: median_samples([p[key] for p in passes]) for key in first}
@@ -754,14 +765,15 @@ def fit_compute(samples: dict) -> dict:
 def op_rates(samples: list, op_overhead_s: float) -> dict:
     """``ClusterSpec.op_rates`` from :func:`op_samples`: per dtype and op, the rule's FLOPs of every
     pass over the time the passes took beyond the fixed cost the cost model adds to each
-    (``op_overhead_s``), the mean over the op's shapes. The cost model then prices each sample
-    at the time it was measured in (the test checks it)."""
+    (``op_overhead_s``), the mean over the op's shapes (so the cost model prices an op timed on
+    one shape at the time it was measured in: the test checks it). A sample that is all fixed cost
+    (95% or more) rates nothing."""
     rates: dict = {}
     for s in samples:
-        if s["flops"] <= 0:
-            continue
         work = s["s"] - s["passes"] * op_overhead_s
-        rates.setdefault(s["dtype"], {}).setdefault(s["op"], []).append(s["flops"] * s["passes"] / max(work, 1e-12))
+        if s["flops"] <= 0 or work <= 0.05 * s["s"]:  # all overhead (tiny sizes): nothing to rate
+            continue
+        rates.setdefault(s["dtype"], {}).setdefault(s["op"], []).append(s["flops"] * s["passes"] / work)
     return {dtype: {op: sum(r) / len(r) for op, r in ops.items()} for dtype, ops in rates.items()}
 
 

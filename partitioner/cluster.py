@@ -124,7 +124,8 @@ class ClusterSpec:
     empty (the presets): ``matmul_efficiency`` for every shape."""
     op_rates: dict = field(default_factory=dict)
     """Per dtype, by op name (``aten.gelu``, ``aten.layer_norm``, ``aten.scaled_dot_product_attention``,
-    as :func:`passes.rules.base.op_name` gives it): the rate, in the op rule's counted FLOPs per
+    ``aten.scaled_dot_product_attention:causal``, as :func:`passes.rules.base.rate_key` gives it):
+    the rate, in the op rule's counted FLOPs per
     second, at which that op's forward and backward run on this device, for ops that reach neither
     the matmul curve nor memory bandwidth (a fused attention's blocked kernel; on a CPU, the
     ``erf``, ``exp`` and ``tanh`` of activations and the several passes of a normalisation).

@@ -203,7 +203,7 @@ def compute_time(flops: float, mem_bytes: float, dtype, contraction: bool, clust
     (an op that neither computes nor moves memory, a view, costs nothing). A contraction runs at
     the fraction of peak the cluster's ``matmul_curve`` gives at its FLOPs per byte
     (``flops / mem_bytes``; :func:`matmul_fraction`). An op the cluster has a measured rate for
-    (``op_rates[dtype][op]``, ``op`` its name as :func:`passes.rules.base.op_name` gives it: a
+    (``op_rates[dtype][op]``, ``op`` its name as :func:`passes.rules.base.rate_key` gives it: a
     fused attention, an activation whose ``erf`` or ``exp`` costs more than its memory traffic
     on a CPU) computes at that rate instead."""
     name = str(dtype).replace("torch.", "") if dtype is not None else "float32"

@@ -19,9 +19,10 @@ parameter the plan marks ``regather`` (ZeRO-3), the edge instead:
    saved just before it is started asynchronously (when its edge's first move that sends data is
    an all-gather: :mod:`runtime.prefetch`, and backward has not gathered that copy already: one
    op saving two parameters, a norm's weight and bias, unpacks them in forward's order), and its
-   own unpack waits for it. One regather is in flight at a time; the issue order is the
-   backward's, the same on every rank. Every copy is gathered again at most once per backward
-   unpacking, as the plan prices.
+   own unpack waits for it. Usually one regather is in flight at a time (two while a norm's
+   weight, gathered on the spot, starts the copy before it ahead and its bias's prefetch is
+   still out); the issue order is the backward's, the same on every rank. Every copy is
+   gathered again at most once per backward unpacking, as the plan prices.
 
 Only the outermost hooks see a save: inside a recomputed layer (activation checkpointing,
 which holds its own hooks) the rerun keeps its gathered copies until the layer's backward ends,

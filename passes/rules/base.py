@@ -47,6 +47,20 @@ def op_name(target) -> str:
     return str(getattr(target, "_name", None) or getattr(target, "__name__", None) or target).replace("::", ".")
 
 
+def rate_key(node: fx.Node) -> str:
+    """The name a measured op rate is kept under (``ClusterSpec.op_rates``): the op's name, with
+    the variant that changes how fast its kernel runs: ``:causal`` for causal attention (the
+    kernel skips masked blocks; the rule counts the whole score matrix either way), ``:tanh``
+    for a GELU's tanh approximation."""
+    name = op_name(node.target)
+    if name == "aten.scaled_dot_product_attention":
+        causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
+        return name + ":causal" if causal else name
+    if name == "aten.gelu" and node.kwargs.get("approximate", "none") == "tanh":
+        return name + ":tanh"
+    return name
+
+
 def tensor_input_nodes(node: fx.Node) -> list:
     """Every fx.Node occurrence among ``node``'s args and kwargs, in order, duplicates kept."""
     found = []
