@@ -246,7 +246,12 @@ class AttentionRule(OpRule):
         :class:`runtime.local_ops.RankAttention` (masks by the ranks' data, not one shared random
         stream; none in ``eval()``); otherwise the same op."""
         notes = getattr(call, "notes", None) or {}
-        algo = {name: note for name, note in notes.items() if note in SEQUENCE_ALGORITHMS}
+        # an axis of one device splits nothing: there the op itself runs (its fused kernel), as priced
+        algo = {
+            name: note
+            for name, note in notes.items()
+            if note in SEQUENCE_ALGORITHMS and call.comm.shape[call.comm.axis_names.index(name)] > 1
+        }
         view = call.view
         if algo:
             (axis_name, note), *rest = algo.items()
