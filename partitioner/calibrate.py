@@ -679,9 +679,9 @@ def median_samples(passes: list):
         if any(len(p) != len(first) for p in passes):
             raise ValueError("calibrate: passes measured different sample lists; cannot merge them")
         return [median_samples(list(column)) for column in zip(*passes)]
-    if isinstance(first, float) or (isinstance(first, int) and not isinstance(first, bool)):
-        return type(first)(statistics.median(passes)) if isinstance(first, float) else statistics.median_low(passes)
-    return first
+    if isinstance(first, bool) or not isinstance(first, (int, float)):
+        return first
+    return statistics.median(passes) if isinstance(first, float) else statistics.median_low(passes)
 
 
 # -- fitting ------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ from passes.cost_model import (
     saved_bytes,
 )
 from passes.placements import P, R, Shard, dual_spec, is_shard, replicated, spec_fits
-from passes.rules import Strategy, expand_to_mesh, op_view, rate_key, rule_for, tensor_input_nodes
+from passes.rules import Strategy, expand_to_mesh, op_view, rule_for, tensor_input_nodes
 
 __all__ = [
     "zero1_collectives",
@@ -352,7 +352,7 @@ class _Builder:
                     nbytes = local_bytes(shape, spec, self.mesh, dtype_bytes(i.dtype))
                     mem_bytes += nbytes
                     alloc_fwd += allocation_time(nbytes, self.cluster)
-        fwd = compute_time(i.flops / split, mem_bytes, i.dtype, rule.contraction, self.cluster, rate_key(node))
+        fwd = compute_time(i.flops / split, mem_bytes, i.dtype, rule.contraction, self.cluster, i.rate_key)
         bwd = weight = 0.0
         if i.requires_grad:
             grads_in = sum(1 for a in self.inputs_of(node) if info(a).requires_grad)
