@@ -24,11 +24,14 @@ Algorithm
    **Rated ops.** Ops that reach neither the matmul curve nor memory bandwidth (on a CPU:
    activations whose ``erf``, ``exp`` or ``tanh`` dominate, normalisations with several passes
    over their input, a fused attention's blocked kernel) are timed forward + backward through
-   autograd on a transformer's activations (``op_tokens x op_width``; attention on ``attention``
-   shapes), and each op's rule is asked what it counts (its FLOPs and the backward multiples the
-   cost model charges, :func:`passes.cost_model.backward_factor`). ``op_rates[dtype][op]`` is
-   those FLOPs over the time beyond each pass's ``op_overhead_s`` (the mean over shapes), so the
-   cost model prices each sample at the time it took.
+   autograd on a transformer's activations (``op_tokens x op_width``; attention on a grid of
+   sequence lengths and head dimensions), and each op's rule is asked what it counts (its FLOPs
+   and the backward multiples the cost model charges, :func:`passes.cost_model.backward_factor`).
+   ``op_rates[dtype][op]`` is those FLOPs over the time beyond each pass's ``op_overhead_s``, so
+   the cost model prices each sample at the time it took: one number for an activation or a
+   norm; for attention, whose kernel here runs at 26-56 GFLOP/s depending on the sequence
+   length and head dimension (odd head dimensions and short sequences are slow), the grid of
+   rates, read at an attention's own shape (:func:`passes.cost_model.measured_rate`).
    **Optimizer steps.** AdamW and SGD step over sets of float32 parameters (many tiny tensors, a
    few large ones): the line ``t = tensors * tensor_s + bytes / bandwidth`` (bytes as the cost
    model counts them) is ``optimizer_steps[optimizer]``. On a CPU torch steps one tensor at a
@@ -132,15 +135,16 @@ DEFAULT_SIZES = {
     "waits": (1e-2, 3e-2, 1e-1),
     "op_tokens": 512,
     "op_width": 768,
-    "attention": ((4, 8, 128, 32), (2, 8, 256, 64)),
+    "attention": {"seq": (64, 256, 1024), "head_dim": (16, 32, 64, 128), "rows": 4096, "heads": 4},
     "optimizer": ((64, 64), (16, 1 << 16), (4, 1 << 20)),
 }
 """Matrix sides and ``(m, k, n)`` shapes of narrow products, dtypes, elementwise elements
 (float32), ops per fx program, collective payload bytes, timed trials per point, the length of
 one timed loop, the computation before each collective, the bytes of the fresh allocations
 timed last, the longer runs of matmuls before a tiny all-reduce (``arrival_wait``), and the
-activations the rated ops are timed on (``op_tokens x op_width``; attention: ``(batch, heads,
-sequence, head dim)`` shapes), and the parameter sets the optimizers step (``(tensors, elements
+activations the rated ops are timed on (``op_tokens x op_width``; attention: a grid of sequence
+lengths and head dimensions, ``heads`` heads and ``rows`` query rows (batch x heads x sequence)
+at every point), and the parameter sets the optimizers step (``(tensors, elements
 each)``)."""
 
 TINY_SIZES = {
@@ -157,7 +161,7 @@ TINY_SIZES = {
     "waits": (1e-3,),
     "op_tokens": 16,
     "op_width": 32,
-    "attention": ((1, 2, 16, 8),),
+    "attention": {"seq": (8, 16), "head_dim": (8, 16), "rows": 32, "heads": 2},
     "optimizer": ((4, 16), (2, 256)),
 }
 """A quick run for tests: the same code on sizes that take milliseconds."""
@@ -278,8 +282,8 @@ def optimizer_steps(samples: list) -> dict:
 def _rated_ops(sizes: dict, dtype) -> list:
     """``(aten overload, args, kwargs)`` of the ops :func:`op_samples` times: the activations,
     normalisations, softmax and loss a transformer runs on ``op_tokens x op_width`` activations
-    (GELU exact and tanh-approximated), and fused attention on each ``attention`` shape, full and
-    causal (floating inputs require grad)."""
+    (GELU exact and tanh-approximated), and fused attention on each :func:`attention_shapes`
+    shape, full and causal (floating inputs require grad)."""
     import torch
 
     aten = torch.ops.aten
@@ -298,22 +302,31 @@ def _rated_ops(sizes: dict, dtype) -> list:
     cases.append((aten.rms_norm.default, (act(), [d], vec()), {}))
     cases.append((aten.softmax.int, (act(), -1), {}))
     cases.append((aten.cross_entropy_loss.default, (act(), torch.randint(0, d, (n,))), {}))
-    for b, h, q, hd in sizes["attention"]:
+    for b, h, q, hd in attention_shapes(sizes["attention"]):
         for causal in (False, True):
             qkv = [torch.randn(b, h, q, hd, dtype=dtype, requires_grad=True) for _ in range(3)]
             cases.append((aten.scaled_dot_product_attention.default, tuple(qkv), {"is_causal": causal}))
     return cases
 
 
+def attention_shapes(grid: dict) -> list:
+    """``(batch, heads, sequence, head dim)`` at every point of the attention grid: every
+    sequence length with every head dimension, the same query rows (``batch x heads x
+    sequence``) at each (the batch shrinks as the sequence grows, down to one)."""
+    h = grid["heads"]
+    return [(max(1, grid["rows"] // (h * q)), h, q, d) for q in grid["seq"] for d in grid["head_dim"]]
+
+
 def _priced_work(target, args, kwargs, out) -> tuple:
     """(FLOPs the op's rule counts, backward passes the cost model charges per forward, the name
-    its rate is kept under: :func:`passes.rules.base.rate_key`) for one call of ``target``: the
-    op as an fx node whose values are the real tensors."""
+    its rate is kept under: :func:`passes.rules.base.rate_key`, the shape it is read at:
+    :func:`passes.rules.base.rate_shape`) for one call of ``target``: the op as an fx node whose
+    values are the real tensors."""
     import torch
     import torch.fx as fx
 
     from passes.cost_model import backward_factor
-    from passes.rules import op_view, rate_key, rule_for
+    from passes.rules import op_view, rate_key, rate_shape, rule_for
 
     graph = fx.Graph()
 
@@ -332,7 +345,7 @@ def _priced_work(target, args, kwargs, out) -> tuple:
     node.meta["val"] = out
     rule = rule_for(node)
     grads_in = sum(1 for a in [*args, *kwargs.values()] if getattr(a, "requires_grad", False))
-    return rule.flops(op_view(node)), backward_factor(rule.contraction, grads_in), rate_key(node)
+    return rule.flops(op_view(node)), backward_factor(rule.contraction, grads_in), rate_key(node), rate_shape(node)
 
 
 def op_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = None) -> list:
@@ -349,7 +362,7 @@ def op_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = None)
         dtype = getattr(torch, dtype_name)
         for target, args, kwargs in _rated_ops(sizes, dtype):
             result = target(*args, **kwargs)
-            flops, factor, name = _priced_work(target, args, kwargs, result)
+            flops, factor, name, shape = _priced_work(target, args, kwargs, result)
             grad = torch.ones_like(result)
             inputs = [a for a in args if getattr(a, "requires_grad", False)]
 
@@ -357,9 +370,13 @@ def op_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = None)
                 torch.autograd.grad(target(*args, **kwargs), inputs, grad)
 
             t = _timed(step, sizes["seconds"], sizes["trials"], sync)
-            out.append({"op": name, "dtype": dtype_name, "flops": flops, "passes": 1 + factor, "s": t})
+            sample = {"op": name, "dtype": dtype_name, "flops": flops, "passes": 1 + factor, "s": t}
+            if shape is not None:
+                sample["shape"] = list(shape)
+            out.append(sample)
+            where = "" if shape is None else f" {tuple(shape)}"
             say(
-                f"{name} {dtype_name}, forward + backward: {t * 1e6:.1f} us, "
+                f"{name}{where} {dtype_name}, forward + backward: {t * 1e6:.1f} us, "
                 f"{flops * (1 + factor) / t / 1e9:.2f} GFLOP/s"
             )
     return out
@@ -765,16 +782,49 @@ def fit_compute(samples: dict) -> dict:
 def op_rates(samples: list, op_overhead_s: float) -> dict:
     """``ClusterSpec.op_rates`` from :func:`op_samples`: per dtype and op, the rule's FLOPs of every
     pass over the time the passes took beyond the fixed cost the cost model adds to each
-    (``op_overhead_s``), the mean over the op's shapes (so the cost model prices an op timed on
-    one shape at the time it was measured in: the test checks it). A sample that is all fixed cost
-    (95% or more) rates nothing."""
+    (``op_overhead_s``). An op timed on one kind of shape keeps the mean over its samples; one
+    whose samples carry a ``shape`` (attention: sequence length, head dimension) keeps a grid,
+    ``{"axes": [the sorted values of each shape axis], "rates": nested lists}``, the mean at each
+    point, so the cost model (:func:`passes.cost_model.measured_rate`) prices every sample at the
+    time it was measured in (the test checks it) and interpolates between them. A sample that is
+    all fixed cost (95% or more) rates nothing; a grid point left without a rate takes the mean
+    of the op's rates."""
     rates: dict = {}
     for s in samples:
         work = s["s"] - s["passes"] * op_overhead_s
         if s["flops"] <= 0 or work <= 0.05 * s["s"]:  # all overhead (tiny sizes): nothing to rate
             continue
-        rates.setdefault(s["dtype"], {}).setdefault(s["op"], []).append(s["flops"] * s["passes"] / work)
-    return {dtype: {op: sum(r) / len(r) for op, r in ops.items()} for dtype, ops in rates.items()}
+        point = tuple(s["shape"]) if s.get("shape") is not None else None
+        rates.setdefault(s["dtype"], {}).setdefault(s["op"], {}).setdefault(point, []).append(
+            s["flops"] * s["passes"] / work
+        )
+    return {dtype: {op: _rate_of(points) for op, points in ops.items()} for dtype, ops in rates.items()}
+
+
+def _rate_of(points: dict):
+    """One op's rates by shape (None: no shape) -> its ``op_rates`` entry (see :func:`op_rates`)."""
+    means = {p: sum(r) / len(r) for p, r in points.items()}
+    everywhere = sum(means.values()) / len(means)
+    if None in means:
+        return sum(r for rs in points.values() for r in rs) / sum(len(rs) for rs in points.values())
+    axes = [sorted({p[k] for p in means}) for k in range(len(next(iter(means))))]
+
+    def nest(prefix):
+        k = len(prefix)
+        if k == len(axes):
+            return means.get(tuple(prefix), everywhere)
+        return [nest([*prefix, v]) for v in axes[k]]
+
+    return {"axes": axes, "rates": nest([])}
+
+
+def _rate_text(rate) -> str:
+    if not isinstance(rate, dict):
+        return f"{rate / 1e9:.2f} GFLOP/s"
+    flat = rate["rates"]
+    for _ in rate["axes"][1:]:
+        flat = [r for row in flat for r in row]
+    return f"{min(flat) / 1e9:.2f}-{max(flat) / 1e9:.2f} GFLOP/s over shapes {' x '.join(map(str, rate['axes']))}"
 
 
 def matmul_intensity(sample: dict) -> float:
@@ -866,7 +916,7 @@ def calibrate(
     )
     rates = spec.op_rates.get("float32", {})
     if rates:
-        say("float32 op rates: " + ", ".join(f"{op} {r / 1e9:.2f} GFLOP/s" for op, r in sorted(rates.items())))
+        say("float32 op rates: " + ", ".join(f"{op} {_rate_text(r)}" for op, r in sorted(rates.items())))
     for name, step in sorted(spec.optimizer_steps.items()):
         say(f"{name} step: {step['tensor_s'] * 1e6:.1f} us per tensor + bytes at {step['bandwidth'] / 1e9:.2f} GB/s")
     say(f"cluster file written to {path}")

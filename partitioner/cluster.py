@@ -129,8 +129,10 @@ class ClusterSpec:
     second, at which that op's forward and backward run on this device, for ops that reach neither
     the matmul curve nor memory bandwidth (a fused attention's blocked kernel; on a CPU, the
     ``erf``, ``exp`` and ``tanh`` of activations and the several passes of a normalisation).
-    Measured by ``partitioner calibrate`` (every op it times, forward and backward through
-    autograd); empty (the presets): the roofline for every op."""
+    A rate is one number, or for attention a grid over (sequence length, head dimension),
+    ``{"axes": [[lengths], [head dims]], "rates": [[...], ...]}``, read at the op's shape
+    (:func:`passes.cost_model.measured_rate`). Measured by ``partitioner calibrate`` (every op it
+    times, forward and backward through autograd); empty (the presets): the roofline for every op."""
     optimizer_steps: dict = field(default_factory=dict)
     """By optimizer (``"adam"``, ``"sgd"``): ``{"tensor_s": seconds per parameter tensor,
     "bandwidth": bytes per second}`` of its step, priced as ``tensor_s + bytes /

@@ -62,6 +62,7 @@ __all__ = [
     "dtype_bytes",
     "local_bytes",
     "compute_time",
+    "measured_rate",
     "backward_factor",
     "matmul_fraction",
     "allocation_time",
@@ -198,16 +199,19 @@ def collective_kind(p, q):
     return None
 
 
-def compute_time(flops: float, mem_bytes: float, dtype, contraction: bool, cluster, op: str | None = None) -> float:
+def compute_time(
+    flops: float, mem_bytes: float, dtype, contraction: bool, cluster, op: str | None = None, shape=None
+) -> float:
     """Roofline: the slower of math and memory traffic, plus the cluster's fixed cost of one op
     (an op that neither computes nor moves memory, a view, costs nothing). A contraction runs at
     the fraction of peak the cluster's ``matmul_curve`` gives at its FLOPs per byte
     (``flops / mem_bytes``; :func:`matmul_fraction`). An op the cluster has a measured rate for
     (``op_rates[dtype][op]``, ``op`` its name as :func:`passes.rules.base.rate_key` gives it: a
     fused attention, an activation whose ``erf`` or ``exp`` costs more than its memory traffic
-    on a CPU) computes at that rate instead."""
+    on a CPU) computes at that rate instead; a rate measured over a grid of shapes is read at
+    ``shape`` (:func:`measured_rate`)."""
     name = str(dtype).replace("torch.", "") if dtype is not None else "float32"
-    rate = (getattr(cluster, "op_rates", None) or {}).get(name, {}).get(op) if op else None
+    rate = measured_rate(cluster, name, op, shape) if op else None
     if rate:
         peak = rate
     elif contraction:
@@ -216,6 +220,37 @@ def compute_time(flops: float, mem_bytes: float, dtype, contraction: bool, clust
         peak = cluster.flops_for("float32") * cluster.matmul_efficiency
     roof = max(flops / peak, mem_bytes / cluster.memory_bandwidth)
     return roof + cluster.op_overhead_s if roof > 0 else 0.0
+
+
+def measured_rate(cluster, dtype_name: str, op: str, shape=None) -> float | None:
+    """The cluster's measured rate of ``op`` in ``dtype_name`` (None: not measured). A rate is one
+    number, or a grid (``{"axes": [values of each shape axis], "rates": nested lists}``, a fused
+    attention's over sequence lengths and head dimensions, :func:`passes.rules.base.rate_shape`)
+    read at ``shape`` piecewise linearly in the log of each axis and flat beyond the grid's edges;
+    a grid asked without a shape gives its mean."""
+    rate = (getattr(cluster, "op_rates", None) or {}).get(dtype_name, {}).get(op)
+    if not isinstance(rate, dict):
+        return rate
+    axes, rates = rate["axes"], rate["rates"]
+    if shape is None:
+        flat = rates
+        for _ in axes[1:]:
+            flat = [r for row in flat for r in row]
+        return sum(flat) / len(flat)
+    return _grid_read(axes, rates, [float(x) for x in shape])
+
+
+def _grid_read(axes: list, rates, point: list) -> float:
+    """Multilinear interpolation in log coordinates on a grid, clamped to its edges."""
+    values, *rest = axes
+    x = min(max(point[0], values[0]), values[-1])
+    hi = next((k for k, v in enumerate(values) if v >= x), len(values) - 1)
+    lo = max(hi - 1, 0)
+    w = 0.0 if hi == lo else math.log(x / values[lo]) / math.log(values[hi] / values[lo])
+    if not rest:
+        return rates[lo] + w * (rates[hi] - rates[lo])
+    a, b = _grid_read(rest, rates[lo], point[1:]), _grid_read(rest, rates[hi], point[1:])
+    return a + w * (b - a)
 
 
 def backward_factor(contraction: bool, grads_in: int) -> int:

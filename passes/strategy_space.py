@@ -352,7 +352,9 @@ class _Builder:
                     nbytes = local_bytes(shape, spec, self.mesh, dtype_bytes(i.dtype))
                     mem_bytes += nbytes
                     alloc_fwd += allocation_time(nbytes, self.cluster)
-        fwd = compute_time(i.flops / split, mem_bytes, i.dtype, rule.contraction, self.cluster, i.rate_key)
+        fwd = compute_time(
+            i.flops / split, mem_bytes, i.dtype, rule.contraction, self.cluster, i.rate_key, i.rate_shape
+        )
         bwd = weight = 0.0
         if i.requires_grad:
             grads_in = sum(1 for a in self.inputs_of(node) if info(a).requires_grad)

@@ -21,7 +21,7 @@ from partitioner.__main__ import main
 from partitioner.calibrate import COLLECTIVES, TINY_SIZES, collective_design, fit, rank_samples, write_cluster_file
 from partitioner.cluster import ClusterSpec, LinkSpec, get_cluster
 from partitioner.models import gpt_demo
-from passes.cost_model import Collective, collective_time, compute_time
+from passes.cost_model import Collective, collective_time, compute_time, measured_rate
 from runtime.launch import run_on_ranks
 
 KNOWN = ClusterSpec(
@@ -107,7 +107,9 @@ def test_calibrate_writes_a_cluster_file_that_loads_and_plans(tmp_path):
     spec = fit(samples, ranks=2, name="here")
     rates = spec.op_rates.get("float32", {})  # tiny sizes: an op that is all overhead rates nothing
     assert set(rates) <= {s["op"] for s in samples["ops"]}
-    assert all(0 < rate < 100 * spec.peak_flops["float32"] for rate in rates.values())
+    for op in rates:  # attention's rates are a grid over its shapes
+        rate = measured_rate(spec, "float32", op)
+        assert 0 < rate < 100 * spec.peak_flops["float32"], op
     assert set(spec.optimizer_steps) == {"adam", "sgd"}
     assert all(s["tensor_s"] >= 0 and s["bandwidth"] > 0 for s in spec.optimizer_steps.values())
     path = tmp_path / "cluster.json"
@@ -284,26 +286,40 @@ def test_arrival_wait_is_fitted_and_priced_per_call():
 
 def test_op_rates_fit_gives_back_their_samples():
     """Ops timed forward + backward on a machine whose rates are known: the fit gives the rates
-    back, and the cost model prices every sample (each pass: its FLOPs at the rate plus the op's
-    fixed cost) at its measured time."""
-    rates = {"float32": {"aten.gelu": 2e9, "aten.scaled_dot_product_attention": 30e9}, "bfloat16": {"aten.gelu": 1e9}}
+    back (attention's as a grid over its shapes), and the cost model prices every sample (each
+    pass: its FLOPs at the rate plus the op's fixed cost) at its measured time."""
+    rates = {"float32": {"aten.gelu": 2e9}, "bfloat16": {"aten.gelu": 1e9}}
+    grid = {(64, 16): 20e9, (64, 64): 30e9, (256, 16): 40e9, (256, 64): 60e9}  # (sequence, head dim)
     samples = samples_of(KNOWN)
     samples["ops"] = []
     for dtype, ops in rates.items():
         for op, rate in ops.items():
-            passes = 3 if "attention" in op else 2
             for flops in (1e6, 5e7):
-                t = passes * (flops / rate + KNOWN.op_overhead_s)
-                samples["ops"].append({"op": op, "dtype": dtype, "flops": flops, "passes": passes, "s": t})
+                t = 2 * (flops / rate + KNOWN.op_overhead_s)
+                samples["ops"].append({"op": op, "dtype": dtype, "flops": flops, "passes": 2, "s": t})
+    attention = "aten.scaled_dot_product_attention"
+    for (q, d), rate in grid.items():
+        flops = 4 * 8 * q * q * d
+        t = 3 * (flops / rate + KNOWN.op_overhead_s)
+        samples["ops"].append(
+            {"op": attention, "dtype": "float32", "flops": flops, "passes": 3, "s": t, "shape": [q, d]}
+        )
     got = fit(samples, ranks=4)
     assert got.op_rates.keys() == rates.keys()
     for dtype, ops in rates.items():
         for op, rate in ops.items():
             assert math.isclose(got.op_rates[dtype][op], rate, rel_tol=1e-6), (dtype, op)
+    assert got.op_rates["float32"][attention]["axes"] == [[64, 256], [16, 64]]
     for s in samples["ops"]:
         contraction = s["passes"] == 3
-        priced = s["passes"] * compute_time(s["flops"], 0.0, s["dtype"], contraction, got, s["op"])
+        priced = s["passes"] * compute_time(s["flops"], 0.0, s["dtype"], contraction, got, s["op"], s.get("shape"))
         assert math.isclose(priced, s["s"], rel_tol=1e-6)
+    # between the points: piecewise linear in the log of each axis; beyond them: the edge
+    assert math.isclose(measured_rate(got, "float32", attention, (128, 32)), 37.5e9, rel_tol=1e-6)
+    assert math.isclose(measured_rate(got, "float32", attention, (128, 16)), 30e9, rel_tol=1e-6)
+    assert math.isclose(measured_rate(got, "float32", attention, (4096, 8)), 40e9, rel_tol=1e-6)
+    assert math.isclose(measured_rate(got, "float32", attention), 37.5e9, rel_tol=1e-6)  # no shape: the mean
+    assert measured_rate(got, "bfloat16", attention, (128, 32)) is None
 
 
 def test_the_planner_prices_a_rated_op_at_its_rate():
@@ -321,6 +337,23 @@ def test_the_planner_prices_a_rated_op_at_its_rate():
             assert a["compute_s"] == b["compute_s"], a["name"]
 
 
+def test_the_planner_reads_an_attention_rate_at_the_attention_shape():
+    """A rate kept over (sequence length, head dimension) prices each attention at its own
+    shape: two models whose attention differs only in head dimension get the grid's two rates."""
+    attention = "aten.scaled_dot_product_attention:causal"
+    grid = {"axes": [[8, 64], [8, 32]], "rates": [[1e6, 4e6], [1e6, 4e6]]}
+    cluster = dataclasses.replace(KNOWN, op_rates={"float32": {attention: grid}})
+    for n_head, rate in ((4, 1e6), (1, 4e6)):  # n_embd 32: head dimension 8, then 32
+        model, inputs = gpt_demo(batch=2, seq=8, n_layer=1, n_embd=32, n_head=n_head, vocab_size=64)
+        record = next(
+            r
+            for r in partitioner.plan(model, inputs, mesh_shape=(1,), cluster=cluster).records
+            if r["target"] == "aten.scaled_dot_product_attention"
+        )
+        flops = 4 * 2 * n_head * 8 * 8 * (32 // n_head)
+        assert math.isclose(record["compute_s"], 3 * (flops / rate + KNOWN.op_overhead_s), rel_tol=1e-9)
+
+
 def test_op_samples_count_what_the_rules_count():
     """The measured ops carry the FLOPs their rules count and the passes the cost model charges."""
     from partitioner.calibrate import op_samples
@@ -331,9 +364,13 @@ def test_op_samples_count_what_the_rules_count():
     assert all(s["dtype"] == "float32" and s["s"] > 0 and s["flops"] > 0 for s in samples)
     n, d = TINY_SIZES["op_tokens"], TINY_SIZES["op_width"]
     assert by_op["aten.gelu"]["flops"] == n * d and by_op["aten.gelu"]["passes"] == 2
-    b, h, q, hd = TINY_SIZES["attention"][0]
-    attention = by_op["aten.scaled_dot_product_attention"]
-    assert attention["flops"] == 4 * b * h * q * q * hd and attention["passes"] == 3  # dq and dk, dv: two products
+    grid = TINY_SIZES["attention"]
+    attention = [s for s in samples if s["op"] == "aten.scaled_dot_product_attention"]
+    assert sorted(tuple(s["shape"]) for s in attention) == sorted((q, d) for q in grid["seq"] for d in grid["head_dim"])
+    for s in attention:
+        q, d = s["shape"]
+        b = max(1, grid["rows"] // (grid["heads"] * q))
+        assert s["flops"] == 4 * b * grid["heads"] * q * q * d and s["passes"] == 3  # dq and dk, dv: two products
 
 
 def test_repeated_passes_merge_to_their_medians():

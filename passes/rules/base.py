@@ -61,6 +61,18 @@ def rate_key(node: fx.Node) -> str:
     return name
 
 
+def rate_shape(node: fx.Node) -> tuple | None:
+    """The shape a measured rate of this op is read at where the rate is kept over a grid of
+    shapes (``ClusterSpec.op_rates``): ``(sequence length, head dimension)`` of a fused
+    attention's query (its blocked kernel's speed varies several-fold with both); None for other
+    ops, whose rate is one number."""
+    if op_name(node.target) != "aten.scaled_dot_product_attention" or not node.args:
+        return None
+    query = node.args[0]
+    shape = _shape_of(query.meta.get("val")) if isinstance(query, fx.Node) else None
+    return (shape[-2], shape[-1]) if shape and len(shape) >= 2 else None
+
+
 def tensor_input_nodes(node: fx.Node) -> list:
     """Every fx.Node occurrence among ``node``'s args and kwargs, in order, duplicates kept."""
     found = []
