@@ -7,7 +7,8 @@
    benchmark's Partita plans on 4 ranks (no budget; a budget below data parallelism's peak; one
    forcing recomputation; the tightest met); the pipeline benchmark's GPT as 2 stages on 2
    ranks, 8 microbatches, 1F1B and GPipe (forward and backward of every microbatch, no
-   optimizer step).
+   optimizer step; ``--steps`` timed steps: one pipeline step of about a second moves by up to
+   20% from the next here, so four were too few for a median).
 3. ``--rounds`` rounds (default 3), each running every job once, one after another: this shared
    machine's speed drifts by 10-40% for tens of seconds at a time, so one run of a job can land
    in a slow spell; the rounds spread each job over the whole benchmark.
@@ -21,7 +22,7 @@ and measurement are the benchmarks' own (``runtime_overhead.py``, ``memory.py``,
 ``pipeline.py``), without their anchors (DTensor, FSDP2, DDP, torch's pipelining).
 
 Usage: ``python benchmarks/calibrated_estimates.py [--out FILE.json] [--steps 8] [--rounds 3]``
-(about 9 minutes on the 2-core machine; the calibration files are written beside ``--out``,
+(about 10 minutes on the 2-core machine; the calibration files are written beside ``--out``,
 or to a temporary folder).
 """
 
@@ -139,9 +140,7 @@ def _jobs(cal4, cal2, steps):
     for schedule in ("1f1b", "gpipe"):
 
         def pipeline_job(schedule=schedule):
-            res = run_on_ranks(
-                _pipeline_rank, pl.P, schedule, cal2, max(4, steps // 2), timeout_s=900, collective_timeout_s=300
-            )
+            res = run_on_ranks(_pipeline_rank, pl.P, schedule, cal2, steps, timeout_s=900, collective_timeout_s=300)
             measured = statistics.median(max(ts) for ts in zip(*(r["times"] for r in res)))
             return measured, res[0]["estimate_s"]
 
@@ -151,7 +150,7 @@ def _jobs(cal4, cal2, steps):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=8, help="timed steps per run (runtime; memory and pipeline use half)")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per run (runtime, pipeline; memory uses half)")
     ap.add_argument("--rounds", type=int, default=3, help="times each job runs, one round of all after another")
     ap.add_argument("--out", default=None, help="write the rows and calibration loads here as JSON")
     args = ap.parse_args(argv)

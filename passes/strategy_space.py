@@ -27,6 +27,7 @@ import dataclasses
 import fnmatch
 import functools
 import itertools
+import math
 import operator
 from dataclasses import dataclass
 
@@ -330,6 +331,15 @@ class _Builder:
             t = self._edge_cache[key] = self.time_of(fwd) + share * self.time_of(bwd)
         return t
 
+    def _rate_shape(self, i, strategy: Strategy):
+        """Where the op's measured rate is read (:func:`passes.rules.rate_shape`): ring attention
+        runs its kernel on blocks of each rank's share of the sequence."""
+        shape = i.rate_shape
+        if shape is None:
+            return None
+        ring = math.prod(n for a, n in zip(strategy.axes, self.mesh) if a.note == "ring")
+        return (max(1, shape[0] // ring), *shape[1:])
+
     def op_cost(self, node, strategy: Strategy):
         """(compute seconds fwd+bwd, own collectives' seconds, activation bytes, seconds of the
         backward that make parameter gradients, (forward compute, forward collectives' seconds))
@@ -353,7 +363,13 @@ class _Builder:
                     mem_bytes += nbytes
                     alloc_fwd += allocation_time(nbytes, self.cluster)
         fwd = compute_time(
-            i.flops / split, mem_bytes, i.dtype, rule.contraction, self.cluster, i.rate_key, i.rate_shape
+            i.flops / split,
+            mem_bytes,
+            i.dtype,
+            rule.contraction,
+            self.cluster,
+            i.rate_key,
+            self._rate_shape(i, strategy),
         )
         bwd = weight = 0.0
         if i.requires_grad:

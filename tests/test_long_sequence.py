@@ -517,6 +517,28 @@ def test_ring_transfers_overlap_block_compute_in_the_estimate():
         assert est.comm_bytes["send_recv"]["a0"] == pytest.approx(2 * 3 * (p - 1) * kv_local)
 
 
+def test_ring_attention_is_priced_at_the_rate_of_its_blocks():
+    """An attention rate measured over sequence lengths is read where the kernel runs: ring
+    attention computes blocks of each rank's share of the sequence (1,024 / 4 = 256 tokens),
+    Ulysses the whole sequence with a quarter of the heads."""
+    import dataclasses
+
+    import partitioner
+    from partitioner.cluster import get_cluster
+
+    seq, p, h, d = 1024, 4, 8, 32
+    grid = {"axes": [[256, 1024], [16, 64]], "rates": [[1e12, 1e12], [4e12, 4e12]]}
+    base = get_cluster("h100")
+    cluster = dataclasses.replace(base, op_rates={"float32": {"aten.scaled_dot_product_attention:causal": grid}})
+    model, inputs = models.gpt_block(batch=1, seq=seq, n_embd=h * d, n_head=h, n_layer=1, device="meta")
+    for mode, rate in (("ring", 1e12), ("ulysses", 4e12)):
+        plan = partitioner.plan(model, inputs, mesh_shape=(p,), cluster=cluster, sequence_parallel=mode)
+        (record,) = [r for r in plan.records if "scaled_dot_product_attention" in r["name"]]
+        assert record.get("notes", {}).get("a0") == mode
+        flops = 4 * h * seq * seq * d / p  # this rank's share of the score matrix products
+        assert record["compute_s"] == pytest.approx(3 * (flops / rate + base.op_overhead_s), rel=1e-9), mode
+
+
 def test_a_sequence_note_on_a_one_device_axis_runs_the_fused_op(fake_process_group):
     """Ulysses (or ring) on an axis of one device splits nothing: the op itself runs there, its
     fused kernel, as the plan prices it, not the block math of the sequence modules (a pipeline
