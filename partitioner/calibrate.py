@@ -29,9 +29,9 @@ Algorithm
    and the backward multiples the cost model charges, :func:`passes.cost_model.backward_factor`).
    ``op_rates[dtype][op]`` is those FLOPs over the time beyond each pass's ``op_overhead_s``, so
    the cost model prices each sample at the time it took: one number for an activation or a
-   norm; for attention, whose kernel here runs at 26-56 GFLOP/s depending on the sequence
-   length and head dimension (odd head dimensions and short sequences are slow), the grid of
-   rates, read at an attention's own shape (:func:`passes.cost_model.measured_rate`).
+   norm; for attention, whose kernel here runs at 21-87 GFLOP/s (float32) depending on the
+   sequence length and head dimension (odd head dimensions and short sequences are slow), the
+   grid of rates, read at an attention's own shape (:func:`passes.cost_model.measured_rate`).
    **Optimizer steps.** AdamW and SGD step over sets of float32 parameters (many tiny tensors, a
    few large ones): the line ``t = tensors * tensor_s + bytes / bandwidth`` (bytes as the cost
    model counts them) is ``optimizer_steps[optimizer]``. On a CPU torch steps one tensor at a
