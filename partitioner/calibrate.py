@@ -30,8 +30,10 @@ Algorithm
    ``op_rates[dtype][op]`` is those FLOPs over the time beyond each pass's ``op_overhead_s``, so
    the cost model prices each sample at the time it took: one number for an activation or a
    norm; for attention, whose kernel here runs at 21-87 GFLOP/s (float32) depending on the
-   sequence length and head dimension (odd head dimensions and short sequences are slow), the
-   grid of rates, read at an attention's own shape (:func:`passes.cost_model.measured_rate`).
+   sequence length and head dimension (short sequences and small or odd head dimensions are
+   slow), the grid of rates, read at an attention's own shape
+   (:func:`passes.cost_model.measured_rate`; flat beyond the grid, so a 32k-token attention
+   reads the 1,024-token rate).
    **Optimizer steps.** AdamW and SGD step over sets of float32 parameters (many tiny tensors, a
    few large ones): the line ``t = tensors * tensor_s + bytes / bandwidth`` (bytes as the cost
    model counts them) is ``optimizer_steps[optimizer]``. On a CPU torch steps one tensor at a
@@ -311,8 +313,9 @@ def _rated_ops(sizes: dict, dtype) -> list:
 
 def attention_shapes(grid: dict) -> list:
     """``(batch, heads, sequence, head dim)`` at every point of the attention grid: every
-    sequence length with every head dimension, the same query rows (``batch x heads x
-    sequence``) at each (the batch shrinks as the sequence grows, down to one)."""
+    sequence length with every head dimension, ``rows`` query rows (``batch x heads x
+    sequence``) at each where the batch can shrink to hold them (it stops at one: a sequence
+    longer than ``rows / heads`` has more rows)."""
     h = grid["heads"]
     return [(max(1, grid["rows"] // (h * q)), h, q, d) for q in grid["seq"] for d in grid["head_dim"]]
 
@@ -787,8 +790,8 @@ def op_rates(samples: list, op_overhead_s: float) -> dict:
     ``{"axes": [the sorted values of each shape axis], "rates": nested lists}``, the mean at each
     point, so the cost model (:func:`passes.cost_model.measured_rate`) prices every sample at the
     time it was measured in (the test checks it) and interpolates between them. A sample that is
-    all fixed cost (95% or more) rates nothing; a grid point left without a rate takes the mean
-    of the op's rates."""
+    all fixed cost (95% or more) rates nothing; a grid point left without a rate (its samples all
+    fixed cost) takes the rate of the measured point nearest to it in log coordinates."""
     rates: dict = {}
     for s in samples:
         work = s["s"] - s["passes"] * op_overhead_s
@@ -804,26 +807,32 @@ def op_rates(samples: list, op_overhead_s: float) -> dict:
 def _rate_of(points: dict):
     """One op's rates by shape (None: no shape) -> its ``op_rates`` entry (see :func:`op_rates`)."""
     means = {p: sum(r) / len(r) for p, r in points.items()}
-    everywhere = sum(means.values()) / len(means)
     if None in means:
         return sum(r for rs in points.values() for r in rs) / sum(len(rs) for rs in points.values())
     axes = [sorted({p[k] for p in means}) for k in range(len(next(iter(means))))]
 
+    def nearest(point):  # a grid point left without a rate: the measured one closest in log space
+        def distance(p):
+            return sum(math.log(a / b) ** 2 for a, b in zip(point, p))
+
+        return means[min(means, key=distance)]
+
     def nest(prefix):
         k = len(prefix)
         if k == len(axes):
-            return means.get(tuple(prefix), everywhere)
+            point = tuple(prefix)
+            return means[point] if point in means else nearest(point)
         return [nest([*prefix, v]) for v in axes[k]]
 
     return {"axes": axes, "rates": nest([])}
 
 
 def _rate_text(rate) -> str:
+    from passes.cost_model import grid_rates
+
     if not isinstance(rate, dict):
         return f"{rate / 1e9:.2f} GFLOP/s"
-    flat = rate["rates"]
-    for _ in rate["axes"][1:]:
-        flat = [r for row in flat for r in row]
+    flat = grid_rates(rate)
     return f"{min(flat) / 1e9:.2f}-{max(flat) / 1e9:.2f} GFLOP/s over shapes {' x '.join(map(str, rate['axes']))}"
 
 

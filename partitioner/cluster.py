@@ -200,6 +200,12 @@ class ClusterSpec:
         data["inter_node"] = LinkSpec(**data["inter_node"])
         if data.get("host_link") is not None:
             data["host_link"] = LinkSpec(**data["host_link"])
+        from passes.cost_model import check_rate_grid
+
+        for dtype, ops in (data.get("op_rates") or {}).items():
+            for op, rate in ops.items():
+                if isinstance(rate, dict):
+                    check_rate_grid(rate, f"op_rates[{dtype!r}][{op!r}]")
         return cls(**data)
 
 

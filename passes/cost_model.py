@@ -63,6 +63,8 @@ __all__ = [
     "local_bytes",
     "compute_time",
     "measured_rate",
+    "grid_rates",
+    "check_rate_grid",
     "backward_factor",
     "matmul_fraction",
     "allocation_time",
@@ -231,13 +233,15 @@ def measured_rate(cluster, dtype_name: str, op: str, shape=None) -> float | None
     rate = (getattr(cluster, "op_rates", None) or {}).get(dtype_name, {}).get(op)
     if not isinstance(rate, dict):
         return rate
-    axes, rates = rate["axes"], rate["rates"]
     if shape is None:
-        flat = rates
-        for _ in axes[1:]:
-            flat = [r for row in flat for r in row]
+        flat = grid_rates(rate)
         return sum(flat) / len(flat)
-    return _grid_read(axes, rates, [float(x) for x in shape])
+    if len(shape) != len(rate["axes"]):
+        raise ValueError(
+            f"the {dtype_name} rate of {op} is a grid over {len(rate['axes'])} shape axes; "
+            f"it was asked at {tuple(shape)}"
+        )
+    return _grid_read(rate["axes"], rate["rates"], [float(x) for x in shape])
 
 
 def _grid_read(axes: list, rates, point: list) -> float:
@@ -251,6 +255,40 @@ def _grid_read(axes: list, rates, point: list) -> float:
         return rates[lo] + w * (rates[hi] - rates[lo])
     a, b = _grid_read(rest, rates[lo], point[1:]), _grid_read(rest, rates[hi], point[1:])
     return a + w * (b - a)
+
+
+def grid_rates(grid: dict) -> list:
+    """Every rate of a rate grid (:func:`measured_rate`), flat."""
+    flat = grid["rates"]
+    for _ in grid["axes"][1:]:
+        flat = [r for row in flat for r in row]
+    return flat
+
+
+def check_rate_grid(grid: dict, where: str) -> None:
+    """Raise ValueError (naming ``where``) unless ``grid`` is a rate grid :func:`measured_rate`
+    can read: each axis's values positive and increasing, ``rates`` nested to match, every rate
+    positive."""
+
+    def bad(why):
+        raise ValueError(f"{where}: not a rate grid ({why}); expected {{'axes': [[...], ...], 'rates': nested lists}}")
+
+    if set(grid) != {"axes", "rates"} or not grid["axes"]:
+        bad(f"keys {sorted(grid)}")
+    for values in grid["axes"]:
+        if not values or any(v <= 0 for v in values) or any(b <= a for a, b in zip(values, values[1:])):
+            bad(f"axis {values} is not positive and increasing")
+
+    def walk(rates, axes):
+        if not isinstance(rates, list) or len(rates) != len(axes[0]):
+            bad(f"rates do not match the axes {grid['axes']}")
+        for r in rates:
+            if len(axes) > 1:
+                walk(r, axes[1:])
+            elif not isinstance(r, (int, float)) or r <= 0:
+                bad(f"rate {r!r}")
+
+    walk(grid["rates"], grid["axes"])
 
 
 def backward_factor(contraction: bool, grads_in: int) -> int:

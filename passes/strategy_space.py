@@ -333,7 +333,9 @@ class _Builder:
 
     def _rate_shape(self, i, strategy: Strategy):
         """Where the op's measured rate is read (:func:`passes.rules.rate_shape`): ring attention
-        runs its kernel on blocks of each rank's share of the sequence."""
+        computes blocks of each rank's share of the sequence, so it reads the fused kernel's rate
+        at that length (an approximation: its blocks are explicit products and a log-sum-exp,
+        :mod:`runtime.ring_attention`, not the fused kernel)."""
         shape = i.rate_shape
         if shape is None:
             return None

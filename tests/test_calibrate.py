@@ -289,7 +289,7 @@ def test_op_rates_fit_gives_back_their_samples():
     back (attention's as a grid over its shapes), and the cost model prices every sample (each
     pass: its FLOPs at the rate plus the op's fixed cost) at its measured time."""
     rates = {"float32": {"aten.gelu": 2e9}, "bfloat16": {"aten.gelu": 1e9}}
-    grid = {(64, 16): 20e9, (64, 64): 30e9, (256, 16): 40e9, (256, 64): 60e9}  # (sequence, head dim)
+    grid = {(64, 16): 20e9, (64, 64): 30e9, (256, 16): 40e9, (256, 64): 80e9}  # (sequence, head dim)
     samples = samples_of(KNOWN)
     samples["ops"] = []
     for dtype, ops in rates.items():
@@ -315,11 +315,63 @@ def test_op_rates_fit_gives_back_their_samples():
         priced = s["passes"] * compute_time(s["flops"], 0.0, s["dtype"], contraction, got, s["op"], s.get("shape"))
         assert math.isclose(priced, s["s"], rel_tol=1e-6)
     # between the points: piecewise linear in the log of each axis; beyond them: the edge
-    assert math.isclose(measured_rate(got, "float32", attention, (128, 32)), 37.5e9, rel_tol=1e-6)
+    assert math.isclose(measured_rate(got, "float32", attention, (128, 32)), 42.5e9, rel_tol=1e-6)
     assert math.isclose(measured_rate(got, "float32", attention, (128, 16)), 30e9, rel_tol=1e-6)
     assert math.isclose(measured_rate(got, "float32", attention, (4096, 8)), 40e9, rel_tol=1e-6)
-    assert math.isclose(measured_rate(got, "float32", attention), 37.5e9, rel_tol=1e-6)  # no shape: the mean
+    assert math.isclose(measured_rate(got, "float32", attention, (4096, 1e6)), 80e9, rel_tol=1e-6)
+    assert math.isclose(measured_rate(got, "float32", attention), 42.5e9, rel_tol=1e-6)  # no shape: the mean
     assert measured_rate(got, "bfloat16", attention, (128, 32)) is None
+    with pytest.raises(ValueError, match=r"grid over 2 shape axes; it was asked at \(128,\)"):
+        measured_rate(got, "float32", attention, (128,))
+    # the grid survives a cluster file
+    assert ClusterSpec.from_dict(json.loads(json.dumps(got.to_dict()))) == got
+
+
+def test_a_grid_point_left_unmeasured_takes_its_nearest_neighbour():
+    """A point whose samples were all fixed cost rates nothing; the grid keeps it with the rate of
+    the measured point nearest in log coordinates, not a mean over far-away shapes."""
+    from partitioner.calibrate import op_rates
+
+    def sample(q, d, rate, overhead_only=False):
+        flops = 4 * q * q * d
+        t = 3 * (0.0 if overhead_only else flops / rate) + 3 * 1e-6
+        return {
+            "op": "aten.scaled_dot_product_attention",
+            "dtype": "float32",
+            "flops": flops,
+            "passes": 3,
+            "s": t,
+            "shape": [q, d],
+        }
+
+    samples = [
+        sample(64, 16, 20e9, overhead_only=True),
+        sample(64, 128, 30e9),
+        sample(1024, 16, 40e9),
+        sample(1024, 128, 90e9),
+    ]
+    grid = op_rates(samples, 1e-6)["float32"]["aten.scaled_dot_product_attention"]
+    assert grid["axes"] == [[64, 1024], [16, 128]]
+    (a, b), (c, d) = grid["rates"]
+    assert (b, c, d) == pytest.approx((30e9, 40e9, 90e9))
+    assert a == pytest.approx(30e9)  # (64, 16): 3 log-steps from (64, 128), 4 from (1024, 16)
+
+
+def test_a_malformed_rate_grid_is_refused_on_load():
+    """A hand-written cluster file whose grid cannot be read fails when it loads, naming the op."""
+    spec = dataclasses.replace(
+        KNOWN,
+        op_rates={
+            "float32": {"aten.scaled_dot_product_attention": {"axes": [[64, 256], [16]], "rates": [[1e9], [2e9, 3e9]]}}
+        },
+    )
+    with pytest.raises(
+        ValueError, match=r"op_rates\['float32'\]\['aten.scaled_dot_product_attention'\]: not a rate grid"
+    ):
+        ClusterSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+    spec = dataclasses.replace(KNOWN, op_rates={"float32": {"x": {"axes": [[256, 64]], "rates": [1e9, 2e9]}}})
+    with pytest.raises(ValueError, match=r"not positive and increasing"):
+        ClusterSpec.from_dict(spec.to_dict())
 
 
 def test_the_planner_prices_a_rated_op_at_its_rate():

@@ -518,9 +518,9 @@ def test_ring_transfers_overlap_block_compute_in_the_estimate():
 
 
 def test_ring_attention_is_priced_at_the_rate_of_its_blocks():
-    """An attention rate measured over sequence lengths is read where the kernel runs: ring
-    attention computes blocks of each rank's share of the sequence (1,024 / 4 = 256 tokens),
-    Ulysses the whole sequence with a quarter of the heads."""
+    """An attention rate measured over sequence lengths is read at the length each rank computes
+    on: ring attention's blocks of its share of the sequence (1,024 / 4 = 256 tokens), Ulysses'
+    whole sequence with a quarter of the heads."""
     import dataclasses
 
     import partitioner

@@ -64,8 +64,10 @@ def rate_key(node: fx.Node) -> str:
 def rate_shape(node: fx.Node) -> tuple | None:
     """The shape a measured rate of this op is read at where the rate is kept over a grid of
     shapes (``ClusterSpec.op_rates``): ``(sequence length, head dimension)`` of a fused
-    attention's query (its blocked kernel's speed varies several-fold with both); None for other
-    ops, whose rate is one number."""
+    attention's query (its blocked kernel's speed varies several-fold with both; the grid is
+    measured with keys as long as the queries, so a cross-attention or a query-sharded split
+    with longer keys reads its query length's rate, an approximation); None for other ops, whose
+    rate is one number."""
     if op_name(node.target) != "aten.scaled_dot_product_attention" or not node.args:
         return None
     query = node.args[0]
