@@ -323,13 +323,13 @@ def attention_shapes(grid: dict) -> list:
 def _priced_work(target, args, kwargs, out) -> tuple:
     """(FLOPs the op's rule counts, backward passes the cost model charges per forward, the name
     its rate is kept under: :func:`passes.rules.base.rate_key`, the shape it is read at:
-    :func:`passes.rules.base.rate_shape`) for one call of ``target``: the op as an fx node whose
-    values are the real tensors."""
+    :meth:`passes.rules.base.OpRule.rate_shape`) for one call of ``target``: the op as an fx node
+    whose values are the real tensors."""
     import torch
     import torch.fx as fx
 
     from passes.cost_model import backward_factor
-    from passes.rules import op_view, rate_key, rate_shape, rule_for
+    from passes.rules import op_view, rate_key, rule_for
 
     graph = fx.Graph()
 
@@ -348,7 +348,8 @@ def _priced_work(target, args, kwargs, out) -> tuple:
     node.meta["val"] = out
     rule = rule_for(node)
     grads_in = sum(1 for a in [*args, *kwargs.values()] if getattr(a, "requires_grad", False))
-    return rule.flops(op_view(node)), backward_factor(rule.contraction, grads_in), rate_key(node), rate_shape(node)
+    view = op_view(node)
+    return rule.flops(view), backward_factor(rule.contraction, grads_in), rate_key(node), rule.rate_shape(view)
 
 
 def op_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = None) -> list:
@@ -806,9 +807,9 @@ def op_rates(samples: list, op_overhead_s: float) -> dict:
 
 def _rate_of(points: dict):
     """One op's rates by shape (None: no shape) -> its ``op_rates`` entry (see :func:`op_rates`)."""
-    means = {p: sum(r) / len(r) for p, r in points.items()}
-    if None in means:
+    if None in points:
         return sum(r for rs in points.values() for r in rs) / sum(len(rs) for rs in points.values())
+    means = {p: sum(r) / len(r) for p, r in points.items()}
     axes = [sorted({p[k] for p in means}) for k in range(len(next(iter(means))))]
 
     def nearest(point):  # a grid point left without a rate: the measured one closest in log space

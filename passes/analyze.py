@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from passes.capture import CapturedGraph
-from passes.rules import IGNORED_OPS, op_view, rate_key, rate_shape, rule_for, tensor_input_nodes
+from passes.rules import IGNORED_OPS, op_view, rate_key, rule_for, tensor_input_nodes
 from passes.saved_tensors import Saves, saves_of
 
 __all__ = ["NodeInfo", "analyze", "info", "storage_owner"]
@@ -46,8 +46,6 @@ class NodeInfo:
     """What this op keeps for backward (ops only)."""
     rate_key: str | None = None
     """The name a measured rate of this op is kept under (ops only: :func:`passes.rules.rate_key`)."""
-    rate_shape: tuple | None = None
-    """Where a rate measured over shapes is read (:func:`passes.rules.rate_shape`)."""
 
     @property
     def shape(self):
@@ -111,7 +109,6 @@ def analyze(cap: CapturedGraph) -> None:
                 flops=rule.flops(op_view(node)),
                 requires_grad=grads and floating,
                 rate_key=rate_key(node),
-                rate_shape=rate_shape(node),
             )
     autocast = getattr(cap, "autocast_dtype", None)
     for node in cap.graph.nodes:

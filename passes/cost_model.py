@@ -227,7 +227,7 @@ def compute_time(
 def measured_rate(cluster, dtype_name: str, op: str, shape=None) -> float | None:
     """The cluster's measured rate of ``op`` in ``dtype_name`` (None: not measured). A rate is one
     number, or a grid (``{"axes": [values of each shape axis], "rates": nested lists}``, a fused
-    attention's over sequence lengths and head dimensions, :func:`passes.rules.base.rate_shape`)
+    attention's over sequence lengths and head dimensions, :meth:`passes.rules.base.OpRule.rate_shape`)
     read at ``shape`` piecewise linearly in the log of each axis and flat beyond the grid's edges;
     a grid asked without a shape gives its mean."""
     rate = (getattr(cluster, "op_rates", None) or {}).get(dtype_name, {}).get(op)

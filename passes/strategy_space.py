@@ -27,7 +27,6 @@ import dataclasses
 import fnmatch
 import functools
 import itertools
-import math
 import operator
 from dataclasses import dataclass
 
@@ -331,17 +330,6 @@ class _Builder:
             t = self._edge_cache[key] = self.time_of(fwd) + share * self.time_of(bwd)
         return t
 
-    def _rate_shape(self, i, strategy: Strategy):
-        """Where the op's measured rate is read (:func:`passes.rules.rate_shape`): ring attention
-        computes blocks of each rank's share of the sequence, so it reads the fused kernel's rate
-        at that length (an approximation: its blocks are explicit products and a log-sum-exp,
-        :mod:`runtime.ring_attention`, not the fused kernel)."""
-        shape = i.rate_shape
-        if shape is None:
-            return None
-        ring = math.prod(n for a, n in zip(strategy.axes, self.mesh) if a.note == "ring")
-        return (max(1, shape[0] // ring), *shape[1:])
-
     def op_cost(self, node, strategy: Strategy):
         """(compute seconds fwd+bwd, own collectives' seconds, activation bytes, seconds of the
         backward that make parameter gradients, (forward compute, forward collectives' seconds))
@@ -371,7 +359,7 @@ class _Builder:
             rule.contraction,
             self.cluster,
             i.rate_key,
-            self._rate_shape(i, strategy),
+            rule.rate_shape(op, strategy, self.mesh),
         )
         bwd = weight = 0.0
         if i.requires_grad:

@@ -278,6 +278,20 @@ class AttentionRule(OpRule):
         index = list(call.node.graph.nodes).index(call.node)
         return call.call_module(RankAttention(call.comm, p, sharded, index), call.args, call.kwargs)
 
+    def rate_shape(self, op: OpView, strategy=None, mesh_shape=()) -> tuple | None:
+        """``(sequence length, head dimension)`` of the query: the fused kernel's speed varies
+        several-fold with both. Ring attention computes blocks of each rank's share of the
+        sequence, so it reads the rate at that length (an approximation: its blocks are explicit
+        products and a log-sum-exp, :mod:`runtime.ring_attention`, not the fused kernel). The grid
+        is measured with keys as long as the queries, so a cross-attention or a query-sharded
+        split with longer keys reads its query length's rate, an approximation too."""
+        q = op.in_shapes[0]
+        if not q or len(q) < 2:
+            return None
+        axes = strategy.axes if strategy is not None else ()
+        ring = math.prod(n for a, n in zip(axes, mesh_shape) if a.note == "ring")
+        return (max(1, q[-2] // ring), q[-1])
+
     def flops(self, op: OpView) -> float:
         b, h, sq, d = op.in_shapes[0]
         skv = op.in_shapes[1][2]

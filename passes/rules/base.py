@@ -61,20 +61,6 @@ def rate_key(node: fx.Node) -> str:
     return name
 
 
-def rate_shape(node: fx.Node) -> tuple | None:
-    """The shape a measured rate of this op is read at where the rate is kept over a grid of
-    shapes (``ClusterSpec.op_rates``): ``(sequence length, head dimension)`` of a fused
-    attention's query (its blocked kernel's speed varies several-fold with both; the grid is
-    measured with keys as long as the queries, so a cross-attention or a query-sharded split
-    with longer keys reads its query length's rate, an approximation); None for other ops, whose
-    rate is one number."""
-    if op_name(node.target) != "aten.scaled_dot_product_attention" or not node.args:
-        return None
-    query = node.args[0]
-    shape = _shape_of(query.meta.get("val")) if isinstance(query, fx.Node) else None
-    return (shape[-2], shape[-1]) if shape and len(shape) >= 2 else None
-
-
 def tensor_input_nodes(node: fx.Node) -> list:
     """Every fx.Node occurrence among ``node``'s args and kwargs, in order, duplicates kept."""
     found = []
@@ -234,6 +220,12 @@ class OpRule(abc.ABC):
     def combination_ok(self, axes) -> bool:
         """Whether per-axis candidates ``axes`` may be combined on one mesh (default: any)."""
         return True
+
+    def rate_shape(self, op: OpView, strategy: Strategy | None = None, mesh_shape=()) -> tuple | None:
+        """Where a measured rate of this op kept over a grid of shapes (``ClusterSpec.op_rates``)
+        is read when it runs under ``strategy`` on ``mesh_shape`` (None: a strategy-free read);
+        None (the default): the rule's rate is one number."""
+        return None
 
     def flops(self, op: OpView) -> float:
         shape = op.out_shapes[0] or ()
