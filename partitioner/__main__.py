@@ -282,13 +282,24 @@ def _cmd_plan(args) -> int:
 
     # Check every cheap argument before building the model: a typo fails in a second.
     axis_names = [s.strip() for s in args.axis_names.split(",")] if args.axis_names else None
-    try:
-        mesh = MeshSpec.build(args.mesh, axis_names)
-    except ValueError as exc:
-        raise CLIError(f"--mesh/--axis-names: {exc}") from None
+    if args.mesh is None and args.devices is None:
+        raise CLIError("give --mesh (e.g. 8x8) or --devices N (the configuration is then searched)")
+    if args.mesh is None and axis_names is not None:
+        raise CLIError("--axis-names names the axes of --mesh: give --mesh with it")
+    if args.global_batch is not None and args.devices is None:
+        raise CLIError("--global-batch is for the configuration search: give --devices N with it")
+    mesh = None
+    if args.mesh is not None:
+        try:
+            mesh = MeshSpec.build(args.mesh, axis_names)
+        except ValueError as exc:
+            raise CLIError(f"--mesh/--axis-names: {exc}") from None
     budget = _parse_size(args.budget, "--budget")
-    cluster = _parse_cluster(args.cluster)
-    pins = _parse_pins(args.pin, mesh.ndim)
+    host_budget = _parse_size(args.host_budget, "--host-budget")
+    cluster = _parse_cluster(args.cluster) if args.cluster is not None else None
+    pins = _parse_pins(args.pin, mesh.ndim) if mesh is not None else None
+    if args.pin and mesh is None:
+        raise CLIError("--pin names mesh axes: give --mesh with it (--devices searches the mesh)")
     kwargs = _parse_kwargs(args.kwargs)
     if args.json is not None and Path(args.json).is_dir():
         raise CLIError(f"--json {args.json} is a directory; give a file name such as plan.json")
@@ -300,11 +311,17 @@ def _cmd_plan(args) -> int:
         plan = partitioner.plan(
             model,
             example_inputs,
-            mesh_shape=mesh.shape,
-            mesh_axis_names=mesh.axis_names,
+            mesh=mesh.shape if mesh is not None else None,
+            mesh_axis_names=mesh.axis_names if mesh is not None else None,
+            devices=args.devices,
+            global_batch=args.global_batch,
             cluster=cluster,
             memory_budget=budget,
+            host_memory_budget=host_budget,
             pins=pins,
+            precision=args.precision,
+            layers=args.layers,
+            sequence_parallel=args.sequence_parallel,
             objective=args.objective,
             optimizer=None if args.optimizer == "none" else args.optimizer,
             share_blocks=not args.no_share_blocks,
@@ -419,14 +436,42 @@ def _parser() -> argparse.ArgumentParser:
         "MODULE may also be a path to a .py file",
     )
     p.add_argument("--kwargs", metavar="JSON", help="keyword arguments for the factory, e.g. '{\"n_layer\": 4}'")
-    p.add_argument("--mesh", required=True, help="devices per mesh axis, e.g. 8x8 or 4")
+    p.add_argument("--mesh", help="devices per mesh axis, e.g. 8x8 or 4 (or give --devices)")
     p.add_argument("--axis-names", metavar="NAMES", help="comma-separated mesh axis names, e.g. dp,tp")
     p.add_argument(
+        "--devices",
+        type=int,
+        metavar="N",
+        help="search the whole configuration for N devices (pipeline x data x tensor x sequence degrees, "
+        "microbatches, schedule) instead of planning one --mesh",
+    )
+    p.add_argument(
+        "--global-batch", type=int, metavar="B", help="samples per step for --devices (default: the factory's)"
+    )
+    p.add_argument(
         "--cluster",
-        default="h100",
-        help="h100, h200, a100, cpu (measured here) or a ClusterSpec JSON file (default: h100)",
+        help="h100, h200, a100, cpu (measured here) or a ClusterSpec JSON file (default: the devices of this "
+        "machine: cpu without a GPU, as auto_parallelize)",
+    )
+    p.add_argument(
+        "--precision", choices=("fp32", "bf16", "fp16"), default=None, help="compute precision (default: fp32)"
     )
     p.add_argument("--budget", metavar="BYTES", help="memory per device, e.g. 80GiB (default: the device memory)")
+    p.add_argument(
+        "--host-budget", metavar="BYTES", help="host memory per device for offloaded optimizer state, e.g. 200GiB"
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        choices=("auto", "ring", "ulysses", "none"),
+        default="auto",
+        help="attention over a sequence split: ring or Ulysses forced, none, or as the solver chooses (auto)",
+    )
+    p.add_argument(
+        "--layers",
+        choices=("auto", "full", "blocks"),
+        default="auto",
+        help="capture deep models by repeating two exported layers (auto) or export every layer (full)",
+    )
     p.add_argument("--objective", choices=("time", "memory"), default="time", help="what to minimise")
     p.add_argument(
         "--recompute",

@@ -15,6 +15,7 @@ import torch
 
 from partitioner.cluster import get_cluster, parse_bytes
 from partitioner.mesh import MeshSpec
+from partitioner.options import PlanOptions
 from partitioner.precision import Precision
 from partitioner.progress import verbose_to_stderr
 from partitioner.sharding_plan import PLAN_FORMAT, PLAN_VERSION, ShardingPlan
@@ -25,12 +26,9 @@ from passes.capture_blocks import capture_model
 from passes.eager_attention import fuse_for
 from passes.placements import format_spec, parse_spec
 from passes.plan_intra_op import plan_intra_op
-from passes.recompute import check_recompute_mode
 from passes.rules import attention as attention_rule
 
-__all__ = ["plan", "plan_captured", "resolve_pins"]
-
-_OBJECTIVES = ("time", "memory")
+__all__ = ["plan", "plan_captured", "resolve_pins", "mesh_argument"]
 
 
 logger = logging.getLogger(__name__)
@@ -86,40 +84,50 @@ def plan(
     model: torch.nn.Module,
     example_inputs,
     *,
+    mesh=None,
     mesh_shape=None,
     mesh_axis_names=None,
     devices: int | None = None,
     global_batch: int | None = None,
-    cluster="h100",
+    options: PlanOptions | None = None,
+    cluster=None,
     memory_budget=None,
+    host_memory_budget=None,
     pins: dict | None = None,
     objective: str = "time",
     optimizer: str | None = "adam",
     share_blocks: bool = True,
     time_limit: float = 60.0,
     layers: str = "auto",
-    precision="fp32",
+    precision=None,
     recompute: str = "auto",
-    verbose: bool = False,
     sequence_parallel: str = "auto",
     zero="auto",
     tensor_parallel: str = "auto",
-    host_memory_budget=None,
+    verbose: bool = False,
 ) -> ShardingPlan:
     """Choose data / tensor / sequence splits for every node of ``model`` on a device mesh.
+
+    The planning options (``cluster`` to ``tensor_parallel``) are those of
+    :func:`partitioner.auto_parallelize`, by the same names and with the same defaults, so a
+    plan made here is the plan a job on the same devices runs (:class:`partitioner.PlanOptions`
+    documents each; ``options=`` takes them as one object, a keyword given here winning).
 
     Args:
         model: any ``nn.Module``; it may live on the ``meta`` device (nothing is allocated).
         example_inputs: a tuple of positional arguments or a dict of keyword arguments
             (HuggingFace style: ``input_ids``, ``attention_mask``, ``labels``, ``pixel_values``).
-        mesh_shape: devices per mesh axis, e.g. ``(8, 8)`` or ``"8x8"`` (default ``(1,)``).
+        mesh: devices per mesh axis, e.g. ``(8, 8)`` or ``"8x8"`` (default ``(1,)``);
+            ``mesh_shape=`` is the same argument under its older name.
         mesh_axis_names: names for the axes (default ``a0, a1, ...``).
         devices: plan for this many devices with no mesh given: the whole configuration
             (pipeline x data x tensor degrees, microbatches, schedule, recomputation) is searched
             (:mod:`partitioner.config_search`); ``plan.config`` holds it, ``plan.explain()`` the
-            runner-ups. With ``mesh_shape`` too, the two must agree (the mesh is then used).
+            runner-ups. With ``mesh`` too, the two must agree (the mesh is then used).
         global_batch: samples per step for the search (default: the example inputs' batch).
-        cluster: ``"h100"``, ``"h200"``, ``"a100"``, ``"cpu"`` (measured here) or a ClusterSpec.
+        cluster: ``"h100"``, ``"h200"``, ``"a100"``, ``"cpu"`` (measured here), a cluster file
+            or a ClusterSpec; default: the devices this process runs on (the measured ``"cpu"``
+            without a GPU; see :func:`partitioner.options.default_cluster`).
         memory_budget: bytes per device (``"80GiB"``); default: the cluster's device memory.
         host_memory_budget: host-memory bytes per device for offloaded optimizer state
             (``"200GiB"``): a weight's optimizer state and step can then live on the host, its
@@ -130,10 +138,11 @@ def plan(
         objective: ``"time"`` (estimated step time) or ``"memory"`` (peak memory per device).
         optimizer: ``"adam"`` (16 bytes per fp32 parameter), ``"sgd"`` or ``None`` (weights only).
         share_blocks: decide once for identical repeated blocks (transformer layers).
+        time_limit: seconds the ILP solver may take for one plan.
         layers: ``"auto"`` captures deep models (8+ identical layers) by exporting two layers and
             repeating them in the graph (node for node what a full export gives, much faster);
             ``"full"`` always exports every layer (for layers whose code depends on their index).
-        precision: ``"fp32"``, ``"bf16"``, ``"fp16"`` or a MixedPrecisionPolicy: the model is
+        precision: ``"fp32"`` (default), ``"bf16"``, ``"fp16"`` or a MixedPrecisionPolicy: the model is
             captured under ``torch.autocast`` in that dtype and priced as it computes (fp32 master
             weights and optimizer state; see :mod:`partitioner.precision`).
         recompute: activation checkpointing of repeated blocks (transformer layers): ``"auto"``
@@ -168,40 +177,29 @@ def plan(
 
     Example::
 
-        plan = partitioner.plan(model, {"input_ids": ids, "labels": ids}, mesh_shape=(8, 8),
+        plan = partitioner.plan(model, {"input_ids": ids, "labels": ids}, mesh=(8, 8),
                                 cluster="h100", memory_budget="80GiB")
         print(plan.summary()); plan.save("plan.json")
         plan.estimate().comm_bytes["all_reduce"]     # bytes per mesh axis
         print(plan.explain("model.layers.0.mlp.down_proj"))
     """
+    opts = PlanOptions.from_call(options, **PlanOptions.pick(locals()))
+    mesh_shape = mesh_argument(mesh, mesh_shape)
     if devices is not None or global_batch is not None:
         searched = _plan_for_devices(
-            model,
-            example_inputs,
-            mesh_shape=mesh_shape,
-            devices=devices,
-            global_batch=global_batch,
-            cluster=cluster,
-            memory_budget=memory_budget,
-            pins=pins,
-            optimizer=optimizer,
-            time_limit=time_limit,
-            layers=layers,
-            precision=precision,
-            recompute=recompute,
+            model, example_inputs, mesh_shape=mesh_shape, devices=devices, global_batch=global_batch, options=opts
         )
         if searched is not None:
             return searched
     mesh_shape = (1,) if mesh_shape is None else mesh_shape
     t0 = time.perf_counter()
-    precision = Precision.build(precision)
-    check_recompute_mode(recompute)
+    precision = opts.precision_policy
     logger.info("capturing %s with torch.export ...", type(model).__name__)
-    cap = capture_model(model, example_inputs, layers=layers, autocast_dtype=precision.autocast_dtype)
+    cap = capture_model(model, example_inputs, layers=opts.layers, autocast_dtype=precision.autocast_dtype)
     t1 = time.perf_counter()
     logger.info("capture: %.2f s (%s)", t1 - t0, describe_captured(cap))
     analyze(cap)
-    fuse_for(cap, attention_rule.check_mode(sequence_parallel))
+    fuse_for(cap, opts.sequence_parallel)
     t2 = time.perf_counter()
     logger.info("analysis: %.2f s", t2 - t1)
     return plan_captured(
@@ -209,21 +207,16 @@ def plan(
         model_name=type(model).__name__,
         mesh_shape=mesh_shape,
         mesh_axis_names=mesh_axis_names,
-        cluster=cluster,
-        memory_budget=memory_budget,
-        pins=pins,
-        objective=objective,
-        optimizer=optimizer,
-        share_blocks=share_blocks,
-        time_limit=time_limit,
+        options=opts.replace(precision=precision),
         timings={"capture_s": t1 - t0, "analysis_s": t2 - t1, "start": t0},
-        precision=precision,
-        recompute=recompute,
-        sequence_parallel=sequence_parallel,
-        zero=zero,
-        tensor_parallel=tensor_parallel,
-        host_memory_budget=host_memory_budget,
     )
+
+
+def mesh_argument(mesh, mesh_shape):
+    """``mesh=`` (or its older name ``mesh_shape=``): give one."""
+    if mesh is not None and mesh_shape is not None:
+        raise ValueError("give the mesh once: mesh= (mesh_shape= is its older name)")
+    return mesh if mesh is not None else mesh_shape
 
 
 def plan_captured(
@@ -232,63 +225,51 @@ def plan_captured(
     model_name: str,
     mesh_shape=(1,),
     mesh_axis_names=None,
-    cluster="h100",
-    memory_budget=None,
-    pins=None,
-    objective="time",
-    optimizer="adam",
-    share_blocks=True,
-    time_limit=60.0,
+    options: PlanOptions | None = None,
     timings=None,
     activation_copies=1,
-    precision=None,
-    recompute="none",
-    sequence_parallel="auto",
-    zero="auto",
     zero1=True,
-    tensor_parallel="auto",
-    host_memory_budget=None,
     microbatches=1,
     holds_gradient_sums=False,
+    **option_kwargs,
 ) -> ShardingPlan:
     """:func:`plan` for a graph already captured and analysed (``passes.capture`` +
     ``passes.analyze``); ``auto_parallelize`` uses it so the model is captured once.
+    ``options``: the :class:`PlanOptions` (keywords of the same names override them).
     ``activation_copies``: microbatches whose saved activations are alive at once (a pipeline
-    stage under its schedule): the activation memory counts that many. ``precision``: recorded
-    in the plan (default: the autocast dtype ``cap`` was captured under, fp32 reductions).
-    ``recompute``: ``"auto"``, ``"all"`` or ``"none"`` (see :func:`plan`; pipeline stages keep
-    the default, ``"none"``). ``zero1``: offer ZeRO-1 weights (pipeline stages do not: their
+    stage under its schedule): the activation memory counts that many. ``options.precision``:
+    recorded in the plan (default: the autocast dtype ``cap`` was captured under, fp32
+    reductions). ``zero1``: offer ZeRO-1 weights (pipeline stages do not: their
     runtime keeps no compute copies). ``microbatches``: a pipeline stage's microbatches per step (its
     held-back parameter-gradient all-reduces, once per step, are weighed at their share per
     microbatch; reduce-scatters onto weights stored sharded run every microbatch).
     ``holds_gradient_sums``: a pipeline stage (it holds its gradient sums over the microbatches:
     counted in its memory)."""
-    if objective not in _OBJECTIVES:
-        raise ValueError(f"objective must be one of {_OBJECTIVES}, got {objective!r}")
-    if optimizer not in ("adam", "sgd", None):
-        raise ValueError(f"optimizer must be 'adam', 'sgd' or None, got {optimizer!r}")
+    opts = PlanOptions.build(options, **option_kwargs)
     precision = (
-        Precision.build(precision) if precision is not None else Precision(compute=cap.autocast_dtype or torch.float32)
+        Precision.build(opts.precision)
+        if opts.precision is not None
+        else Precision(compute=cap.autocast_dtype or torch.float32)
     )
     if precision.autocast_dtype != cap.autocast_dtype:
         raise ValueError(f"the graph was captured under autocast {cap.autocast_dtype}, not for precision {precision}")
     timings = dict(timings or {})
     t0 = timings.pop("start", time.perf_counter())
     mesh = MeshSpec.build(mesh_shape, mesh_axis_names)
-    spec = get_cluster(cluster)
-    budget = parse_bytes(memory_budget) if memory_budget is not None else spec.memory_bytes
+    spec = get_cluster(opts.cluster_for())
+    budget = parse_bytes(opts.memory_budget) if opts.memory_budget is not None else spec.memory_bytes
     t2 = time.perf_counter()
-    pinned = resolve_pins(cap, pins or {}, mesh.ndim)
+    pinned = resolve_pins(cap, dict(opts.pins or {}), mesh.ndim)
     # sequence parallel attention (ring / Ulysses): forced modes pin the attention ops not pinned
-    for node, forced in attention_rule.forced_pins(cap.graph, sequence_parallel, mesh.shape).items():
+    for node, forced in attention_rule.forced_pins(cap.graph, opts.sequence_parallel, mesh.shape).items():
         pinned.setdefault(node, forced)
-    for node, forced in multidim_tp.forced_pins(cap.graph, tensor_parallel, mesh.shape).items():
+    for node, forced in multidim_tp.forced_pins(cap.graph, opts.tensor_parallel, mesh.shape).items():
         pinned.setdefault(node, forced)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("%s: pins %s", model_name, {n.name: format_spec(s) for n, s in pinned.items()})
     with (
-        attention_rule.sequence_parallel(sequence_parallel, mesh.shape),
-        multidim_tp.tensor_parallel(tensor_parallel, mesh.shape),
+        attention_rule.sequence_parallel(opts.sequence_parallel, mesh.shape),
+        multidim_tp.tensor_parallel(opts.tensor_parallel, mesh.shape),
     ):
         result = plan_intra_op(
             cap,
@@ -297,17 +278,17 @@ def plan_captured(
             spec,
             budget=budget,
             pins=pinned,
-            objective=objective,
-            optimizer=optimizer,
-            share_blocks=share_blocks,
-            time_limit=time_limit,
+            objective=opts.objective,
+            optimizer=opts.optimizer,
+            share_blocks=opts.share_blocks,
+            time_limit=opts.time_limit,
             activation_copies=activation_copies,
             grad_reduce_bytes=precision.grad_reduce_bytes,
-            recompute=recompute,
+            recompute=opts.recompute,
             log=logger.info,
-            zero=zero,
+            zero=opts.zero,
             zero1=zero1,
-            host_budget=parse_bytes(host_memory_budget) if host_memory_budget is not None else None,
+            host_budget=parse_bytes(opts.host_memory_budget) if opts.host_memory_budget is not None else None,
             microbatches=microbatches,
             holds_gradient_sums=holds_gradient_sums,
         )
@@ -330,14 +311,15 @@ def plan_captured(
         "mesh": mesh.to_dict(),
         "cluster": spec.to_dict(),
         "budget": budget,
-        "objective": objective,
-        "optimizer": optimizer,
+        "objective": opts.objective,
+        "optimizer": opts.optimizer,
         "activation_copies": activation_copies,
-        "recompute": recompute,
-        "sequence_parallel": sequence_parallel,
-        "zero": zero,
-        "tensor_parallel": tensor_parallel,
-        "host_memory_budget": host_memory_budget,
+        "recompute": opts.recompute,
+        "sequence_parallel": opts.sequence_parallel,
+        "zero": opts.zero,
+        "tensor_parallel": opts.tensor_parallel,
+        "host_memory_budget": opts.host_memory_budget,
+        "share_blocks": opts.share_blocks,
         "pins": {n.name: format_spec(s) for n, s in pinned.items()},
         "records": result.records,
         "alternatives": result.alternatives,
@@ -357,9 +339,7 @@ def training_flops(cap) -> float:
     return 3.0 * sum(info(n).flops for n in cap.graph.nodes if n.op == "call_function" and info(n).kind == "op")
 
 
-def _plan_for_devices(
-    model, example_inputs, *, mesh_shape, devices, global_batch, pins, **search
-) -> ShardingPlan | None:
+def _plan_for_devices(model, example_inputs, *, mesh_shape, devices, global_batch, options) -> ShardingPlan | None:
     """``plan(devices=N)``: the configuration search; None when a mesh given with it decides."""
     from partitioner.config_search import check_devices, search_config
 
@@ -370,10 +350,8 @@ def _plan_for_devices(
         mesh = MeshSpec.build(mesh_shape)
         if mesh.size != devices:
             raise ValueError(
-                f"devices={devices} and mesh_shape={mesh.shape} ({mesh.size} devices) disagree: give one of them "
+                f"devices={devices} and mesh={mesh.shape} ({mesh.size} devices) disagree: give one of them "
                 f"(devices= alone searches the configuration)"
             )
         return None
-    if pins:
-        raise ValueError("pins= need a mesh: give mesh_shape= with pins, or leave pins out for devices=")
-    return search_config(model, example_inputs, devices=devices, global_batch=global_batch, **search)
+    return search_config(model, example_inputs, devices=devices, global_batch=global_batch, options=options)

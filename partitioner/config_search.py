@@ -79,6 +79,7 @@ import torch
 
 from partitioner.cluster import get_cluster, parse_bytes
 from partitioner.mesh import MeshSpec
+from partitioner.options import PlanOptions
 from partitioner.parallel_config import ParallelConfig
 from partitioner.precision import Precision
 from partitioner.sharding_plan import ShardingPlan
@@ -88,7 +89,6 @@ from passes.blocks import find_blocks
 from passes.capture import describe_captured, graph_fingerprint
 from passes.capture_blocks import capture_model
 from passes.plan_intra_op import InfeasibleBudgetError
-from passes.recompute import check_recompute_mode
 from passes.split_stages import stages_of_layers
 
 __all__ = ["search_config", "plan_config", "ModelFacts", "enumerate_configs", "check_devices"]
@@ -341,8 +341,10 @@ class Candidate:
 class _Bounds:
     """Steps 3 and 4 of the module docstring for one model, cluster and batch."""
 
-    def __init__(self, facts: ModelFacts, spec, precision: Precision, optimizer, global_batch: int):
+    def __init__(self, facts: ModelFacts, spec, precision: Precision, optimizer, global_batch: int, host_budget=None):
         self.f, self.spec, self.batch = facts, spec, global_batch
+        # offloaded optimizer state leaves the device: the bound counts what the host cannot take
+        self.host = parse_bytes(host_budget) if host_budget is not None else 0
         name = str(precision.compute).replace("torch.", "")
         self.peak = spec.flops_for(name) * spec.matmul_efficiency
         self.state = facts.params * _state_bytes_per_param(optimizer)
@@ -372,7 +374,10 @@ class _Bounds:
             kept = f.boundary_per_sample if c.recompute == "all" else f.layer_saved_per_sample
             per_copy = max(most * kept, least * kept + f.other_saved_per_sample)
             acts = copies * per_copy * mb + (f.layer_saved_per_sample * mb if c.recompute == "all" else 0.0)
-        return self.state_per_device(c) + acts / share
+        state = self.state_per_device(c)
+        if self.host:  # at most the stage's optimizer moments can move to the host
+            state -= min(self.host, self.f.params * max(0, self.bytes_per_param - 4 - self.grad_bytes) / c.pipeline)
+        return max(0.0, state) + acts / share
 
     def state_per_device(self, c: ParallelConfig) -> float:
         """Parameter state on the busiest device, at best, the stage holding at least ``1/p`` of
@@ -488,10 +493,11 @@ class _Bounds:
 class _Planner:
     """Step 5: real plans for configurations, with captures and stage splits cached."""
 
-    def __init__(self, model, example_inputs, batch, *, spec, budget, precision, optimizer, layers, time_limit):
+    def __init__(self, model, example_inputs, batch, *, spec, budget, precision, options: PlanOptions):
         self.model, self.inputs, self.batch = model, example_inputs, batch
         self.spec, self.budget, self.precision = spec, budget, precision
-        self.optimizer, self.layers, self.time_limit = optimizer, layers, time_limit
+        self.options = options.replace(cluster=spec, precision=precision)
+        self.optimizer, self.layers = options.optimizer, options.layers
         self.name = type(model).__name__
         self._caps: dict = {}
         self._splits: dict = {}
@@ -561,19 +567,20 @@ class _Planner:
             model_name=name,
             mesh_shape=shape,
             mesh_axis_names=names,
-            cluster=self.spec,
-            memory_budget=self.budget if budget is None else budget,
-            pins=pins,
-            optimizer=self.optimizer,
-            time_limit=self.time_limit,
+            options=self.options.replace(
+                memory_budget=self.budget if budget is None else budget,
+                pins=pins,
+                recompute=recompute,
+                # the user's own zero= (a forced stage, name patterns) wins over the configuration's
+                zero=zero if self.options.zero == "auto" else self.options.zero,
+                sequence_parallel=sequence_parallel
+                if self.options.sequence_parallel == "auto"
+                else self.options.sequence_parallel,
+            ),
             activation_copies=copies,
-            precision=self.precision,
-            recompute=recompute,
             zero1=zero1,
             microbatches=microbatches,
             holds_gradient_sums=holds_gradient_sums,
-            zero=zero,
-            sequence_parallel=sequence_parallel,
         )
 
     def plan(self, c: ParallelConfig) -> ShardingPlan:
@@ -887,18 +894,17 @@ def plan_config(
     example_inputs,
     config: ParallelConfig,
     *,
-    cluster="h100",
-    memory_budget=None,
-    precision="fp32",
-    optimizer="adam",
-    layers="auto",
-    time_limit=60.0,
+    options: PlanOptions | None = None,
+    **option_kwargs,
 ) -> ShardingPlan:
     """The real plan for one given configuration (a published one, say), as the search plans
-    its candidates; ``config.global_batch`` 0 takes the example inputs' batch."""
-    precision = Precision.build(precision)
-    spec = get_cluster(cluster)
-    budget = parse_bytes(memory_budget) if memory_budget is not None else spec.memory_bytes
+    its candidates; ``config.global_batch`` 0 takes the example inputs' batch. ``options``: the
+    :class:`PlanOptions` (keywords of the same names override them); the configuration decides
+    the mesh, so options are checked as the search checks them."""
+    opts = _search_options(PlanOptions.build(options, **option_kwargs))
+    precision = opts.precision_policy
+    spec = get_cluster(opts.cluster_for())
+    budget = parse_bytes(opts.memory_budget) if opts.memory_budget is not None else spec.memory_bytes
     batch = _batch_of(example_inputs)
     if not config.global_batch:
         config = replace(config, global_batch=batch)
@@ -909,9 +915,7 @@ def plan_config(
         spec=spec,
         budget=budget,
         precision=precision,
-        optimizer=optimizer,
-        layers=layers,
-        time_limit=time_limit,
+        options=opts,
     )
     planner.inputs = _at_batch(example_inputs, batch, config.global_batch)
     planner.batch = config.global_batch
@@ -920,50 +924,79 @@ def plan_config(
     return planner.plan(config)
 
 
+_SEARCH_MODE = "in the configuration search (devices=N, or auto_parallelize without a mesh)"
+
+
+def _search_options(opts: PlanOptions) -> PlanOptions:
+    """The options the search can honour (the rest are refused, naming what to do instead)."""
+    opts.refuse(
+        _SEARCH_MODE,
+        {
+            "pins": "pins name mesh axes; give mesh= with pins",
+            "objective": "the search ranks configurations by estimated step time; give mesh= to minimise memory",
+        },
+    )
+    if opts.tensor_parallel not in ("auto", "1d"):
+        raise ValueError(
+            f"tensor_parallel={opts.tensor_parallel!r} is not available {_SEARCH_MODE}: its grid needs a mesh of "
+            f"its own shape; give mesh= (see partitioner.plan)"
+        )
+    return opts
+
+
+def _honoured(configs: list, opts: PlanOptions) -> list:
+    """The enumerated configurations that agree with the user's forced options: a forced
+    sequence algorithm keeps the sequence-parallel candidates running it (``"none"``: none of
+    them); ``tensor_parallel="1d"`` the candidates with a tensor axis; a forced ZeRO stage the
+    candidates with that stage on their data axes (name patterns: one candidate per set of
+    degrees, the patterns deciding)."""
+    sp = opts.sequence_parallel
+    if sp == "none":
+        configs = [c for c in configs if c.sequence == 1]
+    elif sp in ("ring", "ulysses"):
+        configs = [c for c in configs if c.sequence > 1 and c.sequence_parallel == sp]
+    if opts.tensor_parallel == "1d":
+        configs = [c for c in configs if c.tensor > 1]
+    if isinstance(opts.zero, int):
+        configs = [c for c in configs if c.data * c.sequence == 1 or c.zero == opts.zero]
+    elif isinstance(opts.zero, dict):
+        configs = list(dict.fromkeys(replace(c, zero="auto") for c in configs))
+    return configs
+
+
 def search_config(
     model,
     example_inputs,
     *,
     devices: int,
-    cluster="h100",
-    memory_budget=None,
-    precision="fp32",
     global_batch: int | None = None,
-    optimizer="adam",
-    layers="auto",
-    recompute="auto",
-    time_limit=60.0,
+    options: PlanOptions | None = None,
     max_plans: int = 5,
     pipelines: bool = True,
     pipeline_recompute: bool = True,
+    **option_kwargs,
 ) -> ShardingPlan:
     """The best configuration for ``devices`` devices and its plan (the module docstring's
-    steps). ``pipelines=False`` leaves pipelines out; ``pipeline_recompute=False`` leaves out
-    pipelined candidates that recompute (what ``auto_parallelize`` can run today)."""
+    steps). ``options``: the :class:`PlanOptions` (keywords of the same names override them):
+    every option is honoured (forced algorithms and ZeRO stages narrow the candidates) or
+    refused with a ``ValueError``. ``pipelines=False`` leaves pipelines out;
+    ``pipeline_recompute=False`` leaves out pipelined candidates that recompute (what
+    ``auto_parallelize`` can run today)."""
     t0 = time.perf_counter()
     devices = check_devices(devices)
-    check_recompute_mode(recompute)
-    precision = Precision.build(precision)
-    spec = get_cluster(cluster)
-    budget = parse_bytes(memory_budget) if memory_budget is not None else spec.memory_bytes
+    opts = _search_options(PlanOptions.build(options, **option_kwargs))
+    recompute, optimizer = opts.recompute, opts.optimizer
+    precision = opts.precision_policy
+    spec = get_cluster(opts.cluster_for())
+    budget = parse_bytes(opts.memory_budget) if opts.memory_budget is not None else spec.memory_bytes
     example_batch = _batch_of(example_inputs)
     batch = example_batch if global_batch is None else global_batch
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"global_batch must be a positive int, got {global_batch!r}")
     inputs = _at_batch(example_inputs, example_batch, batch)
-    planner = _Planner(
-        model,
-        inputs,
-        batch,
-        spec=spec,
-        budget=budget,
-        precision=precision,
-        optimizer=optimizer,
-        layers=layers,
-        time_limit=time_limit,
-    )
+    planner = _Planner(model, inputs, batch, spec=spec, budget=budget, precision=precision, options=opts)
     facts = planner.facts = ModelFacts.of(model, planner.capture(batch), batch)
-    bounds = _Bounds(facts, spec, precision, optimizer, batch)
+    bounds = _Bounds(facts, spec, precision, optimizer, batch, host_budget=opts.host_memory_budget)
     configs = enumerate_configs(
         devices,
         batch,
@@ -976,10 +1009,15 @@ def search_config(
     )
     if not pipeline_recompute:
         configs = [c for c in configs if c.pipeline == 1 or c.recompute == "none"]
+    enumerated = len(configs)
+    configs = _honoured(configs, opts)
     if not configs:
+        forced = {k: v for k, v in opts.changed().items() if k in ("sequence_parallel", "tensor_parallel", "zero")}
         raise ValueError(
-            f"no configuration of {devices} devices divides the global batch of {batch}: choose a batch that "
-            f"{devices} (or a divisor of it) divides"
+            f"no configuration of {devices} devices divides the global batch of {batch}"
+            + (f" with {forced} ({enumerated} without them)" if forced and enumerated else "")
+            + f": choose a batch that {devices} (or a divisor of it) divides"
+            + (", or leave those options out" if forced else "")
         )
     # without a pipeline, a model whose kept activations alone overflow the budget recomputes:
     # planned with recompute="all" (the solver's "auto" would first try, and fail, without)

@@ -24,19 +24,17 @@ import torch.distributed as dist
 from partitioner.api import plan_captured
 from partitioner.cluster import for_memory_budget
 from partitioner.mesh import MeshSpec
+from partitioner.options import PlanOptions
 from partitioner.precision import Precision
 from partitioner.progress import verbose_to_stderr
 from partitioner.sharding_plan import ShardingPlan
 from partitioner.specialize import Specializer, in_mode
 from partitioner.weights import WeightSource, load_local_weights
-from passes import multidim_tp
 from passes.analyze import analyze, info
 from passes.capture import graph_fingerprint, tied_placeholders
 from passes.capture_blocks import capture_model
 from passes.eager_attention import fuse_for
 from passes.lower_to_local import lower_to_local
-from passes.recompute import check_recompute_mode
-from passes.rules import attention as attention_rule
 from passes.shape_check import check_divisible
 from runtime.collectives import MeshComm, on_rank0
 from runtime.host_memory import return_freed_blocks
@@ -95,25 +93,35 @@ def auto_parallelize(
     mesh=None,
     mesh_axis_names=None,
     plan=None,
+    pipeline=None,
+    options: PlanOptions | None = None,
     cluster=None,
     memory_budget=None,
+    host_memory_budget=None,
     pins=None,
     objective="time",
+    optimizer="adam",
+    share_blocks=True,
+    time_limit=60.0,
+    layers="auto",
+    precision=None,
+    recompute="auto",
+    sequence_parallel="auto",
+    zero="auto",
+    tensor_parallel="auto",
     local_inputs=False,
     state_dict=None,
     checkpoint=None,
     device=None,
-    pipeline=None,
-    layers="auto",
-    precision=None,
-    recompute="auto",
     verbose=False,
-    sequence_parallel="auto",
-    zero="auto",
-    tensor_parallel="auto",
-    host_memory_budget=None,
 ):
     """Run ``model`` data / tensor / sequence parallel on the job's ranks, as a plan decides.
+
+    The planning options (``options`` to ``tensor_parallel``) are :func:`partitioner.plan`'s,
+    by the same names and with the same defaults (:class:`partitioner.PlanOptions`), so
+    ``partitioner.plan`` on this machine previews what runs. Each is honoured in every mode
+    (a mesh, the configuration search, a pipeline) or refused there with a ``ValueError``
+    naming it.
 
     Args:
         model: the user's model (on ``cpu``/``cuda``, or ``meta`` with ``state_dict``/``checkpoint``).
@@ -121,41 +129,30 @@ def auto_parallelize(
         mesh: a shape like ``(2, 2)``, a ``DeviceMesh``, or None: the whole configuration for the
             job's world size is searched (pipeline x data x tensor degrees, microbatches,
             schedule; :mod:`partitioner.config_search`) and run. ``mesh=(world_size,)`` gives
-            all ranks one axis (what None meant before the search).
-        plan: a ShardingPlan to replay instead of searching (its fingerprint must match).
-        cluster: cost model preset; default ``"cpu"`` (measured) on CPUs, ``"h100"`` on GPUs.
-        local_inputs: each rank passes only its own piece of the batch (as with DDP).
-        layers: ``"auto"`` / ``"full"`` / ``"blocks"``: how deep models are captured (see
-            :func:`partitioner.plan`).
+            all ranks one axis.
+        plan: a ShardingPlan to replay instead of planning (its fingerprint must match); the
+            planning options it was made with come with it (one given that differs is refused).
         pipeline: ``{"degree": 2, "schedule": "1f1b", "microbatches": 8}`` (or a PipelineConfig):
             the first mesh axis becomes pipeline stages; returns a runner whose
-            ``train_step(batch)`` runs forward and backward over all microbatches.
+            ``train_step(batch)`` runs forward and backward over all microbatches. Stages keep
+            their activations (``recompute="auto"`` chooses among keeping them; ``"all"`` and
+            ``"selective"`` are refused), store weights whole or ZeRO-2/3 (``zero=1`` is
+            refused) and take the global batch (``local_inputs=True`` is refused).
+        cluster: cost model; default: the devices this job runs on (``"cpu"``, measured, on
+            CPUs; the GPU's preset on GPUs).
+        local_inputs: each rank passes only its own piece of the batch (as with DDP).
         state_dict / checkpoint: full weights to slice (a dict, or a ``torch.save`` file opened
             with ``mmap``); default: the model's own weights.
         precision: ``"fp32"`` (default), ``"bf16"``, ``"fp16"`` or a MixedPrecisionPolicy: fp32
             master weights and optimizer state, ops under ``torch.autocast`` (see
             :mod:`partitioner.precision`); a replayed plan brings its own.
-        recompute: activation checkpointing of repeated blocks, ``"auto"`` (the solver recomputes
-            a block kind's attention core or all of it when the memory budget needs it),
-            ``"selective"`` (every attention core), ``"all"`` or ``"none"`` (see
-            :func:`partitioner.plan`); a replayed plan brings its own choice.
-        zero: a weight stored sharded and gathered for use keeps its gathered copy for backward
-            (``2``), frees it after forward and gathers it again in backward (``3``), or the
-            solver chooses per weight (``"auto"``), or per name pattern (a dict; see
-            :func:`partitioner.plan`).
         host_memory_budget: host-memory bytes per device for offloaded optimizer state (see
             :func:`partitioner.plan`): offloaded parameters live on the CPU with their gradients,
             so the optimizer keeps their state and runs their step there
             (``ParallelModule.offloaded()`` names them).
         verbose: show progress on stderr for this call; the same records go to the
             ``partitioner`` logger at INFO in any case (see :mod:`partitioner.progress`).
-        sequence_parallel: ``"auto"`` (the solver chooses among head-sharded, ring and Ulysses
-            attention), ``"ring"`` / ``"ulysses"`` (forced on every attention op, on the last mesh
-            axis) or ``"none"`` (see :func:`partitioner.plan`); with ``pipeline=``, inside every
-            stage on the stage mesh's last axis.
-        tensor_parallel: ``"auto"``, ``"1d"``, ``"2d"`` (a ``q x q`` mesh), ``"2.5d"``
-            (``d x q x q``) or ``"3d"`` (``c x c x c``): force that algorithm on every linear
-            layer (see :func:`partitioner.plan`).
+        The other options: see :func:`partitioner.plan`.
 
     Example (inside ``torchrun --nproc-per-node 4``)::
 
@@ -164,26 +161,18 @@ def auto_parallelize(
     """
     _require_process_group()
     device = _job_device(device)
-    if device.type == "cpu" and memory_budget is not None:
+    opts = PlanOptions.from_call(options, **PlanOptions.pick(locals()))
+    if plan is not None:
+        _check_replay_options(opts, plan)
+    if device.type == "cpu" and opts.memory_budget is not None:
         return_freed_blocks()  # a budget on the CPU: freed tensors leave the process (runtime/host_memory.py)
-    cluster = cluster or ("cpu" if device.type == "cpu" else "h100")
-    if device.type == "cpu" and memory_budget is not None:
-        cluster = for_memory_budget(cluster, memory_budget)  # priced with the fresh mappings it now gets
-    precision = _resolve_precision(precision, plan)
-    check_recompute_mode(recompute)
-    attention_rule.check_mode(sequence_parallel)
-    multidim_tp.check_mode(tensor_parallel)
+    cluster = opts.cluster_for(device)
+    if device.type == "cpu" and opts.memory_budget is not None:
+        cluster = for_memory_budget(cluster, opts.memory_budget)  # priced with the fresh mappings it now gets
+    opts = opts.replace(cluster=cluster, precision=_resolve_precision(opts.precision, plan))
     if mesh is None and plan is None and pipeline is None:
-        mesh, mesh_axis_names, plan, pipeline = _searched_configuration(
-            model, example_inputs, cluster, memory_budget, precision, recompute, layers
-        )
+        mesh, mesh_axis_names, plan, pipeline, opts = _searched_configuration(model, example_inputs, opts)
     if pipeline is not None:
-        if recompute in ("all", "selective"):
-            raise ValueError(
-                f"recompute={recompute!r} is not available with pipeline= yet: pipeline stages keep their layers' "
-                "activations (their schedule bounds how many microbatches are alive); use recompute='auto' "
-                "or 'none' with a pipeline"
-            )
         return _pipelined(
             model,
             example_inputs,
@@ -191,41 +180,21 @@ def auto_parallelize(
             mesh=mesh,
             mesh_axis_names=mesh_axis_names,
             plan=plan,
-            cluster=cluster,
-            memory_budget=memory_budget,
-            pins=pins,
-            objective=objective,
+            options=opts,
             source=WeightSource(model, state_dict, checkpoint),
             device=device,
-            layers=layers,
-            precision=precision,
-            sequence_parallel=sequence_parallel,
+            local_inputs=local_inputs,
         )
     comm = MeshComm(_device_mesh(mesh, mesh_axis_names, device.type))
     t0 = time.perf_counter()
     # a saved plan is replayed on a capture in the mode it was made in; the module's own mode
     # (below) then picks the program it runs (see partitioner/specialize.py)
     training = plan.data.get("training", model.training) if plan is not None else model.training
+    if plan is not None:
+        opts = opts.replace(sequence_parallel=plan.data.get("sequence_parallel", "auto"))
     with in_mode(model, training):
-        cap = _capture(
-            model, example_inputs, layers, precision, plan.data.get("sequence_parallel") if plan else sequence_parallel
-        )
-    plan = _plan_or_replay(
-        cap,
-        type(model).__name__,
-        comm,
-        plan,
-        cluster=cluster,
-        memory_budget=memory_budget,
-        pins=pins,
-        objective=objective,
-        precision=precision,
-        recompute=recompute,
-        sequence_parallel=sequence_parallel,
-        zero=zero,
-        tensor_parallel=tensor_parallel,
-        host_memory_budget=host_memory_budget,
-    )
+        cap = _capture(model, example_inputs, opts.layers, opts.precision_policy, opts.sequence_parallel)
+    plan = _plan_or_replay(cap, type(model).__name__, comm, plan, opts)
     logger.info("planned in %.2f s", time.perf_counter() - t0)
     module = _build_module(cap, plan, comm, WeightSource(model, state_dict, checkpoint), device, local_inputs)
     module.attach_specializer(
@@ -234,26 +203,37 @@ def auto_parallelize(
             plan=plan,
             comm=comm,
             device=device,
-            layers=layers,
+            layers=opts.layers,
             param_specs=module.stored_placements(),
             strided=module.strided_layouts(),
-            plan_kwargs=dict(
-                cluster=cluster,
-                memory_budget=memory_budget,
-                objective=objective,
-                precision=precision,
-                recompute=recompute,
-                sequence_parallel=sequence_parallel,
-                zero=zero,
-                tensor_parallel=tensor_parallel,
-                host_memory_budget=host_memory_budget,
-            ),
+            plan_kwargs=dict(options=opts.replace(pins=None)),
         )
     )
-    module.reduce_gradients_in(precision.grad_reduce_dtype)
+    module.reduce_gradients_in(opts.precision_policy.grad_reduce_dtype)
     module.train(model.training)
     logger.info("ready: %.1f MiB of parameters on this rank", module.local_parameter_bytes() / 2**20)
     return module
+
+
+# the options a replayed plan records under the same name (the others are not its choices)
+_REPLAYED = ("objective", "optimizer", "recompute", "sequence_parallel", "zero", "tensor_parallel", "share_blocks")
+
+
+def _check_replay_options(opts: PlanOptions, plan: ShardingPlan) -> None:
+    """A replayed plan brings the choices it was made with: a planning option given that
+    differs from the plan's is refused (it would not be honoured), naming both."""
+    for name, value in opts.changed().items():
+        if name in ("cluster", "layers", "precision", "memory_budget"):
+            continue  # the cluster and budget re-plan other modes; layers captures; precision is checked
+        if name in _REPLAYED and plan.data.get(name, value) == value:
+            continue
+        if name == "host_memory_budget" and plan.data.get(name) == value:
+            continue
+        made = plan.data.get(name, "its own") if name in (*_REPLAYED, "host_memory_budget") else "its own"
+        raise ValueError(
+            f"{name}={value!r} is not available with plan=: the plan was made with {name}={made!r} and is "
+            f"replayed as it is; plan again with {name}={value!r}, or leave {name}= out"
+        )
 
 
 # -- the steps ---------------------------------------------------------------------------------
@@ -274,65 +254,67 @@ def _job_device(device) -> torch.device:
     return torch.device(device)
 
 
-def _pipelined(
-    model,
-    example_inputs,
-    pipeline,
-    *,
-    mesh,
-    mesh_axis_names,
-    plan,
-    cluster,
-    memory_budget,
-    pins,
-    objective,
-    source,
-    device,
-    layers,
-    precision,
-    sequence_parallel="auto",
-):
+_PIPELINE_MODE = "with pipeline="
+
+
+def _pipelined(model, example_inputs, pipeline, *, mesh, mesh_axis_names, plan, options, source, device, local_inputs):
     """``pipeline=``: the first mesh axis becomes stages (:mod:`partitioner.pipeline_parallelize`)."""
     from partitioner.pipeline_parallelize import PipelineConfig, build_pipeline
 
     if plan is not None:
         raise ValueError("replaying a saved plan is not supported with pipeline=; plan again")
+    if local_inputs:
+        raise ValueError(
+            f"local_inputs=True is not available {_PIPELINE_MODE}: a pipeline runner's train_step takes the "
+            "global batch (every rank passes the same one); leave local_inputs out"
+        )
+    options.refuse(
+        _PIPELINE_MODE,
+        {
+            "host_memory_budget": "pipeline stages keep their optimizer state on the device; leave it out "
+            "or run without pipeline=",
+        },
+    )
+    if options.recompute in ("all", "selective"):
+        raise ValueError(
+            f"recompute={options.recompute!r} is not available {_PIPELINE_MODE} yet: pipeline stages keep their "
+            "layers' activations (their schedule bounds how many microbatches are alive); use recompute='auto' "
+            "or 'none' with a pipeline"
+        )
+    zero_modes = options.zero.values() if isinstance(options.zero, dict) else [options.zero]
+    if 1 in zero_modes:
+        raise ValueError(
+            f"zero=1 is not available {_PIPELINE_MODE}: ZeRO-1 keeps a whole compute copy of each weight beside "
+            "its optimizer shard, which pipeline stage programs do not; use zero=2 or 3 (weights stored sharded)"
+        )
+    if options.tensor_parallel not in ("auto", "1d"):
+        raise ValueError(
+            f"tensor_parallel={options.tensor_parallel!r} is not available {_PIPELINE_MODE} yet: the 2D/2.5D/3D "
+            "grids run on meshes without a pipeline axis; use 'auto' or '1d'"
+        )
     config = PipelineConfig.build(pipeline)
     return build_pipeline(
         model,
         example_inputs,
         device_mesh=_device_mesh(mesh, mesh_axis_names, device.type),
         config=config,
-        cluster=cluster,
-        pins=pins,
-        memory_budget=memory_budget,
-        objective=objective,
+        options=options,
         source=source,
         device=device,
-        layers=layers,
-        precision=precision,
-        sequence_parallel=sequence_parallel,
     )
 
 
-def _searched_configuration(model, example_inputs, cluster, memory_budget, precision, recompute, layers):
+def _searched_configuration(model, example_inputs, options: PlanOptions):
     """``mesh=None``: rank 0 searches the configuration for the world size and broadcasts the
-    plan; returns (mesh, axis names, plan to replay or None, pipeline config or None). A
-    pipelined choice is built by the pipeline builder (which plans its stages again, on rank 0);
-    pipelined candidates that recompute are left out (the runtime's stages keep activations)."""
-    from partitioner.config_search import search_config
+    plan; returns (mesh, axis names, plan to replay or None, pipeline config or None, the
+    options to build it with). A pipelined choice is built by the pipeline builder (which plans
+    its stages again, on rank 0, with the ZeRO stage the search chose); pipelined candidates
+    that recompute are left out (the runtime's stages keep activations)."""
+    from partitioner.config_search import planner_zero, search_config
 
     def search():
         return search_config(
-            model,
-            example_inputs,
-            devices=dist.get_world_size(),
-            cluster=cluster,
-            memory_budget=memory_budget,
-            precision=precision,
-            recompute=recompute,
-            layers=layers,
-            pipeline_recompute=False,
+            model, example_inputs, devices=dist.get_world_size(), options=options, pipeline_recompute=False
         ).to_json()
 
     chosen = ShardingPlan.from_dict(json.loads(on_rank0(search, "searching the configuration")))
@@ -345,8 +327,10 @@ def _searched_configuration(model, example_inputs, cluster, memory_budget, preci
             "microbatches": config.microbatches,
             "virtual_stages": config.virtual_stages,
         }
-        return config.mesh_shape, config.axis_names, None, pipeline
-    return config.mesh_shape, config.axis_names, chosen, None
+        if options.zero == "auto":
+            options = options.replace(zero=planner_zero(config.zero))
+        return config.mesh_shape, config.axis_names, None, pipeline, options
+    return config.mesh_shape, config.axis_names, chosen, None, options
 
 
 def _resolve_precision(precision, plan) -> Precision:
@@ -370,43 +354,14 @@ def _capture(model, example_inputs, layers, precision, sequence_parallel="auto")
     return cap
 
 
-def _plan_or_replay(
-    cap,
-    model_name,
-    comm,
-    plan,
-    *,
-    cluster,
-    memory_budget,
-    pins,
-    objective,
-    precision,
-    recompute="auto",
-    sequence_parallel="auto",
-    zero="auto",
-    tensor_parallel="auto",
-    host_memory_budget=None,
-) -> ShardingPlan:
+def _plan_or_replay(cap, model_name, comm, plan, options: PlanOptions) -> ShardingPlan:
     """Plan: rank 0 searches and broadcasts (the cost model may time this machine, and ranks
     must agree on one plan); a given plan is checked against the graph and the mesh instead."""
     if plan is None:
 
         def make_plan():
             return plan_captured(
-                cap,
-                model_name=model_name,
-                mesh_shape=comm.shape,
-                mesh_axis_names=comm.axis_names,
-                cluster=cluster,
-                memory_budget=memory_budget,
-                pins=pins,
-                objective=objective,
-                precision=precision,
-                recompute=recompute,
-                sequence_parallel=sequence_parallel,
-                zero=zero,
-                tensor_parallel=tensor_parallel,
-                host_memory_budget=host_memory_budget,
+                cap, model_name=model_name, mesh_shape=comm.shape, mesh_axis_names=comm.axis_names, options=options
             ).to_json()
 
         return ShardingPlan.from_dict(json.loads(on_rank0(make_plan, "planning")))

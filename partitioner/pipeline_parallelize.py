@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from partitioner.api import plan_captured, resolve_pins
+from partitioner.options import PlanOptions
 from partitioner.sharding_plan import ShardingPlan
 from partitioner.weights import load_local_weights
 from passes import pipeline_schedules as ps
@@ -142,31 +143,23 @@ def _microbatch(example_inputs, m):
     return tuple(cut(v) for v in example_inputs)
 
 
-def build_pipeline(
-    model,
-    example_inputs,
-    *,
-    device_mesh,
-    config,
-    cluster,
-    pins,
-    memory_budget,
-    objective,
-    source,
-    device,
-    layers="auto",
-    precision=None,
-    sequence_parallel="auto",
-):
+def build_pipeline(model, example_inputs, *, device_mesh, config, options: PlanOptions, source, device):
     """The pipeline runner for this rank (``auto_parallelize(..., pipeline=...)``); the steps
-    are the functions below, in this order. ``source``: where full weights come from
-    (:class:`partitioner.weights.WeightSource`)."""
+    are the functions below, in this order. ``options``: the planning options every stage is
+    planned with (``auto_parallelize`` has refused those stages cannot honour; stages keep
+    their activations, so they plan with ``recompute="none"``). ``source``: where full weights
+    come from (:class:`partitioner.weights.WeightSource`)."""
     full = MeshComm(device_mesh)
+    precision = options.precision_policy
     config, schedule = _resolve_config(config, full, example_inputs)
-    cap, graphs, runs = _capture_stages(model, example_inputs, config, schedule, layers, precision, sequence_parallel)
+    cap, graphs, runs = _capture_stages(
+        model, example_inputs, config, schedule, options.layers, precision, options.sequence_parallel
+    )
     sub = _stage_mesh(full, device_mesh)
     tied = _shared_weights(cap, graphs)
-    user_pins = _stage_pins(cap, graphs, pins, sub.ndim)
+    user_pins = _stage_pins(cap, graphs, options.pins, sub.ndim)
+    if options.recompute == "auto":
+        logger.info("pipeline: stages keep their activations (recompute='auto' plans them without recomputation)")
     plans = _plan_stages(
         graphs,
         sub,
@@ -175,11 +168,7 @@ def build_pipeline(
         schedule,
         config,
         model_name=type(model).__name__,
-        cluster=cluster,
-        memory_budget=memory_budget,
-        objective=objective,
-        precision=precision,
-        sequence_parallel=sequence_parallel,
+        options=options.replace(recompute="none", pins=None, precision=precision),
     )
     if schedule is None:
         config, schedule = _choose(config, plans, graphs)
@@ -296,21 +285,7 @@ def _stage_pins(cap, graphs, pins, ndim) -> list:
     return per_stage
 
 
-def _plan_stages(
-    graphs,
-    sub,
-    tied,
-    user_pins,
-    schedule,
-    config,
-    *,
-    model_name,
-    cluster,
-    memory_budget,
-    objective,
-    precision=None,
-    sequence_parallel="auto",
-) -> list:
+def _plan_stages(graphs, sub, tied, user_pins, schedule, config, *, model_name, options: PlanOptions) -> list:
     """Rank 0 plans the stages in order on the stage mesh and broadcasts the plans.
 
     ``user_pins``: the user's pins per stage (:func:`_stage_pins`). Weights shared by stages are
@@ -336,13 +311,8 @@ def _plan_stages(
                 model_name=f"{model_name} stage {g.index}",
                 mesh_shape=sub.shape,
                 mesh_axis_names=sub.axis_names,
-                cluster=cluster,
-                memory_budget=memory_budget,
-                pins=stage_pins,
-                objective=objective,
+                options=options.replace(pins=stage_pins),
                 activation_copies=copies[g.index],
-                precision=precision,
-                sequence_parallel=sequence_parallel,
                 zero1=False,
                 microbatches=config.microbatches,
                 holds_gradient_sums=True,

@@ -314,6 +314,7 @@ def plan_graphs(plan, model, example_inputs) -> list:
     layers, captured at the microbatch, split)."""
     from partitioner.cluster import get_cluster
     from partitioner.config_search import ModelFacts, _batch_of, _Planner
+    from partitioner.options import PlanOptions
 
     batch = _batch_of(example_inputs)
     planner = _Planner(
@@ -323,9 +324,7 @@ def plan_graphs(plan, model, example_inputs) -> list:
         spec=get_cluster(plan.data["cluster"]),
         budget=plan.data.get("budget") or 0,
         precision=plan.precision,
-        optimizer=plan.data.get("optimizer"),
-        layers="auto",
-        time_limit=60.0,
+        options=PlanOptions(optimizer=plan.data.get("optimizer")),
     )
     pipe = plan.data.get("pipeline")
     if not pipe:

@@ -132,7 +132,7 @@ def test_bad_input_is_refused_with_what_to_do():
     for bad in (0, -2, 2.5, True, "4"):
         with pytest.raises(ValueError, match="devices must be a positive int"):
             partitioner.plan(model, inputs, devices=bad, cluster="h100")
-    with pytest.raises(ValueError, match=r"devices=4 and mesh_shape=\(2,\) \(2 devices\) disagree"):
+    with pytest.raises(ValueError, match=r"devices=4 and mesh=\(2,\) \(2 devices\) disagree"):
         partitioner.plan(model, inputs, devices=4, mesh_shape=(2,), cluster="h100")
     with pytest.raises(ValueError, match="give devices=N with it"):
         partitioner.plan(model, inputs, global_batch=8, cluster="h100")
