@@ -177,3 +177,18 @@ def test_cli_plans_for_a_device_count_without_a_mesh():
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err := io.StringIO()):
         code = main(["plan", "partitioner.models:gpt_demo", "-q"])
     assert code == 2 and "give --mesh (e.g. 8x8) or --devices N" in err.getvalue()
+
+
+def test_pipeline_stages_are_planned_with_the_options_given():
+    """Every stage plan carries the job's options (before, stages dropped zero, tensor_parallel,
+    optimizer and share_blocks): with ``optimizer="sgd"`` a stage counts no Adam moments."""
+    model, inputs = models.gpt_demo(batch=8, seq=16, n_layer=4)
+    pipeline = {"degree": 2, "schedule": "1f1b", "microbatches": 4}
+    opts = dict(zero=3, share_blocks=False, tensor_parallel="1d", optimizer="sgd")
+    with _fake_job(4):
+        runner = partitioner.auto_parallelize(model, inputs, mesh=(2, 2), cluster="h100", pipeline=pipeline, **opts)
+        adam = partitioner.auto_parallelize(model, inputs, mesh=(2, 2), cluster="h100", pipeline=pipeline)
+    for stage, other in zip(runner.plan["stages"], adam.plan["stages"], strict=True):
+        assert {k: stage.data[k] for k in opts} == opts
+        assert stage.data["recompute"] == "none"
+        assert stage.estimate().memory.optimizer_state < other.estimate().memory.optimizer_state
