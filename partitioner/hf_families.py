@@ -8,8 +8,9 @@ dropout probability the config has (``0.0`` for exact single-device parity).
 
 Families cover the four shapes of model users bring: decoder-only (GPT-2, LLaMA, Mistral,
 Qwen2, Falcon, BLOOM with ALiBi, GPT-J, GPT-NeoX, OPT, Phi, Gemma), encoder-only (BERT,
-RoBERTa, DistilBERT), encoder-decoder (BART, T5) and vision (ViT; DeiT, and DeiT with its
-distillation head trained by :class:`HardDistillation`).
+RoBERTa, DistilBERT), encoder-decoder (BART, T5) and vision (ViT; BEiT with its layer
+scales, mean pooling and stochastic depth; DeiT with its distillation head, trained by
+:class:`HardDistillation`).
 
 Parameters a family initialises to zero that a trained checkpoint holds as ordinary values
 (DeiT's class and distillation tokens and position embeddings) start from small random values
@@ -49,6 +50,7 @@ _DROPOUT_KEYS = (
     "resid_dropout",
     "embed_dropout",
     "summary_first_dropout",
+    "drop_path_rate",  # stochastic depth (BEiT, Swin): whole residual branches dropped at random
 )
 
 _VISION_SIZES = dict(
@@ -196,13 +198,11 @@ FAMILIES = {
         "seq2seq",
     ),
     "vit": ("ViTConfig", "ViTForImageClassification", _VISION_SIZES, "image"),
-    "deit": ("DeiTConfig", "DeiTForImageClassification", _VISION_SIZES, "image"),
+    "beit": ("BeitConfig", "BeitForImageClassification", _VISION_SIZES, "image"),
     "deit_distilled": ("DeiTConfig", "DeiTForImageClassificationWithTeacher", _VISION_SIZES, "image_distillation"),
 }
 # family -> names of parameters its init leaves at zero that start random here (module docstring)
-_ZERO_INITIALISED = {
-    family: ("cls_token", "distillation_token", "position_embeddings") for family in ("deit", "deit_distilled")
-}
+_ZERO_INITIALISED = {"deit_distilled": ("cls_token", "distillation_token", "position_embeddings")}
 DECODER_ONLY = tuple(name for name, (*_, kind) in FAMILIES.items() if kind == "causal")
 
 
