@@ -8,7 +8,17 @@ dropout probability the config has (``0.0`` for exact single-device parity).
 
 Families cover the four shapes of model users bring: decoder-only (GPT-2, LLaMA, Mistral,
 Qwen2, Falcon, BLOOM with ALiBi, GPT-J, GPT-NeoX, OPT, Phi, Gemma), encoder-only (BERT,
-RoBERTa, DistilBERT), encoder-decoder (BART, T5) and vision (ViT).
+RoBERTa, DistilBERT), encoder-decoder (BART, T5) and vision (ViT; BEiT with its layer
+scales, mean pooling and stochastic depth; DeiT with its distillation head, trained by
+:class:`HardDistillation`).
+
+Parameters a family initialises to zero that a trained checkpoint holds as ordinary values
+(DeiT's class and distillation tokens and position embeddings) start from small random values
+instead, as ViT's do. At zero, tokens 0 and 1 enter the first LayerNorm as zero-variance
+vectors, whose backward multiplies by ``1 / sqrt(eps)`` (``1e6`` at DeiT's ``eps = 1e-12``):
+their gradients (about ``4e3`` at these sizes) then carry fp32 roundoff of ``2e-3``, so that
+one device summing the batch in two halves (what a data-parallel plan does) differs from one
+device summing it whole by as much.
 
 Example::
 
@@ -20,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FAMILIES", "DECODER_ONLY", "build"]
+__all__ = ["FAMILIES", "DECODER_ONLY", "HardDistillation", "build"]
 
 VOCAB = 128
 _DROPOUT_KEYS = (
@@ -40,6 +50,17 @@ _DROPOUT_KEYS = (
     "resid_dropout",
     "embed_dropout",
     "summary_first_dropout",
+    "drop_path_rate",  # stochastic depth (BEiT, Swin): whole residual branches dropped at random
+)
+
+_VISION_SIZES = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    image_size=32,
+    patch_size=8,
+    num_labels=10,
 )
 
 # family -> (config class, model class, size overrides, kind of inputs)
@@ -176,22 +197,38 @@ FAMILIES = {
         dict(num_layers=2, d_model=64, d_ff=128, num_heads=4, d_kv=16, decoder_start_token_id=0),
         "seq2seq",
     ),
-    "vit": (
-        "ViTConfig",
-        "ViTForImageClassification",
-        dict(
-            num_hidden_layers=2,
-            hidden_size=64,
-            intermediate_size=128,
-            num_attention_heads=4,
-            image_size=32,
-            patch_size=8,
-            num_labels=10,
-        ),
-        "image",
-    ),
+    "vit": ("ViTConfig", "ViTForImageClassification", _VISION_SIZES, "image"),
+    "beit": ("BeitConfig", "BeitForImageClassification", _VISION_SIZES, "image"),
+    "deit_distilled": ("DeiTConfig", "DeiTForImageClassificationWithTeacher", _VISION_SIZES, "image_distillation"),
 }
+# family -> names of parameters its init leaves at zero that start random here (module docstring)
+_ZERO_INITIALISED = {"deit_distilled": ("cls_token", "distillation_token", "position_embeddings")}
 DECODER_ONLY = tuple(name for name, (*_, kind) in FAMILIES.items() if kind == "causal")
+
+
+class HardDistillation(torch.nn.Module):
+    """DeiT's training objective for a model with a class-token and a distillation-token head
+    (``DeiTForImageClassificationWithTeacher``, which has no loss of its own): the class head
+    learns the labels, the distillation head the teacher's predicted labels, weighted equally.
+    Returns the loss."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values, labels, teacher_labels):
+        out = self.model(pixel_values=pixel_values)
+        cross_entropy = torch.nn.functional.cross_entropy
+        return (cross_entropy(out.cls_logits, labels) + cross_entropy(out.distillation_logits, teacher_labels)) / 2
+
+
+def _randomise_zero_initialised(family: str, model: torch.nn.Module, std: float, seed: int) -> None:
+    names = _ZERO_INITIALISED.get(family, ())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.rpartition(".")[2] in names:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
 def build(
@@ -211,7 +248,7 @@ def build(
     config_name, model_name, sizes, kind = FAMILIES[family]
     config_cls = getattr(transformers, config_name)
     overrides: dict[str, object] = dict(sizes)  # sizes, the vocabulary, layers and dropout
-    if kind != "image":
+    if not kind.startswith("image"):
         overrides["vocab_size"] = VOCAB
     if n_layer is not None:
         for key in ("n_layer", "num_hidden_layers", "n_layers", "num_layers", "encoder_layers", "decoder_layers"):
@@ -223,11 +260,16 @@ def build(
     config = config_cls(**overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config)
+    _randomise_zero_initialised(family, model, config.initializer_range, seed)
     model.train()
     g = torch.Generator().manual_seed(seed)
-    if kind == "image":
+    if kind in ("image", "image_distillation"):
         pixels = torch.randn(batch, 3, config.image_size, config.image_size, generator=g)
-        return model, {"pixel_values": pixels, "labels": torch.randint(0, config.num_labels, (batch,), generator=g)}
+        inputs = {"pixel_values": pixels, "labels": torch.randint(0, config.num_labels, (batch,), generator=g)}
+        if kind == "image":
+            return model, inputs
+        inputs["teacher_labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
+        return HardDistillation(model), inputs
     ids = torch.randint(2, VOCAB, (batch, seq), generator=g)
     if kind == "masked":
         return model, {
