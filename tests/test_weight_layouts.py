@@ -6,7 +6,8 @@ q, k and v (``passes/lower_to_local.py``). A ZeRO-3 plan may store that weight c
 *other* dim on the same mesh axis (the memory objective on (2, 2) with 1-D tensor parallelism
 does): there its stored blocks are contiguous, and the edge into the matmul all-to-alls them
 into the strided shard (``runtime/collectives.py``). The loader must cut the stored blocks the
-way the edge reads them. One forked run on 4 ranks checks the loss, every gradient and the
+way the edge reads them. One forked run on 4 ranks, with ``zero=2`` (the weights stored sharded
+and gathered for use), checks the loss, every gradient and the
 communication counted against the plan's estimate, and the parameters after 3 AdamW steps,
 against one device; the same options inside a 2-stage pipeline are checked to build on torch's
 fake process group.
@@ -34,7 +35,7 @@ def memory_tp_worker(rank, world, cfg):
     checks = Checks(rank)
     model, inputs = _gpt()
     ref = copy.deepcopy(model)
-    pm = partitioner.auto_parallelize(model, inputs, mesh=tuple(cfg["mesh"]), **OPTIONS)
+    pm = partitioner.auto_parallelize(model, inputs, mesh=tuple(cfg["mesh"]), zero=cfg["zero"], **OPTIONS)
     # the layout under test: c_attn's weight stored cut along dim 1 on an axis where the matmul
     # reads it strided along dim 0 (so its stored blocks are contiguous, its bias's strided)
     fqn = "h.0.attn.c_attn.weight"
@@ -50,7 +51,7 @@ def memory_tp_worker(rank, world, cfg):
 
 
 def test_fused_weight_stored_along_its_other_dim_matches_one_device():
-    run_checked(memory_tp_worker, {"mesh": [2, 2]}, TIMEOUT_S)
+    run_checked(memory_tp_worker, {"mesh": [2, 2], "zero": 2}, TIMEOUT_S)
 
 
 def test_fused_weight_layout_builds_inside_a_pipeline(fake_process_group):
