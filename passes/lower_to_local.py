@@ -198,10 +198,25 @@ def strided_parameters(graph: fx.Graph, records: dict, comm: MeshComm) -> dict:
     out = {}
     for node, axes in _strided_chains(graph, records, comm).items():
         if node.op == "call_function" and rule_for(node).contraction:
-            for param in tensor_input_nodes(node):
+            reads = _specs(records[node.name].get("ins", []), comm.ndim)
+            for param, read in zip(tensor_input_nodes(node), reads):
                 if info(param).kind == "param":
-                    out.setdefault(info(param).name, {}).update(axes)
+                    rec = records[param.name]
+                    held = parse_spec(rec.get("stored") or rec["out"][0], comm.ndim)
+                    out.setdefault(info(param).name, {}).update(_strided_where_read(held, read, axes))
     return out
+
+
+def _strided_where_read(held, read, axes: dict) -> dict:
+    """The axes of ``axes`` (axis -> pieces) on which a parameter placed ``held`` is stored in
+    the strided layout: those where it shards the dim its consumer reads strided (``read``). On
+    an axis where it shards another dim (a ZeRO-3 weight cut for storage along its other dim)
+    its blocks are contiguous: the edge gathers them and cuts the strided shard."""
+    return {
+        a: f
+        for a, f in axes.items()
+        if getattr(read[a], "dim", None) is not None and getattr(held[a], "dim", None) == read[a].dim
+    }
 
 
 def lower_to_local(
@@ -412,7 +427,7 @@ def _edge_strided(node, u, src, dst, chains, comm):
             )
         return None, None
     if info(u).kind == "param" and rule_for(node).contraction:  # loaded strided where it is sharded
-        return on, {a: f for a, f in on.items() if getattr(src[a], "dim", None) is not None}
+        return on, _strided_where_read(src, dst, on)
     contiguous = [a for a in on if getattr(src[a], "dim", None) is not None]
     if contiguous:
         raise LoweringError(

@@ -260,16 +260,15 @@ def _move(x, axis, p, q, comm: MeshComm, phase, src_pieces=None, dst_pieces=None
         return x
     group, coord, name = comm.groups[axis], comm.coords[axis], comm.axis_names[axis]
     if is_shard(p) and is_shard(q):  # all_to_all: cut along q.dim, join along p.dim
-        if src_pieces or dst_pieces:
-            raise ValueError(
-                f"an all-to-all of a strided shard (the fused-projection layout) on mesh axis {name} "
-                f"is not supported; pin the split's input to Replicate on {name}"
-            )
+        # a strided q is cut from its strided order; a strided p is put back in order once joined
         record_collective("all_to_all", name, _nbytes(x), phase)
+        if dst_pieces:
+            x = _strided_order(x, q.dim, dst_pieces, n)
         pieces = torch.stack(x.chunk(n, dim=q.dim), 0).contiguous()
         received = torch.empty_like(pieces)
         dist.all_to_all_single(received, pieces, group=group)
-        return torch.cat(list(received.unbind(0)), dim=p.dim)
+        joined = torch.cat(list(received.unbind(0)), dim=p.dim)
+        return _strided_order(joined, p.dim, src_pieces, n, inverse=True) if src_pieces else joined
     if is_shard(p):  # all_gather along p.dim
         _work, finish = _start_gather(x, axis, p, comm, phase, src_pieces, async_op=False)
         return finish()
