@@ -35,7 +35,7 @@ from passes.capture import graph_fingerprint, tied_placeholders
 from passes.capture_blocks import capture_model
 from passes.eager_attention import fuse_for
 from passes.lower_to_local import lower_to_local
-from passes.shape_check import check_divisible
+from passes.shape_check import check_servable
 from runtime.collectives import MeshComm, on_rank0
 from runtime.host_memory import return_freed_blocks
 from runtime.parallel_module import ParallelModule
@@ -370,8 +370,8 @@ def _plan_or_replay(cap, model_name, comm, plan, options: PlanOptions) -> Shardi
     if graph_fingerprint(cap) != plan.fingerprint and plan.data.get("structure") == graph_fingerprint(
         cap, shapes=False
     ):
-        # the same program at other input sizes: the plan serves it where its shards divide
-        check_divisible(cap, {r["name"]: r for r in plan.records}, comm.shape, comm.axis_names)
+        # the same program at other input sizes: the plan serves it where each rank gets a piece
+        check_servable(cap, {r["name"]: r for r in plan.records}, comm.shape, comm.axis_names)
         return plan
     plan.check_fingerprint(graph_fingerprint(cap), f"{model_name} on these inputs")
     return plan

@@ -134,7 +134,10 @@ def _microbatch(example_inputs, m):
     def cut(x):
         if isinstance(x, torch.Tensor) and x.dim() > 0:
             if x.shape[0] % m:
-                raise ValueError(f"the batch dim ({x.shape[0]}) does not split into {m} microbatches")
+                raise ValueError(
+                    f"the batch dim ({x.shape[0]}) does not split into {m} microbatches; give "
+                    f"pipeline={{'microbatches': k}} with k dividing the batch"
+                )
             return x[: x.shape[0] // m]
         return x
 

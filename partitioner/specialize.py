@@ -6,9 +6,10 @@ shapes) pair, it asks a :class:`Specializer` for a program that serves it, and k
 
 1. capture the user's model in that mode on inputs of those shapes (its mode is put back after);
 2. if the graph has the plan's structure (the same ops and wiring: another batch or sequence
-   size), the plan's own records serve it, once :func:`passes.shape_check.check_divisible` has
-   found every sharded dim still divisible (else a :class:`~passes.shape_check.ShapeMismatchError`
-   names the input, the dim and the mesh axis);
+   size), the plan's own records serve it, once :func:`passes.shape_check.check_servable` has
+   found every rank a piece of each sharded dim (a dim that no longer divides is cut unevenly,
+   the first ranks one element more; one smaller than its pieces raises a
+   :class:`~passes.shape_check.ShapeMismatchError` naming the input, the dim and the mesh axis);
 3. otherwise (eval mode drops or changes nodes: dropout, batch-norm statistics) rank 0 plans the
    new graph with every parameter and buffer pinned to the placement it is stored in, so the
    weights the optimizer holds serve every program, and every node the two graphs share (same
@@ -34,7 +35,7 @@ from passes.eager_attention import fuse_for
 from passes.lower_to_local import lower_to_local, strided_parameters
 from passes.placements import format_spec, parse_spec
 from passes.rules import op_name
-from passes.shape_check import check_divisible
+from passes.shape_check import check_servable
 from runtime.collectives import on_rank0
 from runtime.parallel_module import Variant
 
@@ -84,7 +85,7 @@ class Specializer:
         mode = "train" if training else "eval"
         if self.structure is not None and graph_fingerprint(cap, shapes=False) == self.structure:
             records = {r["name"]: r for r in self.plan.records}
-            check_divisible(cap, records, self.comm.shape, self.comm.axis_names)
+            check_servable(cap, records, self.comm.shape, self.comm.axis_names)
             logger.info("serving %s mode, inputs %s, with the plan made for %s", mode, shapes, self.plan.data["inputs"])
         else:
             records = self._replan(cap, mode)

@@ -41,9 +41,18 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from passes.analyze import info
-from passes.placements import local_shape, parse_spec
+from passes.placements import (
+    dual_spec,
+    format_spec,
+    is_partial,
+    is_shard,
+    parse_spec,
+    rank_local_shape,
+    transition_steps,
+)
 from passes.prefetch_gathers import prefetch_gathers
 from passes.rules import op_view, rule_for, tensor_input_nodes
+from passes.shape_check import uneven_dims
 from passes.strategy_space import required_output_spec, zero1_grad_spec
 from runtime.collectives import MeshComm, Reshard
 from runtime.optimizer_shards import ZERO1_KEY
@@ -99,18 +108,72 @@ class LowerCall:
         )
 
     def call_module(self, module: torch.nn.Module, args, kwargs=None, *, name=None) -> fx.Node:
+        if not getattr(module, "uneven_pieces_ok", False) and self.uneven():
+            raise LoweringError(
+                f"node {self.node.name} ({self.node.target}) runs the local kernel {type(module).__name__}, "
+                f"which needs equal pieces, on a dim these input shapes cut unevenly; use sizes that divide "
+                f"the mesh axes cutting it, or make the parallel model for this shape"
+            )
         return self.builder.call_module(module, tuple(args), kwargs or {}, name or self.node.name)
 
     def reshard(self, value: fx.Node, src, dst, grad=None) -> fx.Node:
         return self.builder.reshard(value, src, dst, grad, self.node.name)
 
+    def uneven(self) -> bool:
+        """Does this node read or write a tensor cut into unequal pieces?"""
+        return bool(self.builder.uneven.of(self.node)) or any(
+            self.builder.uneven.of(u, spec) for u, spec in zip(tensor_input_nodes(self.node), self.in_specs)
+        )
+
+    def uneven_in(self, k: int) -> set:
+        """The dims of input ``k``, as this op reads it, that are cut into unequal pieces."""
+        return self.builder.uneven.of(tensor_input_nodes(self.node)[k], self.in_specs[k])
+
     def sharded_axes(self, spec, dim):
         return [a for a, p in enumerate(spec) if getattr(p, "dim", None) == dim and self.comm.shape[a] > 1]
+
+
+class _UnevenPieces:
+    """Which dims of which values are cut into unequal pieces at these shapes.
+
+    An input's dim is uneven where its size does not divide by its pieces; the mesh axes cutting
+    such a dim are the *uneven axes*. Pieces of a value computed from the inputs may then differ
+    in size along every dim those axes cut (a flattened batch x sequence dim divides while its
+    pieces, whole samples, do not), so every such dim counts as uneven, as does any dim whose
+    size does not divide. Values computed from weights alone (their gathers and gradient syncs)
+    are never uneven."""
+
+    def __init__(self, graph: fx.Graph, records: dict, comm: MeshComm):
+        self.mesh = comm.shape
+        self.from_inputs: set = set()
+        self.axes: set = set()
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                if info(node).kind == "input":
+                    self.from_inputs.add(node)
+                    spec = parse_spec(records[node.name]["out"][0], comm.ndim)
+                    for d in uneven_dims(info(node).out_shapes[0], spec, self.mesh):
+                        self.axes.update(a for a, p in enumerate(spec) if getattr(p, "dim", None) == d)
+            elif any(u in self.from_inputs for u in tensor_input_nodes(node)):
+                self.from_inputs.add(node)
+        self.specs: dict = {}
+
+    def of(self, node: fx.Node, spec=None) -> set:
+        """The uneven dims of ``node``'s (first) output, placed ``spec`` (default: as produced)."""
+        spec = spec if spec is not None else self.specs.get(node)
+        shape = info(node).out_shapes[0] if info(node).out_shapes else None
+        if spec is None or shape is None:
+            return set()
+        dims = uneven_dims(shape, spec, self.mesh)
+        if node in self.from_inputs:
+            dims |= {p.dim for a, p in enumerate(spec) if a in self.axes and getattr(p, "dim", None) is not None}
+        return dims
 
 
 class _Builder:
     def __init__(self, comm: MeshComm, device):
         self.comm = comm
+        self.uneven: _UnevenPieces
         self.device = device
         self.graph = fx.Graph()
         self.root = torch.nn.Module()
@@ -135,6 +198,45 @@ class _Builder:
         if producer is not None:
             self.edges_from.setdefault(producer, []).append((made.target, module))
         return made
+
+
+_SIZED_VIEWS = (
+    torch.ops.aten.view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.expand.default,
+    torch.ops.aten.unflatten.int,
+)
+
+
+def _joins_or_splits(steps, dims: set) -> bool:
+    """Do ``steps`` all-gather, reduce-scatter or all-to-all along one of ``dims``?"""
+    for _axis, p, q in steps:
+        if is_shard(p) and p.dim in dims:  # an all-gather or all-to-all joins pieces of that dim
+            return True
+        if is_shard(q) and q.dim in dims and (is_partial(p) or is_shard(p)):
+            return True
+    return False
+
+
+def _check_uneven_edge(node, producer, src, dst, grad, uneven: _UnevenPieces) -> None:
+    """Refuse an edge whose collectives would join or split a dim cut into unequal pieces
+    (collectives move equal pieces); local slices and all-reduces are fine."""
+    shape = info(producer).out_shapes[0]
+    dims = uneven.of(producer, src) | uneven.of(producer, dst)
+    if grad is not None:
+        dims |= uneven.of(producer, grad)
+    if not dims:
+        return
+    forward = _joins_or_splits(transition_steps(tuple(src), tuple(dst)), dims)
+    backward = grad is not None and _joins_or_splits(transition_steps(tuple(grad), dual_spec(tuple(src))), dims)
+    if forward or backward:
+        raise LoweringError(
+            f"node {node.name} ({node.target}) reads {producer.name} (shape {list(shape)}) moved from "
+            f"{format_spec(src)} to {format_spec(dst)}, a collective along dim {sorted(dims)}, which these input "
+            f"shapes cut into unequal pieces; use sizes that divide the mesh axes cutting it, or make the "
+            f"parallel model for this shape"
+        )
 
 
 def _replace_devices(obj, device):
@@ -229,10 +331,12 @@ def lower_to_local(
     gradients over microbatches inside one step, keep the per-edge sync)."""
     device = torch.device(device or "cpu")
     b = _Builder(comm, device)
+    b.uneven = _UnevenPieces(graph, records, comm)
     ndim = comm.ndim
     env: dict = {}
     out_specs: dict = {}
     output_specs: list = []  # the placement of each value the program returns
+    output_shapes: list = []  # and its whole shape (to gather pieces that may be unequal)
     chains = _strided_chains(graph, records, comm)
     zero1: dict = {}  # ZeRO-1 / offloaded parameter -> (compute copy's placement, the stepped one's, on host)
     grad_dst: dict = {}  # ZeRO-1 parameter -> where its edges leave the gradient
@@ -275,6 +379,7 @@ def lower_to_local(
                     # the caller's gradient arrives in the placement returned (a loss: replicated)
                     v = b.reshard(v, out_specs[n][0], wanted, wanted, "output")
                 output_specs.append(wanted or out_specs[n][0])
+                output_shapes.append(info(n).out_shapes[0])
                 return v
 
             b.graph.output(pytree.tree_map(lambda a: out_value(a) if isinstance(a, fx.Node) else a, node.args[0]))
@@ -299,6 +404,7 @@ def lower_to_local(
             src = out_specs[u][0]
             value = env[u]
             if ins[k] is not None and src is not None:
+                _check_uneven_edge(node, u, src, ins[k], grads[k] if info(u).requires_grad else None, b.uneven)
                 strided, src_strided = _edge_strided(node, u, src, ins[k], chains, comm)
                 value = b.reshard(
                     value,
@@ -314,10 +420,21 @@ def lower_to_local(
             local_inputs.append(value)
         args, kwargs = _fill_nodes((node.args, node.kwargs), local_inputs)
         args, kwargs = _replace_devices(args, device), _replace_devices(kwargs, device)
+        if outs and outs[0] is not None:
+            b.uneven.specs[node] = outs[0]
+        # a dim cut into unequal pieces is -1: the local size follows from the rank's input
+        uneven_out = b.uneven.of(node)
         local_shapes = [
-            None if s is None or sp is None else list(local_shape(s, sp, comm.shape))
+            None
+            if s is None or sp is None
+            else [-1 if d in uneven_out else n for d, n in enumerate(rank_local_shape(s, sp, comm.shape, comm.coords))]
             for s, sp in zip(i.out_shapes, outs)
         ]
+        if len(uneven_out) > 1 and node.target in _SIZED_VIEWS:
+            raise LoweringError(
+                f"node {node.name} ({node.target}) reshapes a tensor cut into unequal pieces on dims "
+                f"{sorted(uneven_out)}; use sizes that divide the mesh axes cutting them"
+            )
         call = LowerCall(node, tuple(args), dict(kwargs), outs, ins, local_shapes, comm, b, rec.get("notes") or {})
         result = rule_for(node).lower(call)
         if isinstance(result, fx.Node):
@@ -339,6 +456,7 @@ def lower_to_local(
     moved = outline_recomputed(gm, spans)
     prefetch_gathers(gm)  # weight gathers started one ahead of their use
     gm.meta["partita.output_specs"] = output_specs  # placement of each returned value, in order
+    gm.meta["partita.output_shapes"] = output_shapes
     gm.meta[ZERO1_KEY] = zero1
     gm.meta["partita.bucketable_grads"] = {moved.get(name, name): param for name, param in bucketable.items()}
     return gm

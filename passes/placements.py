@@ -19,6 +19,9 @@ from collections.abc import Sequence
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 __all__ = [
+    "rank_local_shape",
+    "split_size",
+    "split_start",
     "Shard",
     "InnerShard",
     "Replicate",
@@ -169,6 +172,27 @@ def gradient_shrinks(grad: Spec | None, grad_dst: Spec | None, mesh_shape: Seque
 
 def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> tuple:
     return tuple(size // shard_degree(spec, mesh_shape, dim) for dim, size in enumerate(shape))
+
+
+def split_size(size: int, pieces: int, index: int) -> int:
+    """The size of piece ``index`` when ``size`` is cut into ``pieces`` (``torch.tensor_split``)."""
+    return size // pieces + (1 if index < size % pieces else 0)
+
+
+def split_start(size: int, pieces: int, index: int) -> int:
+    """Where piece ``index`` of ``size`` cut into ``pieces`` starts."""
+    return index * (size // pieces) + min(index, size % pieces)
+
+
+def rank_local_shape(shape, spec, mesh_shape, coords) -> tuple:
+    """The piece of a tensor of ``shape`` placed ``spec`` that the rank at ``coords`` holds: a cut
+    dim that does not divide is split like ``torch.tensor_split``, axis by axis in the order the
+    moves from ``Replicate`` cut it (the first ranks one element more)."""
+    local = list(shape)
+    for axis, _p, q in transition_steps(replicated(len(mesh_shape)), tuple(spec)):
+        if is_shard(q) and mesh_shape[axis] > 1:
+            local[q.dim] = split_size(local[q.dim], mesh_shape[axis], coords[axis])
+    return tuple(local)
 
 
 def is_partial(p) -> bool:

@@ -40,7 +40,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from passes.placements import dual_spec, format_spec, gradient_shrinks, is_partial, is_shard, transition_steps
+from passes.placements import (
+    dual_spec,
+    format_spec,
+    gradient_shrinks,
+    is_partial,
+    is_shard,
+    split_size,
+    split_start,
+    transition_steps,
+)
 
 if TYPE_CHECKING:
     from runtime.grad_sync import DeferredSyncs, GradientBuckets
@@ -288,8 +297,8 @@ def _move(x, axis, p, q, comm: MeshComm, phase, src_pieces=None, dst_pieces=None
     if is_shard(q):  # local slice
         if dst_pieces:
             x = _strided_order(x, q.dim, dst_pieces, n)
-        size = x.shape[q.dim] // n
-        return x.narrow(q.dim, coord * size, size)
+        whole = x.shape[q.dim]  # a dim that does not divide: the first ranks one more (tensor_split)
+        return x.narrow(q.dim, split_start(whole, n, coord), split_size(whole, n, coord))
     if is_partial(q):  # keep one rank's share
         return x if coord == 0 or q.reduce_op != "sum" else torch.zeros_like(x)
     raise AssertionError(f"no move from {p} to {q}")

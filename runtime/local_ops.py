@@ -36,6 +36,7 @@ __all__ = [
     "RankDropout",
     "RankAttention",
     "shard_offset",
+    "scale_to_share",
 ]
 
 
@@ -49,6 +50,15 @@ def shard_offset(comm: MeshComm, spec, dim: int, local_size: int) -> int:
     return index * local_size
 
 
+def scale_to_share(local_mean: torch.Tensor, x: torch.Tensor, dims, total: int) -> torch.Tensor:
+    """A mean over dims cut into unequal pieces: this rank's mean of its piece of ``x``, weighed
+    by its share of the ``total`` elements reduced (the partial sums then add to the mean)."""
+    held = 1
+    for d in dims:
+        held *= x.shape[d]
+    return local_mean * (held / total)
+
+
 _SHARDS = ("Shard", "_StridedShard", "InnerShard")
 
 
@@ -59,6 +69,8 @@ def _all_reduce_axes(t, comm, axes, phase, op=dist.ReduceOp.SUM):
 
 
 class VocabParallelEmbedding(torch.nn.Module):
+    uneven_pieces_ok = True  # a lookup per id: any number of ids per rank
+
     def __init__(self, comm: MeshComm, weight_spec, padding_idx: int = -1):
         super().__init__()
         self.comm, self.weight_spec, self.padding_idx = comm, tuple(weight_spec), padding_idx
@@ -156,6 +168,10 @@ class _ClassShardedNll(torch.autograd.Function):
 
 class ShardedCrossEntropy(torch.nn.Module):
     """cross_entropy / nll_loss with batch rows and/or classes split over mesh axes."""
+
+    # a mean all-reduces (sum, count) over the row axes, and the class axes' groups hold equal
+    # rows, so rows cut into unequal pieces (an uneven last batch) give the exact loss
+    uneven_pieces_ok = True
 
     def __init__(
         self,
@@ -267,6 +283,8 @@ class SyncBatchNorm(torch.nn.Module):
 
 class RankDropout(torch.nn.Module):
     """Dropout with masks keyed by (seed, call count, node, coordinates on sharded axes)."""
+
+    uneven_pieces_ok = True  # elementwise on whatever piece this rank holds
 
     def __init__(self, comm: MeshComm, p: float, sharded_axes, node_index: int, seed: int = 0):
         super().__init__()

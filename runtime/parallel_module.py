@@ -21,7 +21,15 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from passes.placements import format_spec, replicated, transition_steps
+from passes.placements import (
+    format_spec,
+    rank_local_shape,
+    replicated,
+    shard_degree,
+    split_size,
+    split_start,
+    transition_steps,
+)
 from runtime.collectives import MeshComm, Reshard, run_steps
 from runtime.sharded_io import ShardedCheckpointIO
 
@@ -47,16 +55,22 @@ def shard_tensor(full: torch.Tensor, spec, comm: MeshComm, strided=None) -> torc
             f = strided[axis]
             size = cur.shape[d] // (f * n)
             cur = cur.unflatten(d, (f, cur.shape[d] // f)).narrow(d + 1, c * size, size).flatten(d, d + 1)
-        else:
-            size = cur.shape[d] // n
-            cur = cur.narrow(d, c * size, size)
+        else:  # a dim that does not divide: the first ranks one element more (tensor_split)
+            cur = cur.narrow(d, split_start(cur.shape[d], n, c), split_size(cur.shape[d], n, c))
     return cur.contiguous()
 
 
-def gather_tensor(local: torch.Tensor, spec, comm: MeshComm, strided=None) -> torch.Tensor:
-    """The full tensor from every rank's piece (a collective: every rank must call it)."""
+def gather_tensor(local: torch.Tensor, spec, comm: MeshComm, strided=None, whole_shape=None) -> torch.Tensor:
+    """The full tensor from every rank's piece (a collective: every rank must call it).
+    ``whole_shape``: the full shape, needed when a cut dim does not divide (unequal pieces)."""
     strided = strided or {}
     spec = tuple(spec)
+    if (
+        whole_shape is not None
+        and not strided
+        and any(size % shard_degree(spec, comm.shape, d) for d, size in enumerate(whole_shape))
+    ):
+        return _gather_unequal(local, spec, comm, tuple(whole_shape))
     if not strided:
         return run_steps(local, transition_steps(spec, replicated(comm.ndim)), comm, "state")
     cur = local
@@ -73,6 +87,25 @@ def gather_tensor(local: torch.Tensor, spec, comm: MeshComm, strided=None) -> to
             cur = torch.cat(pieces, dim=d + 1).flatten(d, d + 1)
         else:
             cur = torch.cat(pieces, dim=d)
+    return cur
+
+
+def _gather_unequal(local: torch.Tensor, spec, comm: MeshComm, whole_shape) -> torch.Tensor:
+    """:func:`gather_tensor` for pieces cut like ``torch.tensor_split``: inner axis first, each
+    piece padded to the largest one on that axis, gathered, and the padding cut off."""
+    cur, held = local, list(spec)
+    for axis, p, _q in transition_steps(spec, replicated(comm.ndim)):
+        n = comm.shape[axis]
+        if n == 1 or getattr(p, "dim", None) is None:
+            continue
+        d = p.dim
+        held[axis] = replicated(1)[0]
+        level = rank_local_shape(whole_shape, held, comm.shape, comm.coords)[d]  # the size once joined
+        sizes = [split_size(level, n, j) for j in range(n)]
+        padded = torch.nn.functional.pad(cur.movedim(d, -1), (0, sizes[0] - cur.shape[d])).movedim(-1, d)
+        pieces = [torch.empty_like(padded) for _ in range(n)]
+        dist.all_gather(pieces, padded.contiguous(), group=comm.groups[axis])
+        cur = torch.cat([piece.narrow(d, 0, size) for piece, size in zip(pieces, sizes)], dim=d)
     return cur
 
 
@@ -437,10 +470,13 @@ class ParallelModule(ShardedCheckpointIO, torch.nn.Module):
         variant = getattr(self, "_last_variant", self._base)
         specs = variant.program.meta.get("partita.output_specs", [])
         flat, tree = pytree.tree_flatten(outputs)
-        specs = specs[len(specs) - len(flat) :]  # buffer updates come first in the program's outputs
+        shapes = variant.program.meta.get("partita.output_shapes", [None] * len(specs))
+        specs, shapes = specs[len(specs) - len(flat) :], shapes[len(shapes) - len(flat) :]  # buffer updates first
         whole = [
-            gather_tensor(x.detach(), spec, self.comm) if isinstance(x, torch.Tensor) and spec is not None else x
-            for x, spec in zip(flat, specs)
+            gather_tensor(x.detach(), spec, self.comm, whole_shape=shape)
+            if isinstance(x, torch.Tensor) and spec is not None
+            else x
+            for x, spec, shape in zip(flat, specs, shapes)
         ]
         return pytree.tree_unflatten(whole, tree)
 

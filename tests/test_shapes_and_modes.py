@@ -38,7 +38,7 @@ def shapes_worker(rank, world, cfg):
     # sequence are both cut, so both new sizes exercise the divisibility rule
     pm = partitioner.auto_parallelize(model, example, mesh=(2, 2), cluster="h100",
                                       pins=pins_for("llama", "tp_sp", (2, 2)))
-    result = {"rank": rank, "failures": checks.failures, "errors": []}
+    result = {"rank": rank, "failures": checks.failures}
     for batch, seq in cfg["shapes"]:
         _, inputs = _llama(batch, seq)
         for module in (pm, ref):
@@ -59,12 +59,10 @@ def shapes_worker(rank, world, cfg):
     state = pm.full_state_dict()
     for name, p in ref.named_parameters():
         checks.close(f"parameter {name} after the steps on every shape", state[name], p.detach())
+    _, odd = _llama(5, 64)   # does not divide the 2-way data-parallel axis: cut 3 and 2
+    with torch.no_grad():
+        checks.close("loss at batch 5, seq 64", loss_of(call(pm, odd)), loss_of(call(ref, odd)))
     result["variants"] = len(pm.variants)
-    try:
-        _, bad = _llama(5, 64)
-        call(pm, bad)
-    except ShapeMismatchError as e:
-        result["errors"].append(str(e))
     pm.eval()
     with torch.no_grad():
         _, inputs = _llama(6, 48)
@@ -76,12 +74,8 @@ def test_plan_at_batch_8_seq_64_serves_batch_6_and_seq_48():
     shapes = [(6, 64), (8, 48), (6, 48), (6, 64)]
     results = run_checked(shapes_worker, {"mesh": (2, 2), "shapes": shapes}, TIMEOUT_S)
     for r in results:
-        # the example shape, three new ones (the repeated one is served from the cache)
-        assert r["variants"] == 4, r["variants"]
-        assert len(r["errors"]) == 1, "batch 5 on a 2-way data-parallel axis must be refused"
-        message = r["errors"][0]
-        assert "input 'input_ids'" in message and "dim 0" in message and "size 5" in message, message
-        assert "'a0' (2 ranks)" in message and "drop_last=True" in message, message
+        # the example shape, four new ones (the repeated one is served from the cache)
+        assert r["variants"] == 5, r["variants"]
 
 
 def replay_worker(rank, world, cfg):

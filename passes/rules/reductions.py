@@ -8,6 +8,8 @@ and differences run along a dim that must be whole; the other dims may be sharde
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from passes.placements import P, Partial, R, Shard
@@ -54,7 +56,8 @@ class ReductionRule(OpRule):
         return strategies
 
     def lower(self, call):
-        """A mean over a sharded dim: each rank's mean counts 1/n of the whole."""
+        """A mean over a sharded dim: each rank's mean counts its share of the elements (1/n of
+        the whole for equal pieces; its own count over the whole count for uneven ones)."""
         out = call.emit()
         if call.node.target in (aten.mean.dim, aten.mean.default):
             reduced = _reduced_dims(call.view)
@@ -62,7 +65,12 @@ class ReductionRule(OpRule):
             for d in reduced:
                 for axis in call.sharded_axes(call.in_specs[0], d):
                     degree *= call.comm.shape[axis]
-            if degree > 1:
+            if call.uneven_in(0) & set(reduced):  # unequal pieces: the share is counted as it runs
+                from runtime.local_ops import scale_to_share
+
+                total = math.prod(call.view.in_shapes[0][d] for d in reduced)
+                out = call.emit(scale_to_share, (out, call.args[0], tuple(reduced), total), {})
+            elif degree > 1:
                 out = call.emit(aten.div.Tensor, (out, degree), {})
         return out
 
