@@ -260,7 +260,8 @@ def build(
     config = config_cls(**overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config)
-    _randomise_zero_initialised(family, model, config.initializer_range, seed)
+    if family in _ZERO_INITIALISED:
+        _randomise_zero_initialised(family, model, config.initializer_range, seed)
     model.train()
     g = torch.Generator().manual_seed(seed)
     if kind in ("image", "image_distillation"):
