@@ -425,7 +425,8 @@ class ShardingPlan:
         if flops and est.step_time_s > 0:
             est.model_flops = flops
             est.tflops_per_device = flops / devices / est.step_time_s / 1e12
-            compute = (self.data.get("precision") or {}).get("compute", "float32")
+            # the dtype the FLOPs are priced in (older plans: the precision's compute dtype)
+            compute = self.data.get("flops_dtype") or (self.data.get("precision") or {}).get("compute", "float32")
             peaks = self.data.get("cluster", {}).get("peak_flops", {})
             peak = peaks.get(compute) or peaks.get("float32") or 0.0
             est.mfu = est.tflops_per_device * 1e12 / peak if peak else 0.0

@@ -355,7 +355,7 @@ def plan_intra_op(
         log(f"recomputed in backward: {', '.join(f'{b} ({m})' for b, m in recomputed.items() if m != 'kept')}")
     gap = 100 * (result.gap or 0)
     proven = "" if result.optimal else f" (search stopped at its node limit, within {gap:.2f}% of optimal)"
-    log(f"solve: {t2 - t1:.2f} s, estimated step {result.objective * 1e3:.3f} ms{proven}")
+    log(f"solve: {t2 - t1:.2f} s, objective {result.objective * 1e3:.3f} ms{proven}")
 
     rep_choice = {}
     for g, i in zip(space.groups, result.choice):
