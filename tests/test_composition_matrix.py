@@ -96,6 +96,7 @@ def _options(case) -> dict:
         opts["tensor_parallel"] = "2d"
     else:
         opts["pipeline"] = {"degree": 2, "schedule": "1f1b", "microbatches": MICROBATCHES}
+    opts.update(case.get("options", {}))
     return opts
 
 
