@@ -32,6 +32,14 @@ RoPE, learned embeddings, the loss) sees the ordinary contiguous sequence split,
 positions stay correct with nothing to permute at the model's input. Chunk pairs wholly above
 the diagonal are skipped, which is where causal attention saves half of its work.
 
+Dtypes (mixed precision): under ``torch.autocast`` the op computes as the fused one does: q, k
+and v are cast to the autocast dtype (what travels around the ring, and what is kept), the
+block products run in it, while the scores' softmax statistics (log-sum-exp, row sums), the
+running output and the gradient accumulators are fp32 (cast to the autocast dtype for the
+``P v`` / ``dS k`` products and for each hop of an accumulator); the output is returned in the
+autocast dtype and each gradient in its input's dtype (HF models feed fp32 q/k from their
+autocast-off rotary embeddings). The block math itself runs with autocast off.
+
 Other masks: a boolean or additive mask tensor arrives split on its query dim with all of its
 key columns; each block uses its columns. Grouped-query attention (k/v with ``H / g`` heads)
 sends the small k/v blocks and repeats their heads for the block products only.
@@ -159,6 +167,24 @@ def _fold_heads(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return g.reshape(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype the op computes in: the autocast dtype where autocast is on for ``t``'s device
+    (the fused op is on autocast's lower-precision list, so it casts q, k and v to it), else
+    ``t``'s own."""
+    device = t.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t.dtype
+
+
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the softmax statistics and accumulators: fp32 at least (as fused kernels)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _no_autocast(t: torch.Tensor):
+    """The block math states its dtypes itself: autocast must not re-cast it."""
+    return torch.autocast(t.device.type, enabled=False)
+
+
 class _Block:
     """One (query chunk, key block) pair: which key columns it reads and its mask."""
 
@@ -182,12 +208,35 @@ class _Block:
                 self.mask = cols.masked_fill(~self.mask, float("-inf"))
 
     def scores(self, q, k, scale):
-        s = torch.matmul(q, k[:, :, : self.cols].transpose(-1, -2)) * scale
+        """``q k^T s`` (the product in q's dtype) with the mask, in the statistics' dtype."""
+        s = torch.matmul(q, k[:, :, : self.cols].transpose(-1, -2)).to(stats_dtype(q.dtype)) * scale
         if self.mask is None:
             return s
         if self.mask.dtype == torch.bool:
             return s.masked_fill(~self.mask.to(s.device), float("-inf"))
         return s + self.mask.to(s.dtype)
+
+    def forward(self, q, k, v, scale):
+        """This block's (normalised output, log-sum-exp), both in the statistics' dtype; the
+        products in q's dtype (the probabilities cast to it for ``P v``, as fused kernels do)."""
+        s = self.scores(q, k, scale)
+        lse = torch.logsumexp(s, -1)
+        safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        probs = torch.exp(s - safe.unsqueeze(-1)).to(q.dtype)
+        return torch.matmul(probs, v[:, :, : self.cols]).to(s.dtype), lse
+
+    def backward(self, q, k, v, scale, d_out, delta, lse):
+        """This block's shares of (dq, dk, dv) in the statistics' dtype, from the final
+        log-sum-exp ``lse`` and row sums ``delta`` of its query rows (products in q's dtype)."""
+        s = self.scores(q, k, scale)
+        lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        probs = torch.exp(s - lse.unsqueeze(-1))
+        dv = torch.matmul(probs.to(q.dtype).transpose(-1, -2), d_out).to(s.dtype)
+        dp = torch.matmul(d_out, v[:, :, : self.cols].transpose(-1, -2)).to(s.dtype)
+        ds = (probs * (dp - delta.unsqueeze(-1))).to(q.dtype)
+        dq = torch.matmul(ds, k[:, :, : self.cols]).to(s.dtype) * scale
+        dk = torch.matmul(ds.transpose(-1, -2), q).to(s.dtype) * scale
+        return dq, dk, dv
 
 
 def _merge(out, lse, o_b, lse_b):
@@ -202,10 +251,18 @@ def _merge(out, lse, o_b, lse_b):
 class _RingFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, module):
+        dtype = compute_dtype(q)
+        with _no_autocast(q):
+            return _RingFn._forward(ctx, q, k, v, mask, module, dtype)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, mask, module, dtype):
         ring, comm, axis = module.ring(), module.comm, module.axis
         p, me = ring.p, ring.me
         local = k.shape[2]
         balanced = module.causal and module.balanced
+        ctx.in_dtypes = (q.dtype, k.dtype, v.dtype)
+        q, k, v = (t.to(dtype) for t in (q, k, v))  # as the fused op under autocast casts them
         q_in = q
         if balanced:
             q = _exchange(q, comm, axis, "fwd", to_zigzag=True)
@@ -213,10 +270,11 @@ class _RingFn(torch.autograd.Function):
         chunks = _split_rows(ring_chunks(me, p, local, balanced), rows)
         scale = module.scale if module.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         heads = q.shape[1]
+        acc = stats_dtype(q.dtype)
         # the output in the memory layout sdpa gives ([B, S, H, D] underneath), which the model's
         # ``transpose(1, 2).view(...)`` after attention relies on
-        out = q.new_zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        out = q.new_zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=acc).transpose(1, 2)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv = (k, v)
         work = 0.0
         for step in range(p):
@@ -227,19 +285,16 @@ class _RingFn(torch.autograd.Function):
                 blk = _Block(start, n, src * local, local, module.causal, _mask_rows(mask, off, n))
                 if not blk.cols:
                     continue
-                qc = q[:, :, off : off + n]
-                s = blk.scores(qc, k_j, scale)
-                lse_b = torch.logsumexp(s, -1)
-                safe = torch.where(torch.isinf(lse_b), torch.zeros_like(lse_b), lse_b)
-                o_b = torch.matmul(torch.exp(s - safe.unsqueeze(-1)), v_j[:, :, : blk.cols])
+                o_b, lse_b = blk.forward(q[:, :, off : off + n], k_j, v_j, scale)
                 o, l_ = _merge(out[:, :, off : off + n], lse[:, :, off : off + n], o_b, lse_b)
                 out[:, :, off : off + n] = o
                 lse[:, :, off : off + n] = l_
-                work += 4.0 * qc.shape[0] * heads * n * blk.cols * q.shape[-1]
+                work += 4.0 * q.shape[0] * heads * n * blk.cols * q.shape[-1]
             ring.finish(pending[0])
             if step < p - 1:
                 kv = tuple(pending[1])
         module.flops_forward += work
+        out = sdpa_layout(out.to(q.dtype))
         if balanced:  # keep what sdpa keeps (q as given, the output returned): backward exchanges again
             out = sdpa_layout(_exchange(out, comm, axis, "fwd", to_zigzag=False))
         ctx.save_for_backward(q_in, k, v, out, lse, mask if mask is not None else torch.empty(0))
@@ -249,16 +304,21 @@ class _RingFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, out, lse, mask = ctx.saved_tensors
+        with _no_autocast(q):
+            return _RingFn._backward(ctx, q, k, v, out, lse, mask, d_out.to(q.dtype))
+
+    @staticmethod
+    def _backward(ctx, q, k, v, out, lse, mask, d_out):
         module = ctx.module
         mask = mask if ctx.has_mask else None
         ring, comm, axis = module.ring(), module.comm, module.axis
         p, me = ring.p, ring.me
         balanced = module.causal and module.balanced
-        delta = (d_out * out).sum(-1)
+        delta = (d_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # in the statistics' dtype
         if balanced:  # q, dO and the row sums into the zig-zag layout (lse was kept in it)
             q, d_out, delta = (_exchange(t, comm, axis, "bwd", to_zigzag=True) for t in (q, d_out, delta))
         local, heads, scale = k.shape[2], q.shape[1], ctx.scale
-        dq = torch.zeros_like(q)
+        dq = torch.zeros_like(q, dtype=lse.dtype)
         kv = (k, v)
         acc = None  # the gradient accumulator of the block in hand (arrives from the previous rank)
         own = None
@@ -266,41 +326,41 @@ class _RingFn(torch.autograd.Function):
             src = (me - step) % p
             pending = ring.start(kv, "bwd") if step < p - 1 else ([], None)
             k_j, v_j = (_expand_heads(t, heads) for t in kv)
-            dk_j = torch.zeros_like(k_j)
-            dv_j = torch.zeros_like(v_j)
+            dk_j = torch.zeros_like(k_j, dtype=lse.dtype)
+            dv_j = torch.zeros_like(v_j, dtype=lse.dtype)
             for off, n, start in ctx.chunks:
                 blk = _Block(start, n, src * local, local, module.causal, _mask_rows(mask, off, n))
                 if not blk.cols:
                     continue
-                qc, go = q[:, :, off : off + n], d_out[:, :, off : off + n]
-                s = blk.scores(qc, k_j, scale)
-                row_lse = lse[:, :, off : off + n]
-                row_lse = torch.where(torch.isinf(row_lse), torch.zeros_like(row_lse), row_lse)
-                probs = torch.exp(s - row_lse.unsqueeze(-1))
-                dv_j[:, :, : blk.cols] += torch.matmul(probs.transpose(-1, -2), go)
-                dp = torch.matmul(go, v_j[:, :, : blk.cols].transpose(-1, -2))
-                ds = probs * (dp - delta[:, :, off : off + n].unsqueeze(-1))
-                dq[:, :, off : off + n] += torch.matmul(ds, k_j[:, :, : blk.cols]) * scale
-                dk_j[:, :, : blk.cols] += torch.matmul(ds.transpose(-1, -2), qc) * scale
+                rows = slice(off, off + n)
+                g_q, g_k, g_v = blk.backward(
+                    q[:, :, rows], k_j, v_j, scale, d_out[:, :, rows], delta[:, :, rows], lse[:, :, rows]
+                )
+                dq[:, :, rows] += g_q
+                dk_j[:, :, : blk.cols] += g_k
+                dv_j[:, :, : blk.cols] += g_v
             mine = (_fold_heads(dk_j, k.shape[1]), _fold_heads(dv_j, v.shape[1]))
             if step == 0:
                 own = mine  # this rank's share of its own block's gradient, added at the end
             else:
                 if acc is not None:
                     mine = (mine[0] + acc[0], mine[1] + acc[1])
-                # block src's accumulator moves on (after the last step: home to rank src)
-                acc_works, acc_bufs = ring.start(mine, "bwd")
+                # block src's accumulator moves on (after the last step: home to rank src), in the
+                # compute dtype (what the plan prices), summed here in the statistics' dtype
+                acc_works, acc_bufs = ring.start((mine[0].to(k.dtype), mine[1].to(v.dtype)), "bwd")
                 ring.finish(acc_works)
-                acc = tuple(acc_bufs)
+                acc = tuple(b.to(lse.dtype) for b in acc_bufs)
             ring.finish(pending[0])
             if step < p - 1:
                 kv = tuple(pending[1])
         dk, dv = own
         if acc is not None:
             dk, dv = dk + acc[0], dv + acc[1]
+        dq = dq.to(q.dtype)
         if balanced:
             dq = _exchange(dq, comm, axis, "bwd", to_zigzag=False)
-        return dq, dk, dv, None, None
+        q_dtype, k_dtype, v_dtype = ctx.in_dtypes
+        return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None
 
 
 def sdpa_layout(t: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,10 @@ returned output and moved, which is why backward moves the row sums) and the log
 core is the exact block math of :mod:`runtime.ring_attention` (one block, the query rows taken
 a bounded number at a time), so it runs on any device and its backward needs only those.
 
+Dtypes: as ring attention's (q, k, v cast to the autocast dtype before their all-to-alls,
+statistics and sums in fp32, the row sums moved in fp32, gradients returned in the inputs'
+dtypes).
+
 Heads must divide by ``p`` (query and key/value heads alike): checked when planning and again
 here, with an error naming both.
 """
@@ -36,49 +40,58 @@ from runtime.ring_attention import (
     _expand_heads,
     _fold_heads,
     _mask_rows,
+    _no_autocast,
     _split_rows,
+    compute_dtype,
     sdpa_layout,
+    stats_dtype,
 )
 
 __all__ = ["UlyssesAttention"]
 
 
 def _attend(q, k, v, mask, causal, scale, chunks):
-    """Exact attention of q over the whole of k/v: (output in sdpa's layout, log-sum-exp)."""
+    """Exact attention of q over the whole of k/v: (output in sdpa's layout and q's dtype,
+    log-sum-exp in the statistics' dtype)."""
     heads, s_len = q.shape[1], k.shape[2]
     k_e, v_e = _expand_heads(k, heads), _expand_heads(v, heads)
     out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
-    lse = q.new_empty(q.shape[:-1])
+    lse = q.new_empty(q.shape[:-1], dtype=stats_dtype(q.dtype))
     for off, n, start in chunks:
         blk = _Block(start, n, 0, s_len, causal, _mask_rows(mask, off, n))
-        s = blk.scores(q[:, :, off : off + n], k_e, scale)
-        row = torch.logsumexp(s, -1)
-        safe = torch.where(torch.isinf(row), torch.zeros_like(row), row)
-        out[:, :, off : off + n] = torch.matmul(torch.exp(s - safe.unsqueeze(-1)), v_e[:, :, : blk.cols])
+        o, row = blk.forward(q[:, :, off : off + n], k_e, v_e, scale)
+        out[:, :, off : off + n] = o
         lse[:, :, off : off + n] = row
     return out, lse
 
 
 def _attend_backward(q, k, v, mask, causal, scale, chunks, d_out, delta, lse):
+    """(dq, dk, dv) in q's dtype (summed in the statistics' dtype)."""
     heads, s_len = q.shape[1], k.shape[2]
     k_e, v_e = _expand_heads(k, heads), _expand_heads(v, heads)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k_e), torch.zeros_like(v_e)
+    dq, dk, dv = (torch.zeros_like(t, dtype=lse.dtype) for t in (q, k_e, v_e))
     for off, n, start in chunks:
         blk = _Block(start, n, 0, s_len, causal, _mask_rows(mask, off, n))
-        qc, go = q[:, :, off : off + n], d_out[:, :, off : off + n]
-        row = lse[:, :, off : off + n]
-        row = torch.where(torch.isinf(row), torch.zeros_like(row), row)
-        probs = torch.exp(blk.scores(qc, k_e, scale) - row.unsqueeze(-1))
-        dv[:, :, : blk.cols] += torch.matmul(probs.transpose(-1, -2), go)
-        ds = probs * (torch.matmul(go, v_e[:, :, : blk.cols].transpose(-1, -2)) - delta[:, :, off : off + n, None])
-        dq[:, :, off : off + n] = torch.matmul(ds, k_e[:, :, : blk.cols]) * scale
-        dk[:, :, : blk.cols] += torch.matmul(ds.transpose(-1, -2), qc) * scale
-    return dq, _fold_heads(dk, k.shape[1]), _fold_heads(dv, v.shape[1])
+        rows = slice(off, off + n)
+        g_q, g_k, g_v = blk.backward(
+            q[:, :, rows], k_e, v_e, scale, d_out[:, :, rows], delta[:, :, rows], lse[:, :, rows]
+        )
+        dq[:, :, rows] = g_q
+        dk[:, :, : blk.cols] += g_k
+        dv[:, :, : blk.cols] += g_v
+    return tuple(g.to(q.dtype) for g in (dq, _fold_heads(dk, k.shape[1]), _fold_heads(dv, v.shape[1])))
 
 
 class _UlyssesFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, module):
+        dtype = compute_dtype(q)
+        ctx.in_dtypes = (q.dtype, k.dtype, v.dtype)
+        with _no_autocast(q):  # q, k, v cast as the fused op under autocast casts them
+            return _UlyssesFn._forward(ctx, *(t.to(dtype) for t in (q, k, v)), mask, module)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, mask, module):
         to_heads, to_seq, comm = module.to_heads, module.to_sequence, module.comm
         qh, kh, vh = (run_steps(t, to_heads, comm, "fwd") for t in (q, k, v))
         scale = module.scale if module.scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -94,12 +107,14 @@ class _UlyssesFn(torch.autograd.Function):
     def backward(ctx, d_out):
         qh, kh, vh, out, lse, mask = ctx.saved_tensors
         module, comm = ctx.module, ctx.module.comm
-        delta = (d_out * out).sum(-1)
-        d_out_h, delta_h = (run_steps(t, module.to_heads, comm, "bwd") for t in (d_out, delta))
-        grads = _attend_backward(
-            qh, kh, vh, mask if ctx.has_mask else None, module.causal, ctx.scale, ctx.chunks, d_out_h, delta_h, lse
-        )
-        dq, dk, dv = (run_steps(g, module.to_sequence, comm, "bwd") for g in grads)
+        with _no_autocast(qh):
+            d_out = d_out.to(qh.dtype)
+            delta = (d_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # in the statistics' dtype
+            d_out_h, delta_h = (run_steps(t, module.to_heads, comm, "bwd") for t in (d_out, delta))
+            grads = _attend_backward(
+                qh, kh, vh, mask if ctx.has_mask else None, module.causal, ctx.scale, ctx.chunks, d_out_h, delta_h, lse
+            )
+            dq, dk, dv = (run_steps(g, module.to_sequence, comm, "bwd").to(t) for g, t in zip(grads, ctx.in_dtypes))
         return dq, dk, dv, None, None
 
 

@@ -434,6 +434,75 @@ def test_ring_op_exact_balanced_and_memory_falls():
         assert two > 0 and four * 2 == pytest.approx(two), (name, two, four)
 
 
+LOW = {"bf16": (torch.bfloat16, 2.0**-8), "fp16": (torch.float16, 2.0**-11)}
+
+
+def _relative(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def autocast_op_worker(rank, world):
+    """The ops under ``torch.autocast`` with fp32 q / k (as HF's rotary embeddings, computed with
+    autocast off, hand them over) and a low-precision v, against ``scaled_dot_product_attention``
+    under the same autocast on the whole sequence: the output in the autocast dtype, each
+    gradient in its input's dtype, values norm-wise within max(4u, 2 x the reference's own
+    low-precision noise) (u: the dtype's unit roundoff; tests/test_mixed_precision.py)."""
+    from passes.placements import Shard
+    from runtime.ring_attention import RingAttention
+    from runtime.ulysses_attention import UlyssesAttention
+
+    checks = Checks(rank)
+    cases = [c for c in _cases() if c[0] in ("causal zig-zag", "additive mask, grouped-query", "Ulysses causal")]
+    for size in (4, 2):
+        comm = _ring_comm(rank, world, size)
+        c = comm.coords[0]
+        for prec, (dtype, u) in LOW.items():
+            for name, (q, k, v), kw, mask in cases:
+                inputs = (q, k, v.to(dtype))
+                gqa = k.shape[1] != q.shape[1]
+                d_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+                ref = {}
+                for autocast in (True, False):  # the reference and its fp32 twin (for its noise)
+                    leaves = [
+                        t.clone().float().requires_grad_() if not autocast else t.clone().requires_grad_()
+                        for t in inputs
+                    ]
+                    with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+                        out = torch.nn.functional.scaled_dot_product_attention(
+                            *leaves, attn_mask=mask, is_causal=kw["causal"], enable_gqa=gqa
+                        )
+                    out.backward(d_out.to(out.dtype))
+                    ref[autocast] = (out.detach(), *(t.grad for t in leaves))
+                n = q.shape[2] // size
+                rows = slice(c * n, (c + 1) * n)
+                local = [t[:, :, rows].detach().clone().requires_grad_() for t in inputs]
+                if kw.get("ulysses"):
+                    op, local_mask = UlyssesAttention(comm, 0, (Shard(2),), causal=kw["causal"]), mask
+                else:
+                    op, local_mask = RingAttention(comm, 0, **kw), None if mask is None else mask[:, :, rows].clone()
+                with torch.autocast("cpu", dtype=dtype):
+                    got = op(*local, local_mask)
+                got.backward(d_out[:, :, rows])
+                label = f"{size} ranks, {prec}, {name}"
+                checks.true(f"{label}: output is {got.dtype}, not {dtype}", got.dtype == dtype)
+                for what, a, want, want32 in zip(
+                    ("output", "dq", "dk", "dv"), (got, *(t.grad for t in local)), ref[True], ref[False]
+                ):
+                    if what != "output":
+                        i = "qkv".index(what[1])
+                        checks.true(f"{label}: {what} is {a.dtype}, not {inputs[i].dtype}", a.dtype == inputs[i].dtype)
+                    tol = max(4 * u, 2 * _relative(want[:, :, rows], want32[:, :, rows]))
+                    err = _relative(a, want[:, :, rows])
+                    checks.true(f"{label}: {what} relative error {err:.2e} > {tol:.2e}", err <= tol)
+    return {"failures": checks.failures}
+
+
+def test_ring_and_ulysses_ops_under_autocast_match_the_fused_op():
+    results = run_on_ranks(autocast_op_worker, 4, timeout_s=TIMEOUT_S)
+    failures = [f for r in results for f in r["failures"]]
+    assert not failures, "\n".join(failures[:12])
+
+
 # ---------------------------------------------------------------------------- single process
 
 

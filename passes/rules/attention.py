@@ -177,6 +177,15 @@ def forced_pins(graph, mode: str, mesh_shape) -> dict:
     return pins
 
 
+def _row_sums(op: OpView, rows: int) -> float:
+    """The row sums ``rowsum(dO * O)`` an algorithm moves, in elements of the op's dtype (the
+    unit of ``AxisStrategy.extra``): they are softmax statistics, kept in fp32 at least (under
+    autocast the op computes in bf16 / fp16 and they weigh 2 of its elements each)."""
+    dtype = op.out_dtypes[0] if op.out_dtypes and op.out_dtypes[0] is not None else torch.float32
+    stats = torch.promote_types(dtype, torch.float32)
+    return float(rows) * stats.itemsize / dtype.itemsize
+
+
 class AttentionRule(OpRule):
     contraction = True
     saves_inputs = True
@@ -220,12 +229,12 @@ class AttentionRule(OpRule):
             ]
             if is_causal:  # the zig-zag exchanges: q and the output; backward q, dO, dq and the row sums
                 extra += [("all_to_all", ph, float(nq), "local") for ph in ("fwd", "fwd", "bwd", "bwd", "bwd")]
-                extra.append(("all_to_all", "bwd", float(nq // q[3]), "local"))
+                extra.append(("all_to_all", "bwd", _row_sums(op, nq // q[3]), "local"))
             strategies.append(make(Shard(2), Shard(2), Shard(2), 2, note="ring", extra=tuple(extra)))
         if mode in ("auto", "ulysses") and _ulysses_problem(op, sizes) is None:
             sizes4 = (nq, nk, nk, nq)
             a2a = tuple(("all_to_all", ph, float(n), "local") for ph in ("fwd", "bwd") for n in sizes4)
-            a2a += (("all_to_all", "bwd", float(nq // q[3]), "local"),)  # the row sums rowsum(dO * O)
+            a2a += (("all_to_all", "bwd", _row_sums(op, nq // q[3]), "local"),)  # the row sums rowsum(dO * O)
             u_ins: list = [Shard(2), Shard(2), Shard(2)] + ([R] if mask is not None else [])
             u_ins += [None] * (n_in - len(u_ins))
             out = (Shard(2),) + (R,) * (len(op.out_shapes) - 1)
