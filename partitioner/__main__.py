@@ -189,7 +189,7 @@ def _parse_size(value, flag: str) -> int | None:
 
 
 def _parse_cluster(value: str):
-    from partitioner.cluster import get_cluster
+    from partitioner.local_cluster import get_cluster
 
     try:
         return get_cluster(value)
@@ -379,7 +379,7 @@ def _cmd_diff(args) -> int:
 
 def _cmd_calibrate(args) -> int:
     from partitioner.calibrate import DEFAULT_SIZES, TINY_SIZES, calibrate
-    from partitioner.cluster import _cache_path
+    from partitioner.local_cluster import installed_cpu_path
 
     if args.ranks < 2:
         raise CLIError(f"--ranks must be >= 2 (collectives need two ranks), got {args.ranks}")
@@ -404,7 +404,7 @@ def _cmd_calibrate(args) -> int:
     except (ValueError, OSError) as exc:
         raise CLIError(f"calibration failed: {exc}") from None
     if args.as_cpu:
-        cache = _cache_path()
+        cache = installed_cpu_path()
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(Path(args.out).read_text())
         _status(args, f"also installed as cluster 'cpu' ({cache})")

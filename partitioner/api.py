@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from partitioner.cluster import get_cluster, parse_bytes
+from partitioner.cluster import parse_bytes
+from partitioner.local_cluster import get_cluster
 from partitioner.mesh import MeshSpec
 from partitioner.options import PlanOptions
 from partitioner.precision import Precision
@@ -185,6 +186,8 @@ def plan(
     """
     opts = PlanOptions.from_call(options, **PlanOptions.pick(locals()))
     mesh_shape = mesh_argument(mesh, mesh_shape)
+    ranks = devices if devices is not None else (MeshSpec.build(mesh_shape).size if mesh_shape is not None else None)
+    opts = opts.replace(cluster=get_cluster(opts.cluster_for(), ranks=ranks))  # "cpu": measured for these ranks
     if devices is not None or global_batch is not None:
         searched = _plan_for_devices(
             model, example_inputs, mesh_shape=mesh_shape, devices=devices, global_batch=global_batch, options=opts

@@ -77,7 +77,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from partitioner.cluster import get_cluster, parse_bytes
+from partitioner.cluster import parse_bytes
+from partitioner.local_cluster import get_cluster
 from partitioner.mesh import MeshSpec
 from partitioner.options import PlanOptions
 from partitioner.parallel_config import ParallelConfig

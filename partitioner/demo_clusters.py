@@ -109,7 +109,7 @@ def comparison(demo_plan, *, n_layer, n_embd, n_head, batch, seq) -> str:
     import textwrap
 
     import partitioner
-    from partitioner.cluster import get_cluster
+    from partitioner.local_cluster import get_cluster
     from partitioner.sharding_plan import _fmt_time
 
     small = (n_layer, n_embd, n_head, batch, seq)

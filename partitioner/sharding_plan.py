@@ -349,7 +349,7 @@ class ShardingPlan:
         calls = collective_calls(*args, grouped=grouped)
         if not isinstance(self.data.get("cluster"), dict):
             return calls, 0.0, 0.0
-        from partitioner.cluster import get_cluster
+        from partitioner.local_cluster import get_cluster
 
         cluster = get_cluster(self.data["cluster"])
         return (
