@@ -1,4 +1,4 @@
-"""Collectives on local tensors, with autograd, and a counter of what they send.
+"""Collectives on local tensors, and a counter of what they send.
 
 :class:`MeshComm` is this rank's view of the device mesh: one process group per mesh axis
 and its coordinate on each. :func:`run_steps` performs the per-axis moves of

@@ -4,10 +4,10 @@
 tensor from its producer's placement to the placement its consumer needs; its backward
 moves the gradient from the placement the consumer produces to the dual of the producer's
 placement, exactly the moves the cost model priced. Every collective reports its kind, mesh
-axis, payload bytes and phase to the active :class:`CommCounter` objects, so tests can check
-that the runtime sends what the plan says; those that sync a parameter's gradient (the
-backward of an edge whose input is a parameter, and the gradient buckets) are also counted
-apart, as gradient syncs.
+axis, payload bytes and phase to the active :class:`runtime.collectives.CommCounter` objects,
+so tests can check that the runtime sends what the plan says; those that sync a parameter's
+gradient (the backward of an edge whose input is a parameter, and the gradient buckets) are
+also counted apart, as gradient syncs.
 
 A parameter edge's backward can be deferred (``ParallelModule.no_sync``, through the
 ``deferred`` object set on the edge, :class:`runtime.grad_sync.DeferredSyncs`): the incoming
