@@ -16,6 +16,7 @@ import rule_for`` to the package ``passes.rules``). The checks:
 """
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,8 +84,10 @@ def _named_modules(module: str, path: Path, node, modules: dict) -> list:
     return found
 
 
+@functools.cache
 def import_graph() -> dict:
-    """Module -> {imported module: line of the first import}, over the three packages."""
+    """Module -> {imported module: line of the first import}, over the three packages (read once
+    per session; the tests only read it)."""
     modules = module_files()
     graph: dict = {}
     for module, path in modules.items():
