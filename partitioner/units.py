@@ -1,8 +1,9 @@
 """Bytes and seconds as the plan's tables and messages print them.
 
 A bottom module of ``partitioner/`` (docs/ARCHITECTURE.md, "Layers"): the plan value
-(:mod:`partitioner.sharding_plan`), its table (:mod:`partitioner.plan_table`) and the command
-line format with it, so none of them imports another for its units.
+(:mod:`partitioner.sharding_plan`) and its table (:mod:`partitioner.plan_table`) both print
+with these, so neither imports the other for its units (``sharding_plan`` keeps the names
+``_fmt_bytes`` / ``_fmt_time`` for the modules that import them from there).
 """
 
 from __future__ import annotations
