@@ -16,7 +16,7 @@
 Each row: the median over the rounds of the measured step (each the median step after warm-up,
 the slowest rank's), every round's, the plan's estimate (``plan.estimate().step_time_s``;
 pipelines: the schedule simulated with the stage estimates,
-``runtime.pipeline_trace.simulated_timeline``), measured / estimated, whether that is inside
+``partitioner.pipeline_simulation.simulated_timeline``), measured / estimated, whether that is inside
 0.8-1.25, and the highest 1-minute load average a round of the job started at. The models, plans
 and measurement are the benchmarks' own (``runtime_overhead.py``, ``memory.py``,
 ``pipeline.py``), without their anchors (DTensor, FSDP2, DDP, torch's pipelining).
@@ -61,7 +61,8 @@ def _pipeline_rank(rank, world, schedule, cluster, steps):
 
     import partitioner
     from partitioner.models import gpt_demo
-    from runtime.pipeline_trace import simulated_timeline, step_seconds
+    from partitioner.pipeline_simulation import simulated_timeline
+    from runtime.pipeline_trace import step_seconds
 
     model, (ids, targets) = gpt_demo(
         pl.M * pl.MB, pl.SEQ, n_layer=pl.N_LAYER, n_embd=pl.N_EMBD, n_head=pl.N_HEAD, vocab_size=pl.VOCAB

@@ -35,7 +35,7 @@ Algorithm
 5. **Plan the survivors with the real planner**, in that order after one seed, the usual
    recipe (tensor parallel across the node, the fewest pipeline stages whose memory bound fits,
    one sample per microbatch per data-parallel rank, 1F1B, recomputation): the intra-op ILP
-   (:func:`partitioner.api.plan_captured`) on the ``(d, t)`` mesh, and for a pipeline the
+   (:func:`partitioner.intra_op.plan_captured`) on the ``(d, t)`` mesh, and for a pipeline the
    stages cut at layer boundaries (:mod:`passes.split_stages`), each stage planned with its
    inputs pinned to what the stage before sends and its activations counted for the
    microbatches the schedule keeps alive; identical stages (same position, layers and incoming
@@ -561,7 +561,7 @@ class _Planner:
         zero="auto",
         sequence_parallel="auto",
     ):
-        from partitioner.api import plan_captured
+        from partitioner.intra_op import plan_captured
 
         return plan_captured(
             cap,
@@ -669,7 +669,7 @@ class _Planner:
         ZB-H1). Stages are planned once per class: the first stage, the middle stages by their
         layer count, the last stage (a middle class takes the placements the class before it
         sends). Returns (class graphs, class plans, class of each stage, layer runs, sends)."""
-        from partitioner.pipeline_parallelize import _sent_placements, _shared_weights
+        from partitioner.stage_boundaries import sent_placements, shared_weights
 
         size = c.microbatch_size
         stages = c.pipeline * c.virtual_stages
@@ -696,7 +696,7 @@ class _Planner:
         t0 = time.perf_counter()
         cap, graphs = self._class_split(size, tuple(n for _, n in classes))
         t1 = time.perf_counter()
-        tied = {n for names in _shared_weights(cap, graphs) for n in names}
+        tied = {n for names in shared_weights(cap, graphs) for n in names}
         shape, names = c.stage_mesh_shape, c.stage_axis_names
         budget = self.budget / c.virtual_stages
         # the middle classes (most of the stages) are planned first, their inputs free; the first
@@ -726,7 +726,7 @@ class _Planner:
                 zero=planner_zero(c.zero),
                 sequence_parallel=c.sequence_parallel,
             )
-            sent_as.update(_sent_placements(g, made_by[k], len(shape)))
+            sent_as.update(sent_placements(g, made_by[k], len(shape)))
         plans = [made_by[k] for k in range(len(graphs))]
         logger.info(
             "search: %s: %d stage classes cut in %.2f s, planned in %.2f s",

@@ -68,6 +68,7 @@ def _dump_pipeline(runner, out: Path) -> list:
     the schedule as a grid; the last step's timeline beside the simulated one, if a step ran."""
     import torch.distributed as dist
 
+    from partitioner.pipeline_simulation import simulated_timeline
     from runtime import pipeline_trace
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -87,7 +88,7 @@ def _dump_pipeline(runner, out: Path) -> list:
         path.write_text(_program_text(stage.program, rank, stage.comm.coords, stage.plan))
         written.append(path)
     if runner.trace:
-        measured, simulated = pipeline_trace.measured_timeline(runner), pipeline_trace.simulated_timeline(runner)
+        measured, simulated = pipeline_trace.measured_timeline(runner), simulated_timeline(runner)
         cluster = pipeline_trace.pricing_cluster(runner)
         timelines = {"measured": measured, f"simulated (cost model, cluster {cluster})": simulated}
         if rank == 0:

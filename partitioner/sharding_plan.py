@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from partitioner.memory import MemoryBreakdown, memory_breakdown
+from partitioner.units import fmt_bytes as _fmt_bytes
+from partitioner.units import fmt_time as _fmt_time
 
 __all__ = ["ShardingPlan", "Estimate", "PlanDiff", "PlanMismatchError", "PLAN_FORMAT", "PLAN_VERSION"]
 
@@ -30,22 +32,6 @@ PLAN_VERSION = 1
 
 class PlanMismatchError(ValueError):
     """A saved plan does not belong to this model (or these input shapes)."""
-
-
-def _fmt_bytes(n: float) -> str:
-    n = float(n)
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _fmt_time(s: float) -> str:
-    if s >= 1:
-        return f"{s:.3f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.3f} ms"
-    return f"{s * 1e6:.1f} us"
 
 
 _SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}

@@ -96,8 +96,8 @@ def _moves(steps, shape) -> list:
 def _program_collectives(program, shapes: dict, stage_shape, axis_map) -> tuple:
     """(forward events, backward activation events, backward parameter events) of one lowered
     program, the backward ones already in autograd's (reverse) order."""
-    from runtime.collectives import Reshard
     from runtime.prefetch import PrefetchGather
+    from runtime.reshard import Reshard
 
     fwd, bwd_act, bwd_param = [], [], []
     started = set()  # edges whose first gather a PrefetchGather issued earlier
