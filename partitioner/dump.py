@@ -7,7 +7,8 @@ the plan files, and, given the model and example inputs, lowers the plan for any
 mesh size in this one process (code generation runs no collective, so no process group is
 needed). Files:
 
-* ``plan.json`` (the plan, replayable), ``plan.txt`` (summary table and estimate);
+* ``plan.json`` (the plan, replayable), ``plan.txt`` (summary table and estimate),
+  ``report.html`` (the plan explorer, one self-contained page: :mod:`partitioner.report`);
 * ``graph.dot`` and, when Graphviz's ``dot`` is installed, ``graph.svg``: the graph with nodes
   coloured by their placement and every edge that communicates drawn red and labelled with
   its collectives; repeated layers drawn once, mask/index rows left out
@@ -38,6 +39,7 @@ def _write_plan_files(plan: ShardingPlan, out: Path) -> list:
     written = [plan.save(out / "plan.json")]
     (out / "plan.txt").write_text(plan.summary() + "\n")
     written.append(out / "plan.txt")
+    written.append(plan.report(out / "report.html"))
     dot = out / "graph.dot"
     dot.write_text(plan_to_dot(plan))
     written.append(dot)

@@ -474,6 +474,16 @@ class ShardingPlan:
     def __str__(self) -> str:
         return self.summary()
 
+    def report(self, path, *, other: ShardingPlan | None = None, trace=None, names=None) -> Path:
+        """Write the plan explorer, one self-contained HTML file, to ``path``: configuration,
+        estimate, memory chart, search runner-ups, the sortable and filterable table with each
+        node's :meth:`explain`, the graph, a pipeline's timeline (``trace``: a dump's
+        ``timeline.json``, drawn as measured beside it) and, with ``other``, the diff folded by
+        block. See :mod:`partitioner.report`."""
+        from partitioner.report import write_report
+
+        return write_report(self, path, other=other, trace=trace, names=names)
+
     def __repr__(self) -> str:
         e = self.estimate()
         return (

@@ -26,7 +26,7 @@ def _fold(here, there) -> dict:
     first_of = counterparts(here.records)
     by_name = {r["name"]: r for r in here.records}
     groups: dict = {}
-    for name, module, before, after in diff.changed:
+    for name, _module, before, after in diff.changed:
         r = by_name[name]
         first = by_name[first_of.get(name, name)]
         key = (first["name"], before, after)

@@ -72,7 +72,8 @@ def layout_graph(graph) -> dict:
 
     def width(name) -> float:
         node = by_name.get(name)
-        lines = [node.title, node.op, node.placement] if node else ["output"]
+        folded = f"  (+{node.folded_rows} mask/index)" if node and node.folded_rows else ""
+        lines = [node.title, node.op, node.placement + folded] if node else ["output"]
         return max(70.0, max(len(t) for t in lines) * _CHAR + 16)
 
     widths = {n: width(n) for n in names}

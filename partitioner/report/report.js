@@ -8,7 +8,7 @@ const ROLE_COLOURS = { data: "#2f7ed8", tensor: "#d9822b", sequence: "#8e44ad", 
 const SPLIT_COLOURS = { compute_s: "#4c8bd6", comm_s: "#d9534f", optimizer_s: "#f0ad4e", bubble_s: "#b8c2cc" };
 const SPLIT_NAMES = { compute_s: "compute", comm_s: "exposed communication", optimizer_s: "optimizer step", bubble_s: "bubble (idle)" };
 const MEMORY_COLOURS = ["#4c8bd6", "#7fb3e6", "#f0ad4e", "#9b8ad0", "#5cb85c", "#2e9e8f", "#e37d6f", "#c8ccd2", "#b5a06b"];
-const ACTION_COLOURS = { F: "#6fa8dc", B: "#93c47d", I: "#b6d7a8", W: "#ffd966" };
+const ACTION_COLOURS = { F: "#6fa8dc", B: "#93c47d", I: "#b6d7a8", W: "#ffd966", "gradient sync + optimizer step": "#e69f7a" };
 const SHORT = { all_reduce: "AR", all_gather: "AG", reduce_scatter: "RS", all_to_all: "A2A" };
 
 function esc(text) {
@@ -374,7 +374,7 @@ function buildGraph() {
 
 function actionKind(action) {
   const m = /^\d+([FBIW])/.exec(action);
-  return m ? m[1] : "F";
+  return m ? m[1] : "gradient sync + optimizer step";
 }
 
 function timelineSvg(panels, span) {

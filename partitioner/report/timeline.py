@@ -56,7 +56,13 @@ def simulate_plan(plan) -> dict | None:
         comm_time=pipe.get("p2p_time_s", 0.0),
         sync_time=ps.stage_syncs(estimates),
     )
-    timeline = {r: [(str(t.action), t.start, t.end) for t in rows] for r, rows in result.timelines.items()}
+    syncs = ps.stage_syncs(estimates)
+    timeline = {}
+    for r, rows in result.timelines.items():  # each rank's held gradient reductions and optimizer step close its step
+        timeline[r] = [(str(t.action), t.start, t.end) for t in rows]
+        held = sum(syncs[s] for s in schedule.stages_of(r))
+        if held > 0 and rows:
+            timeline[r].append(("sync+optimizer", rows[-1].end, rows[-1].end + held))
     busiest = max(result.busy, key=result.busy.__getitem__)
     mine = [estimates[s] for s in schedule.stages_of(busiest)]
     compute = sum(e.compute_s for e in mine) * m
