@@ -6,12 +6,12 @@ import functools
 
 @functools.lru_cache(maxsize=None)
 def held_out_plans():
-    """Qwen2 (RoPE, q/k/v biases; not a model Partita embeds), 3 layers, on a 2x2 mesh: the
+    """Qwen2 (RoPE, q/k/v biases; not a model Partita embeds), 2 layers, on a 2x2 mesh: the
     solver's plan and one with Megatron tensor parallelism and ZeRO-3 forced, to compare."""
     import partitioner
     from partitioner import hf_families
 
-    model, inputs = hf_families.build("qwen2", batch=4, seq=16, n_layer=3)
+    model, inputs = hf_families.build("qwen2", batch=4, seq=8, n_layer=2)
     auto = partitioner.plan(model, inputs, mesh=(2, 2), cluster="h100")
     forced = partitioner.plan(model, inputs, mesh=(2, 2), cluster="h100", tensor_parallel="1d", zero=3)
     return auto, forced

@@ -60,8 +60,8 @@ def test_diff_folds_a_change_made_in_every_layer_into_one_line():
     assert stage["changed_nodes"] == len(changed)
     assert sorted(n for g in stage["groups"] for n in g["nodes"]) == sorted(c[0] for c in changed)   # each once
     up = next(g for g in stage["groups"] if g["name"] == "mlp.up_proj.weight")
-    assert up["layers"] == ["model.layers.0", "model.layers.1", "model.layers.2"] and up["before"] != up["after"]
-    assert len(stage["groups"]) < len(changed) / 2
+    assert up["layers"] == ["model.layers.0", "model.layers.1"] and up["before"] != up["after"]
+    assert len(stage["groups"]) < 0.7 * len(changed)                 # 2 layers: most changes are made in both
 
 
 def test_measured_trace_is_read_from_a_dumps_timeline_json(tmp_path):
