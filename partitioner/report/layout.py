@@ -23,7 +23,7 @@ from collections import defaultdict
 __all__ = ["layout_graph"]
 
 _ROW = 92  # vertical distance between layers (px)
-_GAP = 18  # horizontal gap between boxes
+_GAP = 36  # horizontal gap between boxes (room for the collectives written beside the edges)
 _CHAR = 6.6  # px per character at the boxes' font size
 _HEIGHT = 50
 
@@ -109,4 +109,4 @@ def layout_graph(graph) -> dict:
             }
         )
     height = 40 + (max(layer.values(), default=0) + 1) * _ROW
-    return {"width": total + 40, "height": height, "nodes": nodes, "edges": drawn, "clusters": clusters}
+    return {"width": total + 240, "height": height, "nodes": nodes, "edges": drawn, "clusters": clusters}

@@ -137,7 +137,8 @@ function memoryCard() {
     table.appendChild(el("tr", { class: "memory-row" }, el("td", { class: "muted", style: "width:140px", text: bar.label }), el("td", {}, fill, el("div", { class: "muted", text: note }))));
   }
   card.appendChild(table);
-  card.appendChild(legend(kinds.map((k) => [k, colour(k)])));
+  const single = m.bars.length === 1 ? new Map(m.bars[0].parts.map(([k, , text]) => [k, text])) : new Map();
+  card.appendChild(legend(kinds.map((k) => [single.has(k) ? `${k} ${single.get(k)}` : k, colour(k)])));
   const share = m.budget ? ` (${((100 * top) / m.budget).toPrecision(3)}% of it at the largest peak)` : "";
   card.appendChild(el("p", { class: "muted", text: `budget per device: ${m.budget_text}${share}` }));
   return card;
@@ -329,9 +330,11 @@ function graphSvg(g) {
     const dash = e.mask_index ? ' stroke-dasharray="2 3"' : e.from_layer ? ' stroke-dasharray="6 4"' : "";
     parts.push(`<path class="edge${comm ? " comm-edge" : ""}" d="M${e.x1},${e.y1} C${e.x1},${e.y1 + dy} ${e.x2},${e.y2 - dy} ${e.x2},${e.y2}" fill="none" stroke="${comm ? "#c0392b" : "#777"}" stroke-width="${comm ? 2 : 1}"${dash} marker-end="url(#${comm ? "arrow-red" : "arrow"})"/>`);
     const label = comm ? e.collectives.join(" ") : e.mask_index ? "mask/index" : e.from_layer ? `from ${e.from_layer}` : "";
-    if (label) {
-      const x = (e.x1 + e.x2) / 2 + 4, y = (e.y1 + e.y2) / 2;
-      parts.push(`<text x="${x}" y="${y}" font-size="11" fill="${comm ? "#c0392b" : "#666"}" font-weight="${comm ? 600 : 400}">${esc(label)}${comm && e.from_layer ? esc(" from " + e.from_layer) : ""}</text>`);
+    if (label) {  // near the producer, where edges into one consumer are still apart; a white halo keeps it legible
+      const t = 0.3, u = 1 - t;
+      const x = u * u * u * e.x1 + 3 * u * u * t * e.x1 + 3 * u * t * t * e.x2 + t * t * t * e.x2 + 4;
+      const y = u * u * u * e.y1 + 3 * u * u * t * (e.y1 + dy) + 3 * u * t * t * (e.y2 - dy) + t * t * t * e.y2 + 4;
+      parts.push(`<text x="${x}" y="${y}" font-size="11" fill="${comm ? "#c0392b" : "#666"}" font-weight="${comm ? 600 : 400}" paint-order="stroke" stroke="#fff" stroke-width="3">${esc(label)}${comm && e.from_layer ? esc(" from " + e.from_layer) : ""}</text>`);
     }
   }
   for (const n of g.nodes) {
