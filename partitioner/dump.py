@@ -19,7 +19,9 @@ For a pipeline runner: per stage its plan files under ``stage_<s>/`` and each ra
 there; ``schedule.txt`` (the schedule and its grid); after a ``train_step``, the last step's
 timeline measured beside the one the cost model simulates (``timeline.txt``: per stage and
 action simulated vs measured with their ratio, and the cluster the simulation was priced with;
-``timeline.json`` for chrome://tracing or Perfetto; ``timeline.svg``).
+``timeline.json`` for chrome://tracing or Perfetto; ``timeline.svg``) and ``report.html``, the
+whole pipeline's report (:func:`partitioner.pipeline_plan.runner_plan`) with the measured step
+drawn under the simulated one.
 """
 
 from __future__ import annotations
@@ -102,6 +104,11 @@ def _dump_pipeline(runner, out: Path) -> list:
             (out / "timeline.json").write_text(pipeline_trace.chrome_trace(timelines))
             (out / "timeline.svg").write_text(pipeline_trace.timeline_svg(timelines))
             written += [out / "timeline.txt", out / "timeline.json", out / "timeline.svg"]
+    if rank == 0:  # the whole pipeline's report, with the measured step when one ran
+        from partitioner.pipeline_plan import runner_plan
+
+        trace = out / "timeline.json" if runner.trace else None
+        written.append(runner_plan(runner).report(out / "report.html", trace=trace))
     return written
 
 
