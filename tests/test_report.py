@@ -104,3 +104,13 @@ def test_dump_writes_the_report(tmp_path):
     files = partitioner.dump(auto, tmp_path)
     assert tmp_path / "report.html" in files
     assert _data_of((tmp_path / "report.html").read_text())["header"]["model"] == "Qwen2ForCausalLM"
+
+
+def test_dump_timeline_picture_draws_both_timelines_on_one_scale():
+    from runtime.pipeline_trace import timeline_svg
+
+    simulated = {0: [("0F0", 0.0, 1.0), ("0B0", 2.0, 4.0)], 1: [("1F0", 1.0, 2.0), ("1B0", 2.0, 3.0)]}
+    measured = {r: [(a, 2 * s, 2 * e) for a, s, e in rows] for r, rows in simulated.items()}
+    svg = timeline_svg({"simulated": simulated, "measured": measured})
+    widths = [float(w) for w in re.findall(r'<rect x="[\d.]+" y="\d+" width="([\d.]+)" height="22" fill', svg)]
+    assert widths[4:] == pytest.approx([2 * w for w in widths[:4]])     # twice as long: twice as wide

@@ -115,7 +115,7 @@ function estimateCard() {
   const row = (k, v) => facts.appendChild(el("tr", {}, el("td", { class: "muted", text: k }), el("td", { text: v })));
   row("MFU", e.tflops ? `${(100 * e.mfu).toFixed(1)}% (${e.tflops.toFixed(1)} TFLOP/s per device)` : "-");
   row("peak memory per device", e.memory);
-  for (const [kind, axis, bytes, calls] of e.comm) row(`${kind} on ${axis}`, `${bytes} per device per step, ${calls} calls`);
+  for (const [kind, axis, bytes, calls] of e.comm) row(`${kind} on ${axis}`, `${bytes} per device per step` + (calls ? `, ${calls} call${calls === 1 ? "" : "s"}` : ""));
   if (!e.comm.length) row("communication", "none");
   card.appendChild(facts);
   return card;
