@@ -62,6 +62,9 @@ def test_diff_folds_a_change_made_in_every_layer_into_one_line():
     up = next(g for g in stage["groups"] if g["name"] == "mlp.up_proj.weight")
     assert up["layers"] == ["model.layers.0", "model.layers.1"] and up["before"] != up["after"]
     assert len(stage["groups"]) < 0.7 * len(changed)                 # 2 layers: most changes are made in both
+    text = str(forced.diff(auto))                                     # partita diff's text is folded the same way
+    assert "(the same in 2 layers of model.layers.[0-1])" in text and "views and getitems" in text
+    assert len(text.splitlines()) < len(changed) / 2
 
 
 def test_measured_trace_is_read_from_a_dumps_timeline_json(tmp_path):
