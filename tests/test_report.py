@@ -83,6 +83,9 @@ def test_measured_trace_is_read_from_a_dumps_timeline_json(tmp_path):
     only_simulated.write_text(chrome_trace({"simulated": simulated}))
     with pytest.raises(ValueError, match="no process named 'measured'"):
         read_trace(only_simulated)
+    only_simulated.write_text(chrome_trace({"measured": {}}))
+    with pytest.raises(ValueError, match="has no actions"):
+        read_trace(only_simulated)
 
 
 def test_cli_report_and_its_errors(tmp_path, capsys):

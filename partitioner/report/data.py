@@ -175,7 +175,7 @@ def _row(plan, r, stage, folded) -> dict:
         fold = "view"
     if fold is None and r["name"] in folded:
         fold = "mask"
-    comm_s = sum(c["time_s"] for c in r.get("comm", []))
+    seconds = r.get("compute_s", 0.0) + sum(c["time_s"] for c in r.get("comm", []))
     return {
         "id": r["name"] if stage is None else f"{stage}:{r['name']}",
         "stage": stage,
@@ -190,8 +190,8 @@ def _row(plan, r, stage, folded) -> dict:
         else "",
         "out": r["out"][0] if r.get("out") else "",
         "ins": [s if s is not None else "-" for s in r.get("ins", [])],
-        "time_s": r.get("compute_s", 0.0) + comm_s,
-        "time": _fmt_time(r.get("compute_s", 0.0) + comm_s) if r.get("compute_s", 0.0) + comm_s else "",
+        "time_s": seconds,
+        "time": _fmt_time(seconds) if seconds else "",
         "memory_b": r.get("memory", 0.0),
         "memory": _fmt_bytes(r["memory"]) if r.get("memory") else "",
         "comm": [

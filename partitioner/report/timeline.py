@@ -101,4 +101,8 @@ def read_trace(path) -> dict:
         if e.get("ph") == "X" and e.get("pid") == measured[0]:
             start = e["ts"] * 1e-6
             out.setdefault(int(e["tid"]), []).append((e["name"], start, start + e["dur"] * 1e-6))
+    if not out:
+        raise ValueError(
+            f"{path}: the trace's 'measured' process has no actions (was a train_step run before the dump?)"
+        )
     return {rank: sorted(rows, key=lambda row: row[1]) for rank, rows in sorted(out.items())}
