@@ -9,8 +9,8 @@ click on a node showing its ``explain``), the graph coloured by placement with a
 collectives on its edges, a pipeline's timeline per rank (simulated, and measured from a trace)
 on one time scale, and, given a second plan, a diff folded by block.
 
-The page is assembled from three files shipped with the package (``template.html``,
-``report.css``, ``report.js``) and the data of :func:`partitioner.report.data.report_data`
+The page is assembled from the files shipped with the package (``template.html``,
+``report.css``, ``report.js`` and ``report_views.js``) and the data of :func:`partitioner.report.data.report_data`
 embedded as JSON: no script, style, font or picture is fetched from anywhere, so the file opens
 offline, from an e-mail or a CI artifact. The script only draws; every figure is computed in
 Python by the functions ``partita show`` and ``partita explain`` use.
@@ -46,7 +46,7 @@ def report_html(plan, *, other=None, trace=None, names=("this plan", "the other 
     page = _asset("template.html")
     for marker, text in (
         ("/*STYLE*/", _asset("report.css")),
-        ("/*SCRIPT*/", _asset("report.js")),
+        ("/*SCRIPT*/", _asset("report_views.js") + _asset("report.js")),  # report.js ends by drawing the page
         ("/*DATA*/", _embedded_json(data)),
     ):
         head, sep, tail = page.partition(marker)
