@@ -148,7 +148,7 @@ def test_dump_writes_programs_plan_and_picture(tmp_path):
     if shutil.which("dot"):
         assert (tmp_path / "graph.svg").read_text().lstrip().startswith("<?xml")
     assert plan.mesh_shape == (2,)
-    assert all("rank_" in f or "plan" in f or "graph" in f for f in files[0])
+    assert all("rank_" in f or "plan" in f or "graph" in f or "report" in f for f in files[0])
 
 
 def test_dump_from_a_plan_alone_for_a_large_mesh(tmp_path):
