@@ -120,3 +120,11 @@ def test_dump_timeline_picture_draws_both_timelines_on_one_scale():
     svg = timeline_svg({"simulated": simulated, "measured": measured})
     widths = [float(w) for w in re.findall(r'<rect x="[\d.]+" y="\d+" width="([\d.]+)" height="22" fill', svg)]
     assert widths[4:] == pytest.approx([2 * w for w in widths[:4]])     # twice as long: twice as wide
+
+
+def test_embedded_data_cannot_end_its_script_element_and_has_no_infinities():
+    from partitioner.report import _embedded_json
+
+    text = _embedded_json({"name": "</script><script>alert(1)", "bound": float("inf"), "x": [float("nan")]})
+    assert "</" not in text and json.loads(text.replace("<\\/", "</")) == {
+        "name": "</script><script>alert(1)", "bound": None, "x": [None]}

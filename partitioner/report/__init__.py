@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from importlib import resources
 from pathlib import Path
 
@@ -34,9 +35,21 @@ def _asset(name: str) -> str:
     return resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
 
 
+def _finite(value):
+    """``value`` with every infinite or NaN float as None (JSON has neither; a bound the search
+    could not compute is saved as ``Infinity``)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _embedded_json(data: dict) -> str:
     """JSON safe inside ``<script>``: no ``</`` (which would end the element) and no ``<!--``."""
-    text = json.dumps(data, separators=(",", ":"), allow_nan=False)
+    text = json.dumps(_finite(data), separators=(",", ":"), allow_nan=False)
     return text.replace("</", "<\\/").replace("<!--", "<\\!--")
 
 
