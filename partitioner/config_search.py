@@ -772,7 +772,8 @@ class _Planner:
         graphs, plans, stage_map, runs, sent_as = self._stage_plans(c)
         class_ests = [p.estimate() for p in plans]  # once per stage class, not per stage
         ests = [class_ests[r] for r in stage_map]
-        forward, backward, weight = ps.stage_durations(ests, [graphs[r].takes_activations for r in stage_map])
+        takes = [graphs[r].takes_activations for r in stage_map]
+        forward, backward, weight = ps.stage_durations(ests, takes)
         _, p2p_s, p2p_bytes = self._p2p(c, graphs, sent_as)
         sched = self.schedule(c)
         sim = ps.simulate(sched, forward, backward, weight, comm_time=p2p_s, sync_time=ps.stage_syncs(ests))
@@ -819,6 +820,7 @@ class _Planner:
                 "p2p_bytes": p2p_bytes,
                 "memory_bytes": memory,
                 "busiest_stage": max(range(len(ests)), key=lambda s: ests[s].step_time_s),
+                "takes_activations": takes,  # what the step above was simulated with (partitioner.report)
             },
         }
         return ShardingPlan(data)

@@ -5,7 +5,8 @@ interpreter kept for its last ``train_step`` (a collective; one row per pipeline
 :func:`partitioner.pipeline_simulation.simulated_timeline` replays the same schedule with each
 stage's times from its plan (the runtime never prices: that is the planner's side).
 ``chrome_trace`` writes both as Chrome-trace JSON (open in chrome://tracing or Perfetto: one
-process per timeline, one thread per rank); ``timeline_svg`` draws them one above the other.
+process per timeline, one thread per rank); ``timeline_svg`` draws them one above the other,
+on one time scale.
 ``idle_fraction`` is the share of rank-time not spent computing, comparable with
 ``(p-1)/(m+p-1)``.
 
@@ -153,12 +154,14 @@ def chrome_trace(timelines: dict) -> str:
 
 
 def timeline_svg(timelines: dict, *, width: int = 900, row: int = 26) -> str:
-    """One panel per timeline, one row per rank, boxes coloured by F / B / I / W."""
+    """One panel per timeline, one row per rank, boxes coloured by F / B / I / W; every panel on
+    the time scale of the longest, so a step twice as long draws twice as wide."""
     panels, y = [], 10
+    longest = max((step_seconds(timeline) for timeline in timelines.values()), default=0.0)
+    scale = (width - 90) / max(longest, 1e-12)
     for name, timeline in timelines.items():
         start = min(s for rows in timeline.values() for _, s, _ in rows)
         end = max(e for rows in timeline.values() for _, _, e in rows)
-        scale = (width - 90) / max(end - start, 1e-12)
         idle = idle_fraction(timeline)
         panels.append(
             f'<text x="4" y="{y + 12}" font-size="13" font-weight="bold">{html.escape(name)}: '
