@@ -27,6 +27,7 @@ from passes.eager_attention import fuse_for
 from passes.placements import format_spec, parse_spec
 from passes.plan_intra_op import plan_intra_op
 from passes.rules import attention as attention_rule
+from passes.rules import experts as experts_rule
 
 __all__ = ["plan", "plan_captured", "resolve_pins", "mesh_argument"]
 
@@ -104,6 +105,7 @@ def plan(
     sequence_parallel: str = "auto",
     zero="auto",
     tensor_parallel: str = "auto",
+    expert_parallel: str = "auto",
     verbose: bool = False,
 ) -> ShardingPlan:
     """Choose data / tensor / sequence splits for every node of ``model`` on a device mesh.
@@ -174,6 +176,11 @@ def plan(
             ``"2.5d"`` (Tesseract on ``d x q x q``) or ``"3d"`` (on ``c x c x c``); see
             :mod:`passes.multidim_tp` and ``docs/ARCHITECTURE.md``, "2D, 2.5D and 3D tensor
             parallelism".
+        expert_parallel: mixture-of-experts layers (HuggingFace experts modules, captured as one
+            op each): ``"auto"`` lets the solver split the stacked experts over a mesh axis
+            (tokens dispatched to them and combined back by all-to-all) where that is faster or
+            needed to fit; ``"on"`` splits every MoE layer's experts over one mesh axis; ``"off"``
+            never does (see ``docs/moe.md``).
 
     Example::
 
@@ -265,11 +272,13 @@ def plan_captured(
         pinned.setdefault(node, forced)
     for node, forced in multidim_tp.forced_pins(cap.graph, opts.tensor_parallel, mesh.shape).items():
         pinned.setdefault(node, forced)
+    experts_rule.check_forced(cap.graph, opts.expert_parallel, mesh.shape)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("%s: pins %s", model_name, {n.name: format_spec(s) for n, s in pinned.items()})
     with (
         attention_rule.sequence_parallel(opts.sequence_parallel, mesh.shape),
         multidim_tp.tensor_parallel(opts.tensor_parallel, mesh.shape),
+        experts_rule.expert_parallel(opts.expert_parallel, mesh.shape),
     ):
         result = plan_intra_op(
             cap,
@@ -318,6 +327,7 @@ def plan_captured(
         "sequence_parallel": opts.sequence_parallel,
         "zero": opts.zero,
         "tensor_parallel": opts.tensor_parallel,
+        "expert_parallel": opts.expert_parallel,
         "host_memory_budget": opts.host_memory_budget,
         "share_blocks": opts.share_blocks,
         "pins": {n.name: format_spec(s) for n, s in pinned.items()},

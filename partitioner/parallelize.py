@@ -109,6 +109,7 @@ def auto_parallelize(
     sequence_parallel="auto",
     zero="auto",
     tensor_parallel="auto",
+    expert_parallel="auto",
     local_inputs=False,
     state_dict=None,
     checkpoint=None,
@@ -216,7 +217,16 @@ def auto_parallelize(
 
 
 # the options a replayed plan records under the same name (the others are not its choices)
-_REPLAYED = ("objective", "optimizer", "recompute", "sequence_parallel", "zero", "tensor_parallel", "share_blocks")
+_REPLAYED = (
+    "objective",
+    "optimizer",
+    "recompute",
+    "sequence_parallel",
+    "zero",
+    "tensor_parallel",
+    "expert_parallel",
+    "share_blocks",
+)
 
 
 def _check_replay_options(opts: PlanOptions, plan: ShardingPlan) -> None:
@@ -286,6 +296,11 @@ def _pipelined(model, example_inputs, pipeline, *, mesh, mesh_axis_names, plan, 
         raise ValueError(
             f"zero=1 is not available {_PIPELINE_MODE}: ZeRO-1 keeps a whole compute copy of each weight beside "
             "its optimizer shard, which pipeline stage programs do not; use zero=2 or 3 (weights stored sharded)"
+        )
+    if options.expert_parallel == "on":
+        raise ValueError(
+            f"expert_parallel='on' is not available {_PIPELINE_MODE} yet: stage meshes are planned stage by "
+            "stage; use 'auto' (the stages may still split experts) or run without pipeline="
         )
     if options.tensor_parallel not in ("auto", "1d"):
         raise ValueError(

@@ -21,6 +21,8 @@ import torch
 import torch.fx as fx
 import torch.fx.config  # noqa: F401  (fx.config.do_not_emit_stack_traces)
 
+from passes.moe.experts_op import experts_as_ops
+
 __all__ = [
     "CaptureError",
     "CapturedGraph",
@@ -204,7 +206,7 @@ def capture(
                     args, kwargs = stack.enter_context(_on_fake_cpu(model, args, kwargs))
                     device_type = "cpu"
                 stack.enter_context(torch.autocast(device_type, dtype=autocast_dtype))
-            with training_configs(model):
+            with training_configs(model), experts_as_ops(model):
                 exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # export raises many types; all become one clear error
         message = str(exc).strip()

@@ -29,7 +29,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from passes.rules import rule_for, tensor_input_nodes
+from passes.rules import op_view, rule_for, tensor_input_nodes
 
 __all__ = ["Saves", "saves_of"]
 
@@ -115,6 +115,9 @@ def saves_of(node: fx.Node, grads: list, autocast=None) -> Saves:
     inputs = tensor_input_nodes(node)
     if node.target is operator.getitem:
         return Saves(alias=0)
+    own = rule_for(node).saves(op_view(node), grads)
+    if own is not None:
+        return own
     sig = _signature(node, grads, autocast)
     if sig is not None and sig in _CACHE:
         return _CACHE[sig]

@@ -227,6 +227,21 @@ class OpRule(abc.ABC):
         None (the default): the rule's rate is one number."""
         return None
 
+    def work_scale(self, op: OpView, strategy: Strategy, mesh_shape) -> float:
+        """How much more than its even share of the FLOPs the busiest rank computes under
+        ``strategy`` (1.0: an even split; a mixture-of-experts layer's routed imbalance)."""
+        return 1.0
+
+    def saves(self, op: OpView, grads):
+        """What the op keeps for backward (a ``passes.saved_tensors.Saves``), for an op whose
+        lowering runs other code than the op itself; None (the default): found by running the op."""
+        return None
+
+    def buffer_inputs(self, placed: list) -> list:
+        """The ``(shape, placement)`` pairs of the inputs whose share the op's own saved buffers
+        follow (:func:`passes.cost_model.largest_share` takes the largest); default: all."""
+        return placed
+
     def flops(self, op: OpView) -> float:
         shape = op.out_shapes[0] or ()
         n = 1
