@@ -24,6 +24,7 @@ from passes.analyze import analyze, info
 from passes.capture import describe_captured, graph_fingerprint
 from passes.capture_blocks import capture_model
 from passes.eager_attention import fuse_for
+from passes.moe.routing import measure_routing, routing_of
 from passes.placements import format_spec, parse_spec
 from passes.plan_intra_op import plan_intra_op
 from passes.rules import attention as attention_rule
@@ -206,6 +207,7 @@ def plan(
     t1 = time.perf_counter()
     logger.info("capture: %.2f s (%s)", t1 - t0, describe_captured(cap))
     analyze(cap)
+    measure_routing(model, example_inputs, cap)
     fuse_for(cap, opts.sequence_parallel)
     t2 = time.perf_counter()
     logger.info("analysis: %.2f s", t2 - t1)
@@ -328,6 +330,7 @@ def plan_captured(
         "zero": opts.zero,
         "tensor_parallel": opts.tensor_parallel,
         "expert_parallel": opts.expert_parallel,
+        "routing": routing_of(cap.graph),
         "host_memory_budget": opts.host_memory_budget,
         "share_blocks": opts.share_blocks,
         "pins": {n.name: format_spec(s) for n, s in pinned.items()},

@@ -35,6 +35,7 @@ from passes.capture import graph_fingerprint, tied_placeholders
 from passes.capture_blocks import capture_model
 from passes.eager_attention import fuse_for
 from passes.lower_to_local import lower_to_local
+from passes.moe.routing import measure_routing
 from passes.shape_check import check_servable
 from runtime.collectives import MeshComm, on_rank0
 from runtime.host_memory import return_freed_blocks
@@ -365,6 +366,7 @@ def _capture(model, example_inputs, layers, precision, sequence_parallel="auto")
     eager attention becomes one op where ring or Ulysses is forced (``passes.eager_attention``)."""
     cap = capture_model(model, example_inputs, layers=layers, autocast_dtype=precision.autocast_dtype)
     analyze(cap)
+    measure_routing(model, example_inputs, cap)
     fuse_for(cap, sequence_parallel or "auto")
     return cap
 

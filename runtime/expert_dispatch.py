@@ -46,6 +46,7 @@ dispatched rows, the gate/up product, the activation and the product fed to ``do
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ACTIVATIONS", "ExpertDispatch", "experts_forward"]
 
-ACTIVATIONS = {
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),

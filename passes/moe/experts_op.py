@@ -138,7 +138,7 @@ def experts_as_ops(model: torch.nn.Module):
         if problem is not None:
             logger.info("experts module %s is planned op by op: %s", path or type(module).__name__, problem)
             continue
-        module.forward = _op_forward(module, experts_activation(module))
+        module.forward = _op_forward(module, str(experts_activation(module)))
         patched.append(module)
     try:
         yield patched

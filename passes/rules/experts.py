@@ -42,7 +42,16 @@ from passes.rules.base import AxisStrategy, OpRule, OpView, register
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ExpertsRule", "EXPERT_PARALLEL_MODES", "EXPERT_NOTES", "check_mode", "expert_parallel", "check_forced"]
+__all__ = [
+    "ExpertsRule",
+    "EXPERT_PARALLEL_MODES",
+    "EXPERT_NOTES",
+    "check_mode",
+    "check_forced",
+    "experts_lines",
+    "expert_parallel",
+    "imbalance",
+]
 
 EXPERT_PARALLEL_MODES = ("auto", "on", "off")
 EXPERT_NOTES = ("experts", "experts_local")
@@ -103,6 +112,39 @@ def expert_axis(axes) -> int | None:
     return next((ax for ax, a in enumerate(axes) if a.note in EXPERT_NOTES), None)
 
 
+def experts_lines(records, data) -> list:
+    """The summary's lines on MoE layers: per layer kind, the axis carrying the experts (or that
+    none does) and the routed imbalance at that axis's size (measured, or assumed 1.0)."""
+    moe = [r for r in records if str(r.get("target", "")).startswith("partita.moe_experts")]
+    if not moe:
+        return []
+    mesh = dict(zip(data["mesh"]["axis_names"], data["mesh"]["shape"]))
+    routing = data.get("routing") or {}
+    by_axis: dict = {}
+    for r in moe:
+        split = [(axis, note) for axis, note in (r.get("notes") or {}).items() if note in EXPERT_NOTES]
+        by_axis.setdefault(split[0] if split else None, []).append(r["name"])
+    mode = data.get("expert_parallel", "auto")
+    lines = []
+    for key, names in by_axis.items():
+        if key is None:
+            lines.append(f"experts (expert_parallel={mode!r}): replicated on every axis in {len(names)} MoE layer(s)")
+            continue
+        axis, note = key
+        how = "tokens dispatched and combined by all-to-all" if note == "experts" else "tokens whole, partial sums"
+        ratios = [imbalance(routing[n], mesh[axis]) for n in names if n in routing]
+        load = (
+            f"routed imbalance (max/mean pairs per rank) {max(ratios):.2f}, measured on the example batch"
+            if ratios
+            else "routed imbalance not measured (taken as 1.00)"
+        )
+        lines.append(
+            f"experts (expert_parallel={mode!r}): split over mesh axis {axis} ({mesh[axis]} ranks) in "
+            f"{len(names)} MoE layer(s), {how}; {load}"
+        )
+    return lines
+
+
 class ExpertsRule(OpRule):
     contraction = True
     saves_inputs = True
@@ -119,7 +161,7 @@ class ExpertsRule(OpRule):
             return out
         dtype = op.out_dtypes[0] or torch.float32
         rows = float(tokens * k * hidden)
-        extra = (("all_to_all", "fwd", experts * 8.0 / dtype.itemsize, "none"),)
+        extra: tuple = (("all_to_all", "fwd", experts * 8.0 / dtype.itemsize, "none"),)
         extra += tuple(("all_to_all", phase, rows, "local") for phase in ("fwd", "fwd", "bwd", "bwd"))
         out.append(AxisStrategy(out=(Shard(0),), ins=(Shard(0),) * 5, extra=extra, note="experts"))
         out.append(AxisStrategy(out=(P,), ins=(R, R, R, Shard(0), Shard(0)), note="experts_local"))
