@@ -375,8 +375,9 @@ class _Builder:
                 extra_fwd += t
             else:
                 extra_bwd += t
-        placed = rule.buffer_inputs(list(zip(op.in_shapes, strategy.ins)))
-        act = self.activation_copies * saved_bytes(i, strategy.out, self.mesh, placed)
+        placed = list(zip(op.in_shapes, strategy.ins))
+        share = rule.buffer_share(op, placed, self.mesh)
+        act = self.activation_copies * saved_bytes(i, strategy.out, self.mesh, placed, share)
         extra = extra_fwd + (extra_bwd if i.requires_grad else 0.0)
         return fwd + bwd, extra, act, weight, (fwd, extra_fwd)
 

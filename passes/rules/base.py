@@ -237,10 +237,11 @@ class OpRule(abc.ABC):
         lowering runs other code than the op itself; None (the default): found by running the op."""
         return None
 
-    def buffer_inputs(self, placed: list) -> list:
-        """The ``(shape, placement)`` pairs of the inputs whose share the op's own saved buffers
-        follow (:func:`passes.cost_model.largest_share` takes the largest); default: all."""
-        return placed
+    def buffer_share(self, op: OpView, placed: list, mesh_shape) -> float | None:
+        """The fraction of its own saved buffers (``Saves.extra_bytes``, at the graph's shapes) a
+        device keeps, its inputs placed as ``placed`` (``(shape, placement)`` pairs); None (the
+        default): the share of its largest input (:func:`passes.cost_model.largest_share`)."""
+        return None
 
     def flops(self, op: OpView) -> float:
         shape = op.out_shapes[0] or ()

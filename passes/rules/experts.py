@@ -189,21 +189,42 @@ class ExpertsRule(OpRule):
             return 1.0
         return imbalance(op.node.meta.get(ROUTING_KEY), mesh_shape[ax])
 
-    def saves(self, op: OpView, grads):
-        """What :func:`runtime.expert_dispatch.experts_forward` keeps, at the graph's shapes with
-        every routed row counted once (``N = T k``): the top-k weights and the expert weights
-        (inputs 2-4), and its own buffers: ``T k (2 H + 4 I)`` elements and ``4 T k`` int64."""
-        from passes.saved_tensors import Saves
-
+    @staticmethod
+    def _buffers(op: OpView) -> tuple:
+        """(bytes that scale with the rank's tokens, bytes that scale with the rows its experts
+        compute), at the graph's shapes: per pair, the row back from its expert (``H``) and two
+        int64 indices; per routed row, the dispatched row, the gate/up product, the activation
+        and the product fed to ``down_proj`` (``H + 4 I``) and two int64 indices."""
         tokens, k = op.in_shapes[1]
         _, hidden, inner = op.in_shapes[4]
         elem = (op.out_dtypes[0] or torch.float32).itemsize
         pairs = tokens * k
-        return Saves(inputs=(2, 3, 4), extra_bytes=float(pairs * (2 * hidden + 4 * inner) * elem + 4 * pairs * 8))
+        return float(pairs * (hidden * elem + 16)), float(pairs * ((hidden + 4 * inner) * elem + 16))
 
-    def buffer_inputs(self, placed: list) -> list:
-        """The op's own buffers scale with the tokens (input 0), not the expert weights."""
-        return placed[:1]
+    def saves(self, op: OpView, grads):
+        """What :func:`runtime.expert_dispatch.experts_forward` keeps: the top-k weights and the
+        expert weights (inputs 2-4) and its own buffers (:meth:`_buffers`, every routed row
+        counted once)."""
+        from passes.saved_tensors import Saves
+
+        return Saves(inputs=(2, 3, 4), extra_bytes=sum(self._buffers(op)))
+
+    def buffer_share(self, op: OpView, placed: list, mesh_shape) -> float | None:
+        """The pairs' buffers follow the rank's share of the tokens; the routed rows' that share
+        over the ranks splitting the experts where the tokens are whole (local experts: each
+        rank computes ``1 / n`` of the pairs): their mean over the ranks."""
+        tokens, rows = self._buffers(op)
+        spec, experts = placed[0][1], placed[3][1]
+        if spec is None or experts is None:
+            return None
+        token_share, routed_share = 1.0, 1.0
+        for p, e, n in zip(spec, experts, mesh_shape):
+            if isinstance(p, Shard):
+                token_share /= n
+                routed_share /= n
+            elif isinstance(e, Shard):
+                routed_share /= n
+        return (tokens * token_share + rows * routed_share) / (tokens + rows)
 
     def lower(self, call):
         from runtime.expert_dispatch import ExpertDispatch
