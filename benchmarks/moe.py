@@ -6,16 +6,18 @@ parallelism, and measured steps on 4 gloo ranks.
 1. ``capacity``: Mixtral-shaped models (2 layers, hidden 64, expert width 128, top-2, batch 8 x
    16 tokens, fp32 Adam) with 4, 8, ..., 256 experts, planned on 4 devices (mesh (4,),
    ``h100`` figures, so the choice does not depend on this machine) under a per-rank budget:
-   for ``expert_parallel="auto"`` and ``"off"`` (the experts' storage still free to be ZeRO
-   sharded, gathered for use: FSDP's answer), the largest expert count whose plan fits, its
-   parameters and estimated peak per rank. Planned on ``meta`` (no routing measured: imbalance
+   for ``expert_parallel="auto"``, ``"off"`` (the experts' storage still free to be ZeRO
+   sharded, gathered for use: FSDP's answer) and the replicated plan (``"off"``, the expert
+   weights pinned whole), the largest expert count whose plan fits, its parameters and
+   estimated peak per rank. Planned on ``meta`` (no routing measured: imbalance
    1.0).
 2. ``steps``: the largest model ``"auto"`` fits trains on 4 gloo ranks of this machine (2 AdamW
    steps checked to run; seconds per step, median of 3 after one warm-up), and at the largest
-   size both modes fit, the step time of each (the same budget): CPU times on a shared 2-core
-   machine, noisy.
+   size the replicated plan fits, the step time of the solver's plan, forced expert parallelism
+   and the replicated plan (the same budget): CPU times on a shared 2-core machine, noisy.
 
-Results: ``benchmarks/results/2026-12-02-moe.md``.
+``steps`` alone uses the largest sizes the capacity part found (96 experts for ``"auto"``, 16
+for the replicated plan, 2026-12-02). Results: ``benchmarks/results/2026-12-02-moe.md``.
 """
 
 from __future__ import annotations
@@ -57,11 +59,21 @@ def build(experts: int, device="cpu"):
     return model, {"input_ids": ids, "labels": ids.clone()}
 
 
+REPLICATED = {"model.layers.*.mlp.experts.*": ["R"]}
+
+
+def _options(mode) -> dict:
+    """``"replicated"``: experts off and their weights stored whole (the replicated plan)."""
+    if mode == "replicated":
+        return dict(expert_parallel="off", pins=REPLICATED)
+    return dict(expert_parallel=mode)
+
+
 def _plan(experts, mode):
     model, inputs = build(experts, "meta")
     try:
         plan = partitioner.plan(
-            model, inputs, mesh=(4,), cluster="h100", memory_budget=BUDGET, expert_parallel=mode, recompute="none"
+            model, inputs, mesh=(4,), cluster="h100", memory_budget=BUDGET, recompute="none", **_options(mode)
         )
     except partitioner.InfeasibleBudgetError:
         return None
@@ -70,7 +82,7 @@ def _plan(experts, mode):
 
 def capacity() -> dict:
     rows, largest = [], {}
-    for mode in ("auto", "off"):
+    for mode in ("auto", "off", "replicated"):
         for experts in EXPERTS:
             t0 = time.perf_counter()
             plan = _plan(experts, mode)
@@ -97,9 +109,10 @@ def capacity() -> dict:
             print(f"| {mode} | {experts} | no plan fits | | | {secs:.1f} |")
         else:
             print(f"| {mode} | {experts} | {params:,} | {peak / MiB:.1f} MiB | {split or '-'} | {secs:.1f} |")
-    if "auto" in largest and "off" in largest:
-        ratio = largest["auto"][1] / largest["off"][1]
-        print(f"largest that fits: auto {largest['auto']}, off {largest['off']}; parameter ratio {ratio:.2f}")
+    for other in ("off", "replicated"):
+        if "auto" in largest and other in largest:
+            ratio = largest["auto"][1] / largest[other][1]
+            print(f"largest that fits: auto {largest['auto']}, {other} {largest[other]}; parameter ratio {ratio:.2f}")
     return largest
 
 
@@ -111,8 +124,8 @@ def _train_worker(rank, world, cfg):
         mesh=(4,),
         cluster="h100",
         memory_budget=BUDGET,
-        expert_parallel=cfg["mode"],
         recompute="none",
+        **_options(cfg["mode"]),
     )
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     times, losses = [], []
@@ -130,9 +143,8 @@ def _train_worker(rank, world, cfg):
 def steps(largest: dict) -> None:
     from runtime.launch import run_on_ranks
 
-    runs = [("auto", largest["auto"][0])]
-    both = min(largest["auto"][0], largest["off"][0])
-    runs += [("auto", both), ("off", both)]
+    both = min(largest["auto"][0], largest["replicated"][0])
+    runs = [("auto", largest["auto"][0]), ("on", both), ("replicated", both), ("auto", both), ("on", both)]
     print("| expert_parallel | experts | parameters on rank 0 | s / step (median) | losses |")
     print("|---|---:|---:|---:|---|")
     for mode, experts in runs:
@@ -143,6 +155,6 @@ def steps(largest: dict) -> None:
 
 if __name__ == "__main__":
     part = sys.argv[1] if len(sys.argv) > 1 else "all"
-    found = capacity() if part in ("capacity", "all", "steps") else {}
+    found = capacity() if part in ("capacity", "all") else {"auto": (96, 0), "replicated": (16, 0)}
     if part in ("steps", "all"):
         steps(found)

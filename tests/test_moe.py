@@ -234,7 +234,36 @@ def moe_worker(rank, world, cfg):
         results.setdefault("saved", {})[family] = (pm.plan.estimate().memory.saved, measured.saved_activations)
         if rank == 0:
             results["summaries"][family] = pm.plan.summary(wide=True)
+    if len(mesh) == 1:
+        _check_skewed_dispatch(rank, world, checks)
     return results
+
+
+def _check_skewed_dispatch(rank, world, checks):
+    """The all-to-all op alone, every pair routed to the experts of ranks 0 and 1 (ranks 2 and 3
+    receive no rows: empty products), against the whole op on one device: output and gradients."""
+    from partitioner.parallelize import _device_mesh
+    from runtime.collectives import MeshComm
+    from runtime.expert_dispatch import ExpertDispatch
+
+    g = torch.Generator().manual_seed(3)
+    experts, hidden, inner, tokens, k = 4, 8, 6, 6 * world, 2
+    x = torch.randn(tokens, hidden, generator=g, requires_grad=True)
+    index = torch.randint(0, 2, (tokens, k), generator=g)
+    weights = torch.rand(tokens, k, generator=g, requires_grad=True)
+    gate_up = torch.randn(experts, 2 * inner, hidden, generator=g, requires_grad=True)
+    down = torch.randn(experts, hidden, inner, generator=g, requires_grad=True)
+    whole = experts_forward(x, index, weights, gate_up, down, "gelu")
+    dx, dw, dgu, dd = torch.autograd.grad(whole.square().sum(), [x, weights, gate_up, down])
+    comm = MeshComm(_device_mesh((world,), ("a0",), "cpu"))
+    rows = slice(rank * 6, rank * 6 + 6)
+    mine = [t[rows].detach().requires_grad_() for t in (x, weights)]
+    held = [t[rank : rank + 1].detach().requires_grad_() for t in (gate_up, down)]
+    out = ExpertDispatch(comm, "gelu", axis=0, mode="all_to_all")(mine[0], index[rows], mine[1], *held)
+    grads = torch.autograd.grad(out.square().sum(), mine + held)
+    checks.close("skewed dispatch: output", out, whole[rows].detach())
+    for name, got, want in zip(("x", "weights", "gate_up", "down"), grads, (dx[rows], dw[rows], dgu[rank], dd[rank])):
+        checks.close(f"skewed dispatch: gradient of {name}", got, want[None] if name in ("gate_up", "down") else want)
 
 
 def _step_of(pm, inputs):

@@ -7,8 +7,9 @@ and the data, not on shapes, so it is measured: the model runs forward once on t
 batch (``torch.no_grad``) with a hook on each experts module the capture turned into
 ``partita.moe_experts`` (:mod:`passes.moe.experts_op`), counting its ``top_k_index`` per
 expert, and each experts node of the graph gets its module's counts in
-``node.meta["partita.routing"]``. A model on ``meta`` has no values to route: nothing is
-measured and the imbalance is taken as 1.0 (the plan says so).
+``node.meta["partita.routing"]``. The random number generators are restored afterwards, so the
+measurement draws nothing from the caller's streams (dropout masks). A model on ``meta`` has
+no values to route: nothing is measured and the imbalance is taken as 1.0 (the plan says so).
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def measure_routing(model: torch.nn.Module, example_inputs, cap) -> dict:
     ]
     args, kwargs = _split_inputs(example_inputs)
     try:
-        with torch.no_grad(), training_configs(model):
-            model(*args, **kwargs)
+        with torch.no_grad(), training_configs(model), torch.random.fork_rng():
+            model(*args, **kwargs)  # the caller's random streams (dropout) are left as they were
     finally:
         for h in hooks:
             h.remove()
