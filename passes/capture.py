@@ -5,7 +5,8 @@ Parameters and buffers come out as placeholders (the graph signature maps them t
 qualified names); every node carries ``meta["val"]`` (a FakeTensor: shape and dtype) and
 ``meta["nn_module_stack"]``. Models built on the ``meta`` device capture without memory:
 example inputs are moved to ``meta`` too. A failure is re-raised as :class:`CaptureError`
-naming the construct that export could not handle and what to try.
+naming the construct that export could not handle and what to try. HuggingFace
+mixture-of-experts modules are captured as one op each (:mod:`passes.moe.experts_op`).
 """
 
 from __future__ import annotations
