@@ -330,6 +330,7 @@ def _cmd_plan(args) -> int:
             recompute=args.recompute,
             zero=args.zero if args.zero == "auto" else int(args.zero),
             tensor_parallel=args.tensor_parallel,
+            expert_parallel=args.expert_parallel,
             verbose=not args.quiet,
         )
     except (partitioner.CaptureError, partitioner.InfeasibleBudgetError) as exc:
@@ -513,6 +514,13 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="linear layers as Megatron 1D, 2D (a q x q mesh), 2.5D (d x q x q) or 3D (c x c x c) "
         "tensor parallelism, or as the solver chooses (auto)",
+    )
+    p.add_argument(
+        "--expert-parallel",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="mixture-of-experts layers: experts split over a mesh axis with all-to-all dispatch (on), "
+        "never (off), or as the solver chooses (auto)",
     )
     p.add_argument(
         "--optimizer",

@@ -22,6 +22,7 @@ from passes.analyze import analyze
 from passes.capture import describe_captured
 from passes.capture_blocks import capture_model
 from passes.eager_attention import fuse_for
+from passes.moe.routing import measure_routing
 
 __all__ = ["plan", "plan_captured", "resolve_pins", "mesh_argument"]
 
@@ -54,6 +55,7 @@ def plan(
     sequence_parallel: str = "auto",
     zero="auto",
     tensor_parallel: str = "auto",
+    expert_parallel: str = "auto",
     verbose: bool = False,
 ) -> ShardingPlan:
     """Choose data / tensor / sequence splits for every node of ``model`` on a device mesh.
@@ -124,6 +126,11 @@ def plan(
             ``"2.5d"`` (Tesseract on ``d x q x q``) or ``"3d"`` (on ``c x c x c``); see
             :mod:`passes.multidim_tp` and ``docs/ARCHITECTURE.md``, "2D, 2.5D and 3D tensor
             parallelism".
+        expert_parallel: mixture-of-experts layers (HuggingFace experts modules, captured as one
+            op each): ``"auto"`` lets the solver split the stacked experts over a mesh axis
+            (tokens dispatched to them and combined back by all-to-all) where that is faster or
+            needed to fit; ``"on"`` splits every MoE layer's experts over one mesh axis; ``"off"``
+            never does (see ``docs/moe.md``).
 
     Example::
 
@@ -151,6 +158,7 @@ def plan(
     t1 = time.perf_counter()
     logger.info("capture: %.2f s (%s)", t1 - t0, describe_captured(cap))
     analyze(cap)
+    measure_routing(model, example_inputs, cap)
     fuse_for(cap, opts.sequence_parallel)
     t2 = time.perf_counter()
     logger.info("analysis: %.2f s", t2 - t1)

@@ -939,6 +939,11 @@ def _search_options(opts: PlanOptions) -> PlanOptions:
             "objective": "the search ranks configurations by estimated step time; give mesh= to minimise memory",
         },
     )
+    if opts.expert_parallel == "on":
+        raise ValueError(
+            f"expert_parallel='on' is not available {_SEARCH_MODE} yet: the search does not enumerate an "
+            f"expert degree; give mesh=, or use 'auto' (each candidate's solver may split the experts)"
+        )
     if opts.tensor_parallel not in ("auto", "1d"):
         raise ValueError(
             f"tensor_parallel={opts.tensor_parallel!r} is not available {_SEARCH_MODE}: its grid needs a mesh of "

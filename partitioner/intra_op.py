@@ -25,9 +25,11 @@ from partitioner.sharding_plan import PLAN_FORMAT, PLAN_VERSION, ShardingPlan
 from passes import multidim_tp
 from passes.analyze import info
 from passes.capture import graph_fingerprint
+from passes.moe.routing import routing_of
 from passes.placements import format_spec, parse_spec
 from passes.plan_intra_op import plan_intra_op
 from passes.rules import attention as attention_rule
+from passes.rules import experts as experts_rule
 
 __all__ = ["plan_captured", "resolve_pins", "flops_dtype", "training_flops"]
 
@@ -126,11 +128,13 @@ def plan_captured(
         pinned.setdefault(node, forced)
     for node, forced in multidim_tp.forced_pins(cap.graph, opts.tensor_parallel, mesh.shape).items():
         pinned.setdefault(node, forced)
+    experts_rule.check_forced(cap.graph, opts.expert_parallel, mesh.shape)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("%s: pins %s", model_name, {n.name: format_spec(s) for n, s in pinned.items()})
     with (
         attention_rule.sequence_parallel(opts.sequence_parallel, mesh.shape),
         multidim_tp.tensor_parallel(opts.tensor_parallel, mesh.shape),
+        experts_rule.expert_parallel(opts.expert_parallel, mesh.shape),
     ):
         result = plan_intra_op(
             cap,
@@ -179,6 +183,8 @@ def plan_captured(
         "sequence_parallel": opts.sequence_parallel,
         "zero": opts.zero,
         "tensor_parallel": opts.tensor_parallel,
+        "expert_parallel": opts.expert_parallel,
+        "routing": routing_of(cap.graph),
         "host_memory_budget": opts.host_memory_budget,
         "share_blocks": opts.share_blocks,
         "pins": {n.name: format_spec(s) for n, s in pinned.items()},

@@ -35,6 +35,7 @@ from passes.capture import graph_fingerprint, tied_placeholders
 from passes.capture_blocks import capture_model
 from passes.eager_attention import fuse_for
 from passes.lower_to_local import lower_to_local
+from passes.moe.routing import measure_routing
 from passes.shape_check import check_servable
 from runtime.collectives import MeshComm, on_rank0
 from runtime.host_memory import return_freed_blocks
@@ -109,6 +110,7 @@ def auto_parallelize(
     sequence_parallel="auto",
     zero="auto",
     tensor_parallel="auto",
+    expert_parallel="auto",
     local_inputs=False,
     state_dict=None,
     checkpoint=None,
@@ -216,7 +218,16 @@ def auto_parallelize(
 
 
 # the options a replayed plan records under the same name (the others are not its choices)
-_REPLAYED = ("objective", "optimizer", "recompute", "sequence_parallel", "zero", "tensor_parallel", "share_blocks")
+_REPLAYED = (
+    "objective",
+    "optimizer",
+    "recompute",
+    "sequence_parallel",
+    "zero",
+    "tensor_parallel",
+    "expert_parallel",
+    "share_blocks",
+)
 
 
 def _check_replay_options(opts: PlanOptions, plan: ShardingPlan) -> None:
@@ -287,6 +298,11 @@ def _pipelined(model, example_inputs, pipeline, *, mesh, mesh_axis_names, plan, 
             f"zero=1 is not available {_PIPELINE_MODE}: ZeRO-1 keeps a whole compute copy of each weight beside "
             "its optimizer shard, which pipeline stage programs do not; use zero=2 or 3 (weights stored sharded)"
         )
+    if options.expert_parallel == "on":
+        raise ValueError(
+            f"expert_parallel='on' is not available {_PIPELINE_MODE} yet: stage meshes are planned stage by "
+            "stage; use 'auto' (the stages may still split experts) or run without pipeline="
+        )
     if options.tensor_parallel not in ("auto", "1d"):
         raise ValueError(
             f"tensor_parallel={options.tensor_parallel!r} is not available {_PIPELINE_MODE} yet: the 2D/2.5D/3D "
@@ -350,6 +366,7 @@ def _capture(model, example_inputs, layers, precision, sequence_parallel="auto")
     eager attention becomes one op where ring or Ulysses is forced (``passes.eager_attention``)."""
     cap = capture_model(model, example_inputs, layers=layers, autocast_dtype=precision.autocast_dtype)
     analyze(cap)
+    measure_routing(model, example_inputs, cap)
     fuse_for(cap, sequence_parallel or "auto")
     return cap
 

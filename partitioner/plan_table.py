@@ -362,6 +362,7 @@ def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = 
         )
         lines += [redo] if wide else textwrap.wrap(redo, width, subsequent_indent="  ")
     lines += _sequence_parallel_line(plan, width, wide)
+    lines += _experts_lines(plan, width, wide)
     lines += _grid_lines(plan, width, wide)
     lines += _storage_lines(plan, width, wide)
     lines += _wide_table(plan, rows, heads) if wide else _narrow_table(plan, rows, heads, bases, width)
@@ -489,3 +490,11 @@ def _sequence_parallel_line(plan, width, wide) -> list:
         + ", ".join(f"{item} on {n} attention op{'s' if n > 1 else ''}" for item, n in found.items())
     )
     return [text] if wide else textwrap.wrap(text, width, subsequent_indent="  ")
+
+
+def _experts_lines(plan, width, wide) -> list:
+    """Which mesh axis carries the experts of the MoE layers, and the routed imbalance there."""
+    from passes.rules.experts import experts_lines
+
+    lines = experts_lines(plan.records, plan.data)
+    return lines if wide else [w for line in lines for w in textwrap.wrap(line, width, subsequent_indent="  ")]

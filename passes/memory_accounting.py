@@ -56,7 +56,7 @@ from passes.cost_model import (
     param_state_parts,
 )
 from passes.prefetch_gathers import backward_windows, first_gather, forward_windows
-from passes.rules import tensor_input_nodes
+from passes.rules import op_view, rule_for, tensor_input_nodes
 
 __all__ = ["memory_fields"]
 
@@ -179,7 +179,9 @@ def memory_fields(
         if i.saves.extra_bytes:
             mine = choices[c]
             placed = [(info(u).shape, spec) for u, spec in zip(ins, mine.ins)] or [(i.shape, out_spec(c))]
-            into[("extra", c)] = (i.saves.extra_bytes * largest_share(placed, mesh), c)
+            share = rule_for(c).buffer_share(op_view(c), placed, mesh)
+            fraction = share if share is not None else largest_share(placed, mesh)
+            into[("extra", c)] = (i.saves.extra_bytes * fraction, c)
         for k in range(len(ins)):
             e = edge(c, k)
             if e is not None and e[0] not in kept:

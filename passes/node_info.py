@@ -8,17 +8,27 @@ while :mod:`passes.analyze`, which writes it, may import them all.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 
-if TYPE_CHECKING:
-    from passes.saved_tensors import Saves
-
-__all__ = ["META_KEY", "NodeInfo", "info"]
+__all__ = ["META_KEY", "NodeInfo", "Saves", "info"]
 
 META_KEY = "partita.info"
+
+
+@dataclass(frozen=True)
+class Saves:
+    """What one op keeps for backward."""
+
+    inputs: tuple = ()
+    """Positions (in :func:`passes.rules.tensor_input_nodes` order) of the inputs it saves."""
+    outputs: tuple = ()
+    """Indices of its outputs it saves."""
+    extra_bytes: float = 0.0
+    """Bytes of the other tensors it saves, at the graph's (global) shapes."""
+    alias: int | None = None
+    """The input position whose storage its output shares (a view), or None."""
 
 
 @dataclass

@@ -353,7 +353,7 @@ class _Builder:
                     mem_bytes += nbytes
                     alloc_fwd += allocation_time(nbytes, self.cluster)
         fwd = compute_time(
-            i.flops / split,
+            i.flops / split * rule.work_scale(op, strategy, self.mesh),
             mem_bytes,
             i.dtype,
             rule.contraction,
@@ -375,7 +375,9 @@ class _Builder:
                 extra_fwd += t
             else:
                 extra_bwd += t
-        act = self.activation_copies * saved_bytes(i, strategy.out, self.mesh, zip(op.in_shapes, strategy.ins))
+        placed = list(zip(op.in_shapes, strategy.ins))
+        share = rule.buffer_share(op, placed, self.mesh)
+        act = self.activation_copies * saved_bytes(i, strategy.out, self.mesh, placed, share)
         extra = extra_fwd + (extra_bwd if i.requires_grad else 0.0)
         return fwd + bwd, extra, act, weight, (fwd, extra_fwd)
 
