@@ -49,7 +49,10 @@ Algorithm
    one costs seconds at large scale; one refused over budget counts half), one per set of
    degrees ``(p, d, t)`` (the best-ranked microbatch count and recomputation for them; 1F1B
    and ZB-H1 come from the same plannings);
-   the rest are listed as not planned, with their bounds. Candidates likely to fit are planned
+   the rest are listed as not planned, with their bounds. A candidate left out by that limit
+   whose quick estimate times the least ratio of a planned step to its quick estimate seen in
+   the search still beats the best step is planned past the limit (``_RUNNER_UPS`` at most);
+   the others whose quick estimate is below the chosen step say what that product is. Candidates likely to fit are planned
    first: a refusal over budget scales the activations in every bound by what that plan
    really needed, and a plan that fits only because the solver stored weights sharded beyond
    the asked ZeRO stage counts as a refusal of that stage (the candidates whose bounds are as
