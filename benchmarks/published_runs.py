@@ -389,9 +389,9 @@ def main():
         print(f"running {name} ...", file=sys.stderr, flush=True)
         results.append(_fresh(name, extra))
         print(json.dumps(results[-1])[:600], file=sys.stderr, flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        if args.json:  # after every row: a long run's finished rows are kept
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
     table = markdown(results)
     print(table)
     if args.markdown:
