@@ -50,14 +50,14 @@ Algorithm
    degrees ``(p, d, t)`` (the best-ranked microbatch count and recomputation for them; 1F1B
    and ZB-H1 come from the same plannings);
    the rest are listed as not planned, with their bounds. A candidate left out by that limit
-   whose quick estimate times the least ratio of a planned step to its quick estimate seen in
+   whose quick estimate times the median ratio of a planned step to its quick estimate in
    the search still beats the best step is planned past the limit (``_RUNNER_UPS`` at most);
-   the others whose quick estimate is below the chosen step say what that product is. Candidates likely to fit are planned
-   first: a refusal over budget scales the activations in every bound by what that plan
-   really needed, and a plan that fits only because the solver stored weights sharded beyond
-   the asked ZeRO stage counts as a refusal of that stage (the candidates whose bounds are as
-   tight are planned after the others). A set of degrees refused over budget
-   is planned once more, by a higher ZeRO stage the solver is asked differently. The stage
+   the others whose quick estimate is below the chosen step say what that product is.
+   Candidates likely to fit are planned first: a refusal over budget scales the activations
+   in every bound by what that plan really needed, and a plan that fits only because the
+   solver stored weights sharded beyond the asked ZeRO stage counts as a refusal of that
+   stage (the candidates whose bounds are as tight are planned after the others). A set of
+   degrees refused over budget is planned once more, by a higher ZeRO stage the solver is asked differently. The stage
    reaches the solver as ``zero=`` (:func:`planner_zero`), and the configuration records the
    stage the plan's weights use (:func:`zero_stage_of`).
 6. The fastest plan that fits is returned with its :class:`ParallelConfig` (``plan.config``)
@@ -75,6 +75,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import statistics
 import time
 from dataclasses import dataclass, field, replace
 
@@ -1185,15 +1186,15 @@ _RUNNER_UPS = 2
 
 
 def _planned_over_quick(cands: list) -> float:
-    """The least ratio of a planned candidate's estimated step to its quick estimate in this
-    search (1.0 before any): how far below the real plans the quick estimates ran here."""
+    """The median ratio of a planned candidate's estimated step to its quick estimate in this
+    search (1.0 before any): how far the quick estimates ran from the real plans here."""
     ratios = [c.step_time_s / c.quick_s for c in cands if c.plan is not None and c.quick_s > 0]
-    return min(ratios, default=1.0)
+    return statistics.median(ratios) if ratios else 1.0
 
 
 def _runner_up(cands: list, best, allowed: bool):
     """The candidate the search limit left out whose quick estimate, scaled by
-    :func:`_planned_over_quick`, beats the best step found most (planned next, past the
+    :func:`_planned_over_quick`, beats the best step found by most (planned next, past the
     limit); None when none does, or when ``allowed`` is false (no runner-ups left to plan)."""
     if best is None or not allowed:
         return None
@@ -1205,7 +1206,7 @@ def _runner_up(cands: list, best, allowed: bool):
     pick = min(left, key=lambda c: c.quick_s)
     pick.reason = ""
     logger.info(
-        "search: %s: quick estimate %s x %.2f (the least planned / quick ratio here) beats the best step %s: "
+        "search: %s: quick estimate %s x %.2f (the median planned / quick ratio here) beats the best step %s: "
         "planned past the limit",
         pick.config.describe(),
         _fmt_s(pick.quick_s),
@@ -1217,8 +1218,8 @@ def _runner_up(cands: list, best, allowed: bool):
 
 def _explain_runner_ups(cands: list, best) -> None:
     """Say, for each candidate left out by the search limit whose quick estimate is below the
-    chosen step, why it was not planned: the quick estimate scaled by the least ratio of a
-    planned step to its quick estimate (every plan here took at least that), against the step."""
+    chosen step, why it was not planned: the quick estimate scaled by the median ratio of a
+    planned step to its quick estimate in this search, against the step."""
     ratio = _planned_over_quick(cands)
     for c in cands:
         if c.status != "not planned" or not c.reason.startswith(_LIMIT) or c.quick_s >= best.step_time_s:
@@ -1231,8 +1232,8 @@ def _explain_runner_ups(cands: list, best) -> None:
             "went to lower ones"
         )
         c.reason += (
-            f", below the chosen step; planned candidates here took at least {ratio:.2f}x their quick estimates, "
-            f"so expected >= {_fmt_s(expected)}: {verdict}"
+            f", below the chosen step; planned candidates here took {ratio:.2f}x their quick estimates (median), "
+            f"so expected {_fmt_s(expected)}: {verdict}"
         )
 
 

@@ -22,19 +22,19 @@ def _cand(data, quick, step=None, reason="search limit (5 plannings)"):
     return c
 
 
-def test_runner_ups_are_ranked_by_their_quick_estimate_scaled_by_the_least_planned_ratio():
+def test_runner_ups_are_ranked_by_their_quick_estimate_scaled_by_the_median_planned_ratio():
     best = _cand(1, 1.0, step=1.5)  # planned at 1.5x its quick estimate
-    other = _cand(2, 2.0, step=4.0)  # 2.0x
-    near = _cand(4, 1.2)  # 1.2 * 1.5 = 1.8 >= 1.5: not worth planning
-    close = _cand(8, 0.9)  # 0.9 * 1.5 = 1.35 < 1.5: planned next
+    other = _cand(2, 2.0, step=4.0)  # 2.0x: the median ratio is 1.75
+    near = _cand(4, 1.2)  # 1.2 * 1.75 = 2.1 >= 1.5: not worth planning
+    close = _cand(8, 0.8)  # 0.8 * 1.75 = 1.4 < 1.5: planned next
     cands = [best, other, near, close]
-    assert _planned_over_quick(cands) == 1.5
+    assert _planned_over_quick(cands) == 1.75
     assert _runner_up(cands, best, allowed=True) is close and close.reason == ""
     assert _runner_up(cands, best, allowed=False) is None
     close.status, close.reason = "planned", ""
     assert _runner_up(cands, best, allowed=True) is None
     _explain_runner_ups(cands, best)
-    assert "1.50x their quick estimates, so expected >= 1.800 s: not below the chosen step 1.500 s" in near.reason
+    assert "1.75x their quick estimates (median), so expected 2.100 s: not below the chosen step 1.500 s" in near.reason
 
 
 def test_the_search_reports_its_counts_and_plans_or_explains_better_quick_estimates():
@@ -54,6 +54,6 @@ def test_the_search_reports_its_counts_and_plans_or_explains_better_quick_estima
         if r["status"] == "not planned" and r["reason"].startswith("search limit") and r["quick_estimate_s"] < chosen
     ]
     for row in left:
-        assert "expected >=" in row["reason"], row
+        assert "x their quick estimates (median), so expected" in row["reason"], row
     text = plan.explain()
     assert f"{search['priced']} configurations priced" in text and "set aside by their bounds" in text
