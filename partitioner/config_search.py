@@ -49,12 +49,15 @@ Algorithm
    one costs seconds at large scale; one refused over budget counts half), one per set of
    degrees ``(p, d, t)`` (the best-ranked microbatch count and recomputation for them; 1F1B
    and ZB-H1 come from the same plannings);
-   the rest are listed as not planned, with their bounds. Candidates likely to fit are planned
-   first: a refusal over budget scales the activations in every bound by what that plan
-   really needed, and a plan that fits only because the solver stored weights sharded beyond
-   the asked ZeRO stage counts as a refusal of that stage (the candidates whose bounds are as
-   tight are planned after the others). A set of degrees refused over budget
-   is planned once more, by a higher ZeRO stage the solver is asked differently. The stage
+   the rest are listed as not planned, with their bounds. A candidate left out by that limit
+   whose quick estimate times the median ratio of a planned step to its quick estimate in
+   the search still beats the best step is planned past the limit (``_RUNNER_UPS`` at most);
+   the others whose quick estimate is below the chosen step say what that product is.
+   Candidates likely to fit are planned first: a refusal over budget scales the activations
+   in every bound by what that plan really needed, and a plan that fits only because the
+   solver stored weights sharded beyond the asked ZeRO stage counts as a refusal of that
+   stage (the candidates whose bounds are as tight are planned after the others). A set of
+   degrees refused over budget is planned once more, by a higher ZeRO stage the solver is asked differently. The stage
    reaches the solver as ``zero=`` (:func:`planner_zero`), and the configuration records the
    stage the plan's weights use (:func:`zero_stage_of`).
 6. The fastest plan that fits is returned with its :class:`ParallelConfig` (``plan.config``)
@@ -72,6 +75,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import statistics
 import time
 from dataclasses import dataclass, field, replace
 
@@ -1070,7 +1074,14 @@ def search_config(
         queue.insert(0, seed)
     tried: dict = {}  # (p, d, s, t) -> (what was planned for them, its memory bound if refused over budget)
     refused = 0  # plannings refused over budget count half toward max_plans (they stop early)
-    while queue:
+    limit: float = max_plans  # raised by one for each runner-up planned after the limit
+    while True:
+        if not queue:
+            again = _runner_up(cands, best, limit - max_plans < _RUNNER_UPS)
+            if again is None:
+                break
+            limit = planner.plannings - refused / 2 + 1
+            queue.append(again)
         cand = queue.pop(0)
         if best is not None and cand.time_lb > best.step_time_s:
             cand.status = "pruned"
@@ -1078,8 +1089,8 @@ def search_config(
             continue
         degrees = (cand.config.pipeline, cand.config.data, cand.config.sequence, cand.config.tensor)
         if not _cached(planner, cand.config):
-            if planner.plannings - refused / 2 >= max_plans:
-                cand.reason = f"search limit ({max_plans} plannings); quick estimate {_fmt_s(cand.quick_s)}"
+            if planner.plannings - refused / 2 >= limit:
+                cand.reason = f"{_LIMIT} ({max_plans} plannings); quick estimate {_fmt_s(cand.quick_s)}"
                 continue
             # one planning per set of degrees, and one more after a refusal over budget: a higher
             # ZeRO stage that the solver is asked differently (or the other sequence algorithm)
@@ -1153,6 +1164,7 @@ def search_config(
             + f". The parameter state alone ({facts.params:,} parameters, optimizer {optimizer!r}) needs at least "
             f"{need} devices of this budget at batch {batch} in {precision}; raise the budget or the device count"
         )
+    _explain_runner_ups(cands, best)
     for cand in cands:
         if cand.status == "planned" and cand is not best:
             slower = 100 * (cand.step_time_s / best.step_time_s - 1)
@@ -1164,8 +1176,73 @@ def search_config(
     plan.data["config"] = best.config.to_dict()
     plan.data["search"] = _search_table(cands, best, devices, batch, t2 - t0, planner.plannings)
     plan.data.setdefault("stats", {})["search_s"] = t2 - t0
-    logger.info("search: chose %s in %.2f s", best.config.describe(), t2 - t0)
+    table = plan.data["search"]
+    logger.info(
+        "search: chose %s in %.2f s: %d configurations priced, %d set aside by their bounds, %d plannings",
+        best.config.describe(),
+        t2 - t0,
+        table["priced"],
+        table["bounded"],
+        table["plannings"],
+    )
     return plan
+
+
+_LIMIT = "search limit"
+_RUNNER_UPS = 2
+"""Plannings past ``max_plans`` for candidates the limit left out that may beat the chosen plan."""
+
+
+def _planned_over_quick(cands: list) -> float:
+    """The median ratio of a planned candidate's estimated step to its quick estimate in this
+    search (1.0 before any): how far the quick estimates ran from the real plans here."""
+    ratios = [c.step_time_s / c.quick_s for c in cands if c.plan is not None and c.quick_s > 0]
+    return statistics.median(ratios) if ratios else 1.0
+
+
+def _runner_up(cands: list, best, allowed: bool):
+    """The candidate the search limit left out whose quick estimate, scaled by
+    :func:`_planned_over_quick`, beats the best step found by most (planned next, past the
+    limit); None when none does, or when ``allowed`` is false (no runner-ups left to plan)."""
+    if best is None or not allowed:
+        return None
+    ratio = _planned_over_quick(cands)
+    left = [c for c in cands if c.status == "not planned" and c.reason.startswith(_LIMIT)]
+    left = [c for c in left if c.quick_s * ratio < best.step_time_s]
+    if not left:
+        return None
+    pick = min(left, key=lambda c: c.quick_s)
+    pick.reason = ""
+    logger.info(
+        "search: %s: quick estimate %s x %.2f (the median planned / quick ratio here) beats the best step %s: "
+        "planned past the limit",
+        pick.config.describe(),
+        _fmt_s(pick.quick_s),
+        ratio,
+        _fmt_s(best.step_time_s),
+    )
+    return pick
+
+
+def _explain_runner_ups(cands: list, best) -> None:
+    """Say, for each candidate left out by the search limit whose quick estimate is below the
+    chosen step, why it was not planned: the quick estimate scaled by the median ratio of a
+    planned step to its quick estimate in this search, against the step."""
+    ratio = _planned_over_quick(cands)
+    for c in cands:
+        if c.status != "not planned" or not c.reason.startswith(_LIMIT) or c.quick_s >= best.step_time_s:
+            continue
+        expected = c.quick_s * ratio
+        verdict = (
+            f"not below the chosen step {_fmt_s(best.step_time_s)}"
+            if expected >= best.step_time_s
+            else f"below the chosen step {_fmt_s(best.step_time_s)}, but the {_RUNNER_UPS} plannings past the limit "
+            "went to lower ones"
+        )
+        c.reason += (
+            f", below the chosen step; planned candidates here took {ratio:.2f}x their quick estimates (median), "
+            f"so expected {_fmt_s(expected)}: {verdict}"
+        )
 
 
 def _rule_of_thumb(cands: list, devices_per_node: int, bounds: _Bounds, budget: float) -> Candidate | None:
@@ -1231,6 +1308,8 @@ def _search_table(cands, best, devices, batch, seconds, plannings) -> dict:
         "global_batch": batch,
         "seconds": seconds,
         "plannings": plannings,
+        "priced": len(cands),
+        "bounded": sum(1 for c in cands if c.status == "pruned" or c.reason.startswith("needs at least")),
         "counts": counts,
         "rows": [c.row() for c in planned + refused + others]
         + [c.row() for c in sorted(bound_over, key=lambda c: c.memory_lb)[:3]],

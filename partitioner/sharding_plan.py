@@ -445,7 +445,8 @@ class ShardingPlan:
         counts = ", ".join(f"{n} {status}" for status, n in sorted(search["counts"].items()))
         lines = [
             f"configuration search for {search['devices']} devices, global batch {search['global_batch']}: "
-            f"{sum(search['counts'].values())} configurations ({counts}); {search['plannings']} planned with the "
+            f"{sum(search['counts'].values())} configurations priced ({counts}), "
+            f"{search.get('bounded', 0)} set aside by their bounds; {search['plannings']} planned with the "
             f"intra-op solver in {search['seconds']:.1f} s",
         ]
         for row in search["rows"]:
