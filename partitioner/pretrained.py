@@ -17,6 +17,7 @@ The model's ``config`` and ``generation_config`` come along when they can write 
 
 from __future__ import annotations
 
+import copy
 import re
 
 import torch
@@ -25,7 +26,7 @@ from partitioner.rebuild_buffers import non_persistent_buffers
 from partitioner.weights import tied_names
 from runtime.pretrained_io import PretrainedLayout
 
-__all__ = ["pretrained_layout"]
+__all__ = ["pretrained_layout", "hf_config_dict"]
 
 
 def pretrained_layout(model: torch.nn.Module) -> PretrainedLayout:
@@ -47,10 +48,26 @@ def pretrained_layout(model: torch.nn.Module) -> PretrainedLayout:
         names=names,
         aliases={n: aliases[n] for n in names if n in aliases},
         non_persistent=frozenset(non_persistent_buffers(model)),
-        config=_savable(getattr(model, "config", None)),
+        config=_config_of(model),
         generation_config=_savable(getattr(model, "generation_config", None)),
     )
 
 
+def _config_of(model: torch.nn.Module):
+    """A copy of the model's HF configuration naming the model's class in ``architectures`` (as
+    ``PreTrainedModel.save_pretrained`` writes it), or None."""
+    config = _savable(getattr(model, "config", None))
+    if config is None:
+        return None
+    config = copy.deepcopy(config)
+    config.architectures = [type(model).__name__]
+    return config
+
+
 def _savable(config):
     return config if callable(getattr(config, "save_pretrained", None)) else None
+
+
+def hf_config_dict(config) -> dict | None:
+    """What ``save_checkpoint`` records of a model's HF configuration (None for another model)."""
+    return config.to_dict() if callable(getattr(config, "to_dict", None)) else None

@@ -113,6 +113,13 @@ class SafetensorsCheckpoint:
         self.bytes_read += piece.numel() * piece.element_size()  # safetensors returns the stored dtype
         return piece
 
+    def read_whole(self, name: str) -> torch.Tensor:
+        """The whole tensor ``name`` (for offline conversion; counted in ``bytes_read``)."""
+        self._slice(name)  # the error naming the file, for a name the checkpoint lacks
+        tensor = self._handle(self.weight_map[name]).get_tensor(name)
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
     def close(self) -> None:
         for handle in self.__dict__.pop("_handles", {}).values():
             handle.__exit__(None, None, None)

@@ -114,9 +114,15 @@ def _one_model(rank, name, directory, out_dir):
         opt.step()
         ref_opt.step()
     pm.save_pretrained(out_dir, max_shard_size=SHARD)
-    state = pm.full_state_dict()  # a collective
+    if name == "llama":  # a Partita checkpoint, for `partitioner convert` (the parent converts it)
+        partitioner.save_checkpoint(f"{out_dir}-dcp", pm, opt)
+    state = {k: v.clone() for k, v in pm.full_state_dict().items()}  # a collective (replicated: the live tensors)
+    if name == "llama":  # the source directory converted to a Partita checkpoint loads back
+        partitioner.load_checkpoint(f"{directory}-dcp", pm)
+        converted = pm.full_state_dict()  # a collective
+        found["converted"] = {k: v.clone() for k, v in converted.items()} if rank == 0 else None
     if rank == 0:
-        found["state"] = {k: v.clone() for k, v in state.items()}
+        found["state"] = state
         with torch.no_grad():
             found["ref_logits"] = ref(**inputs).logits.clone()
     return found
@@ -127,7 +133,11 @@ def _work(rank, world, checkpoints, out_root):
 
 
 def test_hf_directories_load_into_shards_and_save_back(checkpoints, tmp_path):
+    from partitioner.__main__ import main
+
+    assert main(["convert", "-q", checkpoints["llama"], checkpoints["llama"] + "-dcp"]) == 0
     results = run_on_ranks(_work, 4, checkpoints, str(tmp_path), timeout_s=600)
+    _check_conversions(results[0]["llama"], checkpoints["llama"], tmp_path)
     for name, directory in checkpoints.items():
         total = json.loads((Path(directory) / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
         for rank, found in enumerate(r[name] for r in results):  # a shard, not the checkpoint
@@ -150,6 +160,22 @@ def test_hf_directories_load_into_shards_and_save_back(checkpoints, tmp_path):
         with torch.no_grad():
             logits = model(**_inputs()).logits
         torch.testing.assert_close(logits, results[0][name]["ref_logits"], msg=f"{name}: logits after {STEPS} steps")
+
+
+def _check_conversions(found: dict, source: str, tmp_path) -> None:
+    """HF -> DCP: the converted source loaded into the parallel model equals the source; DCP -> HF:
+    the parallel model's checkpoint converted reloads strictly, equal to its save_pretrained."""
+    from partitioner.__main__ import main
+
+    original = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).state_dict()
+    for fqn, value in original.items():
+        torch.testing.assert_close(found["converted"][fqn], value, rtol=0, atol=0, msg=f"converted {fqn}")
+    assert main(["convert", "-q", str(tmp_path / "llama-dcp"), str(tmp_path / "llama-hf"), "--max-shard-size", SHARD]) == 0
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "llama-hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "llama").state_dict()
+    for fqn, value in model.state_dict().items():
+        torch.testing.assert_close(value, saved[fqn], rtol=0, atol=0, msg=f"DCP -> HF {fqn}")
 
 
 def _unit_comm():
@@ -181,3 +207,10 @@ def test_state_dict_on_meta_rebuilds_the_rotary_buffer(checkpoints):
     assert fqn not in real.state_dict()
     value, _ = source.piece(fqn, (Replicate(),), _unit_comm(), None, None)
     torch.testing.assert_close(value, real.get_buffer(fqn), rtol=0, atol=0)
+
+
+def test_convert_refuses_what_is_no_checkpoint(tmp_path, capsys):
+    from partitioner.__main__ import main
+
+    assert main(["convert", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert "neither a HuggingFace directory" in capsys.readouterr().err
