@@ -170,7 +170,8 @@ def _check_conversions(found: dict, source: str, tmp_path) -> None:
     original = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).state_dict()
     for fqn, value in original.items():
         torch.testing.assert_close(found["converted"][fqn], value, rtol=0, atol=0, msg=f"converted {fqn}")
-    assert main(["convert", "-q", str(tmp_path / "llama-dcp"), str(tmp_path / "llama-hf"), "--max-shard-size", SHARD]) == 0
+    dcp, hf = str(tmp_path / "llama-dcp"), str(tmp_path / "llama-hf")
+    assert main(["convert", "-q", dcp, hf, "--max-shard-size", SHARD]) == 0
     model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "llama-hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "llama").state_dict()
