@@ -389,7 +389,8 @@ def _loaded(parallel, source: WeightSource, model):
     parallel.attach_pretrained(pretrained_layout(model))
     object.__setattr__(parallel, "checkpoint_bytes_read", source.bytes_read)
     if source.bytes_read is not None:
-        held = sum(t.numel() * t.element_size() for t, _ in parallel.state_layouts().values())
+        distinct = {id(t): t for t, _ in parallel.state_layouts().values()}  # a tied weight once
+        held = sum(t.numel() * t.element_size() for t in distinct.values())
         logger.info(
             "read %.2f MiB of the safetensors checkpoint on this rank (it holds %.2f MiB of parameters and buffers)",
             source.bytes_read / 2**20,

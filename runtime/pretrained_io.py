@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,7 +111,7 @@ def _stage_mesh_index(layouts: dict) -> tuple:
         index = 0
         for coord, n in zip(comm.coords, comm.shape):
             index = index * n + coord
-        return index, int(torch.tensor(comm.shape).prod())
+        return index, math.prod(comm.shape)
     return 0, 1
 
 
@@ -180,10 +181,7 @@ def _owners(entries: dict, pipeline) -> dict:
 
 
 def _nbytes(shape, dtype: str) -> int:
-    count = 1
-    for n in shape:
-        count *= n
-    return count * getattr(torch, dtype.removeprefix("torch.")).itemsize
+    return math.prod(shape) * getattr(torch, dtype.removeprefix("torch.")).itemsize
 
 
 def _cut_files(names, owners: dict, limit: int) -> list:
