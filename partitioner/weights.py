@@ -113,7 +113,8 @@ class WeightSource:
             return rebuild_buffer(self.model, fqn)
         if self.pretrained is not None:
             raise KeyError(self.pretrained.missing(fqn))
-        raise KeyError(f"no value for {fqn}: the model is on meta; pass state_dict= or checkpoint= holding it")
+        where = "the model is on meta and the state dict lacks it" if self.given is not None else "the model is on meta"
+        raise KeyError(f"no value for {fqn}: {where}; pass state_dict= or checkpoint= holding it")
 
     def close(self) -> None:
         """Release the checkpoint's open files."""
