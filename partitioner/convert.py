@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from partitioner.pretrained import hf_config_dict, pretrained_layout
+from partitioner.pretrained import checkpoint_names, hf_config_dict, pretrained_layout
 from partitioner.rebuild_buffers import rebuild_buffer
 from partitioner.safetensors_source import SafetensorsCheckpoint
 from partitioner.weights import tied_names
@@ -68,7 +68,8 @@ def hf_to_dcp(source, target) -> Path:
     config = _config(src, None)
     model = _meta_model(config)
     checkpoint = SafetensorsCheckpoint(src)
-    tensors = {name: checkpoint.read_whole(name) for name in checkpoint.weight_map}
+    fqn_of = {saved: fqn for fqn, saved in checkpoint_names(model).items()}  # HF's renamed keys
+    tensors = {fqn_of.get(name, name): checkpoint.read_whole(name) for name in checkpoint.weight_map}
     checkpoint.close()
     for fqn, others in tied_names(model).items():
         present = next((n for n in [fqn, *others] if n in tensors), None)

@@ -9,7 +9,12 @@
 * each tied weight once: HF's ``all_tied_weights_keys`` (tied name -> the name it is tied to)
   drops the tied names (``lm_head.weight``, kept as ``model.embed_tokens.weight``); for a model
   without that map, every name of one Parameter after the first in ``state_dict`` order;
-* less the names matching the model's ``_keys_to_ignore_on_save`` patterns.
+* less the names matching the model's ``_keys_to_ignore_on_save`` patterns;
+* each written under the key HF writes it under: transformers renames some weights on the way
+  to and from a checkpoint (GPT-NeoX's ``lm_head.weight`` is ``embed_out.weight`` in its files);
+  :func:`checkpoint_names` asks transformers' own ``revert_weight_conversion`` for each key. Only
+  one-to-one renamings are followed: conversions that merge several checkpoint tensors into one
+  parameter (fused MoE experts) are not (such a key is reported missing on load).
 
 The model's ``config`` and ``generation_config`` come along when they can write themselves
 (``save_pretrained``).
@@ -26,7 +31,7 @@ from partitioner.rebuild_buffers import non_persistent_buffers
 from partitioner.weights import tied_names
 from runtime.pretrained_io import PretrainedLayout
 
-__all__ = ["pretrained_layout", "hf_config_dict"]
+__all__ = ["pretrained_layout", "hf_config_dict", "checkpoint_names"]
 
 
 def pretrained_layout(model: torch.nn.Module) -> PretrainedLayout:
@@ -46,6 +51,7 @@ def pretrained_layout(model: torch.nn.Module) -> PretrainedLayout:
     names = tuple(n for n in keys if n not in dropped and not any(p.search(n) for p in ignored))
     return PretrainedLayout(
         names=names,
+        saved_as={n: k for n, k in checkpoint_names(model).items() if n in names},
         aliases={n: aliases[n] for n in names if n in aliases},
         non_persistent=frozenset(non_persistent_buffers(model)),
         config=_config_of(model),
@@ -71,3 +77,21 @@ def _savable(config):
 def hf_config_dict(config) -> dict | None:
     """What ``save_checkpoint`` records of a model's HF configuration (None for another model)."""
     return config.to_dict() if callable(getattr(config, "to_dict", None)) else None
+
+
+def checkpoint_names(model: torch.nn.Module) -> dict:
+    """FQN -> the key an HF checkpoint holds it under, for the keys transformers renames (see the
+    module docstring); {} for a model transformers does not rename."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return {}
+    if not isinstance(model, PreTrainedModel):
+        return {}
+    out = {}
+    for fqn, tensor in model.state_dict(keep_vars=True).items():
+        saved = list(revert_weight_conversion(model, {fqn: tensor}))
+        if len(saved) == 1 and saved[0] != fqn:
+            out[fqn] = saved[0]
+    return out

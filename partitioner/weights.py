@@ -72,6 +72,12 @@ class WeightSource:
         elif checkpoint is not None:
             self.given = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
         self.aliases = tied_names(model)
+        if self.pretrained is not None:  # the keys HF renames in its files (GPT-NeoX's embed_out)
+            from partitioner.pretrained import checkpoint_names
+
+            self.renamed = checkpoint_names(model)
+        else:
+            self.renamed = {}
         self._non_persistent = non_persistent_buffers(model)
         self._tied_pieces: dict = {}  # a tied weight is read once per placement
 
@@ -97,12 +103,16 @@ class WeightSource:
         name = next((n for n in names if given is not None and n in given), None)
         if given is not None and name is not None:
             full = given[name]
-        elif pretrained is not None and any(n in pretrained for n in names):
-            name = next(n for n in names if n in pretrained)
+        elif pretrained is not None and any(n in pretrained for n in self._saved_names(names)):
+            name = next(n for n in self._saved_names(names) if n in pretrained)
             return pretrained.read_piece(name, spec, comm, strided), pretrained.shape(name)
         else:
             full = self._whole(names[0], exported)
         return shard_tensor(full.detach(), spec, comm, strided), tuple(full.shape)
+
+    def _saved_names(self, names: list) -> list:
+        """The names a checkpoint may hold ``names`` under: as they are, then as HF renames them."""
+        return [*names, *(self.renamed[n] for n in names if n in self.renamed)]
 
     def _whole(self, fqn: str, exported) -> torch.Tensor:
         if self.model_state is not None and fqn in self.model_state:

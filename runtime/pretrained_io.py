@@ -53,6 +53,8 @@ class PretrainedLayout:
     buffers, each tied weight once."""
     aliases: dict = field(default_factory=dict)
     """Saved name -> the other FQNs of the same tensor (a pipeline stage may hold it under one)."""
+    saved_as: dict = field(default_factory=dict)
+    """Saved name -> the key the files hold it under, where the two differ (HF's renamings)."""
     non_persistent: frozenset = frozenset()
     """Buffers the model's ``state_dict()`` leaves out (computed by the model, in no checkpoint)."""
     config: object = None
@@ -147,7 +149,7 @@ def write_pretrained(
             tensor, tensor_layout = held[mine[name]]
             whole = tensor.detach() if tensor_layout is None else tensor_layout.whole(tensor.detach())  # a collective
             if writer == stage_index[0]:
-                tensors[name] = whole.detach().to("cpu").contiguous()
+                tensors[layout.saved_as.get(name, name)] = whole.detach().to("cpu").contiguous()
         if writer == stage_index[0]:
             from safetensors.torch import save_file
 
@@ -210,6 +212,7 @@ def _write_index_and_config(folder: Path, files: list, owners: dict, layout: Pre
         weight_map = {name: _file_name(i, len(files)) for i, (_, names) in enumerate(files) for name in names}
         total = sum(_nbytes(owners[n][1], owners[n][2]) for n in weight_map)
         params = sum(_nbytes(owners[n][1], "torch.uint8") for n in weight_map)  # element counts
+        weight_map = {layout.saved_as.get(n, n): file for n, file in weight_map.items()}
         index = {"metadata": {"total_parameters": params, "total_size": total}, "weight_map": weight_map}
         (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     for config in (layout.config, layout.generation_config):
