@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from partitioner.pretrained import checkpoint_names, hf_config_dict, pretrained_layout
+from partitioner.pretrained import hf_config_dict, pretrained_layout
 from partitioner.rebuild_buffers import rebuild_buffer
 from partitioner.safetensors_source import SafetensorsCheckpoint
-from partitioner.weights import tied_names
+from partitioner.state_names import checkpoint_names, tied_names
 from runtime.pretrained_io import write_pretrained
 
 __all__ = ["dcp_to_hf", "hf_to_dcp", "MODEL_PREFIX"]

@@ -160,7 +160,7 @@ class PlanOptions:
         return self.cluster if self.cluster is not None else default_cluster(device)
 
     def solver_kwargs(self) -> dict:
-        """The options ``partitioner.api.plan_captured`` takes, by its argument names."""
+        """The options ``partitioner.intra_op.plan_captured`` takes, by its argument names."""
         return dict(
             memory_budget=self.memory_budget,
             host_memory_budget=self.host_memory_budget,

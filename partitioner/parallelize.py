@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from partitioner.api import plan_captured
-from partitioner.cluster import for_memory_budget
+from partitioner.local_cluster import for_memory_budget, job_cluster
 from partitioner.mesh import MeshSpec
 from partitioner.options import PlanOptions
 from partitioner.precision import Precision
@@ -166,7 +166,7 @@ def auto_parallelize(
         _check_replay_options(opts, plan)
     if device.type == "cpu" and opts.memory_budget is not None:
         return_freed_blocks()  # a budget on the CPU: freed tensors leave the process (runtime/host_memory.py)
-    cluster = opts.cluster_for(device)
+    cluster = job_cluster(opts.cluster_for(device))  # "cpu": measured by this job's ranks unless cached
     if device.type == "cpu" and opts.memory_budget is not None:
         cluster = for_memory_budget(cluster, opts.memory_budget)  # priced with the fresh mappings it now gets
     opts = opts.replace(cluster=cluster, precision=_resolve_precision(opts.precision, plan))

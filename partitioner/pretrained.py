@@ -11,10 +11,8 @@
   without that map, every name of one Parameter after the first in ``state_dict`` order;
 * less the names matching the model's ``_keys_to_ignore_on_save`` patterns;
 * each written under the key HF writes it under: transformers renames some weights on the way
-  to and from a checkpoint (GPT-NeoX's ``lm_head.weight`` is ``embed_out.weight`` in its files);
-  :func:`checkpoint_names` asks transformers' own ``revert_weight_conversion`` for each key. Only
-  one-to-one renamings are followed: conversions that merge several checkpoint tensors into one
-  parameter (fused MoE experts) are not (such a key is reported missing on load).
+  to and from a checkpoint (GPT-NeoX's ``lm_head.weight`` is ``embed_out.weight`` in its files;
+  :func:`partitioner.state_names.checkpoint_names`).
 
 The model's ``config`` and ``generation_config`` come along when they can write themselves
 (``save_pretrained``).
@@ -28,10 +26,10 @@ import re
 import torch
 
 from partitioner.rebuild_buffers import non_persistent_buffers
-from partitioner.weights import tied_names
+from partitioner.state_names import checkpoint_names, tied_names
 from runtime.pretrained_io import PretrainedLayout
 
-__all__ = ["pretrained_layout", "hf_config_dict", "checkpoint_names"]
+__all__ = ["pretrained_layout", "hf_config_dict"]
 
 
 def pretrained_layout(model: torch.nn.Module) -> PretrainedLayout:
@@ -77,21 +75,3 @@ def _savable(config):
 def hf_config_dict(config) -> dict | None:
     """What ``save_checkpoint`` records of a model's HF configuration (None for another model)."""
     return config.to_dict() if callable(getattr(config, "to_dict", None)) else None
-
-
-def checkpoint_names(model: torch.nn.Module) -> dict:
-    """FQN -> the key an HF checkpoint holds it under, for the keys transformers renames (see the
-    module docstring); {} for a model transformers does not rename."""
-    try:
-        from transformers import PreTrainedModel
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:
-        return {}
-    if not isinstance(model, PreTrainedModel):
-        return {}
-    out = {}
-    for fqn, tensor in model.state_dict(keep_vars=True).items():
-        saved = list(revert_weight_conversion(model, {fqn: tensor}))
-        if len(saved) == 1 and saved[0] != fqn:
-            out[fqn] = saved[0]
-    return out

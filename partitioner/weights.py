@@ -31,25 +31,18 @@ import torch
 
 from partitioner.rebuild_buffers import non_persistent_buffers, rebuild_buffer
 from partitioner.safetensors_source import SafetensorsCheckpoint, is_safetensors_checkpoint
+from partitioner.state_names import checkpoint_names, tied_names
 from passes.lower_to_local import strided_parameters
 from passes.placements import format_spec, parse_spec
 from runtime.parallel_module import shard_tensor
 
-__all__ = ["WeightSource", "LocalWeights", "load_local_weights", "shard_weights", "tie_weights", "tied_names"]
+__all__ = ["WeightSource", "LocalWeights", "load_local_weights", "shard_weights", "tie_weights"]
 
 
 def on_meta(model: torch.nn.Module) -> bool:
     """Whether every parameter and buffer of ``model`` is on the ``meta`` device."""
     tensors = list(model.parameters()) + list(model.buffers())
     return bool(tensors) and all(t.is_meta for t in tensors)
-
-
-def tied_names(model: torch.nn.Module) -> dict:
-    """FQN -> the other FQNs of the same Parameter (tied weights; works on ``meta``)."""
-    by_tensor: dict = {}
-    for fqn, p in model.named_parameters(remove_duplicate=False):
-        by_tensor.setdefault(id(p), []).append(fqn)
-    return {fqn: [o for o in names if o != fqn] for names in by_tensor.values() if len(names) > 1 for fqn in names}
 
 
 class WeightSource:
@@ -72,12 +65,8 @@ class WeightSource:
         elif checkpoint is not None:
             self.given = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
         self.aliases = tied_names(model)
-        if self.pretrained is not None:  # the keys HF renames in its files (GPT-NeoX's embed_out)
-            from partitioner.pretrained import checkpoint_names
-
-            self.renamed = checkpoint_names(model)
-        else:
-            self.renamed = {}
+        # the keys HF renames in its files (GPT-NeoX's embed_out)
+        self.renamed = checkpoint_names(model) if self.pretrained is not None else {}
         self._non_persistent = non_persistent_buffers(model)
         self._tied_pieces: dict = {}  # a tied weight is read once per placement
 

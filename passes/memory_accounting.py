@@ -7,7 +7,7 @@ keeps (:mod:`passes.saved_tensors` says what each op saves) and counts each stor
   ``transpose``, ``getitem`` of a view, ...) shares its input's storage. Placeholders are state
   (parameters, buffers) or the batch, never activations.
 * **An edge's storage.** The edge ``u -> c`` (input ``k`` of ``c``) runs a
-  :class:`runtime.collectives.Reshard` when its placements move. It allocates a new tensor
+  :class:`runtime.reshard.Reshard` when its placements move. It allocates a new tensor
   (``u``'s shape at ``c``'s input placement) when a move sends data (all-gather, all-to-all,
   all-reduce, reduce-scatter), and when the value needs a gradient (the runtime hands out a
   copy, not a view made inside autograd), except a parameter whose forward does not move (passed

@@ -30,8 +30,9 @@ from passes.placements import (
     split_start,
     transition_steps,
 )
-from runtime.collectives import MeshComm, Reshard, run_steps
+from runtime.collectives import MeshComm, run_steps
 from runtime.pretrained_io import PretrainedIO
+from runtime.reshard import Reshard
 from runtime.sharded_io import ShardedCheckpointIO
 
 if TYPE_CHECKING:
