@@ -21,6 +21,12 @@ file that ``--cluster`` (and ``cluster=`` in Python) accepts::
 
     python -m partitioner calibrate --ranks 4 --out cluster.json
 
+Turn a checkpoint ``save_checkpoint`` wrote into a HuggingFace directory, or an HF directory
+into a checkpoint ``load_checkpoint`` reads (one process, offline; see docs/checkpoints.md)::
+
+    python -m partitioner convert ckpt/step-0000100 hf_out --max-shard-size 2GB
+    python -m partitioner convert hf_model_dir ckpt/from_hf
+
 Results go to stdout, progress to stderr. Bad input (an unknown factory, an unreadable mesh
 or budget, a file that is not a plan, a budget no plan fits, a model export cannot capture)
 ends with one ``partita: error: ...`` line on stderr and exit status 2; ``--debug`` shows the
@@ -436,6 +442,29 @@ def _cmd_calibrate(args) -> int:
 # -- the parser --------------------------------------------------------------------------------
 
 
+def _cmd_convert(args) -> int:
+    from partitioner.convert import dcp_to_hf, hf_to_dcp
+    from partitioner.safetensors_source import is_safetensors_checkpoint
+
+    source = Path(args.source)
+    try:
+        if is_safetensors_checkpoint(source):
+            _status(args, f"{source}: a HuggingFace directory -> a Partita checkpoint in {args.target}")
+            out = hf_to_dcp(source, args.target)
+        elif (source / ".metadata").is_file():
+            _status(args, f"{source}: a Partita checkpoint -> a HuggingFace directory in {args.target}")
+            out = dcp_to_hf(source, args.target, config=args.config, max_shard_size=args.max_shard_size)
+        else:
+            raise CLIError(
+                f"{source} is neither a HuggingFace directory (model.safetensors or its index) nor a Partita "
+                "checkpoint (a folder with .metadata, as save_checkpoint writes)"
+            )
+    except (ValueError, KeyError, FileNotFoundError) as exc:
+        raise CLIError(str(exc)) from exc
+    print(out)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="partita",
@@ -611,6 +640,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--as-cpu", action="store_true", help="also make it what cluster='cpu' means on this machine")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
     p.set_defaults(run=_cmd_calibrate)
+
+    p = sub.add_parser(
+        "convert",
+        help="a Partita checkpoint (save_checkpoint's folder) to a HuggingFace directory, or back",
+        description="The direction follows SOURCE: a HuggingFace directory becomes a Partita checkpoint "
+        "(load_checkpoint reads it under any mesh); a Partita checkpoint becomes a HuggingFace directory "
+        "that from_pretrained loads. Runs in one process, tensors whole in memory.",
+    )
+    p.add_argument("source", metavar="SOURCE")
+    p.add_argument("target", metavar="TARGET")
+    p.add_argument(
+        "--config",
+        metavar="PATH",
+        help="the HF configuration (a directory or config.json), for a Partita checkpoint that records none",
+    )
+    p.add_argument("--max-shard-size", default="5GB", help="the largest safetensors file written (default 5GB)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
+    p.set_defaults(run=_cmd_convert)
 
     p = sub.add_parser(
         "demo", add_help=False, help="the main job: a GPT auto-parallelized on 4 local gloo ranks next to one process"

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from partitioner.pretrained import hf_config_dict
 from runtime.sharded_state import ordered_params, parameter_fqns, state_entry_to_global, state_entry_to_local
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint"]
@@ -56,6 +57,8 @@ def save_checkpoint(path, model, optimizer=None, **extra) -> None:
     layouts = _layouts(model, "save_checkpoint")
     tensors = {_MODEL + fqn: layout.to_global(t.detach()) for fqn, (t, layout) in layouts.items()}
     rank_state: dict = {"world_size": _world()[1], "rng": _rng_state(), "dropout": _dropout_counters(model)}
+    layout = getattr(model, "_pretrained", None)  # the HF configuration, for `partitioner convert`
+    rank_state["hf_config"] = hf_config_dict(layout.config) if layout is not None else None
     if optimizer is not None:
         optim_tensors, rank_state["optimizer"] = _optimizer_state(optimizer)
         tensors.update(optim_tensors)
@@ -102,7 +105,8 @@ def load_checkpoint(path, model, optimizer=None, **stateful) -> dict:
     for name, obj in stateful.items():
         obj.load_state_dict(extras[name][1])
     _set_dropout_counters(model, rank_state.get("dropout", {}))
-    _set_rng_state(rank_state["rng"])
+    if "rng" in rank_state:  # a converted checkpoint (partitioner convert) has no generators
+        _set_rng_state(rank_state["rng"])
     return {name: value for name, (_, value) in extras.items()}
 
 

@@ -174,8 +174,9 @@ def auto_parallelize(
     opts = opts.replace(cluster=cluster, precision=_resolve_precision(opts.precision, plan))
     if mesh is None and plan is None and pipeline is None:
         mesh, mesh_axis_names, plan, pipeline, opts = _searched_configuration(model, example_inputs, opts)
+    source = WeightSource(model, state_dict, checkpoint)
     if pipeline is not None:
-        return _pipelined(
+        runner = _pipelined(
             model,
             example_inputs,
             pipeline,
@@ -183,10 +184,11 @@ def auto_parallelize(
             mesh_axis_names=mesh_axis_names,
             plan=plan,
             options=opts,
-            source=WeightSource(model, state_dict, checkpoint),
+            source=source,
             device=device,
             local_inputs=local_inputs,
         )
+        return _loaded(runner, source, model)
     comm = MeshComm(_device_mesh(mesh, mesh_axis_names, device.type))
     t0 = time.perf_counter()
     # a saved plan is replayed on a capture in the mode it was made in; the module's own mode
@@ -198,7 +200,7 @@ def auto_parallelize(
         cap = _capture(model, example_inputs, opts.layers, opts.precision_policy, opts.sequence_parallel)
     plan = _plan_or_replay(cap, type(model).__name__, comm, plan, opts)
     logger.info("planned in %.2f s", time.perf_counter() - t0)
-    module = _build_module(cap, plan, comm, WeightSource(model, state_dict, checkpoint), device, local_inputs)
+    module = _loaded(_build_module(cap, plan, comm, source, device, local_inputs), source, model)
     module.attach_specializer(
         Specializer(
             model,
@@ -392,6 +394,26 @@ def _plan_or_replay(cap, model_name, comm, plan, options: PlanOptions) -> Shardi
         return plan
     plan.check_fingerprint(graph_fingerprint(cap), f"{model_name} on these inputs")
     return plan
+
+
+def _loaded(parallel, source: WeightSource, model):
+    """Close the weight source, record what ``save_pretrained`` needs of the model
+    (:func:`partitioner.pretrained.pretrained_layout`) and the checkpoint bytes this rank read
+    (``checkpoint_bytes_read``: None unless a safetensors checkpoint was read), and log them."""
+    from partitioner.pretrained import pretrained_layout
+
+    source.close()
+    parallel.attach_pretrained(pretrained_layout(model))
+    object.__setattr__(parallel, "checkpoint_bytes_read", source.bytes_read)
+    if source.bytes_read is not None:
+        distinct = {id(t): t for t, _ in parallel.state_layouts().values()}  # a tied weight once
+        held = sum(t.numel() * t.element_size() for t in distinct.values())
+        logger.info(
+            "read %.2f MiB of the safetensors checkpoint on this rank (it holds %.2f MiB of parameters and buffers)",
+            source.bytes_read / 2**20,
+            held / 2**20,
+        )
+    return parallel
 
 
 def _build_module(cap, plan, comm, source, device, local_inputs) -> ParallelModule:

@@ -31,6 +31,7 @@ from passes.placements import (
     transition_steps,
 )
 from runtime.collectives import MeshComm, run_steps
+from runtime.pretrained_io import PretrainedIO
 from runtime.reshard import Reshard
 from runtime.sharded_io import ShardedCheckpointIO
 
@@ -40,25 +41,68 @@ if TYPE_CHECKING:
     from runtime.grad_sync import DeferredSyncs, GradientBuckets
     from runtime.optimizer_shards import OptimizerShards
 
-__all__ = ["ParallelModule", "Variant", "shard_tensor", "gather_tensor"]
+__all__ = ["ParallelModule", "Variant", "shard_tensor", "shard_runs", "read_runs", "gather_tensor"]
+
+
+def shard_runs(shape, spec, comm: MeshComm, strided=None) -> list:
+    """Which elements of a whole tensor of ``shape`` this rank keeps under ``spec``: per dim, the
+    ``(start, stop)`` runs, in the order the piece holds them (one run per dim, except on a dim
+    cut in the strided layout: one run per fused piece). ``strided``: axis -> pieces per shard.
+
+    Each mesh axis that cuts a dim (in the order the moves from ``Replicate`` cut them) picks,
+    among the positions the earlier axes kept, either one block (a dim that does not divide: the
+    first ranks one element more, as ``torch.tensor_split``) or, in the strided layout, the same
+    block of each of the ``f`` fused pieces."""
+    strided = strided or {}
+    runs = [[(0, int(n))] for n in shape]
+    for axis, _p, q in transition_steps(replicated(comm.ndim), tuple(spec)):
+        n, c = comm.shape[axis], comm.coords[axis]
+        if n == 1 or getattr(q, "dim", None) is None:
+            continue
+        d = q.dim
+        kept = sum(stop - start for start, stop in runs[d])
+        if axis in strided:
+            f = strided[axis]
+            block, size = kept // f, kept // (f * n)
+            picks = [(j * block + c * size, size) for j in range(f)]
+        else:
+            picks = [(split_start(kept, n, c), split_size(kept, n, c))]
+        runs[d] = _pick(runs[d], picks)
+    return runs
+
+
+def _pick(runs: list, picks: list) -> list:
+    """The runs of whole-tensor positions at offsets ``picks`` ((offset, length) into the
+    concatenation of ``runs``)."""
+    out = []
+    for offset, length in picks:
+        for start, stop in runs:
+            if length == 0:
+                break
+            if offset >= stop - start:
+                offset -= stop - start
+                continue
+            take = min(length, stop - start - offset)
+            out.append((start + offset, start + offset + take))
+            offset, length = 0, length - take
+    return out
+
+
+def read_runs(read, runs: list) -> torch.Tensor:
+    """The piece ``runs`` (:func:`shard_runs`) names, from ``read(index)``: ``index`` is a tuple of
+    one ``slice`` per dim, a block of the whole tensor. Blocks of a dim with several runs are
+    joined along it."""
+    several = next((d for d, r in enumerate(runs) if len(r) > 1), None)
+    if several is None:
+        return read(tuple(slice(start, stop) for ((start, stop),) in runs))
+    parts = [read_runs(read, [*runs[:several], [run], *runs[several + 1 :]]) for run in runs[several]]
+    return torch.cat(parts, dim=several)
 
 
 def shard_tensor(full: torch.Tensor, spec, comm: MeshComm, strided=None) -> torch.Tensor:
     """This rank's piece of ``full`` under ``spec`` (``strided``: axis -> pieces per shard)."""
-    strided = strided or {}
-    cur = full
-    for axis, _p, q in transition_steps(replicated(comm.ndim), tuple(spec)):
-        n, c = comm.shape[axis], comm.coords[axis]
-        if n == 1:
-            continue
-        d = q.dim
-        if axis in strided:
-            f = strided[axis]
-            size = cur.shape[d] // (f * n)
-            cur = cur.unflatten(d, (f, cur.shape[d] // f)).narrow(d + 1, c * size, size).flatten(d, d + 1)
-        else:  # a dim that does not divide: the first ranks one element more (tensor_split)
-            cur = cur.narrow(d, split_start(cur.shape[d], n, c), split_size(cur.shape[d], n, c))
-    return cur.contiguous()
+    runs = shard_runs(full.shape, spec, comm, strided)
+    return read_runs(lambda index: full[index], runs).contiguous()
 
 
 def gather_tensor(local: torch.Tensor, spec, comm: MeshComm, strided=None, whole_shape=None) -> torch.Tensor:
@@ -152,7 +196,7 @@ def _offloaded(program, captured) -> set:
     return {captured.params[name] for name, (_, _, host) in entries if host}
 
 
-class ParallelModule(ShardedCheckpointIO, torch.nn.Module):
+class ParallelModule(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
     """A rank's share of a model, running the plan's lowered program.
 
     Note: the program bakes in the training mode and the input shapes it was captured with.
@@ -195,6 +239,7 @@ class ParallelModule(ShardedCheckpointIO, torch.nn.Module):
         self._global_shapes = dict(global_shapes)  # FQN -> whole shape
         self._strided = strided  # FQN -> {axis: pieces}
         self._param_fqns, self._buffer_fqns = list(local_params), list(local_buffers)
+        self._non_persistent: frozenset = frozenset()  # set by attach_pretrained, from the model
         # where the program computes; weights whose optimizer state is offloaded live in host memory
         # (pinned on CUDA), so the user's optimizer keeps their state and runs their step there
         self._device = next((v.device for v in local_params.values()), torch.device("cpu"))
@@ -498,9 +543,14 @@ class ParallelModule(ShardedCheckpointIO, torch.nn.Module):
         return format_spec(self._specs[fqn])
 
     def full_state_dict(self) -> dict:
-        """Every parameter and buffer, whole, on every rank (a collective)."""
+        """Every parameter and persistent buffer, whole, on every rank (a collective): the keys of
+        the model's own ``state_dict()`` (non-persistent buffers, such as rotary ``inv_freq``, left
+        out as the model leaves them out), so ``model.load_state_dict(pm.full_state_dict())``
+        loads strictly into the model this was built from."""
         out = {}
         for fqn in self._param_fqns + self._buffer_fqns:
+            if fqn in self._non_persistent:
+                continue
             out[fqn] = gather_tensor(self._get(fqn).detach(), self._specs[fqn], self.comm, self._strided.get(fqn))
         return out
 
@@ -523,6 +573,23 @@ class ParallelModule(ShardedCheckpointIO, torch.nn.Module):
             for fqn in self._param_fqns + self._buffer_fqns:
                 if fqn in state:
                     self._get(fqn).copy_(shard_tensor(state[fqn], self._specs[fqn], self.comm, self._strided.get(fqn)))
+
+    def attach_pretrained(self, layout) -> None:
+        """Record the model's checkpoint layout (``save_pretrained``) and mirror its buffers'
+        persistence: a buffer the model keeps out of its ``state_dict()`` is kept out of this
+        module's too."""
+        super().attach_pretrained(layout)
+        self._non_persistent = frozenset(layout.non_persistent) if layout is not None else frozenset()
+        for fqn in self._buffer_fqns:
+            owner, leaf = self._owner(fqn), fqn.rpartition(".")[2]
+            if fqn in self._non_persistent:
+                owner._non_persistent_buffers_set.add(leaf)
+            else:
+                owner._non_persistent_buffers_set.discard(leaf)
+
+    def _pipeline_position(self) -> tuple:
+        """(group, coordinate, size) of the pipeline axis: none here, one stage."""
+        return (None, 0, 1)
 
     # state as checkpoints see it: the global view (runtime/sharded_state.py)
     def state_layouts(self) -> dict:

@@ -57,6 +57,7 @@ from passes.placements import replicated
 from runtime.collectives import MeshComm
 from runtime.grad_sync import DeferredSyncs
 from runtime.parallel_module import gather_tensor, run_under_autocast, shard_tensor
+from runtime.pretrained_io import PretrainedIO
 from runtime.reshard import Reshard
 from runtime.sharded_io import ShardedCheckpointIO
 
@@ -311,7 +312,7 @@ class _Step:
     pending: list = field(default_factory=list)  # send works, waited at the end
 
 
-class PipelineRunner(ShardedCheckpointIO, torch.nn.Module):
+class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
     """Runs a schedule's actions for this rank; ``train_step(batch)`` -> the batch loss."""
 
     def __init__(
@@ -600,6 +601,10 @@ class PipelineRunner(ShardedCheckpointIO, torch.nn.Module):
     def full_grads(self) -> dict:
         """Every parameter's gradient, whole, on every rank."""
         return self._everywhere(grads=True)
+
+    def _pipeline_position(self) -> tuple:
+        """(group, this rank's coordinate, size) of the pipeline axis (``save_pretrained``)."""
+        return tuple(self.comm_pp)
 
     # state as checkpoints see it: the global view of each stage's tensors (runtime/sharded_state.py)
     def _own_stages(self) -> list[StageProgram]:

@@ -93,6 +93,10 @@ class TensorLayout:
             local, self.comm.device_mesh, list(self.spec), run_check=False, shape=shape, stride=stride
         )
 
+    def whole(self, local: torch.Tensor) -> torch.Tensor:
+        """The whole tensor from every rank's piece, on every rank of the mesh (a collective)."""
+        return gather_tensor(local, self.spec, self.comm, self.strided, whole_shape=self.global_shape)
+
     def empty_global(self, dtype: torch.dtype, device=None):
         """An uninitialised tensor of the global view's kind (a target for a checkpoint to load into)."""
         if not self.as_dtensor:
