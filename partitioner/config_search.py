@@ -77,6 +77,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from partitioner.axis_uses import describe_config
 from partitioner.cluster import get_cluster, parse_bytes
 from partitioner.mesh import MeshSpec
 from partitioner.options import PlanOptions
@@ -1156,7 +1157,7 @@ def search_config(
     plan.data["config"] = best.config.to_dict()
     plan.data["search"] = _search_table(cands, best, devices, batch, t2 - t0, planner.plannings)
     plan.data.setdefault("stats", {})["search_s"] = t2 - t0
-    logger.info("search: chose %s in %.2f s", best.config.describe(), t2 - t0)
+    logger.info("search: chose %s in %.2f s", describe_config(plan), t2 - t0)
     return plan
 
 
