@@ -16,7 +16,7 @@
 Each row: the median over the rounds of the measured step (each the median step after warm-up,
 the slowest rank's), every round's, the plan's estimate (``plan.estimate().step_time_s``;
 pipelines: the schedule simulated with the stage estimates,
-``runtime.pipeline_trace.simulated_timeline``), measured / estimated, whether that is inside
+``partitioner.pipeline_simulation.simulated_timeline``), measured / estimated, whether that is inside
 0.8-1.25, and the highest 1-minute load average a round of the job started at. The models, plans
 and measurement are the benchmarks' own (``runtime_overhead.py``, ``memory.py``,
 ``pipeline.py``), without their anchors (DTensor, FSDP2, DDP, torch's pipelining).
@@ -61,7 +61,8 @@ def _pipeline_rank(rank, world, schedule, cluster, steps):
 
     import partitioner
     from partitioner.models import gpt_demo
-    from runtime.pipeline_trace import simulated_timeline, step_seconds
+    from partitioner.pipeline_simulation import simulated_timeline
+    from runtime.pipeline_trace import step_seconds
 
     model, (ids, targets) = gpt_demo(
         pl.M * pl.MB, pl.SEQ, n_layer=pl.N_LAYER, n_embd=pl.N_EMBD, n_head=pl.N_HEAD, vocab_size=pl.VOCAB
@@ -78,6 +79,31 @@ def _pipeline_rank(rank, world, schedule, cluster, steps):
         dist.barrier()
         times.append(time.perf_counter() - start)
     return {"times": times[2:], "estimate_s": step_seconds(simulated_timeline(runner))}
+
+
+GPT_JOBS = ((2, 512, 8), (4, 256, 8))
+"""``(ranks, width, batch)`` of the GPT jobs run the way a user first runs one: ``auto_parallelize``
+with no mesh (the configuration searched), AdamW, seq 128, 4 layers."""
+
+
+def _gpt_rank(rank, world, width, batch, cluster, steps):
+    import torch
+
+    import partitioner
+    from partitioner.models import gpt_demo
+
+    model, (ids, targets) = gpt_demo(batch, 128, n_layer=4, n_embd=width, n_head=8, vocab_size=1024)
+    pm = partitioner.auto_parallelize(model, (ids, targets), cluster=cluster)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+    times = []
+    for _ in range(steps + 2):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        opt.zero_grad()
+        pm(ids, targets).backward()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return {"measured_s": statistics.median(times[2:]), "estimate_s": pm.plan.estimate().step_time_s}
 
 
 def _row(benchmark, run, samples, estimate, loads, cluster_file):
@@ -118,6 +144,14 @@ def _jobs(cal4, cal2, steps):
     from runtime.launch import run_on_ranks
 
     jobs = []
+    for ranks, width, batch in GPT_JOBS:
+
+        def gpt_job(ranks=ranks, width=width, batch=batch):
+            res = run_on_ranks(_gpt_rank, ranks, width, batch, cal4 if ranks == 4 else cal2, steps, timeout_s=900)
+            return max(r["measured_s"] for r in res), res[0]["estimate_s"]
+
+        cluster = cal4 if ranks == 4 else cal2
+        jobs.append(("default path", f"GPT d{width}, batch {batch}, searched, {ranks} ranks", cluster, gpt_job))
     for size in ro.SIZES:
 
         def runtime_job(size=size):
@@ -153,6 +187,12 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=8, help="timed steps per run (runtime, pipeline; memory uses half)")
     ap.add_argument("--rounds", type=int, default=3, help="times each job runs, one round of all after another")
     ap.add_argument("--out", default=None, help="write the rows and calibration loads here as JSON")
+    ap.add_argument(
+        "--default-cluster",
+        action="store_true",
+        help="price with cluster='cpu' as a user first meets it (measured by the jobs, quick sizes, "
+        "in a fresh cache) instead of `partitioner calibrate`",
+    )
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
@@ -164,9 +204,14 @@ def main(argv=None):
         print(f"[{time.perf_counter() - t0:5.0f} s] {message}", flush=True)
 
     calibrations = {}
-    cal4, cal2 = str(folder / "cluster-4ranks.json"), str(folder / "cluster-2ranks.json")
-    calibrations[cal4] = _calibrate(cal4, 4, say)
-    calibrations[cal2] = _calibrate(cal2, 2, say)
+    if args.default_cluster:
+        os.environ["XDG_CACHE_HOME"] = str(folder / "cache")  # inherited by the ranks: nothing installed
+        cal4 = cal2 = "cpu"
+        calibrations["cpu (quick, measured by the jobs)"] = os.getloadavg()[0]
+    else:
+        cal4, cal2 = str(folder / "cluster-4ranks.json"), str(folder / "cluster-2ranks.json")
+        calibrations[cal4] = _calibrate(cal4, 4, say)
+        calibrations[cal2] = _calibrate(cal2, 2, say)
     jobs = _jobs(cal4, cal2, args.steps)
     measured: dict = {k: [] for k in range(len(jobs))}
     estimates: dict = {}

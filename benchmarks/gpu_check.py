@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     import partitioner
-    from partitioner.cluster import get_cluster
+    from partitioner.local_cluster import get_cluster
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")

@@ -35,7 +35,7 @@ forward is tens of ms on one CPU core.
    torch's tracer ``pipeline()`` split of the same model is run too and its error reported.
 
 Beside the measured step: the estimate, the schedule simulated with the stage plans' estimates
-(``runtime.pipeline_trace.simulated_timeline``), priced for ``--cluster`` (default ``cpu``; a
+(``partitioner.pipeline_simulation.simulated_timeline``), priced for ``--cluster`` (default ``cpu``; a
 cluster file from ``python -m partitioner calibrate --ranks 2`` prices this machine's 2 ranks).
 
 Usage: ``python benchmarks/pipeline.py [--steps 12] [--warmup 2] [--cluster FILE] [--hf-check] [--out-dir benchmarks/results]``
@@ -245,7 +245,8 @@ def run_schedule(rank, world, schedule, steps, warmup, pin, cluster="cpu"):
 
     import partitioner
     from partitioner.models import gpt_demo
-    from runtime.pipeline_trace import measured_timeline, simulated_timeline
+    from partitioner.pipeline_simulation import simulated_timeline
+    from runtime.pipeline_trace import measured_timeline
 
     if pin and hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= world:
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})

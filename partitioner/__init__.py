@@ -18,7 +18,8 @@ or plan (``plan``, ``CaptureError``, ...) load torch on first use.
 
 from importlib import import_module
 
-from partitioner.cluster import PRESETS, ClusterSpec, LinkSpec, calibrate_cpu, get_cluster
+from partitioner.cluster import PRESETS, ClusterSpec, LinkSpec
+from partitioner.local_cluster import cpu_cluster, get_cluster
 from partitioner.mesh import MeshSpec
 from partitioner.sharding_plan import Estimate, PlanDiff, PlanMismatchError, ShardingPlan
 
@@ -70,7 +71,7 @@ __all__ = [
     "MeshSpec",
     "PRESETS",
     "get_cluster",
-    "calibrate_cpu",
+    "cpu_cluster",
     "CaptureError",
     "InfeasibleBudgetError",
     "ShapeMismatchError",

@@ -14,6 +14,7 @@ returning ``(model, example_inputs)`` or a dict with the keys ``model`` and
     python -m partitioner show plan.json
     python -m partitioner explain plan.json h.0.mlp.c_fc
     python -m partitioner diff a.json b.json
+    python -m partitioner report plan.json -o report.html [--diff other.json] [--trace timeline.json]
 
 Measure this machine (matmul, memory and gloo collective curves on local ranks) into a cluster
 file that ``--cluster`` (and ``cluster=`` in Python) accepts::
@@ -189,7 +190,7 @@ def _parse_size(value, flag: str) -> int | None:
 
 
 def _parse_cluster(value: str):
-    from partitioner.cluster import get_cluster
+    from partitioner.local_cluster import get_cluster
 
     try:
         return get_cluster(value)
@@ -329,6 +330,7 @@ def _cmd_plan(args) -> int:
             recompute=args.recompute,
             zero=args.zero if args.zero == "auto" else int(args.zero),
             tensor_parallel=args.tensor_parallel,
+            expert_parallel=args.expert_parallel,
             verbose=not args.quiet,
         )
     except (partitioner.CaptureError, partitioner.InfeasibleBudgetError) as exc:
@@ -377,9 +379,28 @@ def _cmd_diff(args) -> int:
     return 1 if args.exit_code and diff else 0
 
 
+def _cmd_report(args) -> int:
+    plan = _load_plan(args.plan)
+    other = _load_plan(args.diff) if args.diff is not None else None
+    if Path(args.output).is_dir():
+        raise CLIError(f"-o {args.output} is a directory; give a file name such as report.html")
+    if args.trace is not None and not Path(args.trace).is_file():
+        raise CLIError(f"--trace {args.trace}: no such file (give the timeline.json a pipeline dump wrote)")
+    names = (Path(args.plan).name, Path(args.diff).name) if args.diff is not None else None
+    try:
+        path = plan.report(args.output, other=other, trace=args.trace, names=names)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    except OSError as exc:
+        raise CLIError(f"cannot write the report to {args.output}: {exc.strerror or exc}") from None
+    _status(args, f"report written to {path}")
+    print(path)
+    return 0
+
+
 def _cmd_calibrate(args) -> int:
     from partitioner.calibrate import DEFAULT_SIZES, TINY_SIZES, calibrate
-    from partitioner.cluster import _cache_path
+    from partitioner.local_cluster import installed_cpu_path
 
     if args.ranks < 2:
         raise CLIError(f"--ranks must be >= 2 (collectives need two ranks), got {args.ranks}")
@@ -404,7 +425,7 @@ def _cmd_calibrate(args) -> int:
     except (ValueError, OSError) as exc:
         raise CLIError(f"calibration failed: {exc}") from None
     if args.as_cpu:
-        cache = _cache_path()
+        cache = installed_cpu_path()
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(Path(args.out).read_text())
         _status(args, f"also installed as cluster 'cpu' ({cache})")
@@ -495,6 +516,13 @@ def _parser() -> argparse.ArgumentParser:
         "tensor parallelism, or as the solver chooses (auto)",
     )
     p.add_argument(
+        "--expert-parallel",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="mixture-of-experts layers: experts split over a mesh axis with all-to-all dispatch (on), "
+        "never (off), or as the solver chooses (auto)",
+    )
+    p.add_argument(
         "--optimizer",
         choices=("adam", "sgd", "none"),
         default="adam",
@@ -551,6 +579,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("second", metavar="B.json")
     p.add_argument("--exit-code", action="store_true", help="exit with status 1 when the placements differ")
     p.set_defaults(run=_cmd_diff)
+
+    p = sub.add_parser("report", help="write the plan explorer: one self-contained HTML page")
+    p.add_argument("plan", metavar="PLAN.json")
+    p.add_argument("-o", "--output", default="report.html", metavar="PATH", help="the HTML file (default: report.html)")
+    p.add_argument("--diff", metavar="OTHER.json", help="also compare with this plan (the diff view, folded by block)")
+    p.add_argument("--trace", metavar="TIMELINE.json", help="a pipeline's measured step (timeline.json from a dump)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
+    p.set_defaults(run=_cmd_report)
 
     p = sub.add_parser(
         "calibrate",

@@ -7,76 +7,27 @@ the ``meta`` device plan for any mesh size.
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import time
 
 import torch
 
-from partitioner.cluster import get_cluster, parse_bytes
+from partitioner.intra_op import plan_captured, resolve_pins
+from partitioner.local_cluster import get_cluster
 from partitioner.mesh import MeshSpec
 from partitioner.options import PlanOptions
-from partitioner.precision import Precision
 from partitioner.progress import verbose_to_stderr
-from partitioner.sharding_plan import PLAN_FORMAT, PLAN_VERSION, ShardingPlan
-from passes import multidim_tp
-from passes.analyze import analyze, info
-from passes.capture import describe_captured, graph_fingerprint
+from partitioner.sharding_plan import ShardingPlan
+from passes.analyze import analyze
+from passes.capture import describe_captured
 from passes.capture_blocks import capture_model
 from passes.eager_attention import fuse_for
-from passes.placements import format_spec, parse_spec
-from passes.plan_intra_op import plan_intra_op
-from passes.rules import attention as attention_rule
+from passes.moe.routing import measure_routing
 
 __all__ = ["plan", "plan_captured", "resolve_pins", "mesh_argument"]
 
 
 logger = logging.getLogger(__name__)
-
-
-def _in_module(node, path: str) -> bool:
-    stack = node.meta.get("nn_module_stack") or {}
-    return any(p == path for p, _ in stack.values())
-
-
-def resolve_pins(cap, pins: dict, ndim: int) -> dict:
-    """Map user pins to graph nodes.
-
-    Keys, tried in this order: an input's argument name (``input_ids``), a parameter or
-    buffer FQN (``transformer.h.0.mlp.c_fc.weight``), a node name, a module path (pins that
-    module's output: the last op inside it); FQNs and module paths may use ``*`` globs.
-    Values: one placement per mesh axis, as ``["S(0)", "R"]``, ``"[S(0), R]"`` or Placements.
-    """
-    resolved = {}
-    placeholders = [n for n in cap.graph.nodes if n.op == "placeholder"]
-    ops = [n for n in cap.graph.nodes if n.op == "call_function" and info(n).kind == "op"]
-    module_paths = sorted({p for n in ops for p, _ in (n.meta.get("nn_module_stack") or {}).values()})
-    for key, value in (pins or {}).items():
-        spec = parse_spec(value, ndim)
-        targets = [n for n in placeholders if info(n).name == key or n.name == key]
-        if not targets:
-            targets = [
-                n
-                for n in placeholders
-                if info(n).kind in ("param", "buffer") and fnmatch.fnmatchcase(info(n).name, key)
-            ]
-        if not targets:
-            targets = [n for n in ops if n.name == key]
-        if not targets:
-            for path in module_paths:
-                if fnmatch.fnmatchcase(path, key):
-                    inside = [n for n in ops if _in_module(n, path)]
-                    if inside:
-                        targets.append(inside[-1])
-        if not targets:
-            raise ValueError(
-                f"pin {key!r} matches no input, parameter, node or module of this model; inputs are "
-                f"{[info(n).name for n in placeholders if info(n).kind == 'input']}, and module paths "
-                f"look like {module_paths[:3]}"
-            )
-        for node in targets:
-            resolved[node] = spec
-    return resolved
 
 
 @verbose_to_stderr
@@ -104,6 +55,7 @@ def plan(
     sequence_parallel: str = "auto",
     zero="auto",
     tensor_parallel: str = "auto",
+    expert_parallel: str = "auto",
     verbose: bool = False,
 ) -> ShardingPlan:
     """Choose data / tensor / sequence splits for every node of ``model`` on a device mesh.
@@ -174,6 +126,11 @@ def plan(
             ``"2.5d"`` (Tesseract on ``d x q x q``) or ``"3d"`` (on ``c x c x c``); see
             :mod:`passes.multidim_tp` and ``docs/ARCHITECTURE.md``, "2D, 2.5D and 3D tensor
             parallelism".
+        expert_parallel: mixture-of-experts layers (HuggingFace experts modules, captured as one
+            op each): ``"auto"`` lets the solver split the stacked experts over a mesh axis
+            (tokens dispatched to them and combined back by all-to-all) where that is faster or
+            needed to fit; ``"on"`` splits every MoE layer's experts over one mesh axis; ``"off"``
+            never does (see ``docs/moe.md``).
 
     Example::
 
@@ -185,6 +142,8 @@ def plan(
     """
     opts = PlanOptions.from_call(options, **PlanOptions.pick(locals()))
     mesh_shape = mesh_argument(mesh, mesh_shape)
+    ranks = devices if devices is not None else (MeshSpec.build(mesh_shape).size if mesh_shape is not None else None)
+    opts = opts.replace(cluster=get_cluster(opts.cluster_for(), ranks=ranks))  # "cpu": measured for these ranks
     if devices is not None or global_batch is not None:
         searched = _plan_for_devices(
             model, example_inputs, mesh_shape=mesh_shape, devices=devices, global_batch=global_batch, options=opts
@@ -199,6 +158,7 @@ def plan(
     t1 = time.perf_counter()
     logger.info("capture: %.2f s (%s)", t1 - t0, describe_captured(cap))
     analyze(cap)
+    measure_routing(model, example_inputs, cap)
     fuse_for(cap, opts.sequence_parallel)
     t2 = time.perf_counter()
     logger.info("analysis: %.2f s", t2 - t1)
@@ -219,143 +179,7 @@ def mesh_argument(mesh, mesh_shape):
     return mesh if mesh is not None else mesh_shape
 
 
-def plan_captured(
-    cap,
-    *,
-    model_name: str,
-    mesh_shape=(1,),
-    mesh_axis_names=None,
-    options: PlanOptions | None = None,
-    timings=None,
-    activation_copies=1,
-    zero1=True,
-    microbatches=1,
-    holds_gradient_sums=False,
-    **option_kwargs,
-) -> ShardingPlan:
-    """:func:`plan` for a graph already captured and analysed (``passes.capture`` +
-    ``passes.analyze``); ``auto_parallelize`` uses it so the model is captured once.
-    ``options``: the :class:`PlanOptions` (keywords of the same names override them).
-    ``activation_copies``: microbatches whose saved activations are alive at once (a pipeline
-    stage under its schedule): the activation memory counts that many. ``options.precision``:
-    recorded in the plan (default: the autocast dtype ``cap`` was captured under, fp32
-    reductions). ``zero1``: offer ZeRO-1 weights (pipeline stages do not: their
-    runtime keeps no compute copies). ``microbatches``: a pipeline stage's microbatches per step (its
-    held-back parameter-gradient all-reduces, once per step, are weighed at their share per
-    microbatch; reduce-scatters onto weights stored sharded run every microbatch).
-    ``holds_gradient_sums``: a pipeline stage (it holds its gradient sums over the microbatches:
-    counted in its memory)."""
-    opts = PlanOptions.build(options, **option_kwargs)
-    precision = (
-        Precision.build(opts.precision)
-        if opts.precision is not None
-        else Precision(compute=cap.autocast_dtype or torch.float32)
-    )
-    if precision.autocast_dtype != cap.autocast_dtype:
-        raise ValueError(f"the graph was captured under autocast {cap.autocast_dtype}, not for precision {precision}")
-    timings = dict(timings or {})
-    t0 = timings.pop("start", time.perf_counter())
-    mesh = MeshSpec.build(mesh_shape, mesh_axis_names)
-    spec = get_cluster(opts.cluster_for())
-    budget = parse_bytes(opts.memory_budget) if opts.memory_budget is not None else spec.memory_bytes
-    t2 = time.perf_counter()
-    pinned = resolve_pins(cap, dict(opts.pins or {}), mesh.ndim)
-    # sequence parallel attention (ring / Ulysses): forced modes pin the attention ops not pinned
-    for node, forced in attention_rule.forced_pins(cap.graph, opts.sequence_parallel, mesh.shape).items():
-        pinned.setdefault(node, forced)
-    for node, forced in multidim_tp.forced_pins(cap.graph, opts.tensor_parallel, mesh.shape).items():
-        pinned.setdefault(node, forced)
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("%s: pins %s", model_name, {n.name: format_spec(s) for n, s in pinned.items()})
-    with (
-        attention_rule.sequence_parallel(opts.sequence_parallel, mesh.shape),
-        multidim_tp.tensor_parallel(opts.tensor_parallel, mesh.shape),
-    ):
-        result = plan_intra_op(
-            cap,
-            mesh.shape,
-            mesh.axis_names,
-            spec,
-            budget=budget,
-            pins=pinned,
-            objective=opts.objective,
-            optimizer=opts.optimizer,
-            share_blocks=opts.share_blocks,
-            time_limit=opts.time_limit,
-            activation_copies=activation_copies,
-            grad_reduce_bytes=precision.grad_reduce_bytes,
-            recompute=opts.recompute,
-            log=logger.info,
-            zero=opts.zero,
-            zero1=zero1,
-            host_budget=parse_bytes(opts.host_memory_budget) if opts.host_memory_budget is not None else None,
-            microbatches=microbatches,
-            holds_gradient_sums=holds_gradient_sums,
-        )
-    t3 = time.perf_counter()
-    stats = dict(result.stats, **timings, plan_s=t3 - t2, total_s=t3 - t0)
-    inputs = {
-        info(n).name: list(info(n).shape or ())
-        for n in cap.graph.nodes
-        if n.op == "placeholder" and info(n).kind == "input"
-    }
-    data = {
-        "format": PLAN_FORMAT,
-        "version": PLAN_VERSION,
-        "fingerprint": graph_fingerprint(cap),
-        "structure": graph_fingerprint(cap, shapes=False),
-        "training": cap.training,
-        "precision": precision.to_dict(),
-        "model": model_name,
-        "inputs": inputs,
-        "mesh": mesh.to_dict(),
-        "cluster": spec.to_dict(),
-        "budget": budget,
-        "objective": opts.objective,
-        "optimizer": opts.optimizer,
-        "activation_copies": activation_copies,
-        "recompute": opts.recompute,
-        "sequence_parallel": opts.sequence_parallel,
-        "zero": opts.zero,
-        "tensor_parallel": opts.tensor_parallel,
-        "host_memory_budget": opts.host_memory_budget,
-        "share_blocks": opts.share_blocks,
-        "pins": {n.name: format_spec(s) for n, s in pinned.items()},
-        "records": result.records,
-        "alternatives": result.alternatives,
-        "blocks": result.blocks,
-        "stats": stats,
-    }
-    data["model_flops"] = training_flops(cap)
-    data["flops_dtype"] = flops_dtype(cap)
-    made = ShardingPlan(data)
-    logger.info(
-        "plan ready: %.2f s in all; estimated step %.3f ms (the solver's objective, plus the optimizer step "
-        "and the fixed latencies it does not weigh)",
-        t3 - t0,
-        made.estimate().step_time_s * 1e3,
-    )
-    return made
-
-
 # -- the whole configuration for N devices (partitioner/config_search.py) ------------------------
-
-
-def flops_dtype(cap) -> str:
-    """The dtype most of the graph's FLOPs run in (what the cost model prices them at: a model
-    built in bf16 runs its matmuls in bf16 even under an fp32 policy); MFU is taken against it."""
-    by_dtype: dict = {}
-    for n in cap.graph.nodes:
-        i = info(n)
-        if n.op == "call_function" and i.kind == "op" and i.flops:
-            name = str(i.dtype or torch.float32).replace("torch.", "")
-            by_dtype[name] = by_dtype.get(name, 0.0) + i.flops
-    return max(by_dtype, key=by_dtype.__getitem__) if by_dtype else "float32"
-
-
-def training_flops(cap) -> float:
-    """FLOPs of one training step of the captured graph: 3x its forward (backward = 2x forward)."""
-    return 3.0 * sum(info(n).flops for n in cap.graph.nodes if n.op == "call_function" and info(n).kind == "op")
 
 
 def _plan_for_devices(model, example_inputs, *, mesh_shape, devices, global_batch, options) -> ShardingPlan | None:

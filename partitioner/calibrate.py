@@ -99,6 +99,7 @@ from partitioner.cluster import ClusterSpec, LinkSpec, cluster_file_dict
 
 __all__ = [
     "DEFAULT_SIZES",
+    "QUICK_SIZES",
     "TINY_SIZES",
     "arrival_samples",
     "arrival_wait",
@@ -110,6 +111,7 @@ __all__ = [
     "fresh_samples",
     "matmul_intensity",
     "measure",
+    "measure_in_group",
     "median_samples",
     "op_rates",
     "op_samples",
@@ -148,6 +150,27 @@ activations the rated ops are timed on (``op_tokens x op_width``; attention: a g
 lengths and head dimensions, ``heads`` heads and ``rows`` query rows (batch x heads x sequence)
 at every point), and the parameter sets the optimizers step (``(tensors, elements
 each)``)."""
+
+QUICK_SIZES = {
+    "matmul": (128, 256, 512),
+    "matmul_shapes": ((512, 64, 512), (2048, 64, 256), (1024, 256, 64), (512, 1024, 128)),
+    "dtypes": ("float32", "bfloat16"),
+    "elementwise": (1 << 12, 1 << 18, 1 << 21),
+    "chains": (8, 64),
+    "payloads": (1 << 12, 1 << 16, 1 << 20, 1 << 22),
+    "trials": 2,
+    "seconds": 0.02,
+    "burst": 2e-3,
+    "fresh": (1 << 19, 1 << 21, 1 << 23),
+    "waits": (1e-2, 5e-2),
+    "op_tokens": 512,
+    "op_width": 768,
+    "attention": {"seq": (64, 256, 1024), "head_dim": (32, 64), "rows": 4096, "heads": 4},
+    "optimizer": ((64, 64), (4, 1 << 20)),
+}
+"""What ``cluster="cpu"`` measures when no calibration is installed (:mod:`partitioner.local_cluster`):
+every figure of :data:`DEFAULT_SIZES`, on fewer sizes and shorter loops (about half a minute for
+2 ranks on a 2-core machine)."""
 
 TINY_SIZES = {
     "matmul": (16, 32),
@@ -685,6 +708,17 @@ def measure(
         out["fresh"] = run_on_ranks(fresh_rank, ranks, merged, timeout_s=timeout_s, collective_timeout_s=120)[0]
         passes.append(out)
     return median_samples(passes)
+
+
+def measure_in_group(sizes: dict | None = None, *, progress: bool = False) -> dict:
+    """:func:`measure` by the ranks of the running job's default process group (collective: every
+    rank calls it), without forking: rank 0's view of the slowest rank. The fresh-allocation
+    samples are left out (they fix glibc's mmap threshold, which a running job must not have
+    changed under it), so ``fresh_page_s_per_byte`` fits to 0."""
+    import torch.distributed as dist
+
+    merged = dict(DEFAULT_SIZES, **(sizes or {}))
+    return rank_samples(dist.get_rank(), dist.get_world_size(), merged, progress)
 
 
 def median_samples(passes: list):

@@ -23,25 +23,23 @@ The cost model prices everything in seconds from these numbers (decision 4 in do
 
 Presets (``h100``, ``h200``, ``a100``) use vendor figures for SXM parts with NVLink inside an
 8-GPU node and one InfiniBand NIC per GPU across nodes. ``cpu`` is this machine: the compute
-figures measured in this process (``calibrate_cpu``), links guessed, cached. ``partitioner
-calibrate`` (:mod:`partitioner.calibrate`) measures everything, collectives included, on local
-ranks into a cluster file; ``get_cluster(path)`` reads it (``--as-cpu`` also makes it ``cpu``).
+figures measured by the job's ranks, once per rank count, and cached
+(:mod:`partitioner.local_cluster`, which also resolves names: ``get_cluster``). ``partitioner
+calibrate`` (:mod:`partitioner.calibrate`) measures the same figures on more sizes into a cluster
+file; ``get_cluster(path)`` reads it (``--as-cpu`` also makes it ``cpu``). This module is data
+only: it imports nothing of Partita's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = [
     "LinkSpec",
     "ClusterSpec",
-    "get_cluster",
-    "for_memory_budget",
-    "calibrate_cpu",
     "cluster_file_dict",
     "load_cluster_file",
     "PRESETS",
@@ -237,11 +235,6 @@ PRESETS = {
 # fmt: on
 
 
-def _cache_path() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "partita" / "cpu_cluster.json"
-
-
 def cluster_file_dict(spec: ClusterSpec, **extra) -> dict:
     """A cluster file's content: the spec under ``"cluster"``, with what it was fitted from."""
     return {"cluster": spec.to_dict(), **extra}
@@ -264,84 +257,3 @@ def load_cluster_file(path) -> ClusterSpec:
             f"cluster file {path} holds no cluster description ({type(exc).__name__}: {exc}); "
             "write one with `python -m partitioner calibrate --out FILE`"
         ) from None
-
-
-def calibrate_cpu(*, refresh: bool = False) -> ClusterSpec:
-    """This machine's compute, measured in this process; links guessed from memory bandwidth.
-
-    Compute: :func:`partitioner.calibrate.compute_samples` and ``fit_compute`` on small sizes
-    (a fraction of a second). The link figures are a memory-copy estimate (gloo on one host moves
-    data through shared memory and TCP loopback), scaled down by a constant; good enough to rank
-    plans on CPUs. ``partitioner calibrate --as-cpu`` replaces the whole description with a
-    measured one. The result is cached in ``~/.cache/partita/cpu_cluster.json``.
-    """
-    path = _cache_path()
-    if path.exists() and not refresh:
-        try:
-            return load_cluster_file(path)
-        except ValueError:
-            pass
-    from partitioner.calibrate import compute_samples, fit_compute
-
-    quick = {
-        "matmul": (128, 256, 512),
-        "dtypes": ("float32",),
-        "elementwise": (1 << 12, 1 << 18, 1 << 21),
-        "chains": (8, 32, 128),
-    }
-    compute = fit_compute(compute_samples({**quick, "trials": 2, "seconds": 0.05}))
-    link = LinkSpec(bandwidth=compute["memory_bandwidth"] / 8, latency_s=50e-6)
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    fp32 = compute["peak_flops"]["float32"]
-    spec = ClusterSpec(
-        name="cpu",
-        peak_flops={"float32": fp32, "bfloat16": fp32 / 4, "float16": fp32 / 4},
-        memory_bandwidth=compute["memory_bandwidth"],
-        memory_bytes=mem,
-        devices_per_node=os.cpu_count() or 1,
-        intra_node=link,
-        inter_node=link,
-        collective_overhead_s=100e-6,
-        matmul_efficiency=1.0,
-        matmul_curve=compute["matmul_curve"],
-        op_overhead_s=compute["op_overhead_s"],
-        notes="compute measured on the local machine by partitioner.cluster.calibrate_cpu, links guessed",
-    )
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(cluster_file_dict(spec), indent=1))
-    except OSError:
-        pass
-    return spec
-
-
-def for_memory_budget(cluster, memory_budget) -> ClusterSpec:
-    """The cluster a CPU job run by ``auto_parallelize`` under ``memory_budget`` is priced with:
-    there glibc's mmap threshold is fixed (``runtime/host_memory.py``) and every large allocation
-    is a fresh mapping, so where a fresh page has a measured cost :attr:`ClusterSpec.fresh_allocations`
-    is set; without a budget the spec as given. (``partitioner.plan`` alone changes no allocator:
-    it prices what it is given.)"""
-    spec = get_cluster(cluster)
-    if memory_budget is None or spec.fresh_page_s_per_byte <= 0 or spec.fresh_allocations:
-        return spec
-    return dataclasses.replace(spec, fresh_allocations=True)
-
-
-def get_cluster(cluster) -> ClusterSpec:
-    """A ClusterSpec from a preset name (``h100``, ``h200``, ``a100``, ``cpu``), the path of a
-    cluster file (``partitioner calibrate``), a spec's dict or a spec."""
-    if isinstance(cluster, ClusterSpec):
-        return cluster
-    if isinstance(cluster, dict):
-        return ClusterSpec.from_dict(cluster)
-    key = str(cluster).lower()
-    if key == "cpu":
-        return calibrate_cpu()
-    if key not in PRESETS:
-        if isinstance(cluster, os.PathLike) or key.endswith(".json") or os.path.isfile(str(cluster)):
-            return load_cluster_file(cluster)
-        raise ValueError(
-            f"unknown cluster {cluster!r}: choose one of {sorted(PRESETS) + ['cpu']}, the path of a cluster file "
-            "(`python -m partitioner calibrate --out FILE`) or a partitioner.ClusterSpec"
-        )
-    return PRESETS[key]

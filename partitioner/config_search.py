@@ -35,7 +35,7 @@ Algorithm
 5. **Plan the survivors with the real planner**, in that order after one seed, the usual
    recipe (tensor parallel across the node, the fewest pipeline stages whose memory bound fits,
    one sample per microbatch per data-parallel rank, 1F1B, recomputation): the intra-op ILP
-   (:func:`partitioner.api.plan_captured`) on the ``(d, t)`` mesh, and for a pipeline the
+   (:func:`partitioner.intra_op.plan_captured`) on the ``(d, t)`` mesh, and for a pipeline the
    stages cut at layer boundaries (:mod:`passes.split_stages`), each stage planned with its
    inputs pinned to what the stage before sends and its activations counted for the
    microbatches the schedule keeps alive; identical stages (same position, layers and incoming
@@ -78,7 +78,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from partitioner.axis_uses import describe_config
-from partitioner.cluster import get_cluster, parse_bytes
+from partitioner.cluster import parse_bytes
+from partitioner.local_cluster import get_cluster
 from partitioner.mesh import MeshSpec
 from partitioner.options import PlanOptions
 from partitioner.parallel_config import ParallelConfig
@@ -561,7 +562,7 @@ class _Planner:
         zero="auto",
         sequence_parallel="auto",
     ):
-        from partitioner.api import plan_captured
+        from partitioner.intra_op import plan_captured
 
         return plan_captured(
             cap,
@@ -669,7 +670,7 @@ class _Planner:
         ZB-H1). Stages are planned once per class: the first stage, the middle stages by their
         layer count, the last stage (a middle class takes the placements the class before it
         sends). Returns (class graphs, class plans, class of each stage, layer runs, sends)."""
-        from partitioner.pipeline_parallelize import _sent_placements, _shared_weights
+        from partitioner.stage_boundaries import sent_placements, shared_weights
 
         size = c.microbatch_size
         stages = c.pipeline * c.virtual_stages
@@ -696,7 +697,7 @@ class _Planner:
         t0 = time.perf_counter()
         cap, graphs = self._class_split(size, tuple(n for _, n in classes))
         t1 = time.perf_counter()
-        tied = {n for names in _shared_weights(cap, graphs) for n in names}
+        tied = {n for names in shared_weights(cap, graphs) for n in names}
         shape, names = c.stage_mesh_shape, c.stage_axis_names
         budget = self.budget / c.virtual_stages
         # the middle classes (most of the stages) are planned first, their inputs free; the first
@@ -726,7 +727,7 @@ class _Planner:
                 zero=planner_zero(c.zero),
                 sequence_parallel=c.sequence_parallel,
             )
-            sent_as.update(_sent_placements(g, made_by[k], len(shape)))
+            sent_as.update(sent_placements(g, made_by[k], len(shape)))
         plans = [made_by[k] for k in range(len(graphs))]
         logger.info(
             "search: %s: %d stage classes cut in %.2f s, planned in %.2f s",
@@ -772,7 +773,8 @@ class _Planner:
         graphs, plans, stage_map, runs, sent_as = self._stage_plans(c)
         class_ests = [p.estimate() for p in plans]  # once per stage class, not per stage
         ests = [class_ests[r] for r in stage_map]
-        forward, backward, weight = ps.stage_durations(ests, [graphs[r].takes_activations for r in stage_map])
+        takes = [graphs[r].takes_activations for r in stage_map]
+        forward, backward, weight = ps.stage_durations(ests, takes)
         _, p2p_s, p2p_bytes = self._p2p(c, graphs, sent_as)
         sched = self.schedule(c)
         sim = ps.simulate(sched, forward, backward, weight, comm_time=p2p_s, sync_time=ps.stage_syncs(ests))
@@ -819,6 +821,7 @@ class _Planner:
                 "p2p_bytes": p2p_bytes,
                 "memory_bytes": memory,
                 "busiest_stage": max(range(len(ests)), key=lambda s: ests[s].step_time_s),
+                "takes_activations": takes,  # what the step above was simulated with (partitioner.report)
             },
         }
         return ShardingPlan(data)
@@ -937,6 +940,11 @@ def _search_options(opts: PlanOptions) -> PlanOptions:
             "objective": "the search ranks configurations by estimated step time; give mesh= to minimise memory",
         },
     )
+    if opts.expert_parallel == "on":
+        raise ValueError(
+            f"expert_parallel='on' is not available {_SEARCH_MODE} yet: the search does not enumerate an "
+            f"expert degree; give mesh=, or use 'auto' (each candidate's solver may split the experts)"
+        )
     if opts.tensor_parallel not in ("auto", "1d"):
         raise ValueError(
             f"tensor_parallel={opts.tensor_parallel!r} is not available {_SEARCH_MODE}: its grid needs a mesh of "

@@ -14,40 +14,11 @@ that time.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 
+from partitioner.axis_roles import axis_roles
+
 __all__ = ["axis_roles", "cluster_numbers", "comparison", "meta_gpt"]
-
-_MATMULS = ("aten.linear", "aten.addmm", "aten.mm", "aten.matmul")
-
-
-def axis_roles(plan) -> str:
-    """``"a0 tensor 97%, a1 data"``: per mesh axis, what the plan's matmuls do there."""
-    shares = [defaultdict(float) for _ in plan.axis_names]
-    for r in plan.records:
-        if not r["target"].startswith(_MATMULS) or not r.get("out") or not r.get("shapes"):
-            continue
-        rank = len(r["shapes"][0] or ())
-        weight = r.get("compute_s", 0.0) or 1e-12
-        for axis, p in enumerate(r["out"][0].strip("[]").split(", ")):
-            if p == "R":
-                role = "replicated"
-            elif p == "P" or p.startswith(f"S({rank - 1})"):
-                role = "tensor"
-            elif p.startswith("S(0)"):
-                role = "data"
-            else:
-                role = "sequence"
-            shares[axis][role] += weight
-    parts = []
-    for name, roles in zip(plan.axis_names, shares, strict=True):
-        total = sum(roles.values()) or 1.0
-        ranked = sorted(roles.items(), key=lambda kv: -kv[1])
-        text = " + ".join(f"{role} {share / total:.0%}" for role, share in ranked if share / total >= 0.05)
-        parts.append(f"{name} {ranked[0][0] if ranked and ranked[0][1] / total > 0.95 else text or '-'}")
-    return ", ".join(parts)
 
 
 def cluster_numbers(spec) -> dict:
@@ -109,7 +80,7 @@ def comparison(demo_plan, *, n_layer, n_embd, n_head, batch, seq) -> str:
     import textwrap
 
     import partitioner
-    from partitioner.cluster import get_cluster
+    from partitioner.local_cluster import get_cluster
     from partitioner.sharding_plan import _fmt_time
 
     small = (n_layer, n_embd, n_head, batch, seq)

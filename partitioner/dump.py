@@ -7,7 +7,8 @@ the plan files, and, given the model and example inputs, lowers the plan for any
 mesh size in this one process (code generation runs no collective, so no process group is
 needed). Files:
 
-* ``plan.json`` (the plan, replayable), ``plan.txt`` (summary table and estimate);
+* ``plan.json`` (the plan, replayable), ``plan.txt`` (summary table and estimate),
+  ``report.html`` (the plan explorer, one self-contained page: :mod:`partitioner.report`);
 * ``graph.dot`` and, when Graphviz's ``dot`` is installed, ``graph.svg``: the graph with nodes
   coloured by their placement and every edge that communicates drawn red and labelled with
   its collectives; repeated layers drawn once, mask/index rows left out
@@ -18,7 +19,9 @@ For a pipeline runner: per stage its plan files under ``stage_<s>/`` and each ra
 there; ``schedule.txt`` (the schedule and its grid); after a ``train_step``, the last step's
 timeline measured beside the one the cost model simulates (``timeline.txt``: per stage and
 action simulated vs measured with their ratio, and the cluster the simulation was priced with;
-``timeline.json`` for chrome://tracing or Perfetto; ``timeline.svg``).
+``timeline.json`` for chrome://tracing or Perfetto; ``timeline.svg``) and ``report.html``, the
+whole pipeline's report (:func:`partitioner.pipeline_plan.runner_plan`) with the measured step
+drawn under the simulated one.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def _write_plan_files(plan: ShardingPlan, out: Path) -> list:
     written = [plan.save(out / "plan.json")]
     (out / "plan.txt").write_text(plan.summary() + "\n")
     written.append(out / "plan.txt")
+    written.append(plan.report(out / "report.html"))
     dot = out / "graph.dot"
     dot.write_text(plan_to_dot(plan))
     written.append(dot)
@@ -68,6 +72,7 @@ def _dump_pipeline(runner, out: Path) -> list:
     the schedule as a grid; the last step's timeline beside the simulated one, if a step ran."""
     import torch.distributed as dist
 
+    from partitioner.pipeline_simulation import simulated_timeline
     from runtime import pipeline_trace
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -87,7 +92,7 @@ def _dump_pipeline(runner, out: Path) -> list:
         path.write_text(_program_text(stage.program, rank, stage.comm.coords, stage.plan))
         written.append(path)
     if runner.trace:
-        measured, simulated = pipeline_trace.measured_timeline(runner), pipeline_trace.simulated_timeline(runner)
+        measured, simulated = pipeline_trace.measured_timeline(runner), simulated_timeline(runner)
         cluster = pipeline_trace.pricing_cluster(runner)
         timelines = {"measured": measured, f"simulated (cost model, cluster {cluster})": simulated}
         if rank == 0:
@@ -100,6 +105,11 @@ def _dump_pipeline(runner, out: Path) -> list:
             (out / "timeline.json").write_text(pipeline_trace.chrome_trace(timelines))
             (out / "timeline.svg").write_text(pipeline_trace.timeline_svg(timelines))
             written += [out / "timeline.txt", out / "timeline.json", out / "timeline.svg"]
+    if rank == 0:  # the whole pipeline's report, with the measured step when one ran
+        from partitioner.pipeline_plan import runner_plan
+
+        trace = out / "timeline.json" if runner.trace else None
+        written.append(runner_plan(runner).report(out / "report.html", trace=trace))
     return written
 
 

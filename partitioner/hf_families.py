@@ -10,7 +10,8 @@ Families cover the four shapes of model users bring: decoder-only (GPT-2, LLaMA,
 Qwen2, Falcon, BLOOM with ALiBi, GPT-J, GPT-NeoX, OPT, Phi, Gemma), encoder-only (BERT,
 RoBERTa, DistilBERT), encoder-decoder (BART, T5) and vision (ViT; BEiT with its layer
 scales, mean pooling and stochastic depth; DeiT with its distillation head, trained by
-:class:`HardDistillation`).
+:class:`HardDistillation`). :data:`MOE_FAMILIES` adds mixtures of experts (Mixtral, Qwen3-MoE,
+OLMoE, DeepSeek-V3 with its latent attention and shared expert), router auxiliary loss on.
 
 Parameters a family initialises to zero that a trained checkpoint holds as ordinary values
 (DeiT's class and distillation tokens and position embeddings) start from small random values
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FAMILIES", "DECODER_ONLY", "HardDistillation", "build"]
+__all__ = ["FAMILIES", "MOE_FAMILIES", "DECODER_ONLY", "HardDistillation", "build"]
 
 VOCAB = 128
 _DROPOUT_KEYS = (
@@ -201,6 +202,67 @@ FAMILIES = {
     "beit": ("BeitConfig", "BeitForImageClassification", _VISION_SIZES, "image"),
     "deit_distilled": ("DeiTConfig", "DeiTForImageClassificationWithTeacher", _VISION_SIZES, "image_distillation"),
 }
+# mixture-of-experts families (docs/moe.md): 4 experts, top-2, the router's auxiliary loss on
+# (output_router_logits); kept apart from FAMILIES, whose test trains every family
+_MOE_SIZES = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_experts_per_tok=2)
+MOE_FAMILIES = {
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(_MOE_SIZES, intermediate_size=64, num_key_value_heads=2, num_local_experts=4, output_router_logits=True),
+        "causal",
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            _MOE_SIZES,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_experts=4,
+            output_router_logits=True,
+        ),
+        "causal",
+    ),
+    "olmoe": (
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        dict(
+            _MOE_SIZES,
+            intermediate_size=32,
+            num_key_value_heads=4,
+            num_experts=4,
+            output_router_logits=True,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=1,
+        ),
+        "causal",
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            _MOE_SIZES,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_key_value_heads=4,
+            n_routed_experts=4,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+        ),
+        "causal",
+    ),
+}
 # family -> names of parameters its init leaves at zero that start random here (module docstring)
 _ZERO_INITIALISED = {"deit_distilled": ("cls_token", "distillation_token", "position_embeddings")}
 DECODER_ONLY = tuple(name for name, (*_, kind) in FAMILIES.items() if kind == "causal")
@@ -243,9 +305,10 @@ def build(
     """``(model, example_inputs)`` for ``family`` (a key of :data:`FAMILIES`), in train mode."""
     import transformers
 
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
-    config_name, model_name, sizes, kind = FAMILIES[family]
+    families = {**FAMILIES, **MOE_FAMILIES}
+    if family not in families:
+        raise ValueError(f"unknown family {family!r}; choose one of {sorted(families)}")
+    config_name, model_name, sizes, kind = families[family]
     config_cls = getattr(transformers, config_name)
     overrides: dict[str, object] = dict(sizes)  # sizes, the vocabulary, layers and dropout
     if not kind.startswith("image"):

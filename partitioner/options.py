@@ -31,6 +31,7 @@ from partitioner.precision import Precision
 from passes import multidim_tp
 from passes.recompute import check_recompute_mode
 from passes.rules import attention as attention_rule
+from passes.rules import experts as experts_rule
 from passes.strategy_space import check_zero
 
 __all__ = ["PlanOptions", "default_cluster", "OBJECTIVES", "OPTIMIZERS", "LAYER_MODES"]
@@ -78,6 +79,9 @@ class PlanOptions:
     """ZeRO for weights on data-parallel axes: ``"auto"``, ``1``, ``2``, ``3`` or a dict of name patterns."""
     tensor_parallel: str = "auto"
     """Weight contractions: ``"auto"``, ``"1d"``, ``"2d"``, ``"2.5d"`` or ``"3d"``."""
+    expert_parallel: str = "auto"
+    """Mixture-of-experts layers: ``"auto"`` (the solver may split the experts over a mesh axis),
+    ``"on"`` (every MoE layer's experts split over one axis) or ``"off"`` (experts never split)."""
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -102,6 +106,7 @@ class PlanOptions:
         check_recompute_mode(self.recompute)
         attention_rule.check_mode(self.sequence_parallel)
         multidim_tp.check_mode(self.tensor_parallel)
+        experts_rule.check_mode(self.expert_parallel)
         check_zero(self.zero)
         if self.precision is not None:
             Precision.build(self.precision)
@@ -160,7 +165,7 @@ class PlanOptions:
         return self.cluster if self.cluster is not None else default_cluster(device)
 
     def solver_kwargs(self) -> dict:
-        """The options ``partitioner.api.plan_captured`` takes, by its argument names."""
+        """The options ``partitioner.intra_op.plan_captured`` takes, by its argument names."""
         return dict(
             memory_budget=self.memory_budget,
             host_memory_budget=self.host_memory_budget,
@@ -172,6 +177,7 @@ class PlanOptions:
             sequence_parallel=self.sequence_parallel,
             zero=self.zero,
             tensor_parallel=self.tensor_parallel,
+            expert_parallel=self.expert_parallel,
         )
 
 

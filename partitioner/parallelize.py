@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from partitioner.api import plan_captured
 from partitioner.axis_uses import describe_config
-from partitioner.cluster import for_memory_budget
+from partitioner.local_cluster import for_memory_budget, job_cluster
 from partitioner.mesh import MeshSpec
 from partitioner.options import PlanOptions
 from partitioner.precision import Precision
@@ -36,6 +36,7 @@ from passes.capture import graph_fingerprint, tied_placeholders
 from passes.capture_blocks import capture_model
 from passes.eager_attention import fuse_for
 from passes.lower_to_local import lower_to_local
+from passes.moe.routing import measure_routing
 from passes.shape_check import check_servable
 from runtime.collectives import MeshComm, on_rank0
 from runtime.host_memory import return_freed_blocks
@@ -110,6 +111,7 @@ def auto_parallelize(
     sequence_parallel="auto",
     zero="auto",
     tensor_parallel="auto",
+    expert_parallel="auto",
     local_inputs=False,
     state_dict=None,
     checkpoint=None,
@@ -167,7 +169,7 @@ def auto_parallelize(
         _check_replay_options(opts, plan)
     if device.type == "cpu" and opts.memory_budget is not None:
         return_freed_blocks()  # a budget on the CPU: freed tensors leave the process (runtime/host_memory.py)
-    cluster = opts.cluster_for(device)
+    cluster = job_cluster(opts.cluster_for(device))  # "cpu": measured by this job's ranks unless cached
     if device.type == "cpu" and opts.memory_budget is not None:
         cluster = for_memory_budget(cluster, opts.memory_budget)  # priced with the fresh mappings it now gets
     opts = opts.replace(cluster=cluster, precision=_resolve_precision(opts.precision, plan))
@@ -217,7 +219,16 @@ def auto_parallelize(
 
 
 # the options a replayed plan records under the same name (the others are not its choices)
-_REPLAYED = ("objective", "optimizer", "recompute", "sequence_parallel", "zero", "tensor_parallel", "share_blocks")
+_REPLAYED = (
+    "objective",
+    "optimizer",
+    "recompute",
+    "sequence_parallel",
+    "zero",
+    "tensor_parallel",
+    "expert_parallel",
+    "share_blocks",
+)
 
 
 def _check_replay_options(opts: PlanOptions, plan: ShardingPlan) -> None:
@@ -288,6 +299,11 @@ def _pipelined(model, example_inputs, pipeline, *, mesh, mesh_axis_names, plan, 
             f"zero=1 is not available {_PIPELINE_MODE}: ZeRO-1 keeps a whole compute copy of each weight beside "
             "its optimizer shard, which pipeline stage programs do not; use zero=2 or 3 (weights stored sharded)"
         )
+    if options.expert_parallel == "on":
+        raise ValueError(
+            f"expert_parallel='on' is not available {_PIPELINE_MODE} yet: stage meshes are planned stage by "
+            "stage; use 'auto' (the stages may still split experts) or run without pipeline="
+        )
     if options.tensor_parallel not in ("auto", "1d"):
         raise ValueError(
             f"tensor_parallel={options.tensor_parallel!r} is not available {_PIPELINE_MODE} yet: the 2D/2.5D/3D "
@@ -351,6 +367,7 @@ def _capture(model, example_inputs, layers, precision, sequence_parallel="auto")
     eager attention becomes one op where ring or Ulysses is forced (``passes.eager_attention``)."""
     cap = capture_model(model, example_inputs, layers=layers, autocast_dtype=precision.autocast_dtype)
     analyze(cap)
+    measure_routing(model, example_inputs, cap)
     fuse_for(cap, sequence_parallel or "auto")
     return cap
 

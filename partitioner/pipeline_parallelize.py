@@ -20,24 +20,23 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 
-from partitioner.api import plan_captured, resolve_pins
+from partitioner.intra_op import plan_captured, resolve_pins
 from partitioner.options import PlanOptions
 from partitioner.pipeline_shapes import StageShapes, receive_buffers
 from partitioner.sharding_plan import ShardingPlan
+from partitioner.stage_boundaries import sent_placements, shared_weights
 from partitioner.weights import load_local_weights
 from passes import pipeline_schedules as ps
 from passes.analyze import analyze, info
-from passes.capture import tied_placeholders
 from passes.capture_blocks import capture_model
 from passes.eager_attention import fuse_for
 from passes.lower_to_local import lower_to_local
-from passes.placements import dual_spec, format_spec, parse_spec
 from passes.rules import tensor_input_nodes
 from passes.split_stages import assign_stages, split_stages
-from runtime.collectives import MeshComm, Reshard, on_rank0
+from runtime.collectives import MeshComm, on_rank0
 from runtime.pipeline import PipelineRunner, StageProgram
+from runtime.reshard import Reshard
 
 __all__ = ["PipelineConfig", "build_pipeline"]
 
@@ -99,19 +98,6 @@ def _make_schedule(cfg: PipelineConfig, name: str):
     return sched
 
 
-def _sent_placements(graph, plan, ndim) -> dict:
-    """Activation name (as later stages call it) -> the placement this stage sends it in: where
-    its plan put the value, partial sums reduced (what lowering does at a stage boundary)."""
-    records = {r["name"]: r for r in plan.records}
-    returned = graph.captured.graph.find_nodes(op="output")[0].args[0]
-    returned = returned if isinstance(returned, (list, tuple)) else [returned]
-    out = {}
-    for node, name in zip(returned, graph.outputs):
-        if name is not None and isinstance(node, fx.Node) and records.get(node.name, {}).get("out"):
-            out[name] = format_spec(dual_spec(parse_spec(records[node.name]["out"][0], ndim)))
-    return out
-
-
 def _choose(config: PipelineConfig, plans, graphs):
     """The schedule simulated fastest with the stage plans' cost estimates."""
     estimates = [plan.estimate() for plan in plans]
@@ -160,7 +146,7 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, options: PlanO
         model, example_inputs, config, schedule, options.layers, precision, options.sequence_parallel
     )
     sub = _stage_mesh(full, device_mesh)
-    tied = _shared_weights(cap, graphs)
+    tied = shared_weights(cap, graphs)
     user_pins = _stage_pins(cap, graphs, options.pins, sub.ndim)
     if options.recompute == "auto":
         logger.info("pipeline: stages keep their activations (recompute='auto' plans them without recomputation)")
@@ -266,20 +252,10 @@ def _stage_mesh(full, device_mesh):
     return sub
 
 
-def _shared_weights(cap, graphs) -> list:
-    """Weights used by several stages (one placeholder used twice, or tied names of one tensor),
-    as sets of placeholder names."""
-    tied = [set(names) for names in tied_placeholders(cap)]
-    for name in cap.params:
-        if sum(name in g.inputs for g in graphs) > 1 and not any(name in t for t in tied):
-            tied.append({name})
-    return tied
-
-
 def _stage_pins(cap, graphs, pins, ndim) -> list:
     """The user's pins each stage resolves (one dict per stage), checked on every rank before
     planning. A pin may match only some stages (a layer's weight lives on one); one that matches
-    no stage is refused with :func:`partitioner.api.resolve_pins`' error for the whole model (or,
+    no stage is refused with :func:`partitioner.intra_op.resolve_pins`' error for the whole model (or,
     if the whole model has it but no stage does, an error saying so)."""
     per_stage = [{} for _ in graphs]
     for key, value in (pins or {}).items():
@@ -333,7 +309,7 @@ def _plan_stages(graphs, sub, tied, user_pins, schedule, config, *, model_name, 
                 holds_gradient_sums=True,
             )
             plans.append(made.to_json())
-            sent_as.update(_sent_placements(g, made, len(sub.shape)))
+            sent_as.update(sent_placements(g, made, len(sub.shape)))
         return plans
 
     return [ShardingPlan.from_dict(json.loads(text)) for text in on_rank0(plan_all, "planning the stages")]

@@ -33,7 +33,7 @@ from passes.lower_to_local import lower_to_local
 from passes.placements import parse_spec, rank_local_shape
 from passes.shape_check import check_servable
 from passes.split_stages import assign_stages, split_stages
-from runtime.collectives import Reshard
+from runtime.reshard import Reshard
 
 __all__ = ["StageShapes", "receive_buffers"]
 

@@ -27,6 +27,9 @@ from __future__ import annotations
 import textwrap
 from collections import Counter
 
+from partitioner.units import fmt_bytes as _fmt_bytes
+from partitioner.units import fmt_time as _fmt_time
+
 __all__ = [
     "WIDTH",
     "mask_index_rows",
@@ -199,8 +202,6 @@ def _fit(widths: list, floors: list, limit: int) -> list:
 
 
 def _wide_table(plan, rows, heads) -> list:
-    from partitioner.sharding_plan import _fmt_bytes, _fmt_time
-
     header = [
         "node",
         "module",
@@ -247,8 +248,6 @@ def _wide_table(plan, rows, heads) -> list:
 
 
 def _narrow_table(plan, rows, heads, bases, limit) -> list:
-    from partitioner.sharding_plan import _fmt_bytes, _fmt_time
-
     header = ["node", "module", "shape", "placement " + "×".join(plan.axis_names), "time", "memory", "communication"]
     cells = []
     for r in rows:
@@ -302,8 +301,6 @@ def _narrow_table(plan, rows, heads, bases, limit) -> list:
 
 
 def _folded_note(plan, folded: dict, limit, wide) -> list:
-    from partitioner.sharding_plan import _fmt_bytes, _fmt_time
-
     if not folded:
         return []
     by_name = {r["name"]: r for r in plan.records}
@@ -325,8 +322,6 @@ def _folded_note(plan, folded: dict, limit, wide) -> list:
 
 def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = WIDTH) -> str:
     """The plan as a table, its estimate and solver statistics (see the module docstring)."""
-    from partitioner.sharding_plan import _fmt_bytes
-
     if "pipeline" in plan.data:
         return pipeline_table(plan, width=width)
     blocks = {b["label"]: b for b in plan.data.get("blocks", [])}
@@ -367,6 +362,7 @@ def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = 
         )
         lines += [redo] if wide else textwrap.wrap(redo, width, subsequent_indent="  ")
     lines += _sequence_parallel_line(plan, width, wide)
+    lines += _experts_lines(plan, width, wide)
     lines += _grid_lines(plan, width, wide)
     lines += _storage_lines(plan, width, wide)
     lines += _wide_table(plan, rows, heads) if wide else _narrow_table(plan, rows, heads, bases, width)
@@ -448,8 +444,6 @@ def config_lines(plan, width: int = WIDTH) -> list:
 def pipeline_table(plan, *, width: int = WIDTH) -> str:
     """A pipelined plan: its configuration, the stages (layers, mesh, per-microbatch estimate)
     and the schedule's step; each stage's own table is ``plan.stage_plans[s].summary()``."""
-    from partitioner.sharding_plan import _fmt_bytes, _fmt_time
-
     pipe = plan.data["pipeline"]
     title = (
         f"Pipelined plan for {plan.data.get('model', '?')} on mesh {plan.mesh_shape} "
@@ -498,3 +492,11 @@ def _sequence_parallel_line(plan, width, wide) -> list:
         + ", ".join(f"{item} on {n} attention op{'s' if n > 1 else ''}" for item, n in found.items())
     )
     return [text] if wide else textwrap.wrap(text, width, subsequent_indent="  ")
+
+
+def _experts_lines(plan, width, wide) -> list:
+    """Which mesh axis carries the experts of the MoE layers, and the routed imbalance there."""
+    from passes.rules.experts import experts_lines
+
+    lines = experts_lines(plan.records, plan.data)
+    return lines if wide else [w for line in lines for w in textwrap.wrap(line, width, subsequent_indent="  ")]

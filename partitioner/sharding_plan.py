@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from partitioner.memory import MemoryBreakdown, memory_breakdown
+from partitioner.units import fmt_bytes as _fmt_bytes
+from partitioner.units import fmt_time as _fmt_time
 
 __all__ = ["ShardingPlan", "Estimate", "PlanDiff", "PlanMismatchError", "PLAN_FORMAT", "PLAN_VERSION"]
 
@@ -30,22 +32,6 @@ PLAN_VERSION = 1
 
 class PlanMismatchError(ValueError):
     """A saved plan does not belong to this model (or these input shapes)."""
-
-
-def _fmt_bytes(n: float) -> str:
-    n = float(n)
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _fmt_time(s: float) -> str:
-    if s >= 1:
-        return f"{s:.3f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.3f} ms"
-    return f"{s * 1e6:.1f} us"
 
 
 _SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
@@ -178,6 +164,9 @@ class PlanDiff:
     estimate_here: Estimate
     estimate_there: Estimate
     same_graph: bool
+    folded: list = field(default_factory=list)
+    """``changed`` folded by block (:func:`partitioner.diff_folding.fold_changes`): one group for
+    a change made in every layer of a block of identical layers; the text lists these."""
 
     def __bool__(self) -> bool:
         return bool(self.changed or self.only_here or self.only_there)
@@ -194,8 +183,21 @@ class PlanDiff:
         )
         if not self:
             lines.append("placements: identical")
-        for name, module, here, there in self.changed:
-            lines.append(f"  {name:<32} {module:<40} {here} -> {there}")
+        if not self.folded:
+            for name, module, here, there in self.changed:
+                lines.append(f"  {name:<32} {module:<40} {here} -> {there}")
+        views = [g for g in self.folded if g["view"]]
+        for g in self.folded:
+            if g["view"]:
+                continue
+            where = g["block"] if len(g["nodes"]) > 1 else ""
+            more = f"  (the same in {len(g['nodes'])} layers of {where})" if where else ""
+            lines.append(f"  {g['node']:<32} {g['full_module']:<40} {g['before']} -> {g['after']}{more}")
+        if views:
+            lines.append(
+                f"  and {sum(len(g['nodes']) for g in views)} views and getitems that follow their producers "
+                f"(listed in .changed)"
+            )
         for name in self.only_here:
             lines.append(f"  {name}: only in this plan")
         for name in self.only_there:
@@ -349,7 +351,7 @@ class ShardingPlan:
         calls = collective_calls(*args, grouped=grouped)
         if not isinstance(self.data.get("cluster"), dict):
             return calls, 0.0, 0.0
-        from partitioner.cluster import get_cluster
+        from partitioner.local_cluster import get_cluster
 
         cluster = get_cluster(self.data["cluster"])
         return (
@@ -474,6 +476,16 @@ class ShardingPlan:
     def __str__(self) -> str:
         return self.summary()
 
+    def report(self, path, *, other: ShardingPlan | None = None, trace=None, names=None) -> Path:
+        """Write the plan explorer, one self-contained HTML file, to ``path``: configuration,
+        estimate, memory chart, search runner-ups, the sortable and filterable table with each
+        node's :meth:`explain`, the graph, a pipeline's timeline (``trace``: a dump's
+        ``timeline.json``, drawn as measured beside it) and, with ``other``, the diff folded by
+        block. See :mod:`partitioner.report`."""
+        from partitioner.report import write_report
+
+        return write_report(self, path, other=other, trace=trace, names=names)
+
     def __repr__(self) -> str:
         e = self.estimate()
         return (
@@ -578,8 +590,16 @@ class ShardingPlan:
             elif r["out"] != o["out"] or r["ins"] != o["ins"]:
                 changed.append((r["name"], r["module"], " ".join(r["out"]), " ".join(o["out"])))
         only_there = [n for n in other._by_name if n not in self._by_name]
+        from partitioner.diff_folding import fold_changes
+
         return PlanDiff(
-            changed, only_here, only_there, self.estimate(), other.estimate(), self.fingerprint == other.fingerprint
+            changed,
+            only_here,
+            only_there,
+            self.estimate(),
+            other.estimate(),
+            self.fingerprint == other.fingerprint,
+            fold_changes(self.records, changed),
         )
 
     # -- serialisation -----------------------------------------------------------------------

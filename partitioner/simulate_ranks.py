@@ -96,8 +96,8 @@ def _moves(steps, shape) -> list:
 def _program_collectives(program, shapes: dict, stage_shape, axis_map) -> tuple:
     """(forward events, backward activation events, backward parameter events) of one lowered
     program, the backward ones already in autograd's (reverse) order."""
-    from runtime.collectives import Reshard
     from runtime.prefetch import PrefetchGather
+    from runtime.reshard import Reshard
 
     fwd, bwd_act, bwd_param = [], [], []
     started = set()  # edges whose first gather a PrefetchGather issued earlier
@@ -312,8 +312,8 @@ def plan_graphs(plan, model, example_inputs) -> list:
     """The analysed graphs ``plan`` was made for: the model captured at the plan's batch, or for
     a pipelined plan from the configuration search its stage classes (the model cut to their
     layers, captured at the microbatch, split)."""
-    from partitioner.cluster import get_cluster
     from partitioner.config_search import ModelFacts, _batch_of, _Planner
+    from partitioner.local_cluster import get_cluster
     from partitioner.options import PlanOptions
 
     batch = _batch_of(example_inputs)

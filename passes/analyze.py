@@ -12,48 +12,16 @@ value whose storage some op keeps (following views to the value that owns the st
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from passes.capture import CapturedGraph
+from passes.node_info import META_KEY, NodeInfo, info
 from passes.rules import IGNORED_OPS, op_view, rate_key, rule_for, tensor_input_nodes
-from passes.saved_tensors import Saves, saves_of
+from passes.saved_tensors import saves_of
 
 __all__ = ["NodeInfo", "analyze", "info", "storage_owner"]
-
-META_KEY = "partita.info"
-
-
-@dataclass
-class NodeInfo:
-    kind: str
-    """``param``, ``buffer``, ``input``, ``op``, ``output`` or ``ignored``."""
-    name: str
-    """Parameter / buffer FQN, the user's argument name, or the node name."""
-    module_path: str
-    """Innermost module that produced the node ("" for the top level)."""
-    out_shapes: tuple
-    dtype: torch.dtype | None
-    """The first tensor output's dtype (None: no tensor output)."""
-    flops: float = 0.0
-    requires_grad: bool = False
-    saved: bool = False
-    """Some op keeps this value's storage for backward (it counts as activation memory); views
-    are not marked, the value whose storage they share is."""
-    saves: Saves | None = None
-    """What this op keeps for backward (ops only)."""
-    rate_key: str | None = None
-    """The name a measured rate of this op is kept under (ops only: :func:`passes.rules.rate_key`)."""
-
-    @property
-    def shape(self):
-        return self.out_shapes[0] if self.out_shapes else None
-
-
-def info(node: fx.Node) -> NodeInfo:
-    return node.meta[META_KEY]
 
 
 def _shapes(val):

@@ -5,7 +5,8 @@ Parameters and buffers come out as placeholders (the graph signature maps them t
 qualified names); every node carries ``meta["val"]`` (a FakeTensor: shape and dtype) and
 ``meta["nn_module_stack"]``. Models built on the ``meta`` device capture without memory:
 example inputs are moved to ``meta`` too. A failure is re-raised as :class:`CaptureError`
-naming the construct that export could not handle and what to try.
+naming the construct that export could not handle and what to try. HuggingFace
+mixture-of-experts modules are captured as one op each (:mod:`passes.moe.experts_op`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 import torch.fx.config  # noqa: F401  (fx.config.do_not_emit_stack_traces)
+
+from passes.moe.experts_op import experts_as_ops
 
 __all__ = [
     "CaptureError",
@@ -204,7 +207,7 @@ def capture(
                     args, kwargs = stack.enter_context(_on_fake_cpu(model, args, kwargs))
                     device_type = "cpu"
                 stack.enter_context(torch.autocast(device_type, dtype=autocast_dtype))
-            with training_configs(model):
+            with training_configs(model), experts_as_ops(model):
                 exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # export raises many types; all become one clear error
         message = str(exc).strip()

@@ -397,10 +397,11 @@ def param_state_parts(numel: float, elem: int, optimizer: str | None) -> tuple:
     return (numel * elem, numel * elem, numel * state)
 
 
-def saved_bytes(node_info, out_specs, mesh_shape, inputs=()) -> float:
+def saved_bytes(node_info, out_specs, mesh_shape, inputs=(), share=None) -> float:
     """Bytes an op keeps for backward of its own, placed ``out_specs``: its output when some op
     keeps it (``node_info.saved``) and its own saved buffers (masks, statistics), at the share of
-    the graph's size its largest input has here (``inputs``: (global shape, placement) pairs).
+    the graph's size its largest input has here (``inputs``: (global shape, placement) pairs), or
+    ``share`` where the op's rule says (:meth:`passes.rules.base.OpRule.buffer_share`).
     What consumers keep of their inputs through new edge buffers depends on both ends'
     placements: :mod:`passes.memory_accounting` counts it once the plan is chosen."""
     elem = dtype_bytes(node_info.dtype)
@@ -408,7 +409,8 @@ def saved_bytes(node_info, out_specs, mesh_shape, inputs=()) -> float:
     total = sum(local_bytes(s, spec, mesh_shape, elem) for s, spec in outs) if node_info.saved else 0.0
     saves = getattr(node_info, "saves", None)
     if saves is not None and saves.extra_bytes:
-        total += saves.extra_bytes * largest_share(list(inputs) or outs, mesh_shape)
+        fraction = share if share is not None else largest_share(list(inputs) or outs, mesh_shape)
+        total += saves.extra_bytes * fraction
     return total
 
 

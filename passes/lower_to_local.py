@@ -5,7 +5,7 @@ graph in order and emit a new fx graph:
 
 * placeholders stay placeholders (parameters, buffers and inputs arrive as this rank's
   local pieces); ignored assertion nodes (``_assert_tensor_metadata``) are dropped;
-* every data edge whose placement changes gets a :class:`runtime.collectives.Reshard`
+* every data edge whose placement changes gets a :class:`runtime.reshard.Reshard`
   submodule: forward from the producer's placement to the one the consumer needs, backward
   from the gradient placement the consumer produces to the dual of the producer's placement,
   exactly the moves the plan priced;
@@ -54,10 +54,11 @@ from passes.prefetch_gathers import prefetch_gathers
 from passes.rules import op_view, rule_for, tensor_input_nodes
 from passes.shape_check import uneven_dims
 from passes.strategy_space import required_output_spec, zero1_grad_spec
-from runtime.collectives import MeshComm, Reshard
+from runtime.collectives import MeshComm
 from runtime.optimizer_shards import ZERO1_KEY
 from runtime.recompute import CheckpointRegion
 from runtime.regather import REGATHER_KEY
+from runtime.reshard import Reshard
 
 __all__ = ["LowerCall", "lower_to_local", "LoweringError", "outline_recomputed", "strided_parameters"]
 

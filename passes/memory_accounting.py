@@ -7,7 +7,7 @@ keeps (:mod:`passes.saved_tensors` says what each op saves) and counts each stor
   ``transpose``, ``getitem`` of a view, ...) shares its input's storage. Placeholders are state
   (parameters, buffers) or the batch, never activations.
 * **An edge's storage.** The edge ``u -> c`` (input ``k`` of ``c``) runs a
-  :class:`runtime.collectives.Reshard` when its placements move. It allocates a new tensor
+  :class:`runtime.reshard.Reshard` when its placements move. It allocates a new tensor
   (``u``'s shape at ``c``'s input placement) when a move sends data (all-gather, all-to-all,
   all-reduce, reduce-scatter), and when the value needs a gradient (the runtime hands out a
   copy, not a view made inside autograd), except a parameter whose forward does not move (passed
@@ -55,7 +55,7 @@ from passes.cost_model import (
     param_state_parts,
 )
 from passes.prefetch_gathers import backward_windows, first_gather, forward_windows
-from passes.rules import tensor_input_nodes
+from passes.rules import op_view, rule_for, tensor_input_nodes
 from passes.strategy_space import regathers as strategy_regathers
 
 __all__ = ["memory_fields"]
@@ -179,7 +179,9 @@ def memory_fields(
         if i.saves.extra_bytes:
             mine = choices[c]
             placed = [(info(u).shape, spec) for u, spec in zip(ins, mine.ins)] or [(i.shape, out_spec(c))]
-            into[("extra", c)] = (i.saves.extra_bytes * largest_share(placed, mesh), c)
+            share = rule_for(c).buffer_share(op_view(c), placed, mesh)
+            fraction = share if share is not None else largest_share(placed, mesh)
+            into[("extra", c)] = (i.saves.extra_bytes * fraction, c)
         for k in range(len(ins)):
             e = edge(c, k)
             if e is not None and e[0] not in kept:

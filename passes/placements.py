@@ -43,6 +43,7 @@ __all__ = [
     "is_shard",
     "is_partial",
     "dual_spec",
+    "zero1_grad_spec",
     "transition_steps",
 ]
 
@@ -204,6 +205,13 @@ def dual_spec(spec):
     if spec is None:
         return None
     return tuple(p if is_shard(p) else R for p in spec)
+
+
+def zero1_grad_spec(spec, mesh_shape):
+    """Where the edges of a weight with a compute copy (ZeRO-1, or offloaded) leave its gradient:
+    the dual of the copy's placement, but ``Partial`` on every axis of more than one device where
+    the copy is replicated (reduced once per step, into the tensor the optimizer steps)."""
+    return tuple(P if not is_shard(p) and n > 1 else q for p, n, q in zip(spec, mesh_shape, dual_spec(spec)))
 
 
 @functools.lru_cache(maxsize=1 << 14)

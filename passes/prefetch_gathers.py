@@ -1,7 +1,7 @@
 """Prefetching the gathers of weights stored sharded: the lowering pass and its price.
 
 **The pass** (:func:`prefetch_gathers`, run on each rank's lowered program). The edges that
-gather a weight for use (a :class:`runtime.collectives.Reshard` reading a parameter placeholder
+gather a weight for use (a :class:`runtime.reshard.Reshard` reading a parameter placeholder
 whose first move that sends data is an all-gather) are listed in program order ``g_0, g_1, ...``
 (those at the program's top level: a recomputed layer's gathers run again in its rerun and stay
 synchronous). Then:
@@ -45,8 +45,8 @@ __all__ = ["prefetch_gathers", "credit_prefetch", "first_gather", "forward_windo
 def prefetch_gathers(gm: fx.GraphModule) -> int:
     """Start each top-level weight gather one gather ahead (see the module docstring); returns
     how many edges are prefetched."""
-    from runtime.collectives import Reshard
     from runtime.prefetch import PrefetchGather
+    from runtime.reshard import Reshard
 
     graph = gm.graph
     edges = []

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -29,23 +28,10 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from passes.rules import rule_for, tensor_input_nodes
+from passes.node_info import Saves
+from passes.rules import op_view, rule_for, tensor_input_nodes
 
 __all__ = ["Saves", "saves_of"]
-
-
-@dataclass(frozen=True)
-class Saves:
-    """What one op keeps for backward."""
-
-    inputs: tuple = ()
-    """Positions (in :func:`passes.rules.tensor_input_nodes` order) of the inputs it saves."""
-    outputs: tuple = ()
-    """Indices of its outputs it saves."""
-    extra_bytes: float = 0.0
-    """Bytes of the other tensors it saves, at the graph's (global) shapes."""
-    alias: int | None = None
-    """The input position whose storage its output shares (a view), or None."""
 
 
 _CACHE: dict = {}
@@ -115,6 +101,9 @@ def saves_of(node: fx.Node, grads: list, autocast=None) -> Saves:
     inputs = tensor_input_nodes(node)
     if node.target is operator.getitem:
         return Saves(alias=0)
+    own = rule_for(node).saves(op_view(node), grads)
+    if own is not None:
+        return own
     sig = _signature(node, grads, autocast)
     if sig is not None and sig in _CACHE:
         return _CACHE[sig]

@@ -53,7 +53,7 @@ from passes.cost_model import (
     reshard,
     saved_bytes,
 )
-from passes.placements import P, R, Shard, dual_spec, is_shard, replicated, spec_fits
+from passes.placements import R, Shard, dual_spec, is_shard, replicated, spec_fits, zero1_grad_spec
 from passes.rules import Strategy, expand_to_mesh, op_view, rule_for, tensor_input_nodes
 
 __all__ = [
@@ -353,7 +353,7 @@ class _Builder:
                     mem_bytes += nbytes
                     alloc_fwd += allocation_time(nbytes, self.cluster)
         fwd = compute_time(
-            i.flops / split,
+            i.flops / split * rule.work_scale(op, strategy, self.mesh),
             mem_bytes,
             i.dtype,
             rule.contraction,
@@ -375,7 +375,9 @@ class _Builder:
                 extra_fwd += t
             else:
                 extra_bwd += t
-        act = self.activation_copies * saved_bytes(i, strategy.out, self.mesh, zip(op.in_shapes, strategy.ins))
+        placed = list(zip(op.in_shapes, strategy.ins))
+        share = rule.buffer_share(op, placed, self.mesh)
+        act = self.activation_copies * saved_bytes(i, strategy.out, self.mesh, placed, share)
         extra = extra_fwd + (extra_bwd if i.requires_grad else 0.0)
         return fwd + bwd, extra, act, weight, (fwd, extra_fwd)
 
@@ -567,13 +569,6 @@ def zero1_placements(spec, shape, mesh_shape):
     if d is None:
         return None
     return tuple(Shard(d) if a in axes else p for a, p in enumerate(spec))
-
-
-def zero1_grad_spec(spec, mesh_shape):
-    """Where the edges of a weight with a compute copy (ZeRO-1, or offloaded) leave its gradient:
-    the dual of the copy's placement, but ``Partial`` on every axis of more than one device where
-    the copy is replicated (reduced once per step, into the tensor the optimizer steps)."""
-    return tuple(P if not is_shard(p) and n > 1 else q for p, n, q in zip(spec, mesh_shape, dual_spec(spec)))
 
 
 @functools.lru_cache(maxsize=1 << 12)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from passes.placements import is_shard, transition_steps
+from passes.placements import is_shard, transition_steps, zero1_grad_spec
 from runtime.collectives import MeshComm, _all_gather_single, _strided_order, record_collective
 from runtime.grad_sync import flat_reduce, reduce_moves
 
@@ -85,8 +85,6 @@ class OptimizerShards:
 
     def add(self, shard: torch.nn.Parameter, compute_spec, stored_spec, name: str, strided=None, device=None) -> None:
         """``device``: where the compute copy lives (default: the shard's device)."""
-        from passes.strategy_space import zero1_grad_spec
-
         compute_spec, stored_spec = tuple(compute_spec), tuple(stored_spec)
         held = self._weights.get(id(shard))
         if held is not None:

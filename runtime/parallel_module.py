@@ -30,7 +30,8 @@ from passes.placements import (
     split_start,
     transition_steps,
 )
-from runtime.collectives import MeshComm, Reshard, run_steps
+from runtime.collectives import MeshComm, run_steps
+from runtime.reshard import Reshard
 from runtime.sharded_io import ShardedCheckpointIO
 
 if TYPE_CHECKING:

@@ -54,9 +54,10 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from passes.placements import replicated
-from runtime.collectives import MeshComm, Reshard
+from runtime.collectives import MeshComm
 from runtime.grad_sync import DeferredSyncs
 from runtime.parallel_module import gather_tensor, run_under_autocast, shard_tensor
+from runtime.reshard import Reshard
 from runtime.sharded_io import ShardedCheckpointIO
 
 if TYPE_CHECKING:
@@ -380,7 +381,7 @@ class PipelineRunner(ShardedCheckpointIO, torch.nn.Module):
     # -- helpers -----------------------------------------------------------------------------
     def _microbatch_shapes(self) -> dict:
         """User input name -> the (whole, not sharded) microbatch shape its stages were captured for."""
-        from passes.analyze import info
+        from passes.node_info import info
 
         shapes = {}
         for g in self.stage_graphs:

@@ -2,10 +2,11 @@
 
 ``measured_timeline(runner)`` collects, on every rank, the (action, start, end) records the
 interpreter kept for its last ``train_step`` (a collective; one row per pipeline rank).
-``simulated_timeline(runner)`` replays the same schedule with each stage's forward, backward
-and weight-gradient (W) time from its intra-op plan (``passes.pipeline_schedules.simulate``).
+:func:`partitioner.pipeline_simulation.simulated_timeline` replays the same schedule with each
+stage's times from its plan (the runtime never prices: that is the planner's side).
 ``chrome_trace`` writes both as Chrome-trace JSON (open in chrome://tracing or Perfetto: one
-process per timeline, one thread per rank); ``timeline_svg`` draws them one above the other.
+process per timeline, one thread per rank); ``timeline_svg`` draws them one above the other,
+on one time scale.
 ``idle_fraction`` is the share of rank-time not spent computing, comparable with
 ``(p-1)/(m+p-1)``.
 
@@ -28,11 +29,9 @@ import torch.distributed as dist
 
 __all__ = [
     "measured_timeline",
-    "simulated_timeline",
     "chrome_trace",
     "timeline_svg",
     "idle_fraction",
-    "stage_times",
     "pricing_cluster",
     "action_durations",
     "step_seconds",
@@ -51,27 +50,6 @@ def measured_timeline(runner) -> dict:
     for pp_rank, trace in parts:
         out.setdefault(pp_rank, trace)
     return dict(sorted(out.items()))
-
-
-def stage_times(runner) -> tuple:
-    """(forward, backward, weight) seconds per microbatch for each stage, from its plan's estimate
-    (:func:`passes.pipeline_schedules.stage_durations`), and each stage's gradient reduction, once
-    per step (``stage_syncs``)."""
-    from passes.pipeline_schedules import stage_durations, stage_syncs
-
-    estimates = [plan.estimate() for plan in runner.plan["stages"]]
-    return (
-        *stage_durations(estimates, [graph.takes_activations for graph in runner.stage_graphs]),
-        stage_syncs(estimates),
-    )
-
-
-def simulated_timeline(runner, forward=None, backward=None, weight=None) -> dict:
-    from passes.pipeline_schedules import simulate
-
-    f, b, w, sync = stage_times(runner)
-    result = simulate(runner.schedule, forward or f, backward or b, weight or w, sync_time=sync)
-    return {r: [(str(t.action), t.start, t.end) for t in timeline] for r, timeline in result.timelines.items()}
 
 
 def pricing_cluster(runner) -> str:
@@ -176,12 +154,14 @@ def chrome_trace(timelines: dict) -> str:
 
 
 def timeline_svg(timelines: dict, *, width: int = 900, row: int = 26) -> str:
-    """One panel per timeline, one row per rank, boxes coloured by F / B / I / W."""
+    """One panel per timeline, one row per rank, boxes coloured by F / B / I / W; every panel on
+    the time scale of the longest, so a step twice as long draws twice as wide."""
     panels, y = [], 10
+    longest = max((step_seconds(timeline) for timeline in timelines.values()), default=0.0)
+    scale = (width - 90) / max(longest, 1e-12)
     for name, timeline in timelines.items():
         start = min(s for rows in timeline.values() for _, s, _ in rows)
         end = max(e for rows in timeline.values() for _, _, e in rows)
-        scale = (width - 90) / max(end - start, 1e-12)
         idle = idle_fraction(timeline)
         panels.append(
             f'<text x="4" y="{y + 12}" font-size="13" font-weight="bold">{html.escape(name)}: '

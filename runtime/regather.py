@@ -1,6 +1,6 @@
 """ZeRO-3 parameters: gathered copies freed after forward and gathered again for backward.
 
-A parameter stored sharded is gathered by a :class:`runtime.collectives.Reshard` on every edge
+A parameter stored sharded is gathered by a :class:`runtime.reshard.Reshard` on every edge
 to a consumer that needs it whole (all-gather on the data-parallel axis). When the consumer
 saves that copy for backward (a matmul keeps its weight), the copy would stay alive from the
 forward to the backward of that layer: ZeRO-2 (FSDP's ``reshard_after_forward=False``). For a

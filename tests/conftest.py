@@ -67,7 +67,8 @@ def pytest_configure(config):
     path.write_text(json.dumps(FIXED_CPU))
     os.environ["XDG_CACHE_HOME"] = _cache_home
 
-    from partitioner.cluster import ClusterSpec, get_cluster
+    from partitioner.cluster import ClusterSpec
+    from partitioner.local_cluster import get_cluster
     if get_cluster("cpu") != ClusterSpec.from_dict(FIXED_CPU):
         raise pytest.UsageError(f"get_cluster('cpu') no longer reads {path}: tests/conftest.py must pin the CPU "
                                 "cluster another way, or tests would plan from this machine's measurement")

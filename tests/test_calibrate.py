@@ -19,7 +19,8 @@ import pytest
 import partitioner
 from partitioner.__main__ import main
 from partitioner.calibrate import COLLECTIVES, TINY_SIZES, collective_design, fit, rank_samples, write_cluster_file
-from partitioner.cluster import ClusterSpec, LinkSpec, get_cluster
+from partitioner.cluster import ClusterSpec, LinkSpec
+from partitioner.local_cluster import get_cluster
 from partitioner.models import gpt_demo
 from passes.cost_model import Collective, collective_time, compute_time, measured_rate
 from runtime.launch import run_on_ranks
@@ -204,7 +205,7 @@ def test_cost_model_reads_the_matmul_curve():
 
 
 def test_fresh_allocations_are_fitted_and_priced_under_a_budget():
-    from partitioner.cluster import for_memory_budget
+    from partitioner.local_cluster import for_memory_budget
     from passes.cost_model import allocation_time
     from runtime.host_memory import MMAP_THRESHOLD
 

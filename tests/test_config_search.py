@@ -242,7 +242,7 @@ def _swap_two_collectives(program):
     """``program`` with the modules of its first two Reshards that send different collectives
     exchanged: the rank then runs them in the other order (a deliberately broken program)."""
     from partitioner.simulate_ranks import _moves
-    from runtime.collectives import Reshard
+    from runtime.reshard import Reshard
 
     found = []
     for node in program.graph.nodes:

@@ -164,7 +164,7 @@ def test_e_ilp_equals_brute_force_on_random_graphs(seed):
 
 
 def test_e_ilp_equals_brute_force_on_a_real_graph():
-    from partitioner.cluster import get_cluster
+    from partitioner.local_cluster import get_cluster
     from passes.analyze import analyze
     from passes.blocks import find_blocks
     from passes.capture import capture

@@ -557,7 +557,7 @@ def test_ring_transfers_overlap_block_compute_in_the_estimate():
     plan prices the transfers at that exposed part, with their bytes unchanged: all hidden at
     8,192 tokens (a block's compute outlasts its hop), partly at 64 tokens."""
     import partitioner
-    from partitioner.cluster import get_cluster
+    from partitioner.local_cluster import get_cluster
     from passes.cost_model import Collective, collective_time
 
     cluster = get_cluster("h100")
@@ -593,7 +593,7 @@ def test_ring_attention_is_priced_at_the_rate_of_its_blocks():
     import dataclasses
 
     import partitioner
-    from partitioner.cluster import get_cluster
+    from partitioner.local_cluster import get_cluster
 
     seq, p, h, d = 1024, 4, 8, 32
     grid = {"axes": [[256, 1024], [16, 64]], "rates": [[1e12, 1e12], [4e12, 4e12]]}

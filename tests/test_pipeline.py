@@ -128,7 +128,7 @@ def pipeline_worker(rank, world, cfg):
     result["layers"] = [list(run) for run in runner.plan["layers"]]
     if cfg["pipeline"].get("schedule") is None:   # what the stage estimates favour, recomputed here
         from passes.pipeline_schedules import choose_schedule
-        from runtime.pipeline_trace import stage_times
+        from partitioner.pipeline_simulation import stage_times
         name, _ = choose_schedule(sched.num_ranks, sched.num_microbatches, *stage_times(runner))
         result["expected_schedule"] = name.replace("-", "_")
     result["sends"] = [list(g.sends) for g in runner.stage_graphs]
@@ -421,7 +421,7 @@ def _zb_split_worker(rank, world, cfg):
     grads = runner.full_grads()
     for name, p in ref.named_parameters():
         checks.close(f"grad of {name}", grads[name], p.grad)
-    from runtime.pipeline_trace import stage_times
+    from partitioner.pipeline_simulation import stage_times
     return {"rank": rank, "failures": checks.failures, "calls": calls, "stage_times": stage_times(runner)}
 
 

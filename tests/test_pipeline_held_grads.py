@@ -144,7 +144,7 @@ def test_held_back_rule_on_mixed_edges():
     moves every microbatch; an all-reduce alone, or a gradient all-gathered, is held)."""
     from passes.cost_model import grad_held_back
     from passes.placements import dual_spec, parse_spec
-    from runtime.collectives import Reshard
+    from runtime.reshard import Reshard
 
     mesh = (2, 2)
     cases = {  # (parameter placement, gradient placement from the consumer) -> held back

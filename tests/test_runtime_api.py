@@ -1,4 +1,6 @@
 """auto_parallelize / dump / state on real gloo ranks: bad input, replay, state, pictures."""
+import json
+import re
 import shutil
 import warnings
 
@@ -146,7 +148,7 @@ def test_dump_writes_programs_plan_and_picture(tmp_path):
     if shutil.which("dot"):
         assert (tmp_path / "graph.svg").read_text().lstrip().startswith("<?xml")
     assert plan.mesh_shape == (2,)
-    assert all("rank_" in f or "plan" in f or "graph" in f for f in files[0])
+    assert all("rank_" in f or "plan" in f or "graph" in f or "report" in f for f in files[0])
 
 
 def test_dump_from_a_plan_alone_for_a_large_mesh(tmp_path):
@@ -189,6 +191,15 @@ def test_dump_of_a_pipeline_puts_simulated_and_measured_side_by_side(tmp_path):
     for values in [*per_action.values(), step]:        # simulated, measured, their ratio: no values asserted
         assert values[1] == "ms" and values[3] == "ms" and values[4].endswith("x"), values
     assert "cluster cpu" in (tmp_path / "timeline.svg").read_text()
+    # the whole pipeline's report: the simulated step beside the measured one read from timeline.json
+    from partitioner.report.timeline import read_trace
+    report = (tmp_path / "report.html").read_text()
+    data = json.loads(re.search(r'id="plan-data">(.*?)</script>', report, re.S).group(1).replace("<\\/", "</"))
+    measured = read_trace(tmp_path / "timeline.json")
+    assert {int(r): [a for a, _, _ in rows] for r, rows in data["timeline"]["measured"].items()} == {
+        r: [a for a, _, _ in rows] for r, rows in measured.items()}
+    assert data["timeline"]["simulated"] and data["axes"][0]["role"] == "pipeline"
+    assert {row["stage"] for row in data["rows"]} == {0, 1}
 
 
 def test_comparison_says_when_plans_were_priced_for_another_device():

@@ -5,7 +5,7 @@ addresses and ports; the same hostname, as two containers often have). Each runs
 ``torchrun --nnodes 2 --nproc-per-node 2`` on ``tests/two_host_train.py``, which auto-parallelizes
 a small HF GPT-2 on a (2, 2) mesh over all four ranks and trains 3 steps; the losses, the
 step-1 gradients and the final parameters must equal one process's run of the same model on the
-same data. ``_torchrun`` lists the flags the job needs and why (README.md, "Multi-node").
+same data. ``_torchrun`` lists the flags the job needs and why (docs/multinode.md).
 
 Making namespaces needs root and ``ip`` (iproute2). .ci/run is root, installs iproute2 and sets
 ``PARTITA_REQUIRE_TWO_HOSTS=1``, under which a missing privilege fails the test; elsewhere (a

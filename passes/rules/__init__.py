@@ -9,6 +9,7 @@ from passes.rules import (  # noqa: F401
     contractions,
     elementwise,
     embedding_loss,
+    experts,
     normalization,
     reductions,
     structured,

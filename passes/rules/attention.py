@@ -99,7 +99,7 @@ def _common_problem(op: OpView) -> str | None:
         return f"queries ({q[2]}) and keys ({k[2]}) differ in length (cross-attention)"
     if op.arg(4, "dropout_p", 0.0):
         return "it has attention dropout"
-    from passes.analyze import META_KEY  # here: passes.analyze imports the rules
+    from passes.node_info import META_KEY
 
     ins = tensor_input_nodes(op.node)
     meta = ins[3].meta.get(META_KEY) if len(ins) > 3 else None

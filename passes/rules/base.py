@@ -233,6 +233,22 @@ class OpRule(abc.ABC):
         None (the default): the rule's rate is one number."""
         return None
 
+    def work_scale(self, op: OpView, strategy: Strategy, mesh_shape) -> float:
+        """How much more than its even share of the FLOPs the busiest rank computes under
+        ``strategy`` (1.0: an even split; a mixture-of-experts layer's routed imbalance)."""
+        return 1.0
+
+    def saves(self, op: OpView, grads):
+        """What the op keeps for backward (a ``passes.saved_tensors.Saves``), for an op whose
+        lowering runs other code than the op itself; None (the default): found by running the op."""
+        return None
+
+    def buffer_share(self, op: OpView, placed: list, mesh_shape) -> float | None:
+        """The fraction of its own saved buffers (``Saves.extra_bytes``, at the graph's shapes) a
+        device keeps, its inputs placed as ``placed`` (``(shape, placement)`` pairs); None (the
+        default): the share of its largest input (:func:`passes.cost_model.largest_share`)."""
+        return None
+
     def flops(self, op: OpView) -> float:
         shape = op.out_shapes[0] or ()
         n = 1

@@ -71,7 +71,9 @@ register(aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar, ate
     Elementwise("sum")
 )
 register(aten.mul.Tensor, aten.mul.Scalar)(Elementwise("one", saves_inputs=True))
-register(aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode)(Elementwise("first", saves_inputs=True))
+register(aten.div.Tensor, aten.div_.Tensor, aten.div.Scalar, aten.div.Tensor_mode)(
+    Elementwise("first", saves_inputs=True)
+)
 
 
 class Dropout(Elementwise):

@@ -1,0 +1,240 @@
+"""partita.moe_experts(hidden[T,H], top_k_index[T,k], top_k_weights[T,k], gate_up[E,2I,H], down[E,H,I]).
+
+One node per mixture-of-experts layer (:mod:`passes.moe.experts_op`). Per mesh axis the
+candidates are:
+
+* replicated;
+* tokens split (``Shard(0)`` of hidden, index and weights), experts replicated: data parallel;
+* **expert parallel by all-to-all** (note ``experts``): tokens split and the stacked expert
+  weights ``Shard(0)`` on the same axis; the op dispatches each (token, expert) pair's row to
+  the rank holding its expert and combines the results back
+  (:mod:`runtime.expert_dispatch`). Its own collectives, per rank: the per-expert counts
+  (``E`` int64, forward), and four all-to-alls of the local pairs' rows (``T k H / split``
+  elements each: dispatch and combine, forward and backward), so ``4 T k H`` elements per layer
+  and step, ``(n - 1) / n`` of them on the wire;
+* **local experts** (note ``experts_local``): the experts split, the tokens whole on the axis;
+  each rank computes the pairs routed to its experts and the output is ``Partial`` (the
+  all-reduce after it is the edge's, priced like any reshard; the hidden gradient is partial
+  too), no all-to-all.
+
+The experts may be split on one mesh axis at most; the other axes split the tokens or nothing.
+Compute is priced at the routed load: ``6 T k H I`` FLOPs forward (a contraction: backward
+twice that), over the work split, times the *imbalance* on an expert axis of ``n`` ranks: the
+most-loaded rank's share of the routed pairs over the mean, measured from the router on the
+example batch (:mod:`passes.moe.routing`; 1.0 where none was measured).
+
+Whether expert splits are offered is a planning setting (:func:`expert_parallel`, from
+``partitioner.plan(..., expert_parallel=...)``): ``"auto"`` offers them beside the rest (the
+solver chooses by time and memory), ``"on"`` only candidates with the experts split over a mesh
+axis of more than one device, ``"off"`` none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from passes.moe.experts_op import MOE_OP
+from passes.node_info import Saves, info
+from passes.placements import P, R, Shard
+from passes.rules.base import AxisStrategy, OpRule, OpView, register
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ExpertsRule",
+    "EXPERT_PARALLEL_MODES",
+    "EXPERT_NOTES",
+    "check_mode",
+    "check_forced",
+    "experts_lines",
+    "expert_parallel",
+    "imbalance",
+]
+
+EXPERT_PARALLEL_MODES = ("auto", "on", "off")
+EXPERT_NOTES = ("experts", "experts_local")
+ROUTING_KEY = "partita.routing"
+_SETTING: dict = {"mode": "auto", "mesh": None}
+
+
+def check_mode(mode) -> str:
+    if mode not in EXPERT_PARALLEL_MODES:
+        raise ValueError(f"expert_parallel must be one of {EXPERT_PARALLEL_MODES}, got {mode!r}")
+    return mode
+
+
+@contextlib.contextmanager
+def expert_parallel(mode: str, mesh_shape):
+    """Plan mixture-of-experts layers inside this block with ``mode`` on a mesh of ``mesh_shape``."""
+    check_mode(mode)
+    saved = dict(_SETTING)
+    _SETTING.update(mode=mode, mesh=tuple(int(n) for n in mesh_shape))
+    try:
+        yield
+    finally:
+        _SETTING.update(saved)
+
+
+def check_forced(graph, mode: str, mesh_shape) -> None:
+    """For ``mode="on"``: raise naming the first experts node whose expert count no mesh axis of
+    more than one device divides (it could not be expert parallel)."""
+    if mode != "on":
+        return
+    axes = [n for n in mesh_shape if n > 1]
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is MOE_OP:
+            experts = info(node.args[3]).shape[0]
+            if not any(experts % n == 0 for n in axes):
+                raise ValueError(
+                    f"expert_parallel='on': experts node {node.name} ({info(node).module_path}) has {experts} "
+                    f"experts, which no mesh axis of {tuple(mesh_shape)} with more than one device divides; "
+                    f"use a mesh axis dividing {experts}, or expert_parallel='auto'"
+                )
+
+
+def imbalance(loads, n: int) -> float:
+    """Max over mean of the routed pairs per group of ``E / n`` consecutive experts (rank ``c``'s
+    group under expert parallelism over ``n`` ranks); 1.0 without loads."""
+    if not loads or n <= 1 or len(loads) % n:
+        return 1.0
+    size = len(loads) // n
+    groups = [sum(loads[c * size : (c + 1) * size]) for c in range(n)]
+    mean = sum(groups) / n
+    return max(groups) / mean if mean > 0 else 1.0
+
+
+def expert_axis(axes) -> int | None:
+    """The mesh axis whose candidate splits the experts (None: none)."""
+    return next((ax for ax, a in enumerate(axes) if a.note in EXPERT_NOTES), None)
+
+
+def experts_lines(records, data) -> list:
+    """The summary's lines on MoE layers: per layer kind, the axis carrying the experts (or that
+    none does) and the routed imbalance at that axis's size (measured, or assumed 1.0)."""
+    moe = [r for r in records if str(r.get("target", "")).startswith("partita.moe_experts")]
+    if not moe:
+        return []
+    mesh = dict(zip(data["mesh"]["axis_names"], data["mesh"]["shape"]))
+    routing = data.get("routing") or {}
+    by_axis: dict = {}
+    for r in moe:
+        split = [(axis, note) for axis, note in (r.get("notes") or {}).items() if note in EXPERT_NOTES]
+        by_axis.setdefault(split[0] if split else None, []).append(r["name"])
+    mode = data.get("expert_parallel", "auto")
+    lines = []
+    for key, names in by_axis.items():
+        if key is None:
+            lines.append(f"experts (expert_parallel={mode!r}): replicated on every axis in {len(names)} MoE layer(s)")
+            continue
+        axis, note = key
+        how = "tokens dispatched and combined by all-to-all" if note == "experts" else "tokens whole, partial sums"
+        ratios = [imbalance(routing[n], mesh[axis]) for n in names if n in routing]
+        load = (
+            f"routed imbalance (max/mean pairs per rank) {max(ratios):.2f}, measured on the example batch"
+            if ratios
+            else "routed imbalance not measured (taken as 1.00)"
+        )
+        lines.append(
+            f"experts (expert_parallel={mode!r}): split over mesh axis {axis} ({mesh[axis]} ranks) in "
+            f"{len(names)} MoE layer(s), {how}; {load}"
+        )
+    return lines
+
+
+class ExpertsRule(OpRule):
+    contraction = True
+    saves_inputs = True
+    follower = False
+
+    def axis_strategies(self, op: OpView) -> list:
+        tokens, k = op.in_shapes[1]
+        experts, hidden = op.in_shapes[4][0], op.in_shapes[0][1]
+        mode = _SETTING["mode"]
+        out = [AxisStrategy(out=(R,), ins=(R,) * 5)]
+        if tokens > 1:
+            out.append(AxisStrategy(out=(Shard(0),), ins=(Shard(0),) * 3 + (R, R)))
+        if mode == "off" or experts <= 1:
+            return out
+        dtype = op.out_dtypes[0] or torch.float32
+        rows = float(tokens * k * hidden)
+        extra: tuple = (("all_to_all", "fwd", experts * 8.0 / dtype.itemsize, "none"),)
+        extra += tuple(("all_to_all", phase, rows, "local") for phase in ("fwd", "fwd", "bwd", "bwd"))
+        out.append(AxisStrategy(out=(Shard(0),), ins=(Shard(0),) * 5, extra=extra, note="experts"))
+        out.append(AxisStrategy(out=(P,), ins=(R, R, R, Shard(0), Shard(0)), note="experts_local"))
+        return out
+
+    def combination_ok(self, axes) -> bool:
+        """The experts split on one axis at most; under ``"on"`` on exactly one of more than one device."""
+        split = [ax for ax, a in enumerate(axes) if a.note in EXPERT_NOTES]
+        if len(split) > 1:
+            return False
+        if _SETTING["mode"] == "on":
+            mesh = _SETTING["mesh"] or ()
+            return len(split) == 1 and mesh[split[0]] > 1
+        return True
+
+    def flops(self, op: OpView) -> float:
+        tokens, k = op.in_shapes[1]
+        _, hidden, inner = op.in_shapes[4]
+        return 6.0 * tokens * k * hidden * inner
+
+    def work_scale(self, op: OpView, strategy, mesh_shape) -> float:
+        """The imbalance of the expert axis (module docstring), 1.0 without one."""
+        ax = expert_axis(strategy.axes)
+        if ax is None:
+            return 1.0
+        return imbalance(op.node.meta.get(ROUTING_KEY), mesh_shape[ax])
+
+    @staticmethod
+    def _buffers(op: OpView) -> tuple:
+        """(bytes that scale with the rank's tokens, bytes that scale with the rows its experts
+        compute), at the graph's shapes: per pair, the row back from its expert (``H``) and two
+        int64 indices; per routed row, the dispatched row, the gate/up product, the activation
+        and the product fed to ``down_proj`` (``H + 4 I``) and two int64 indices."""
+        tokens, k = op.in_shapes[1]
+        _, hidden, inner = op.in_shapes[4]
+        elem = (op.out_dtypes[0] or torch.float32).itemsize
+        pairs = tokens * k
+        return float(pairs * (hidden * elem + 16)), float(pairs * ((hidden + 4 * inner) * elem + 16))
+
+    def saves(self, op: OpView, grads):
+        """What :func:`runtime.expert_dispatch.experts_forward` keeps: the top-k weights and the
+        expert weights (inputs 2-4) and its own buffers (:meth:`_buffers`, every routed row
+        counted once)."""
+        return Saves(inputs=(2, 3, 4), extra_bytes=sum(self._buffers(op)))
+
+    def buffer_share(self, op: OpView, placed: list, mesh_shape) -> float | None:
+        """The pairs' buffers follow the rank's share of the tokens; the routed rows' that share
+        over the ranks splitting the experts where the tokens are whole (local experts: each
+        rank computes ``1 / n`` of the pairs): their mean over the ranks."""
+        tokens, rows = self._buffers(op)
+        spec, experts = placed[0][1], placed[3][1]
+        if spec is None or experts is None:
+            return None
+        token_share, routed_share = 1.0, 1.0
+        for p, e, n in zip(spec, experts, mesh_shape):
+            if isinstance(p, Shard):
+                token_share /= n
+                routed_share /= n
+            elif isinstance(e, Shard):
+                routed_share /= n
+        return (tokens * token_share + rows * routed_share) / (tokens + rows)
+
+    def lower(self, call):
+        from runtime.expert_dispatch import ExpertDispatch
+
+        notes = getattr(call, "notes", None) or {}
+        axis, mode = None, "whole"
+        for name, note in notes.items():
+            a = call.comm.axis_names.index(name)
+            if note in EXPERT_NOTES and call.comm.shape[a] > 1:
+                axis, mode = a, "all_to_all" if note == "experts" else "local"
+        activation = call.view.arg(5, "activation")
+        module = ExpertDispatch(call.comm, activation, axis=axis, mode=mode)
+        return call.call_module(module, call.args[:5], {})
+
+
+register(MOE_OP)(ExpertsRule())

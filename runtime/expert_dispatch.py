@@ -1,0 +1,183 @@
+"""Mixture-of-experts layers on local tensors: expert parallelism by all-to-all, dropless.
+
+One op computes a HuggingFace experts module (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H,
+I]``): for every token ``t`` and each of its ``k`` routed experts ``e = top_k_index[t, j]``,
+``y = down[e] (act(gate) * up)`` with ``gate, up = gate_up[e] x_t`` split in halves, and the
+output ``sum_j top_k_weights[t, j] y``. :class:`ExpertDispatch` runs it for one rank in one of
+three modes, chosen by the plan (:mod:`passes.rules.experts`):
+
+* **whole** (experts replicated; tokens whole or split on any axes): every rank computes its
+  own tokens with all ``E`` experts;
+* **all-to-all** (expert parallelism on mesh axis ``a`` of ``n`` ranks, the tokens split on
+  ``a`` too): rank ``c`` holds experts ``[c E/n, (c+1) E/n)`` (``Shard(0)`` of the stacked
+  weights). Algorithm, per layer and rank:
+
+  1. the ``T k`` (token, expert) pairs are sorted by expert (stable), so the pairs bound for
+     each rank are one contiguous run, in expert order;
+  2. the per-expert counts (``E`` int64) are exchanged by one all-to-all: each rank learns how
+     many rows every other rank sends it for each of its experts;
+  3. **dispatch**: the pairs' token rows (``T k x H``) are sent with one all-to-all of uneven
+     splits; each rank receives the rows routed to its experts, grouped by source rank and,
+     inside, by expert;
+  4. each local expert computes its rows (grouped by expert, one product per expert: the
+     rows of an expert that received none make an empty product, so every local weight gets
+     a gradient, zero or not);
+  5. **combine**: the results go back by the reverse all-to-all, are put back in pair order
+     and weighted by ``top_k_weights`` and summed over ``k``: exactly one device's sum.
+
+  Backward runs the two all-to-alls in reverse (autograd of :class:`_AllToAllRows`): the
+  output gradient's rows go to the experts' ranks, and the input-row gradients come back.
+  Nothing is dropped (every routed pair is computed), so the result is one device's.
+  Communication per layer and rank: dispatch + combine forward and backward, ``2 T k H`` rows
+  sent by the pairs' side and ``2 N H`` by the experts' side (``N`` the rows this rank's experts
+  received): on average over the ranks ``4 T k H`` elements, of which ``(n - 1) / n`` leave the
+  rank when routing is uniform, plus the counts (``E`` int64, forward only);
+* **local experts** (experts split on axis ``a``, the tokens whole there): rank ``c`` computes
+  the pairs routed to its own experts and leaves zeros for the others, so the output is
+  ``Partial`` on ``a`` (summed by the plan's reshard after the op), with no all-to-all.
+
+The ops are ordinary autograd ops (index_select, linear, the activation, cat) around the
+all-to-alls, so backward needs no code of its own. What they keep for backward, per rank: the
+dispatched rows, the gate/up product, the activation and the product fed to ``down_proj``
+(``N (H + 4 I)`` elements), the rows that came back (``T k H``) and four int64 index vectors
+(``2 T k + 2 N``): :meth:`passes.rules.experts.ExpertsRule.saves` counts the same.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from runtime.collectives import MeshComm, record_collective
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ACTIVATIONS", "ExpertDispatch", "experts_forward"]
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def _exchange(rows: torch.Tensor, send: list, recv: list, comm: MeshComm, axis: int, phase: str) -> torch.Tensor:
+    """All-to-all of ``rows`` on ``axis``: ``send[r]`` rows to rank ``r``, ``recv[r]`` from it."""
+    rows = rows.contiguous()
+    record_collective("all_to_all", comm.axis_names[axis], rows.numel() * rows.element_size(), phase)
+    out = rows.new_empty((sum(recv),) + tuple(rows.shape[1:]))
+    dist.all_to_all_single(out, rows, output_split_sizes=recv, input_split_sizes=send, group=comm.groups[axis])
+    return out
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """Rows sent by uneven splits; backward sends the gradients back by the reverse splits."""
+
+    @staticmethod
+    def forward(ctx, rows, send, recv, comm, axis):
+        ctx.route = (send, recv, comm, axis)
+        return _exchange(rows, send, recv, comm, axis, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        send, recv, comm, axis = ctx.route
+        return _exchange(grad, recv, send, comm, axis, "bwd"), None, None, None, None
+
+
+def _expert_products(rows, expert_ids, gate_up, down, activation: str) -> torch.Tensor:
+    """``rows [N, H]``, each for local expert ``expert_ids[i]``, through their experts: ``[N, H]``
+    in the same order. One product per local expert (an empty one where it got no rows)."""
+    act = ACTIVATIONS[activation]
+    order = torch.argsort(expert_ids, stable=True)
+    grouped = rows.index_select(0, order)
+    counts = torch.bincount(expert_ids, minlength=gate_up.shape[0]).tolist()
+    outs, start = [], 0
+    for w_in, w_out, n in zip(gate_up.unbind(0), down.unbind(0), counts):
+        gate, up = F.linear(grouped.narrow(0, start, n), w_in).chunk(2, dim=-1)
+        outs.append(F.linear(act(gate) * up, w_out))
+        start += n
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return torch.cat(outs).index_select(0, inverse)
+
+
+def _exchange_counts(counts: torch.Tensor, comm: MeshComm, axis: int) -> torch.Tensor:
+    """Each rank's per-expert counts for the experts of every rank -> ``[n, E/n]``: row ``s``
+    the rows rank ``s`` sends for each of this rank's experts."""
+    n = comm.shape[axis]
+    received = torch.empty_like(counts)
+    record_collective("all_to_all", comm.axis_names[axis], counts.numel() * counts.element_size(), "fwd")
+    dist.all_to_all_single(received, counts.contiguous(), group=comm.groups[axis])
+    return received.view(n, -1)
+
+
+def experts_forward(
+    hidden, top_k_index, top_k_weights, gate_up, down, activation: str, *, comm=None, axis=None, mode="whole"
+):
+    """The experts op for one rank (module docstring): ``mode`` ``"whole"``, ``"all_to_all"``
+    (on mesh ``axis``) or ``"local"`` (this rank's experts of those split on ``axis``)."""
+    tokens, k = top_k_index.shape
+    pairs = top_k_index.reshape(-1)
+    order = torch.argsort(pairs, stable=True)
+    sorted_experts = pairs.index_select(0, order)
+    token_of = torch.div(order, k, rounding_mode="floor")
+    held = gate_up.shape[0]
+    if mode == "all_to_all":
+        n = comm.shape[axis]
+        counts = torch.bincount(pairs, minlength=held * n)
+        from_each = _exchange_counts(counts, comm, axis)
+        send = counts.view(n, held).sum(1).tolist()
+        recv = from_each.sum(1).tolist()
+        rows = _AllToAllRows.apply(hidden.index_select(0, token_of), send, recv, comm, axis)
+        local_ids = torch.arange(held, device=pairs.device).repeat(n).repeat_interleave(from_each.reshape(-1))
+        done = _expert_products(rows, local_ids, gate_up, down, activation)
+        results = _AllToAllRows.apply(done, recv, send, comm, axis)
+    elif mode == "local":
+        first = comm.coords[axis] * held
+        lo = int((sorted_experts < first).sum())
+        hi = int((sorted_experts < first + held).sum())
+        rows = hidden.index_select(0, token_of[lo:hi])
+        done = _expert_products(rows, sorted_experts[lo:hi] - first, gate_up, down, activation)
+        width = (hidden.shape[1],)
+        results = torch.cat([done.new_zeros((lo,) + width), done, done.new_zeros((pairs.numel() - hi,) + width)])
+    else:
+        rows = hidden.index_select(0, token_of)
+        results = _expert_products(rows, sorted_experts, gate_up, down, activation)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    per_pair = results.index_select(0, inverse).view(tokens, k, -1)
+    return (per_pair * top_k_weights.unsqueeze(-1)).sum(1).to(hidden.dtype)
+
+
+class ExpertDispatch(torch.nn.Module):
+    """The experts op of one rank, in the mode its plan record chose (module docstring)."""
+
+    def __init__(self, comm: MeshComm, activation: str, *, axis: int | None = None, mode: str = "whole"):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"experts activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
+        if mode not in ("whole", "all_to_all", "local"):
+            raise ValueError(f"experts mode {mode!r}")
+        self.comm, self.activation, self.axis, self.mode = comm, activation, axis, mode
+
+    def forward(self, hidden, top_k_index, top_k_weights, gate_up, down, activation=None):
+        return experts_forward(
+            hidden,
+            top_k_index,
+            top_k_weights,
+            gate_up,
+            down,
+            self.activation,
+            comm=self.comm,
+            axis=self.axis,
+            mode=self.mode,
+        )
+
+    def extra_repr(self) -> str:
+        where = f" on mesh axis {self.comm.axis_names[self.axis]}" if self.axis is not None else ""
+        return f"{self.mode}{where}, {self.activation}"
