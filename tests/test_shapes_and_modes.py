@@ -143,10 +143,10 @@ def pipeline_shape_worker(rank, world, cfg):
     runner = partitioner.auto_parallelize(model, inputs, mesh=(2,), cluster="h100",
                                           pipeline={"degree": 2, "schedule": "1f1b", "microbatches": 2})
     losses, errors = [], []
-    # other shapes: the stage plans lowered again; batch 3 as microbatches of 2 and 1 samples, their
+    # other shapes: the stage plans lowered again (seq 12); batch 3 as microbatches of 2 and 1 samples, their
     # losses weighted 2/3 and 1/3 (this graph captures alike at one sample; HF GPT-2's does not:
     # tests/test_uneven_batches.py)
-    for batch, seq in ((4, 16), (8, 12), (3, 16)):
+    for batch, seq in ((8, 12), (3, 16)):
         _, other = models.gpt_demo(batch=batch, seq=seq, n_layer=2)
         losses.append((runner.train_step(other).item(), loss_of(call(ref, other)).item()))
     try:  # one sample for 2 microbatches: one would be empty
@@ -160,7 +160,7 @@ def pipeline_shape_worker(rank, world, cfg):
 def test_pipeline_serves_other_shapes_and_refuses_an_empty_microbatch():
     results = run_on_ranks(pipeline_shape_worker, 2, {}, timeout_s=TIMEOUT_S)
     for r in results:
-        assert len(r["losses"]) == 3
+        assert len(r["losses"]) == 2
         for got, want in r["losses"]:
             torch.testing.assert_close(torch.tensor(got), torch.tensor(want))
         assert len(r["errors"]) == 1, r["errors"]
