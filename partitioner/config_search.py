@@ -81,6 +81,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from partitioner.axis_uses import describe_config
 from partitioner.cluster import parse_bytes
 from partitioner.local_cluster import get_cluster
 from partitioner.mesh import MeshSpec
@@ -1179,7 +1180,7 @@ def search_config(
     table = plan.data["search"]
     logger.info(
         "search: chose %s in %.2f s: %d configurations priced, %d set aside by their bounds, %d plannings",
-        best.config.describe(),
+        describe_config(plan),
         t2 - t0,
         table["priced"],
         table["bounded"],

@@ -22,6 +22,9 @@ __all__ = ["ParallelConfig", "ZERO_STAGES"]
 
 ZERO_STAGES = ("auto", 0, 1, 2, 3)
 
+_INTENT = {"dp": "data", "sp": "sequence", "tp": "tensor"}
+"""What the search put each stage axis there for (the label :meth:`ParallelConfig.describe` prints)."""
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -102,13 +105,13 @@ class ParallelConfig:
         """Samples in one microbatch (all data-parallel ranks together)."""
         return self.global_batch // self.microbatches if self.global_batch else 0
 
-    def describe(self) -> str:
-        parts = [
-            f"pipeline {self.pipeline} x data {self.data}"
-            + (f" x sequence {self.sequence} ({self.sequence_parallel})" if self.sequence > 1 else "")
-            + f" x tensor {self.tensor} = {self.devices} devices, "
-            f"mesh {self.mesh_shape} ({', '.join(self.axis_names)})"
-        ]
+    def describe(self, uses: tuple | None = None) -> str:
+        """One line: degrees, mesh, microbatches or batch, recompute, ZeRO stage. ``uses`` (one
+        label per stage axis, :func:`partitioner.axis_uses.axis_uses`) is what each axis does in
+        the plan made for this configuration; where it differs from the axis's intent the degrees
+        are named by their use (``replicated 2 (dp)``) and the intent follows."""
+        degrees, note = self._degrees(uses)
+        parts = [f"{degrees} = {self.devices} devices, mesh {self.mesh_shape} ({', '.join(self.axis_names)}){note}"]
         if self.pipeline > 1:
             virtual = f", {self.virtual_stages} stages per rank" if self.virtual_stages > 1 else ""
             parts.append(
@@ -120,6 +123,27 @@ class ParallelConfig:
         if self.zero != "auto":
             parts.append(f"ZeRO-{self.zero}")
         return "; ".join(parts)
+
+    def _degrees(self, uses: tuple | None) -> tuple:
+        """``(degrees, note)``: the degrees named by their use, and what the search meant them for
+        where that differs (empty otherwise)."""
+        planned = (
+            f"pipeline {self.pipeline} x data {self.data}"
+            + (f" x sequence {self.sequence} ({self.sequence_parallel})" if self.sequence > 1 else "")
+            + f" x tensor {self.tensor}"
+        )
+        axes = self._stage_axes()
+        if uses is None or not axes or [_INTENT[a] for a, _ in axes] == list(uses):
+            return planned, ""
+        if len(uses) != len(axes):
+            raise ValueError(f"{len(uses)} axis uses {uses!r} for the {len(axes)} stage axes of {planned}")
+        used = " x ".join(f"{use} {n} ({a})" for (a, n), use in zip(axes, uses))
+        idle = [a for (a, _), use in zip(axes, uses) if use == "replicated"]
+        note = f", searched as {planned}"
+        if idle:
+            their = "their devices repeat" if len(idle) > 1 else "its devices repeat"
+            note += f" (nothing is split on {', '.join(idle)}: {their} the same work)"
+        return f"pipeline {self.pipeline} x {used}", note
 
     def __str__(self) -> str:
         return self.describe()

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from partitioner.api import plan_captured
+from partitioner.axis_uses import describe_config
 from partitioner.local_cluster import for_memory_budget, job_cluster
 from partitioner.mesh import MeshSpec
 from partitioner.options import PlanOptions
@@ -337,7 +338,7 @@ def _searched_configuration(model, example_inputs, options: PlanOptions):
 
     chosen = ShardingPlan.from_dict(json.loads(on_rank0(search, "searching the configuration")))
     config = chosen.config
-    logger.info("configuration: %s", config.describe())
+    logger.info("configuration: %s", describe_config(chosen))
     if config.pipeline > 1:
         pipeline = {
             "degree": config.pipeline,

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from partitioner.intra_op import plan_captured, resolve_pins
 from partitioner.options import PlanOptions
+from partitioner.pipeline_shapes import StageShapes, receive_buffers
 from partitioner.sharding_plan import ShardingPlan
 from partitioner.stage_boundaries import sent_placements, shared_weights
 from partitioner.weights import load_local_weights
@@ -31,7 +32,6 @@ from passes.analyze import analyze, info
 from passes.capture_blocks import capture_model
 from passes.eager_attention import fuse_for
 from passes.lower_to_local import lower_to_local
-from passes.placements import local_shape, parse_spec
 from passes.rules import tensor_input_nodes
 from passes.split_stages import assign_stages, split_stages
 from runtime.collectives import MeshComm, on_rank0
@@ -173,9 +173,20 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, options: PlanO
         input_names=list(cap.user_inputs),
         in_spec=cap.exported.call_spec.in_spec,
         loss_name=_loss_name(graphs[-1]),
-        carried_meta=_receive_buffers(graphs, plans, sub),
+        carried_meta=receive_buffers(graphs, plans, sub),
         plan={"stages": plans, "schedule": schedule, "layers": runs},
         tied=_tied_groups(tied, graphs, schedule, full),
+        specialize=StageShapes(
+            model,
+            graphs=graphs,
+            plans=plans,
+            owned=list(stages),
+            sub=sub,
+            device=device,
+            layers=options.layers,
+            precision=precision,
+            sequence_parallel=options.sequence_parallel,
+        ),
     )
 
 
@@ -343,18 +354,6 @@ def _loss_name(last) -> str:
     if name is None:
         raise ValueError("pipeline training needs the model to return a scalar loss (its last stage has none)")
     return name
-
-
-def _receive_buffers(graphs, plans, sub) -> dict:
-    """Activation -> (this rank's piece's shape, dtype): what its receive buffer holds."""
-    carried = {}
-    for g, plan in zip(graphs, plans):
-        records = {r["name"]: r for r in plan.records}
-        for node in g.captured.graph.nodes:
-            if node.op == "placeholder" and node.name in g.activation_inputs:
-                spec = parse_spec(records[node.name]["out"][0], len(sub.shape))
-                carried[node.name] = (tuple(local_shape(info(node).shape, spec, sub.shape)), info(node).dtype)
-    return carried
 
 
 def _sub_size(full) -> int:

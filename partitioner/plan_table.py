@@ -435,7 +435,9 @@ def config_lines(plan, width: int = WIDTH) -> list:
     config = plan.config
     if config is None:
         return []
-    text = f"configuration: {config.describe()} (runner-ups: plan.explain())"
+    from partitioner.axis_uses import describe_config
+
+    text = f"configuration: {describe_config(plan)} (runner-ups: plan.explain())"
     return textwrap.wrap(text, width, subsequent_indent="  ")
 
 

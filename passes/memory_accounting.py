@@ -49,7 +49,6 @@ from passes.analyze import info
 from passes.cost_model import (
     dtype_bytes,
     edge_allocates,
-    edge_gathers,
     grad_held_back,
     largest_share,
     local_bytes,
@@ -57,6 +56,7 @@ from passes.cost_model import (
 )
 from passes.prefetch_gathers import backward_windows, first_gather, forward_windows
 from passes.rules import op_view, rule_for, tensor_input_nodes
+from passes.strategy_space import regathers as strategy_regathers
 
 __all__ = ["memory_fields"]
 
@@ -144,7 +144,7 @@ def memory_fields(
         placed = choices.get(u)
         if layer is not None or placed is None or not placed.regather:
             return False
-        return edge_gathers(out_spec(u), choices[c].ins[k], mesh)
+        return strategy_regathers(c, k, out_spec(u), choices[c].ins[k], mesh)
 
     layer_kept: dict = {}  # recomputed layer -> {storage key: bytes}, rebuilt in its backward
     first_of: dict = {}  # recomputed layer -> its first node

@@ -42,7 +42,6 @@ is the per-linear communication formula for each algorithm (bytes per device, pa
 from __future__ import annotations
 
 import contextlib
-import math
 
 from passes.analyze import info
 from passes.placements import InnerShard, R, Shard, is_partial, is_shard
@@ -65,6 +64,7 @@ __all__ = [
     "storage_options",
     "grid_options",
     "linear_comm_bytes",
+    "rows_divisible",
     "algorithm_of",
     "label_records",
     "grid_lines",
@@ -227,13 +227,42 @@ def algorithm_of(roles: str, mesh_shape, weight_spec=None) -> str:
     return "mixed"
 
 
+ROW, COLUMN = "row", "column"
 ACTIVATION_LAYOUTS: dict[str, set] = {
-    "2d": {(Shard(0), Shard(-1))},
-    "2.5d": {(Shard(0), Shard(0), Shard(-1))},
-    "3d": {(Shard(0), Shard(0), Shard(-1)), (Shard(0), Shard(-1), Shard(0))},
+    "2d": {(ROW, COLUMN)},
+    "2.5d": {(ROW, ROW, COLUMN)},
+    "3d": {(ROW, ROW, COLUMN), (ROW, COLUMN, ROW)},
 }
-"""The layouts of activations between layers (``Shard(-1)``: the hidden dim); the norms are
-held to them, so that the layers in between keep the algorithm's layout."""
+"""The layouts of activations between layers, per mesh axis: ``COLUMN`` the hidden (last) dim
+split, ``ROW`` a token dim (any dim before the last: the batch, or the sequence) split. The
+norms are held to them, so that the layers in between keep the algorithm's layout. The rows of
+a grid are the tokens, batch x sequence flattened: the row axes may split the batch, the
+sequence, or both (``[S(0), S(1), S(-1)]`` on 2.5D's ``d x q x q`` cuts a batch of 2 over the
+depth and each sample's sequence over the rows), whichever the shapes allow and costs least."""
+
+
+def _layout_of(spec, rank: int) -> tuple:
+    """A placement per axis read as :data:`ACTIVATION_LAYOUTS` entries (``None``: neither)."""
+    return tuple(
+        (COLUMN if p.dim in (-1, rank - 1) else ROW) if is_shard(p) and not isinstance(p, InnerShard) else None
+        for p in spec
+    )
+
+
+def rows_divisible(row_shape, sizes) -> bool:
+    """Whether mesh axes of ``sizes`` (the grid's row axes, outer first) can each split one of the
+    token dims ``row_shape`` (all dims of an activation but its hidden one) so that every dim is
+    divisible by the product of the axes on it."""
+    if not sizes:
+        return True
+    first, rest = sizes[0], sizes[1:]
+    for d, n in enumerate(row_shape):
+        if n % first == 0:
+            shrunk = list(row_shape)
+            shrunk[d] = n // first
+            if rows_divisible(shrunk, rest):
+                return True
+    return False
 
 
 def _is_norm(node) -> bool:
@@ -267,9 +296,7 @@ def allowed(node, strategy) -> bool:
     wc = weight_contraction(node)
     if wc is None:
         if mode in ACTIVATION_LAYOUTS and _is_norm(node):
-            rank = len(op_view(node).out_shape)
-            out = tuple(Shard(-1) if is_shard(p) and p.dim == rank - 1 else p for p in strategy.out[0])
-            return out in ACTIVATION_LAYOUTS[mode]
+            return _layout_of(strategy.out[0], len(op_view(node).out_shape)) in ACTIVATION_LAYOUTS[mode]
         return True
     mesh = _SETTING["mesh"]
     out_rank = len(op_view(node).out_shape)
@@ -278,8 +305,6 @@ def allowed(node, strategy) -> bool:
         if n == 1:
             continue
         if role not in want:
-            return False
-        if role == "M" and strategy.axes[roles.index(role)].out[0] != Shard(0):
             return False
     if mode == "3d" and roles[1] == roles[2]:
         return False
@@ -300,8 +325,7 @@ def grid_options(node, strategies, mesh_shape) -> set:
             return set()
         layouts = set().union(*(ACTIVATION_LAYOUTS[m] for m in modes))
         rank = len(op_view(node).out_shape)
-        last = lambda p: Shard(-1) if is_shard(p) and p.dim == rank - 1 else p  # noqa: E731
-        return {k for k, s in enumerate(strategies) if tuple(last(p) for p in s.out[0]) in layouts}
+        return {k for k, s in enumerate(strategies) if _layout_of(s.out[0], rank) in layouts}
     out_rank = len(op_view(node).out_shape)
     kept = set()
     for k, s in enumerate(strategies):
@@ -402,13 +426,14 @@ def forced_pins(graph, mode: str, mesh_shape) -> dict:
             continue
         op = op_view(node)
         x_shape, w_shape = op.in_shapes[wc[0]], op.in_shapes[wc[1]]
-        m_split = math.prod(n for role, n in zip(grid_roles(mode, len(mesh)), mesh) if role == {"M"})
-        if x_shape[0] % m_split:
+        row_axes = _row_axis_sizes(mode, mesh)
+        if not rows_divisible(x_shape[:-1], row_axes):
             where = info(node).module_path or "top level"
             raise ValueError(
-                f"tensor_parallel={mode!r} on mesh {mesh}: node {node.name} ({where}) has batch {x_shape[0]}, "
-                f"which the grid's row axes ({m_split} devices) must divide; give a batch that is a multiple "
-                f"of {m_split}, or another mesh"
+                f"tensor_parallel={mode!r} on mesh {mesh}: node {node.name} ({where}) has tokens "
+                f"{' x '.join(map(str, x_shape[:-1]))} (batch first), which the grid's row axes {tuple(row_axes)} "
+                f"cannot split (each axis cuts one of these dims evenly); give a batch or sequence length that "
+                f"the row axes divide, or another mesh"
             )
         w = tensor_input_nodes(node)[wc[1]]
         dims = _weight_dims(node, wc)
@@ -424,6 +449,16 @@ def forced_pins(graph, mode: str, mesh_shape) -> dict:
         grid = (Shard(k_dim), Shard(n_dim))
         pins[w] = grid if mode == "2d" else (R,) + grid
     return pins
+
+
+def _row_axis_sizes(mode: str, mesh: tuple) -> list:
+    """The sizes of the axes that split an activation's tokens under ``mode`` (outer first): the
+    ``ROW`` axes of its layout between layers (3D's second row axis is gathered for use), the
+    data axes of ``"1d"``."""
+    if mode in ACTIVATION_LAYOUTS:
+        layout = sorted(ACTIVATION_LAYOUTS[mode])[0]
+        return [n for n, part in zip(mesh, layout) if part == ROW and n > 1]
+    return [n for role, n in zip(grid_roles(mode, len(mesh)), mesh) if role == {"M"} and n > 1]
 
 
 def linear_comm_bytes(mode: str, m: int, k: int, n: int, mesh_shape, elem: int = 4, *, input_grad: bool = True):

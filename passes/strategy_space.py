@@ -595,6 +595,8 @@ def regathers(consumer, k, src, dst, mesh_shape) -> bool:
     saves = info(consumer).saves
     if saves is None or k not in saves.inputs or src is None or dst is None:
         return False
+    if not rule_for(consumer).keeps_saved_input(consumer, k, dst):
+        return False
     return edge_gathers(src, dst, mesh_shape)
 
 

@@ -216,16 +216,24 @@ class StageProgram(torch.nn.Module):
     def param(self, placeholder):
         return self.weights[self._keys[placeholder]]
 
-    def run_recording(self, values: dict, names) -> tuple:
+    def add_variant(self, shapes, program) -> None:
+        """Serve microbatches of input ``shapes`` (a key of :meth:`PipelineRunner._shapes_key`) with
+        ``program``: the same plan lowered at those shapes (same nodes, same weights)."""
+        self.__dict__.setdefault("_variants", {})[shapes] = program
+
+    def _program(self, shapes):
+        return self.program if shapes is None else self.__dict__["_variants"][shapes]
+
+    def run_recording(self, values: dict, names, shapes=None) -> tuple:
         """``run``, also returning the values of the nodes ``names`` (for the weight pass).
 
         Runs a copy of the program whose output also lists those nodes (generated once per set of
         names), so recording costs nothing over a plain forward."""
         names = tuple(names)
         cache = self.__dict__.setdefault("_recording_programs", {})
-        if names not in cache:
-            cache[names] = _with_extra_outputs(self.program, names)
-        out = run_under_autocast(cache[names], self._args(values), self.autocast_dtype)
+        if (shapes, names) not in cache:
+            cache[shapes, names] = _with_extra_outputs(self._program(shapes), names)
+        out = run_under_autocast(cache[shapes, names], self._args(values), self.autocast_dtype)
         out = list(out) if isinstance(out, (list, tuple)) else [out]
         n = len(out) - len(names)
         return dict(zip(self.outputs, out[:n])), dict(zip(names, out[n:]))
@@ -253,8 +261,9 @@ class StageProgram(torch.nn.Module):
             return value
         return shard_tensor(value, spec, self.comm)
 
-    def run(self, values: dict) -> dict:
-        out = run_under_autocast(self.program, self._args(values), self.autocast_dtype)
+    def run(self, values: dict, shapes=None) -> dict:
+        """The stage on one microbatch; ``shapes``: a variant's key (None: the captured shapes)."""
+        out = run_under_autocast(self._program(shapes), self._args(values), self.autocast_dtype)
         out = list(out) if isinstance(out, (list, tuple)) else [out]
         return dict(zip(self.outputs, out))
 
@@ -303,6 +312,8 @@ class _Step:
     """What one ``train_step`` keeps between actions (keyed by (stage, microbatch))."""
 
     micro: list
+    shapes: list  # per microbatch: its variant's key (None: the shapes the stages were captured at)
+    weights: list  # per microbatch: its share of the batch's samples (the loss is their weighted sum)
     received: dict = field(default_factory=dict)  # activations in, before their F
     grads_in: dict = field(default_factory=dict)  # gradients in, before their B / I
     ctx: dict = field(default_factory=dict)  # (leaves, produced values) between F and B
@@ -330,6 +341,7 @@ class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
         carried_meta: dict,
         plan,
         tied=(),
+        specialize=None,
     ):
         super().__init__()
         self.stages = torch.nn.ModuleDict({str(k): v for k, v in stages.items()})
@@ -341,6 +353,12 @@ class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
         self.microbatches = microbatches
         self.input_names, self.in_spec, self.loss_name = input_names, in_spec, loss_name
         self.carried_meta = carried_meta  # value name -> (local shape, dtype)
+        # microbatch input shapes the stages were not captured at -> receive buffers' (shape, dtype);
+        # their programs live in the stages (StageProgram.add_variant)
+        self._carried_at: dict = {}
+        # (whole user inputs of one microbatch, in the user's format) -> ({stage: program}, carried
+        # meta): the plan lowered at other shapes (partitioner.pipeline_shapes); None: refused
+        self.specialize = specialize
         self.tied = list(tied)  # (group of the ranks holding a tied weight, its placeholder names)
         self.trace = []
         self._split_backward = any(a.kind == "W" for acts in schedule.actions for a in acts)
@@ -349,13 +367,17 @@ class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
         # the rank's last action; reduce-scatters onto weights stored sharded run in every one
         self._held = {}
         for key, module in self.stages.items():
-            stage = cast(StageProgram, module)
-            held = self._held[int(key)] = DeferredSyncs()
-            for edge in stage.program.modules():
-                if not isinstance(edge, Reshard) or edge.param_edge is None:
-                    continue
-                if edge.backward_communicates and not edge.backward_shrinks:
-                    edge.sync_param, edge.deferred = stage.param(edge.param_edge), held
+            self._held[int(key)] = DeferredSyncs()
+            self._hold_syncs(int(key), cast(StageProgram, module).program)
+
+    def _hold_syncs(self, s: int, program) -> None:
+        """Wire ``program``'s all-reduced parameter gradient syncs to stage ``s``'s held sums."""
+        stage = cast(StageProgram, self.stages[str(s)])
+        for edge in program.modules():
+            if not isinstance(edge, Reshard) or edge.param_edge is None:
+                continue
+            if edge.backward_communicates and not edge.backward_shrinks:
+                edge.sync_param, edge.deferred = stage.param(edge.param_edge), self._held[s]
 
     # -- helpers -----------------------------------------------------------------------------
     def _microbatch_shapes(self) -> dict:
@@ -369,32 +391,56 @@ class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
                     shapes[node.name] = tuple(info(node).shape)
         return shapes
 
-    def _split(self, batch):
+    def _split(self, batch) -> tuple:
+        """The batch cut into the schedule's microbatches like ``torch.tensor_split`` (the first
+        ``B % m`` one sample more): (microbatches by input name, the variant key of each, each
+        one's share of the samples). Shapes other than the captured ones get their programs here."""
         args, kwargs = (batch, {}) if isinstance(batch, (tuple, list)) else ((), dict(batch))
         if kwargs and self.in_spec is not None:
             from torch.export._tree_utils import reorder_kwargs
 
             kwargs = reorder_kwargs(kwargs, self.in_spec)
-        flat, _ = pytree.tree_flatten((tuple(args), kwargs))
+        flat, tree = pytree.tree_flatten((tuple(args), kwargs))
         m = self.microbatches
-        expected = self._microbatch_shapes()
-        per = []
+        per: list = []
         for name, x in zip(self.input_names, flat):
-            if isinstance(x, torch.Tensor):
-                shape = (x.shape[0] // m, *x.shape[1:]) if x.dim() else ()
-                if x.dim() and x.shape[0] % m or name in expected and tuple(shape) != expected[name]:
-                    want = expected.get(name)
-                    whole = (want[0] * m, *want[1:]) if want else "?"
+            if isinstance(x, torch.Tensor) and x.dim():
+                if x.shape[0] < m:
                     raise ValueError(
-                        f"input '{name}' has shape {tuple(x.shape)}, but this pipeline's stages were "
-                        f"captured for {tuple(whole)} ({m} microbatches of {want}); a pipeline serves "
-                        f"the example inputs' shapes: pass batches of that shape (for a DataLoader: "
-                        f"drop_last=True), or build a runner for this shape"
+                        f"input '{name}' has {x.shape[0]} samples on dim 0, fewer than this pipeline's {m} "
+                        f"microbatches: a microbatch would be empty; pass at least {m} samples (for a "
+                        f"DataLoader's last batch: drop_last=True)"
                     )
-                per.append(x.chunk(m, dim=0))
+                per.append(x.tensor_split(m, dim=0))
             else:
                 per.append([x] * m)
-        return [dict(zip(self.input_names, [p[i] for p in per])) for i in range(m)]
+        micro = [[p[i] for p in per] for i in range(m)]
+        samples = [next((len(x) for x in mb if isinstance(x, torch.Tensor) and x.dim()), 1) for mb in micro]
+        shapes = [self._variant(mb, tree) for mb in micro]
+        weights = [n / sum(samples) for n in samples]
+        return [dict(zip(self.input_names, mb)) for mb in micro], shapes, weights
+
+    def _variant(self, microbatch: list, tree):
+        """The variant key of a microbatch (None: the captured shapes), its programs made on first use."""
+        expected = self._microbatch_shapes()
+        shapes = tuple(
+            (name, tuple(x.shape)) for name, x in zip(self.input_names, microbatch) if isinstance(x, torch.Tensor)
+        )
+        if all(expected.get(name, shape) == shape for name, shape in shapes):
+            return None
+        if shapes not in self._carried_at:
+            if self.specialize is None:
+                raise ValueError(
+                    f"microbatch inputs {dict(shapes)} differ from the shapes this pipeline's stages were captured "
+                    f"at ({expected}), and this runner cannot lower its plan at others; pass batches of the "
+                    f"example inputs' shape"
+                )
+            args, kwargs = pytree.tree_unflatten(microbatch, tree)
+            programs, self._carried_at[shapes] = self.specialize(kwargs if kwargs else args)
+            for s, program in programs.items():
+                cast(StageProgram, self.stages[str(s)]).add_variant(shapes, program)
+                self._hold_syncs(s, program)
+        return shapes
 
     def _tag(self, edge, mb, kind, i):
         """Unique per message: the stage pair (its lower stage), microbatch, direction, tensor."""
@@ -410,17 +456,18 @@ class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
             dist.isend(v.detach().contiguous(), dst, tag=self._tag(stage, mb, kind, i)) for i, v in enumerate(values)
         ]
 
-    def _post_recv(self, names, src, stage, mb, kind):
+    def _post_recv(self, names, src, stage, mb, kind, shapes=None):
         """Post the receives for one message now; returns (buffers, works) to wait on later."""
         bufs, works = [], []
+        carried = self.carried_meta if shapes is None else self._carried_at[shapes]
         for i, name in enumerate(names):
-            shape, dtype = self.carried_meta[name]
+            shape, dtype = carried[name]
             buf = torch.empty(shape, dtype=dtype)
             works.append(dist.irecv(buf, src, tag=self._tag(stage, mb, kind, i)))
             bufs.append(buf)
         return bufs, works
 
-    def _post_all_receives(self, actions) -> dict:
+    def _post_all_receives(self, actions, shapes: list) -> dict:
         """Every receive of the step, posted before the first action so transfers start as soon
         as the peer sends (gloo moves data only once a receive is posted)."""
         posted = {}
@@ -429,7 +476,8 @@ class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
                 key = _recv_key(a)
                 graph = self.stage_graphs[a.stage]
                 names = graph.receives if key[0] == "F" else graph.sends
-                posted[key] = self._post_recv(names, self.peer_rank[a.peer], min(a.stage, a.peer), a.microbatch, key[0])
+                peer, edge = self.peer_rank[a.peer], min(a.stage, a.peer)
+                posted[key] = self._post_recv(names, peer, edge, a.microbatch, key[0], shapes[a.microbatch])
         return posted
 
     @staticmethod
@@ -441,10 +489,11 @@ class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
 
     # -- the interpreter ---------------------------------------------------------------------
     def train_step(self, batch):
-        step = _Step(micro=self._split(batch))
+        micro, shapes, weights = self._split(batch)
+        step = _Step(micro=micro, shapes=shapes, weights=weights)
         actions = self.schedule.actions[self.comm_pp[1]]
         self.trace = []
-        posted = self._post_all_receives(actions)
+        posted = self._post_all_receives(actions, shapes)
         for action in actions:
             t0 = time.perf_counter()
             if action.makes_weight_grads:
@@ -469,7 +518,9 @@ class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
         group, coord, size = self.comm_pp
         last_owner = self.schedule.stage_to_rank[len(self.stage_graphs) - 1]
         losses = step.losses
-        loss = torch.stack([losses[i].detach() for i in range(self.microbatches)]).mean() if losses else torch.zeros(())
+        # each microbatch's loss weighted by its share of the samples: the mean over the batch
+        share = step.weights
+        loss = sum(share[i] * losses[i].detach() for i in range(self.microbatches)) if losses else torch.zeros(())
         dist.broadcast(loss, group_src=last_owner, group=group)
         return loss
 
@@ -512,9 +563,9 @@ class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
         stage = self.stages[str(s)]
         if self._split_backward:
             points, _ = stage.weight_meeting_points()
-            outputs, step.recorded[(s, mb)] = stage.run_recording(values, [n for n, _ in points])
+            outputs, step.recorded[(s, mb)] = stage.run_recording(values, [n for n, _ in points], step.shapes[mb])
         else:
-            outputs = stage.run(values)
+            outputs = stage.run(values, step.shapes[mb])
         step.ctx[(s, mb)] = (leaves, {**leaves, **outputs})
         if s == len(self.stage_graphs) - 1:
             step.losses[mb] = outputs[self.loss_name]
@@ -527,7 +578,7 @@ class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
         leaves, produced = step.ctx[(s, mb)]
         if s == len(self.stage_graphs) - 1:
             loss = step.losses[mb]
-            tensors, grads = [loss], [torch.full_like(loss, 1.0 / self.microbatches)]
+            tensors, grads = [loss], [torch.full_like(loss, step.weights[mb])]
         else:
             pairs = [
                 (produced[n], g)

@@ -20,7 +20,14 @@ ZeRO-1 with a pipeline is refused by design (stage programs keep no whole comput
 case checks the error, and one more case (LLaMA fp32 pipeline ZeRO-2) covers its other pairs.
 Models have one layer, two where pipelined.
 
-Each case, on 4 forked gloo ranks (all cases in one rank group, so processes start once):
+The grids that need 8 ranks, 2.5D and 3D (``tensor_parallel=``) on (2, 2, 2), are a second
+design on three held-out decoder families (Qwen2, Mistral, Phi with its partial rotary
+embedding and parallel blocks), at batch 2: the grids' row axes (4 devices) cut the tokens,
+batch x sequence, so the sequence is split too. Grid and precision are crossed (4 cases); the
+ZeRO modes and the models each appear. The 2D cases of the first design run at batch 2 as well.
+
+Each case, on 4 forked gloo ranks (8 for the grids; all cases of a group in one rank group, so
+processes start once):
 parity against a deep copy on one device (fp32: ``assert_close`` defaults on the loss and every
 gradient; bf16: against the copy under ``torch.autocast`` in bf16, the tolerances of
 ``tests/test_mixed_precision.py``: loss rtol 4u, each gradient norm-wise within
@@ -38,6 +45,7 @@ import torch
 from parity_utils import Checks, call, check_grads_by_alias, loss_of, nested_approx_equal
 
 from partitioner import hf_families
+from passes.placements import Shard, parse_spec
 from runtime.collectives import CommCounter
 from runtime.launch import run_on_ranks
 
@@ -59,15 +67,25 @@ NORMS = {
 INPUTS = ("input_ids", "labels")
 
 
+GRIDS = ("2.5d", "3d")
+HELD_OUT = ("qwen2", "mistral", "phi")
+GRID_BATCH = 2  # the row axes (4 devices) cannot cut the batch alone: the sequence is split too
+
 # combinations refused by design, with the error's words: the case checks the refusal instead
 REFUSED = {("pp", 1): "zero=1 is not available with pipeline="}
 
 
-def _case(model, prec, algo, zero) -> dict:
+def _case(model, prec, algo, zero, batch: int = 4) -> dict:
     refused = (algo, zero) in REFUSED
     tag = "refused" if refused else "parity"
     return dict(
-        model=model, precision=prec, algo=algo, zero=zero, refused=refused, id=f"{model}-{prec}-{algo}-zero{zero}-{tag}"
+        model=model,
+        precision=prec,
+        algo=algo,
+        zero=zero,
+        batch=batch,
+        refused=refused,
+        id=f"{model}-{prec}-{algo}-zero{zero}-batch{batch}-{tag}",
     )
 
 
@@ -75,9 +93,20 @@ def covering_cases() -> list:
     cases = []
     for a, algo in enumerate(ALGORITHMS):
         for z, zero in enumerate(STORAGE):
-            cases.append(_case(MODELS[(a + z) % 3], PRECISIONS[(a + z) % 2], algo, zero))
+            batch = GRID_BATCH if algo == "2d" else 4
+            cases.append(_case(MODELS[(a + z) % 3], PRECISIONS[(a + z) % 2], algo, zero, batch))
     # the refused case's other pairs (llama x pipeline, fp32 x pipeline) still need a run
     cases.append(_case("llama", "fp32", "pp", 2))
+    return cases
+
+
+def grid_cases() -> list:
+    """2.5D and 3D on (2, 2, 2): grid x precision crossed, model and ZeRO mode running along."""
+    cases = []
+    for g, grid in enumerate(GRIDS):
+        for p, prec in enumerate(PRECISIONS):
+            i = 2 * g + p
+            cases.append(_case(HELD_OUT[i % len(HELD_OUT)], prec, grid, STORAGE[i], GRID_BATCH))
     return cases
 
 
@@ -92,8 +121,10 @@ def _options(case) -> dict:
         opts.update(pins=pins, tensor_parallel="1d")
     elif algo in ("ring", "ulysses"):
         opts["sequence_parallel"] = algo
-    elif algo == "2d":
-        opts["tensor_parallel"] = "2d"
+    elif algo in ("2d",) + GRIDS:
+        opts["tensor_parallel"] = algo
+        if algo in GRIDS:
+            opts["mesh"] = (2, 2, 2)
     else:
         opts["pipeline"] = {"degree": 2, "schedule": "1f1b", "microbatches": MICROBATCHES}
     opts.update(case.get("options", {}))
@@ -134,7 +165,9 @@ def _run_case(case, checks) -> dict:
 
     label = case["id"]
     # one layer where the plan has no stages (the smallest capture and solve); two to pipeline
-    model, inputs = hf_families.build(case["model"], n_layer=2 if case["algo"] == "pp" else 1)
+    model, inputs = hf_families.build(
+        case["model"], n_layer=2 if case["algo"] == "pp" else 1, batch=case.get("batch", 4)
+    )
     ref, ref32 = copy.deepcopy(model), copy.deepcopy(model)
     opts = _options(case)
     if case["refused"]:
@@ -176,11 +209,19 @@ def _run_case(case, checks) -> dict:
         for diff in nested_approx_equal(counted.get(ph, {}), want):
             checks.failures.append(f"{label}: {ph} communication counted != estimated: {diff}")
     notes = sorted({str(v) for r in plan.records for v in (r.get("notes") or {}).values()})
+    contractions = [r for r in plan.records if r.get("tp_roles")]
     return {
         "id": label,
         "notes": notes,
+        "grids": sorted({r["tensor_parallel"] for r in contractions}),
+        # the tokens' dims (all but the hidden one) each contraction's output is split on
+        "row_dims": sorted({d for r in contractions for d in _split_dims(r["out"][0]) if d != len(r["shapes"][0]) - 1}),
         "sent": sum(b for k in counted.values() for a in k.values() for b in a.values()),
     }
+
+
+def _split_dims(spec: str) -> list:
+    return [p.dim for p in parse_spec(spec, spec.count(",") + 1) if isinstance(p, Shard)]
 
 
 def matrix_worker(rank, world, cases):
@@ -195,6 +236,7 @@ def matrix_worker(rank, world, cases):
 
 
 CASES = covering_cases()
+GRID_CASES = grid_cases()
 
 
 def test_the_design_covers_every_pair_of_factor_values():
@@ -212,16 +254,22 @@ def test_the_design_covers_every_pair_of_factor_values():
             assert not missing, (f, g, sorted(map(str, missing)))
 
 
+def _run_cases(cases, world) -> dict:
+    """Every case on ``world`` forked ranks, no failure on any rank; case id -> rank 0's result."""
+    results = run_on_ranks(matrix_worker, world, cases, timeout_s=TIMEOUT_S, collective_timeout_s=150)
+    failures = [f for r in results for f in r["failures"]]
+    assert not failures, f"{len(failures)} failures, first ones:\n" + "\n".join(failures[:16])
+    by_id = {res["id"]: res for res in results[0]["results"]}
+    assert set(by_id) == {c["id"] for c in cases}
+    return by_id
+
+
 @pytest.mark.parametrize("group", range(2), ids=lambda g: f"algorithms-{'-'.join(ALGORITHMS[3 * g : 3 * g + 3])}")
 def test_composition_matrix(group):
     """Half of :data:`CASES` per group (by algorithm); every case id names its model, precision,
     algorithm and ZeRO mode."""
     cases = [c for c in CASES if c["algo"] in ALGORITHMS[3 * group : 3 * group + 3]]
-    results = run_on_ranks(matrix_worker, 4, cases, timeout_s=TIMEOUT_S, collective_timeout_s=150)
-    failures = [f for r in results for f in r["failures"]]
-    assert not failures, f"{len(failures)} failures, first ones:\n" + "\n".join(failures[:16])
-    by_id = {res["id"]: res for res in results[0]["results"]}
-    assert set(by_id) == {c["id"] for c in cases}
+    by_id = _run_cases(cases, 4)
     for case in cases:
         res = by_id[case["id"]]
         if case["refused"] or case["algo"] == "pp":  # a tiny stage may run replicated: nothing to send
@@ -229,3 +277,20 @@ def test_composition_matrix(group):
         assert res["sent"] > 0, f"{case['id']}: a plan on 4 ranks communicates"
         if case["algo"] in ("ring", "ulysses"):
             assert case["algo"] in res["notes"], (case["id"], res["notes"])
+
+
+def test_the_grid_design_crosses_grid_and_precision_and_runs_every_model_and_zero_mode():
+    assert {(c["algo"], c["precision"]) for c in GRID_CASES} == {(g, p) for g in GRIDS for p in PRECISIONS}
+    assert {c["model"] for c in GRID_CASES} == set(HELD_OUT) and {c["zero"] for c in GRID_CASES} == set(STORAGE)
+    assert not any(c["refused"] for c in GRID_CASES)
+
+
+def test_2_5d_and_3d_on_held_out_families_at_batch_2():
+    """:data:`GRID_CASES` on 8 ranks: parity, counted communication = estimate, every weight
+    contraction running the forced grid, and the tokens split on the sequence as well as the batch."""
+    by_id = _run_cases(GRID_CASES, 8)
+    for case in GRID_CASES:
+        res = by_id[case["id"]]
+        assert res["grids"] == [case["algo"]], (case["id"], res["grids"])
+        assert res["row_dims"] == [0, 1], (case["id"], res["row_dims"])
+        assert res["sent"] > 0, case["id"]

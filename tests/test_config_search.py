@@ -10,6 +10,7 @@ from parity_utils import Checks, adam_in_lockstep, check_grads_by_alias, nested_
 
 import partitioner
 from partitioner import models
+from partitioner.axis_uses import axis_uses, describe_config
 from partitioner.config_search import enumerate_configs, plan_config, search_config, zero_stage_of
 from partitioner.parallel_config import ParallelConfig
 from passes.plan_intra_op import InfeasibleBudgetError
@@ -34,7 +35,7 @@ def test_search_returns_a_plan_for_n_devices_with_its_configuration_and_runner_u
     assert est.model_flops > 0 and est.devices == devices
     assert est.tflops_per_device == pytest.approx(est.model_flops / devices / est.step_time_s / 1e12)
     assert 0 < est.mfu < 1
-    assert f"configuration: {config.describe()}" in plan.summary().replace("\n  ", " ")
+    assert f"configuration: {describe_config(plan)}" in plan.summary().replace("\n  ", " ")
     why = plan.explain()
     assert why.count("-> ") == 1 and "chosen" in why
     search = plan.data["search"]
@@ -63,6 +64,26 @@ def test_pure_data_parallel_wins_for_a_small_model_on_a_large_batch():
     assert plan.mesh_shape == (4,) and plan.axis_names == ("dp",)
     assert plan.placement_of("idx") == "[S(0)]"
     assert all(plan.placement_of(name) == "[R]" for name, _ in model.named_parameters())
+
+
+def test_the_configuration_is_named_by_what_each_axis_does_in_the_plan():
+    # a 2-sample MLP on 4 devices: every split costs more in collectives than it saves, so the
+    # solver replicates everything on the (dp, tp) mesh the search gave it; the label must not
+    # say "data 2 x tensor 2" for a plan whose four devices repeat the same work
+    model, inputs = models.mlp_demo(batch=2)
+    plan = partitioner.plan(model, inputs, devices=4, cluster="h100")
+    assert plan.axis_names == ("dp", "tp")
+    assert all(set(r["out"]) <= {"[R, R]"} for r in plan.records), "the solver split something"
+    assert axis_uses(plan) == ("replicated", "replicated")
+    text = plan.summary().replace("\n  ", " ")
+    assert "configuration: pipeline 1 x replicated 2 (dp) x replicated 2 (tp) = 4 devices" in text
+    assert "nothing is split on dp, tp: their devices repeat the same work" in text
+    # a plan that splits the batch on dp and the weights on tp keeps the plain label
+    model, inputs = models.gpt_demo(batch=8, seq=16, n_layer=1, n_embd=256)
+    plan = plan_config(model, inputs, ParallelConfig(data=2, tensor=2), cluster="h100", tensor_parallel="1d")
+    assert axis_uses(plan) == ("data", "tensor")
+    assert describe_config(plan) == plan.config.describe()
+    assert plan.config.describe().startswith("pipeline 1 x data 2 x tensor 2 = 4 devices")
 
 
 def test_a_budget_under_half_the_state_forces_the_weights_apart():
@@ -119,7 +140,9 @@ def test_a_pipelined_plan_is_one_sharding_plan_with_bubble_and_send_recv(tmp_pat
     assert est.comm_bytes["send_recv"]["pp"] == pytest.approx(4 * 2 * (4 * 16 * 64 * 4) / 2)
     assert est.model_flops == pytest.approx(4 * sum(s.data["model_flops"] for s in stages))
     text = plan.summary()
-    assert "schedule 1f1b: 4 microbatches" in text and "configuration: pipeline 2 x data 2" in text
+    assert "schedule 1f1b: 4 microbatches" in text
+    # 2-sample microbatches on H100s: the stage plans keep them whole on dp (the sends above)
+    assert "configuration: pipeline 2 x replicated 2 (dp) = 4 devices" in text
     loaded = partitioner.ShardingPlan.load(plan.save(tmp_path / "pipe.json"))
     assert loaded.config == plan.config
     assert loaded.estimate().step_time_s == pytest.approx(est.step_time_s)

@@ -279,7 +279,11 @@ def test_plan_refuses_a_wrong_mesh_and_an_unsplittable_batch():
     model, inputs = models.gpt_demo(batch=2, seq=8, n_layer=1, n_embd=32)
     with pytest.raises(ValueError, match=r"tensor_parallel='3d' needs a c x c x c .* mesh_shape=\(2, 4\)"):
         partitioner.plan(model, inputs, mesh_shape=(2, 4), tensor_parallel="3d")
-    with pytest.raises(ValueError, match=r"node linear .* batch 2, which the grid's row axes \(4 devices\)"):
+    # the row axes cut the tokens (batch x sequence): 1 x 6 cannot be cut 2 x 2 ways
+    model, inputs = models.gpt_demo(batch=1, seq=6, n_layer=1, n_embd=32)
+    with pytest.raises(
+        ValueError, match=r"node linear .* tokens 1 x 6 \(batch first\), which the grid's row axes \(2, 2\)"
+    ):
         partitioner.plan(model, inputs, mesh_shape=(2, 2, 2), tensor_parallel="2.5d")
     with pytest.raises(ValueError, match="tensor_parallel must be one of"):
         partitioner.plan(model, inputs, mesh_shape=(2, 2), tensor_parallel="4d")

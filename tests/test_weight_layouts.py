@@ -6,8 +6,10 @@ q, k and v (``passes/lower_to_local.py``). A ZeRO-3 plan may store that weight c
 *other* dim on the same mesh axis (the memory objective on (2, 2) with 1-D tensor parallelism
 does): there its stored blocks are contiguous, and the edge into the matmul all-to-alls them
 into the strided shard (``runtime/collectives.py``). The loader must cut the stored blocks the
-way the edge reads them. One forked run on 4 ranks, with ``zero=2`` (the weights stored sharded
-and gathered for use), checks the loss, every gradient and the
+way the edge reads them. One forked run on 4 ranks, with ``zero=3`` (the weights stored sharded,
+gathered for use and gathered again in backward; the layer norms, their hidden dim split, run
+``runtime.sharded_norm``, whose backward keeps the weight but not the bias, so only the weight
+is gathered again, as priced), checks the loss, every gradient and the
 communication counted against the plan's estimate, and the parameters after 3 AdamW steps,
 against one device; the same options inside a 2-stage pipeline are checked to build on torch's
 fake process group.
@@ -45,13 +47,15 @@ def memory_tp_worker(rank, world, cfg):
         f"{fqn} is placed {stored}, bias strided on {strided_axes}: not the layout under test",
         any(getattr(stored[a], "dim", None) == 1 for a in strided_axes),
     )
+    regathered = [r["fqn"] for r in pm.plan.records if r.get("regather")]
+    checks.true(f"zero={cfg['zero']}: regathered weights {regathered}", bool(regathered) == (cfg["zero"] == 3))
     check_step_like_one_device(pm, ref, inputs, checks, "memory objective, 1-D TP")
     train_like_one_device(pm, ref, inputs, STEPS, checks, "memory objective, 1-D TP")
     return {"rank": rank, "failures": checks.failures}
 
 
 def test_fused_weight_stored_along_its_other_dim_matches_one_device():
-    run_checked(memory_tp_worker, {"mesh": [2, 2], "zero": 2}, TIMEOUT_S)
+    run_checked(memory_tp_worker, {"mesh": [2, 2], "zero": 3}, TIMEOUT_S)
 
 
 def test_fused_weight_layout_builds_inside_a_pipeline(fake_process_group):

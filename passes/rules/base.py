@@ -212,6 +212,12 @@ class OpRule(abc.ABC):
     def axis_strategies(self, op: OpView) -> list:
         """The candidates on one mesh axis."""
 
+    def keeps_saved_input(self, node: fx.Node, k: int, spec) -> bool:
+        """Whether the op as lowered keeps tensor input ``k``, placed ``spec``, for backward, given
+        that the aten op saves it (``NodeInfo.saves``): a ZeRO-3 weight kept so is gathered again
+        in backward. True unless the rule lowers to a kernel of its own that does not keep it."""
+        return True
+
     def lower(self, call):
         """Emit this op for one rank (``passes.lower_to_local.LowerCall``); default: the same
         op on local tensors. Rules whose sharded form differs override this."""

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from passes.placements import R, Shard
+from passes.placements import R, Shard, is_shard
 from passes.rules.base import AxisStrategy, OpRule, OpView, register
 
 aten = torch.ops.aten
@@ -62,6 +62,13 @@ class LayerNormRule(OpRule):
     def combination_ok(self, axes) -> bool:
         # the normalised dim sharded on one axis at most (the row statistics' payload assumes it)
         return sum(1 for a in axes if a.extra) <= 1
+
+    def keeps_saved_input(self, node, k: int, spec) -> bool:
+        # the normalised dim split (weight and bias split with it) lowers to runtime.sharded_norm,
+        # whose backward keeps x-hat, rstd and the weight, not the bias (aten's keeps the bias)
+        if k == 2 and node.target is not aten.rms_norm.default and any(is_shard(p) for p in spec):
+            return False
+        return True
 
     def lower(self, call):
         x = call.view.in_shapes[0]
