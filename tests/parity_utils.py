@@ -21,6 +21,7 @@ import fnmatch
 import gc
 import math
 
+import pytest
 import torch
 
 # Import everything the ranks use before forking: every forked worker would otherwise import
@@ -30,8 +31,8 @@ import torch._dynamo  # noqa: F401
 import torch.export._trace  # noqa: F401
 import scipy.optimize  # noqa: F401
 from partitioner import models
-from passes.placements import parse_spec
 from runtime.collectives import CommCounter
+from support import is_replicated
 
 # the HF model classes, imported once here for the same reason (transformers is pinned for tests)
 import transformers  # noqa: F401,E402
@@ -88,6 +89,15 @@ MODELS = {
 
 def build(model_name: str):
     return MODELS[model_name]["factory"]()
+
+
+def parity_case(model: str, mesh: tuple, plan: str, **extra):
+    """One config of a parity test as a ``pytest.param``: the model, the mesh, the plan kind of
+    :func:`pins_for` and the worker's extra keys; its id names the three (``-budget``: planned
+    under ``budget_fraction``)."""
+    cfg = dict(model=model, mesh=mesh, plan=plan, **extra)
+    label = plan + ("-budget" if extra.get("budget_fraction") else "")
+    return pytest.param(cfg, id=f"{model}-{'x'.join(map(str, mesh))}-{label}")
 
 
 # -------------------------------------------------------------------------------------- pins
@@ -193,10 +203,6 @@ class Checks:
             self.failures.append(f"rank {self.rank}: {what}")
 
 
-def _is_replicated(spec) -> bool:
-    return all(type(p).__name__ == "Replicate" for p in spec)
-
-
 def parity_worker(rank, world, cfg):
     import partitioner
 
@@ -212,10 +218,8 @@ def parity_worker(rank, world, cfg):
     pm = partitioner.auto_parallelize(model, inputs, mesh=mesh, pins=pins, cluster=cfg.get("cluster", "h100"),
                                       memory_budget=budget, tensor_parallel=cfg.get("tensor_parallel", "auto"))
     result = {"rank": rank, "failures": checks.failures}
-    specs = {fqn: parse_spec(pm.placement_of(fqn), len(mesh)) for fqn, _ in pm.named_parameters()}
-    result["sharded_params"] = sorted(f for f, s in specs.items() if not _is_replicated(s))
-    result["sharded_inputs"] = sorted(n for n in MODELS[cfg["model"]]["inputs"]
-                                      if not _is_replicated(parse_spec(pm.placement_of(n), len(mesh))))
+    result["sharded_params"] = sorted(f for f, _ in pm.named_parameters() if not is_replicated(pm.placement_of(f)))
+    result["sharded_inputs"] = sorted(n for n in MODELS[cfg["model"]]["inputs"] if not is_replicated(pm.placement_of(n)))
     result["placements"] = {name: pm.placement_of(name) for name, _ in model.named_parameters(remove_duplicate=False)}
     result["placements"].update({name: pm.placement_of(name) for name in MODELS[cfg["model"]]["inputs"]})
     if cfg.get("return_records"):
@@ -358,8 +362,7 @@ def _param_bytes(pm, ref, mesh, tp_axis):
     total = sum(p.numel() * p.element_size() for p in ref.parameters())
     replicated = 0
     for fqn, p in ref.named_parameters():
-        spec = parse_spec(pm.placement_of(fqn), len(mesh))
-        if _is_replicated(spec):
+        if is_replicated(pm.placement_of(fqn)):
             replicated += p.numel() * p.element_size()
     local = pm.local_parameter_bytes()
     return {"local": local, "total": total, "tp": tp, "replicated": replicated,
