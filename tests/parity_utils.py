@@ -31,6 +31,7 @@ import torch._dynamo  # noqa: F401
 import torch.export._trace  # noqa: F401
 import scipy.optimize  # noqa: F401
 from partitioner import models
+from partitioner.captures import capture, keep_captures
 from runtime.collectives import CommCounter
 from support import is_replicated
 
@@ -87,8 +88,21 @@ MODELS = {
 }
 
 
+_PREBUILT: dict = {}
+"""key -> (model, inputs) that :func:`run_checked` built and captured before forking."""
+
+
+def prebuilt(key):
+    """In a rank forked by :func:`run_checked` with ``prebuild=(key, ...)``: the first call returns
+    the (model, inputs) the parent built and captured (``auto_parallelize`` with the default
+    capture options then reuses that capture, ``partitioner.captures``); otherwise None."""
+    return _PREBUILT.pop(key, None)
+
+
 def build(model_name: str):
-    return MODELS[model_name]["factory"]()
+    """``MODELS[model_name]``'s model and inputs (seeded: every call builds the same ones; the
+    first in a rank may be the parent's, :func:`prebuilt`)."""
+    return prebuilt(model_name) or MODELS[model_name]["factory"]()
 
 
 def parity_case(model: str, mesh: tuple, plan: str, **extra):
@@ -449,14 +463,33 @@ def dropout_worker(rank, world, mesh):
 gc.freeze()
 
 
-def run_checked(worker, cfg, timeout_s):
-    """Run ``worker(rank, world, cfg)`` on the config's mesh; fail on any rank's mismatches."""
+def run_checked(worker, cfg, timeout_s, *, prebuild=None):
+    """Run ``worker(rank, world, cfg)`` on the config's mesh; fail on any rank's mismatches.
+
+    ``prebuild=(key, factory)``: ``factory()``'s model is built and captured here first, inside
+    ``keep_captures``, and each forked rank's first :func:`prebuilt` of ``key`` returns it, so
+    ``auto_parallelize`` (fp32, the default capture options) reuses the capture instead of
+    exporting the model once per rank, and every rank starts with the caches of torch.export and
+    fake tensors warm for that model (a forked rank otherwise pays their first use again). The
+    default, for a worker that calls :func:`build`: ``cfg["model"]`` of :data:`MODELS`."""
     import math
 
     from runtime.launch import run_on_ranks
 
-    # the other ranks wait in a broadcast while rank 0 plans: up to the ILP's 60 s time limit
-    results = run_on_ranks(worker, math.prod(cfg["mesh"]), cfg, timeout_s=timeout_s, collective_timeout_s=150)
+    name = cfg.get("model")
+    if prebuild is None and "build" in worker.__code__.co_names and isinstance(name, str) and name in MODELS:
+        prebuild = (name, MODELS[name]["factory"])
+    with keep_captures():
+        if prebuild is not None:
+            key, factory = prebuild
+            model, inputs = factory()
+            capture(model, inputs)
+            _PREBUILT[key] = (model, inputs)
+        try:
+            # the other ranks wait in a broadcast while rank 0 plans: up to the ILP's 60 s time limit
+            results = run_on_ranks(worker, math.prod(cfg["mesh"]), cfg, timeout_s=timeout_s, collective_timeout_s=150)
+        finally:
+            _PREBUILT.clear()
     failures = [f for r in results for f in r["failures"]]
     assert not failures, f"{len(failures)} mismatches, first ones:\n" + "\n".join(failures[:12])
     return results

@@ -20,7 +20,10 @@ ZeRO-1 with a pipeline is refused by design (stage programs keep no whole comput
 case checks the error, and one more case (LLaMA fp32 pipeline ZeRO-2) covers its other pairs.
 Models have one layer, two where pipelined.
 
-Each case, on 4 forked gloo ranks (all cases in one rank group, so processes start once):
+Each case, on 4 forked gloo ranks (all cases in one rank group, so processes start once; the
+models of the cases without stages are built and captured in the parent before it forks, inside
+``partitioner.captures.keep_captures``, so the ranks' ``auto_parallelize`` reuses that capture
+instead of exporting the model four times):
 parity against a deep copy on one device (fp32: ``assert_close`` defaults on the loss and every
 gradient; bf16: against the copy under ``torch.autocast`` in bf16, the tolerances of
 ``tests/test_mixed_precision.py``: loss rtol 4u, each gradient norm-wise within
@@ -38,6 +41,7 @@ import torch
 from parity_utils import Checks, call, check_grads_by_alias, loss_of, nested_approx_equal
 
 from partitioner import hf_families
+from partitioner.captures import capture, keep_captures
 from runtime.collectives import CommCounter
 from runtime.launch import run_on_ranks
 
@@ -128,13 +132,33 @@ def _check_bf16_grads(grads, ref, ref32, checks, label):
             checks.true(f"{label}: grad of {alias}: relative error {err / scale:.2e} > {tol:.2e}", err <= tol * scale)
 
 
-def _run_case(case, checks) -> dict:
+def _build(case):
+    """The case's model and inputs: one layer where the plan has no stages (the smallest capture
+    and solve); two to pipeline."""
+    return hf_families.build(case["model"], n_layer=2 if case["algo"] == "pp" else 1)
+
+
+def _captured_here(cases) -> list:
+    """Per case, (model, inputs) built and captured in this process as its ``auto_parallelize``
+    call will capture them (call inside ``keep_captures``, then fork), or None: a pipeline
+    captures its stages itself, a refused case never captures."""
+    built = []
+    for case in cases:
+        if case["refused"] or case["algo"] == "pp":
+            built.append(None)
+            continue
+        model, inputs = _build(case)
+        capture(model, inputs, **{k: v for k, v in _options(case).items() if k != "mesh"})
+        built.append((model, inputs))
+    return built
+
+
+def _run_case(case, checks, built=None) -> dict:
     import partitioner
     from partitioner.sharding_plan import per_step_comm
 
     label = case["id"]
-    # one layer where the plan has no stages (the smallest capture and solve); two to pipeline
-    model, inputs = hf_families.build(case["model"], n_layer=2 if case["algo"] == "pp" else 1)
+    model, inputs = built if built is not None else _build(case)
     ref, ref32 = copy.deepcopy(model), copy.deepcopy(model)
     opts = _options(case)
     if case["refused"]:
@@ -183,12 +207,12 @@ def _run_case(case, checks) -> dict:
     }
 
 
-def matrix_worker(rank, world, cases):
+def matrix_worker(rank, world, cases, built):
     checks = Checks(rank)
     results = []
-    for case in cases:
+    for case, models in zip(cases, built):
         try:
-            results.append(_run_case(case, checks))
+            results.append(_run_case(case, checks, models))
         except Exception as exc:  # one broken case must not hide the others
             checks.failures.append(f"{case['id']}: {type(exc).__name__}: {exc}")
     return {"rank": rank, "failures": checks.failures, "results": results}
@@ -217,7 +241,9 @@ def test_composition_matrix(group):
     """Half of :data:`CASES` per group (by algorithm); every case id names its model, precision,
     algorithm and ZeRO mode."""
     cases = [c for c in CASES if c["algo"] in ALGORITHMS[3 * group : 3 * group + 3]]
-    results = run_on_ranks(matrix_worker, 4, cases, timeout_s=TIMEOUT_S, collective_timeout_s=150)
+    with keep_captures():
+        built = _captured_here(cases)
+        results = run_on_ranks(matrix_worker, 4, cases, built, timeout_s=TIMEOUT_S, collective_timeout_s=150)
     failures = [f for r in results for f in r["failures"]]
     assert not failures, f"{len(failures)} failures, first ones:\n" + "\n".join(failures[:16])
     by_id = {res["id"]: res for res in results[0]["results"]}
