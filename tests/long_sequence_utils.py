@@ -11,7 +11,8 @@ import math
 
 import pytest
 import torch
-from parity_utils import Checks, adam_in_lockstep, call, check_grads_by_alias, loss_of, nested_approx_equal
+from parity_utils import (Checks, adam_in_lockstep, built_in_parent, call, check_grads_by_alias, loss_of,
+                          nested_approx_equal, prebuilt)
 
 from partitioner import models
 
@@ -116,7 +117,7 @@ def _parity(cfg, rank, world, checks):
     import partitioner
     from runtime.collectives import CommCounter
 
-    model, inputs = FACTORIES[cfg["model"]]()
+    model, inputs = prebuilt(cfg["id"]) or FACTORIES[cfg["model"]]()
     ref = copy.deepcopy(model)
     mesh = tuple(cfg["mesh"])
     if math.prod(mesh) == world:
@@ -177,6 +178,16 @@ def sequence_case(model, mode, mesh, ranks=None):
     """A config of :func:`model_worker`: ``mode`` forced on the last axis of ``mesh`` (``ranks``:
     the ranks of a smaller job run beside others in one rank group)."""
     return dict(model=model, mode=mode, mesh=mesh, ranks=ranks, id=f"{model}-{mode}-{'x'.join(map(str, mesh))}")
+
+
+def run_sequence_cases(cfgs: list, timeout_s: float = TIMEOUT_S) -> list:
+    """:func:`model_worker` over ``cfgs`` on 4 forked ranks, each case's model built and captured
+    here first (``parity_utils.built_in_parent``) with the algorithm its ranks force."""
+    from runtime.launch import run_on_ranks
+
+    factories = {c["id"]: (FACTORIES[c["model"]], {"sequence_parallel": c["mode"]}) for c in cfgs}
+    with built_in_parent(factories):
+        return run_on_ranks(model_worker, 4, cfgs, timeout_s=timeout_s, collective_timeout_s=150)
 
 
 def check_sequence_results(results, cfgs):

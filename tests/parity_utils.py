@@ -16,6 +16,7 @@ communication, so the test in the parent process reports everything at once.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
 import gc
@@ -463,6 +464,22 @@ def dropout_worker(rank, world, mesh):
 gc.freeze()
 
 
+@contextlib.contextmanager
+def built_in_parent(factories: dict):
+    """Inside: ``factories`` (key -> (factory, capture options of the ``auto_parallelize`` call the
+    ranks will make)) built and captured in this process under ``keep_captures``, for ranks forked
+    inside to take with :func:`prebuilt`; at the end, none is left for this process."""
+    with keep_captures():
+        for key, (factory, options) in factories.items():
+            model, inputs = factory()
+            capture(model, inputs, **options)
+            _PREBUILT[key] = (model, inputs)
+        try:
+            yield
+        finally:
+            _PREBUILT.clear()
+
+
 def run_checked(worker, cfg, timeout_s, *, prebuild=None):
     """Run ``worker(rank, world, cfg)`` on the config's mesh; fail on any rank's mismatches.
 
@@ -479,17 +496,9 @@ def run_checked(worker, cfg, timeout_s, *, prebuild=None):
     name = cfg.get("model")
     if prebuild is None and "build" in worker.__code__.co_names and isinstance(name, str) and name in MODELS:
         prebuild = (name, MODELS[name]["factory"])
-    with keep_captures():
-        if prebuild is not None:
-            key, factory = prebuild
-            model, inputs = factory()
-            capture(model, inputs)
-            _PREBUILT[key] = (model, inputs)
-        try:
-            # the other ranks wait in a broadcast while rank 0 plans: up to the ILP's 60 s time limit
-            results = run_on_ranks(worker, math.prod(cfg["mesh"]), cfg, timeout_s=timeout_s, collective_timeout_s=150)
-        finally:
-            _PREBUILT.clear()
+    with built_in_parent({prebuild[0]: (prebuild[1], {})} if prebuild is not None else {}):
+        # the other ranks wait in a broadcast while rank 0 plans: up to the ILP's 60 s time limit
+        results = run_on_ranks(worker, math.prod(cfg["mesh"]), cfg, timeout_s=timeout_s, collective_timeout_s=150)
     failures = [f for r in results for f in r["failures"]]
     assert not failures, f"{len(failures)} mismatches, first ones:\n" + "\n".join(failures[:12])
     return results

@@ -24,10 +24,9 @@ import logging
 
 import pytest
 import torch
-from long_sequence_utils import TIMEOUT_S, check_sequence_results, hf_bart, model_worker, sequence_case
+from long_sequence_utils import check_sequence_results, hf_bart, run_sequence_cases, sequence_case
 
 from partitioner import models
-from runtime.launch import run_on_ranks
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
@@ -40,7 +39,7 @@ def test_eager_attention_parity_and_cross_attention_fallback():
         sequence_case("llama_eager", "ulysses", (2, 2)),
     ]
     bart = [sequence_case("bart_eager", "ring", (2,), ranks=(0, 1)), sequence_case("bart_eager", "ulysses", (2,), ranks=(2, 3))]
-    results = run_on_ranks(model_worker, 4, cfgs + bart, timeout_s=TIMEOUT_S, collective_timeout_s=150)
+    results = run_sequence_cases(cfgs + bart)
     check_sequence_results([dict(r, results=[x for x in r["results"] if "bart" not in x["id"]]) for r in results], cfgs)
     for r in results:
         for res in r["results"]:

@@ -39,7 +39,7 @@ import copy
 
 import pytest
 import torch
-from long_sequence_utils import (FACTORIES, SHAPES, TIMEOUT_S, check_sequence_results, expected_comm, model_worker,
+from long_sequence_utils import (FACTORIES, SHAPES, TIMEOUT_S, check_sequence_results, expected_comm, run_sequence_cases,
                                  sequence_case, sub_mesh)
 from parity_utils import Checks, adam_in_lockstep, call, check_grads_by_alias, loss_of, nested_approx_equal
 
@@ -61,7 +61,7 @@ def test_parity_on_two_and_four_ranks():
         sequence_case("gpt2", "ring", (2,), ranks=(2, 3)),
         sequence_case("llama", "ulysses", (2,), ranks=(2, 3)),
     ]
-    results = run_on_ranks(model_worker, 4, cfgs, timeout_s=TIMEOUT_S, collective_timeout_s=150)
+    results = run_sequence_cases(cfgs)
     check_sequence_results(results, cfgs)
 
 
