@@ -12,17 +12,13 @@ import time
 
 import torch
 
+from partitioner.captures import captured
 from partitioner.intra_op import plan_captured, resolve_pins
 from partitioner.local_cluster import get_cluster
 from partitioner.mesh import MeshSpec
 from partitioner.options import PlanOptions
 from partitioner.progress import verbose_to_stderr
 from partitioner.sharding_plan import ShardingPlan
-from passes.analyze import analyze
-from passes.capture import describe_captured
-from passes.capture_blocks import capture_model
-from passes.eager_attention import fuse_for
-from passes.moe.routing import measure_routing
 
 __all__ = ["plan", "plan_captured", "resolve_pins", "mesh_argument"]
 
@@ -151,24 +147,23 @@ def plan(
         if searched is not None:
             return searched
     mesh_shape = (1,) if mesh_shape is None else mesh_shape
-    t0 = time.perf_counter()
+    timings: dict = {"start": time.perf_counter()}
     precision = opts.precision_policy
-    logger.info("capturing %s with torch.export ...", type(model).__name__)
-    cap = capture_model(model, example_inputs, layers=opts.layers, autocast_dtype=precision.autocast_dtype)
-    t1 = time.perf_counter()
-    logger.info("capture: %.2f s (%s)", t1 - t0, describe_captured(cap))
-    analyze(cap)
-    measure_routing(model, example_inputs, cap)
-    fuse_for(cap, opts.sequence_parallel)
-    t2 = time.perf_counter()
-    logger.info("analysis: %.2f s", t2 - t1)
+    cap = captured(
+        model,
+        example_inputs,
+        layers=opts.layers,
+        autocast_dtype=precision.autocast_dtype,
+        sequence_parallel=opts.sequence_parallel,
+        timings=timings,
+    )
     return plan_captured(
         cap,
         model_name=type(model).__name__,
         mesh_shape=mesh_shape,
         mesh_axis_names=mesh_axis_names,
         options=opts.replace(precision=precision),
-        timings={"capture_s": t1 - t0, "analysis_s": t2 - t1, "start": t0},
+        timings=timings,
     )
 
 

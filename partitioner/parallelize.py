@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from partitioner.api import plan_captured
 from partitioner.axis_uses import describe_config
+from partitioner.captures import captured
 from partitioner.local_cluster import for_memory_budget, job_cluster
 from partitioner.mesh import MeshSpec
 from partitioner.options import PlanOptions
@@ -31,12 +32,9 @@ from partitioner.progress import verbose_to_stderr
 from partitioner.sharding_plan import ShardingPlan
 from partitioner.specialize import Specializer, in_mode
 from partitioner.weights import WeightSource, load_local_weights
-from passes.analyze import analyze, info
+from passes.analyze import info
 from passes.capture import graph_fingerprint, tied_placeholders
-from passes.capture_blocks import capture_model
-from passes.eager_attention import fuse_for
 from passes.lower_to_local import lower_to_local
-from passes.moe.routing import measure_routing
 from passes.shape_check import check_servable
 from runtime.collectives import MeshComm, on_rank0
 from runtime.host_memory import return_freed_blocks
@@ -366,12 +364,16 @@ def _resolve_precision(precision, plan) -> Precision:
 
 def _capture(model, example_inputs, layers, precision, sequence_parallel="auto"):
     """Capture: every rank exports the model (the graph is needed to lower) and analyses it;
-    eager attention becomes one op where ring or Ulysses is forced (``passes.eager_attention``)."""
-    cap = capture_model(model, example_inputs, layers=layers, autocast_dtype=precision.autocast_dtype)
-    analyze(cap)
-    measure_routing(model, example_inputs, cap)
-    fuse_for(cap, sequence_parallel or "auto")
-    return cap
+    eager attention becomes one op where ring or Ulysses is forced (``passes.eager_attention``).
+    A capture kept by ``partitioner.captures.keep_captures`` (e.g. made by the parent that
+    forked this rank) is reused."""
+    return captured(
+        model,
+        example_inputs,
+        layers=layers,
+        autocast_dtype=precision.autocast_dtype,
+        sequence_parallel=sequence_parallel,
+    )
 
 
 def _plan_or_replay(cap, model_name, comm, plan, options: PlanOptions) -> ShardingPlan:

@@ -23,6 +23,11 @@
   or a ``"python..."``/``"torchrun..."`` string (a ``dot`` subprocess does not count). Product
   code is not followed; no test reaches the one product function that starts ranks
   (``partitioner.demo``). A test that only hands ``run_on_ranks`` bad arguments is counted too.
+* **The longest tests start first.** The ``multiproc`` tests (a few CPU-seconds each, the two-host
+  job and the composition matrix a minute or more) are moved ahead of the single-process ones,
+  each tier in its own order. Under ``pytest -n 2`` a worker that draws a long test late leaves
+  the other core idle at the end of the run; with the long ones first, the many short tests
+  fill the gaps at the end instead. Only the order changes: every test runs, alone, as before.
 * **A process group in this process.** ``fake_process_group(n)`` starts torch's ``fake``
   backend as rank 0 of ``n`` (collectives do nothing) and destroys it after the test: for
   tests that only validate or plan, where forking real ranks would check nothing more.
@@ -158,3 +163,4 @@ def pytest_collection_modifyitems(config, items):
         funcs = [getattr(item, "function", None)] + [d.func for defs in fixtures.values() for d in defs]
         if _starts_processes(func for func in funcs if func is not None):
             item.add_marker(pytest.mark.multiproc)
+    items.sort(key=lambda item: item.get_closest_marker("multiproc") is None)  # stable: each tier keeps its order

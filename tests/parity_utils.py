@@ -16,11 +16,13 @@ communication, so the test in the parent process reports everything at once.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
 import gc
 import math
 
+import pytest
 import torch
 
 # Import everything the ranks use before forking: every forked worker would otherwise import
@@ -30,8 +32,9 @@ import torch._dynamo  # noqa: F401
 import torch.export._trace  # noqa: F401
 import scipy.optimize  # noqa: F401
 from partitioner import models
-from passes.placements import parse_spec
+from partitioner.captures import capture, keep_captures
 from runtime.collectives import CommCounter
+from support import is_replicated
 
 # the HF model classes, imported once here for the same reason (transformers is pinned for tests)
 import transformers  # noqa: F401,E402
@@ -86,8 +89,30 @@ MODELS = {
 }
 
 
+_PREBUILT: dict = {}
+"""key -> (model, inputs) that :func:`run_checked` built and captured before forking."""
+
+
+def prebuilt(key):
+    """In a rank forked by :func:`run_checked` with ``prebuild=(key, ...)``: the first call returns
+    the (model, inputs) the parent built and captured (``auto_parallelize`` with the default
+    capture options then reuses that capture, ``partitioner.captures``); otherwise None."""
+    return _PREBUILT.pop(key, None)
+
+
 def build(model_name: str):
-    return MODELS[model_name]["factory"]()
+    """``MODELS[model_name]``'s model and inputs (seeded: every call builds the same ones; the
+    first in a rank may be the parent's, :func:`prebuilt`)."""
+    return prebuilt(model_name) or MODELS[model_name]["factory"]()
+
+
+def parity_case(model: str, mesh: tuple, plan: str, **extra):
+    """One config of a parity test as a ``pytest.param``: the model, the mesh, the plan kind of
+    :func:`pins_for` and the worker's extra keys; its id names the three (``-budget``: planned
+    under ``budget_fraction``)."""
+    cfg = dict(model=model, mesh=mesh, plan=plan, **extra)
+    label = plan + ("-budget" if extra.get("budget_fraction") else "")
+    return pytest.param(cfg, id=f"{model}-{'x'.join(map(str, mesh))}-{label}")
 
 
 # -------------------------------------------------------------------------------------- pins
@@ -193,10 +218,6 @@ class Checks:
             self.failures.append(f"rank {self.rank}: {what}")
 
 
-def _is_replicated(spec) -> bool:
-    return all(type(p).__name__ == "Replicate" for p in spec)
-
-
 def parity_worker(rank, world, cfg):
     import partitioner
 
@@ -212,10 +233,8 @@ def parity_worker(rank, world, cfg):
     pm = partitioner.auto_parallelize(model, inputs, mesh=mesh, pins=pins, cluster=cfg.get("cluster", "h100"),
                                       memory_budget=budget, tensor_parallel=cfg.get("tensor_parallel", "auto"))
     result = {"rank": rank, "failures": checks.failures}
-    specs = {fqn: parse_spec(pm.placement_of(fqn), len(mesh)) for fqn, _ in pm.named_parameters()}
-    result["sharded_params"] = sorted(f for f, s in specs.items() if not _is_replicated(s))
-    result["sharded_inputs"] = sorted(n for n in MODELS[cfg["model"]]["inputs"]
-                                      if not _is_replicated(parse_spec(pm.placement_of(n), len(mesh))))
+    result["sharded_params"] = sorted(f for f, _ in pm.named_parameters() if not is_replicated(pm.placement_of(f)))
+    result["sharded_inputs"] = sorted(n for n in MODELS[cfg["model"]]["inputs"] if not is_replicated(pm.placement_of(n)))
     result["placements"] = {name: pm.placement_of(name) for name, _ in model.named_parameters(remove_duplicate=False)}
     result["placements"].update({name: pm.placement_of(name) for name in MODELS[cfg["model"]]["inputs"]})
     if cfg.get("return_records"):
@@ -358,8 +377,7 @@ def _param_bytes(pm, ref, mesh, tp_axis):
     total = sum(p.numel() * p.element_size() for p in ref.parameters())
     replicated = 0
     for fqn, p in ref.named_parameters():
-        spec = parse_spec(pm.placement_of(fqn), len(mesh))
-        if _is_replicated(spec):
+        if is_replicated(pm.placement_of(fqn)):
             replicated += p.numel() * p.element_size()
     local = pm.local_parameter_bytes()
     return {"local": local, "total": total, "tp": tp, "replicated": replicated,
@@ -446,14 +464,41 @@ def dropout_worker(rank, world, mesh):
 gc.freeze()
 
 
-def run_checked(worker, cfg, timeout_s):
-    """Run ``worker(rank, world, cfg)`` on the config's mesh; fail on any rank's mismatches."""
+@contextlib.contextmanager
+def built_in_parent(factories: dict):
+    """Inside: ``factories`` (key -> (factory, capture options of the ``auto_parallelize`` call the
+    ranks will make)) built and captured in this process under ``keep_captures``, for ranks forked
+    inside to take with :func:`prebuilt`; at the end, none is left for this process."""
+    with keep_captures():
+        for key, (factory, options) in factories.items():
+            model, inputs = factory()
+            capture(model, inputs, **options)
+            _PREBUILT[key] = (model, inputs)
+        try:
+            yield
+        finally:
+            _PREBUILT.clear()
+
+
+def run_checked(worker, cfg, timeout_s, *, prebuild=None):
+    """Run ``worker(rank, world, cfg)`` on the config's mesh; fail on any rank's mismatches.
+
+    ``prebuild=(key, factory)``: ``factory()``'s model is built and captured here first, inside
+    ``keep_captures``, and each forked rank's first :func:`prebuilt` of ``key`` returns it, so
+    ``auto_parallelize`` (fp32, the default capture options) reuses the capture instead of
+    exporting the model once per rank, and every rank starts with the caches of torch.export and
+    fake tensors warm for that model (a forked rank otherwise pays their first use again). The
+    default, for a worker that calls :func:`build`: ``cfg["model"]`` of :data:`MODELS`."""
     import math
 
     from runtime.launch import run_on_ranks
 
-    # the other ranks wait in a broadcast while rank 0 plans: up to the ILP's 60 s time limit
-    results = run_on_ranks(worker, math.prod(cfg["mesh"]), cfg, timeout_s=timeout_s, collective_timeout_s=150)
+    name = cfg.get("model")
+    if prebuild is None and "build" in worker.__code__.co_names and isinstance(name, str) and name in MODELS:
+        prebuild = (name, MODELS[name]["factory"])
+    with built_in_parent({prebuild[0]: (prebuild[1], {})} if prebuild is not None else {}):
+        # the other ranks wait in a broadcast while rank 0 plans: up to the ILP's 60 s time limit
+        results = run_on_ranks(worker, math.prod(cfg["mesh"]), cfg, timeout_s=timeout_s, collective_timeout_s=150)
     failures = [f for r in results for f in r["failures"]]
     assert not failures, f"{len(failures)} mismatches, first ones:\n" + "\n".join(failures[:12])
     return results

@@ -32,7 +32,7 @@ import math
 import pytest
 import torch
 from parity_utils import (ADAM_EPS, LR, Checks, build, call, check_grads_by_alias, loss_of, nested_approx_equal,
-                          pins_for, run_checked)
+                          parity_case, pins_for, run_checked)
 
 from runtime.collectives import CommCounter
 
@@ -199,18 +199,12 @@ def _users_loop(pm, ref, inputs, checks, result, steps=3, micro_steps=2, max_nor
     result["loop_norms"] = norms
 
 
-def _cfg(model, mesh, plan, kinds, **extra):
-    cfg = dict(model=model, mesh=mesh, plan=plan, kinds=kinds, **extra)
-    label = plan + ("-budget" if extra.get("budget_fraction") else "")
-    return pytest.param(cfg, id=f"{model}-{'x'.join(map(str, mesh))}-{label}")
-
-
 ACCUMULATION = [
     # kinds: the collectives one step's gradient syncs must use, {kind: mesh axes}
-    _cfg("gpt", (2,), "dp", {"all_reduce": {"a0"}}, other_shape=True),
+    parity_case("gpt", (2,), "dp", kinds={"all_reduce": {"a0"}}, other_shape=True),
     # ZeRO-2 (ZeRO-1 weights gather once per step, not per micro-step: tests/test_zero1.py)
-    _cfg("gpt", (4,), "free", {"reduce_scatter": {"a0"}}, budget_fraction=BUDGET, zero=2),
-    _cfg("gpt", (2, 2), "dp_tp", {"all_reduce": {"a0"}}, clip=True, loop=True),
+    parity_case("gpt", (4,), "free", kinds={"reduce_scatter": {"a0"}}, budget_fraction=BUDGET, zero=2),
+    parity_case("gpt", (2, 2), "dp_tp", kinds={"all_reduce": {"a0"}}, clip=True, loop=True),
 ]
 
 

@@ -18,8 +18,8 @@ import copy
 import pytest
 import torch
 
-from parity_utils import (Checks, adam_in_lockstep, build, call, loss_of, nested_approx_equal, pins_for,
-                          run_checked)
+from parity_utils import (Checks, adam_in_lockstep, build, call, loss_of, nested_approx_equal, parity_case,
+                          pins_for, run_checked)
 
 import partitioner
 from partitioner import models
@@ -92,13 +92,9 @@ def _step(pm, inputs):
     return loss
 
 
-def _cfg(model, mesh, plan):
-    return pytest.param(dict(model=model, mesh=mesh, plan=plan), id=f"{model}-{'x'.join(map(str, mesh))}-{plan}")
-
-
-@pytest.mark.parametrize("cfg", [_cfg("gpt", (4,), "tp"), _cfg("gpt", (2, 2), "dp_tp"),
-                                 _cfg("llama", (4,), "tp"), _cfg("llama", (2, 2), "dp_tp"),
-                                 _cfg("vit", (2, 2), "dp_tp")])
+@pytest.mark.parametrize("cfg", [parity_case("gpt", (4,), "tp"), parity_case("gpt", (2, 2), "dp_tp"),
+                                 parity_case("llama", (4,), "tp"), parity_case("llama", (2, 2), "dp_tp"),
+                                 parity_case("vit", (2, 2), "dp_tp")])
 def test_recomputed_layers_match_one_device(cfg):
     results = run_checked(recompute_worker, cfg, TIMEOUT_S)
     for r in results:

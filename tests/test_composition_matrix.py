@@ -27,7 +27,9 @@ batch x sequence, so the sequence is split too. Grid and precision are crossed (
 ZeRO modes and the models each appear. The 2D cases of the first design run at batch 2 as well.
 
 Each case, on 4 forked gloo ranks (8 for the grids; all cases of a group in one rank group, so
-processes start once):
+processes start once; the models of the cases without stages are built and captured in the
+parent before it forks, inside ``partitioner.captures.keep_captures``, so the ranks'
+``auto_parallelize`` reuses that capture instead of exporting the model on every rank):
 parity against a deep copy on one device (fp32: ``assert_close`` defaults on the loss and every
 gradient; bf16: against the copy under ``torch.autocast`` in bf16, the tolerances of
 ``tests/test_mixed_precision.py``: loss rtol 4u, each gradient norm-wise within
@@ -45,6 +47,7 @@ import torch
 from parity_utils import Checks, call, check_grads_by_alias, loss_of, nested_approx_equal
 
 from partitioner import hf_families
+from partitioner.captures import capture, keep_captures
 from passes.placements import Shard, parse_spec
 from runtime.collectives import CommCounter
 from runtime.launch import run_on_ranks
@@ -159,15 +162,33 @@ def _check_bf16_grads(grads, ref, ref32, checks, label):
             checks.true(f"{label}: grad of {alias}: relative error {err / scale:.2e} > {tol:.2e}", err <= tol * scale)
 
 
-def _run_case(case, checks) -> dict:
+def _build(case):
+    """The case's model and inputs: one layer where the plan has no stages (the smallest capture
+    and solve); two to pipeline."""
+    return hf_families.build(case["model"], n_layer=2 if case["algo"] == "pp" else 1, batch=case.get("batch", 4))
+
+
+def _captured_here(cases) -> list:
+    """Per case, (model, inputs) built and captured in this process as its ``auto_parallelize``
+    call will capture them (call inside ``keep_captures``, then fork), or None: a pipeline
+    captures its stages itself, a refused case never captures."""
+    built = []
+    for case in cases:
+        if case["refused"] or case["algo"] == "pp":
+            built.append(None)
+            continue
+        model, inputs = _build(case)
+        capture(model, inputs, **{k: v for k, v in _options(case).items() if k != "mesh"})
+        built.append((model, inputs))
+    return built
+
+
+def _run_case(case, checks, built=None) -> dict:
     import partitioner
     from partitioner.sharding_plan import per_step_comm
 
     label = case["id"]
-    # one layer where the plan has no stages (the smallest capture and solve); two to pipeline
-    model, inputs = hf_families.build(
-        case["model"], n_layer=2 if case["algo"] == "pp" else 1, batch=case.get("batch", 4)
-    )
+    model, inputs = built if built is not None else _build(case)
     ref, ref32 = copy.deepcopy(model), copy.deepcopy(model)
     opts = _options(case)
     if case["refused"]:
@@ -224,12 +245,12 @@ def _split_dims(spec: str) -> list:
     return [p.dim for p in parse_spec(spec, spec.count(",") + 1) if isinstance(p, Shard)]
 
 
-def matrix_worker(rank, world, cases):
+def matrix_worker(rank, world, cases, built):
     checks = Checks(rank)
     results = []
-    for case in cases:
+    for case, models in zip(cases, built):
         try:
-            results.append(_run_case(case, checks))
+            results.append(_run_case(case, checks, models))
         except Exception as exc:  # one broken case must not hide the others
             checks.failures.append(f"{case['id']}: {type(exc).__name__}: {exc}")
     return {"rank": rank, "failures": checks.failures, "results": results}
@@ -256,7 +277,9 @@ def test_the_design_covers_every_pair_of_factor_values():
 
 def _run_cases(cases, world) -> dict:
     """Every case on ``world`` forked ranks, no failure on any rank; case id -> rank 0's result."""
-    results = run_on_ranks(matrix_worker, world, cases, timeout_s=TIMEOUT_S, collective_timeout_s=150)
+    with keep_captures():
+        built = _captured_here(cases)
+        results = run_on_ranks(matrix_worker, world, cases, built, timeout_s=TIMEOUT_S, collective_timeout_s=150)
     failures = [f for r in results for f in r["failures"]]
     assert not failures, f"{len(failures)} failures, first ones:\n" + "\n".join(failures[:16])
     by_id = {res["id"]: res for res in results[0]["results"]}

@@ -24,24 +24,23 @@ import logging
 
 import pytest
 import torch
-from test_long_sequence import TIMEOUT_S, _cfg, _check_results, hf_bart, model_worker
+from long_sequence_utils import check_sequence_results, hf_bart, run_sequence_cases, sequence_case
 
 from partitioner import models
-from runtime.launch import run_on_ranks
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
 def test_eager_attention_parity_and_cross_attention_fallback():
     cfgs = [
-        _cfg("llama_eager", "ring", (4,)),
-        _cfg("gpt2_eager", "ulysses", (4,)),
-        _cfg("gpt2_eager", "ring", (2, 2)),
-        _cfg("llama_eager", "ulysses", (2, 2)),
+        sequence_case("llama_eager", "ring", (4,)),
+        sequence_case("gpt2_eager", "ulysses", (4,)),
+        sequence_case("gpt2_eager", "ring", (2, 2)),
+        sequence_case("llama_eager", "ulysses", (2, 2)),
     ]
-    bart = [_cfg("bart_eager", "ring", (2,), ranks=(0, 1)), _cfg("bart_eager", "ulysses", (2,), ranks=(2, 3))]
-    results = run_on_ranks(model_worker, 4, cfgs + bart, timeout_s=TIMEOUT_S, collective_timeout_s=150)
-    _check_results([dict(r, results=[x for x in r["results"] if "bart" not in x["id"]]) for r in results], cfgs)
+    bart = [sequence_case("bart_eager", "ring", (2,), ranks=(0, 1)), sequence_case("bart_eager", "ulysses", (2,), ranks=(2, 3))]
+    results = run_sequence_cases(cfgs + bart)
+    check_sequence_results([dict(r, results=[x for x in r["results"] if "bart" not in x["id"]]) for r in results], cfgs)
     for r in results:
         for res in r["results"]:
             if "bart" not in res["id"]:

@@ -20,7 +20,8 @@ import re
 
 import pytest
 import torch
-from parity_utils import Checks, adam_in_lockstep, call, check_grads_by_alias, loss_of, nested_approx_equal, run_checked
+from parity_utils import (Checks, adam_in_lockstep, call, check_grads_by_alias, loss_of, nested_approx_equal, prebuilt,
+                          run_checked)
 from support import fallback_warnings
 
 from partitioner import hf_families
@@ -43,7 +44,7 @@ def family_worker(rank, world, cfg):
     import partitioner
 
     checks = Checks(rank)
-    model, inputs = hf_families.build(cfg["family"])
+    model, inputs = prebuilt(cfg["family"]) or hf_families.build(cfg["family"])
     ref = copy.deepcopy(model)
     n_params = sum(p.numel() for p in model.parameters())
     with fallback_warnings() as caught:
@@ -110,7 +111,7 @@ def family_worker(rank, world, cfg):
 @pytest.mark.parametrize("family", list(hf_families.FAMILIES))
 def test_family_parity_on_2x2_and_pipeline(family):
     cfg = {"family": family, "mesh": (2, 2), "pipeline": family in hf_families.DECODER_ONLY}
-    results = run_checked(family_worker, cfg, TIMEOUT_S)
+    results = run_checked(family_worker, cfg, TIMEOUT_S, prebuild=(family, lambda: hf_families.build(family)))
     assert results[0]["sharded"], f"{family}: the budget should force some parameters to be sharded"
     assert set(results[0]["fallbacks"]) <= KNOWN_FALLBACKS.get(family, set()), results[0]["fallbacks"]
 

@@ -16,7 +16,7 @@ import pytest
 import partitioner
 from partitioner import models
 from passes.cost_model import param_state_bytes
-from support import fallback_warnings
+from support import fallback_warnings, is_replicated
 
 MODELS = {
     "gpt2_sdpa": lambda **kw: models.hf_gpt2(attn="sdpa", **kw),
@@ -59,10 +59,6 @@ def planned(name: str, mesh: tuple):
     with fallback_warnings() as caught:
         plan = partitioner.plan(model, inputs, mesh_shape=mesh, cluster="h100")
     return model, inputs, plan, _fallback_ops(caught)
-
-
-def _is_replicated(spec: str) -> bool:
-    return all(p.strip() == "R" for p in spec.strip("[]").split(","))
 
 
 def _linear_weights(plan) -> list:
@@ -138,7 +134,7 @@ def test_tight_budget_shards_block_weights(name):
                              objective="time")
     assert tight.estimate().memory_bytes <= budget
     replicated = [r["fqn"] for r in _linear_weights(tight)
-                  if _in_repeated_block(r["fqn"]) and _is_replicated(r["out"][0])]
+                  if _in_repeated_block(r["fqn"]) and is_replicated(r["out"][0])]
     assert not replicated, f"block weights left replicated under a {budget} B budget: {replicated}"
 
 
@@ -150,5 +146,5 @@ def test_large_batch_loose_budget_is_data_parallel(name):
     by_fqn = {r["fqn"]: r for r in plan.records if r["kind"] in ("input", "param")}
     assert by_fqn["input_ids"]["out"] == ["[S(0)]"]
     assert by_fqn["labels"]["out"] == ["[S(0)]"]
-    sharded = [f for f, r in by_fqn.items() if r["kind"] == "param" and not _is_replicated(r["out"][0])]
+    sharded = [f for f, r in by_fqn.items() if r["kind"] == "param" and not is_replicated(r["out"][0])]
     assert not sharded, f"pure data parallel keeps every parameter replicated; sharded: {sharded}"

@@ -25,58 +25,46 @@ parameter bytes of Megatron TP. Dropout has its own test.
 import pytest
 import torch
 
-from parity_utils import run_checked, MODELS, dropout_worker, glob_any, nested_approx_equal, parity_worker
+from parity_utils import (MODELS, dropout_worker, glob_any, nested_approx_equal, parity_case, parity_worker,
+                          run_checked)
+from support import is_replicated, placement_axes
 from runtime.launch import run_on_ranks
 
 TIMEOUT_S = 240
-
-
-def _cfg(model, mesh, plan, **extra):
-    cfg = dict(model=model, mesh=mesh, plan=plan, **extra)
-    label = plan + ("-budget" if extra.get("budget_fraction") else "")
-    return pytest.param(cfg, id=f"{model}-{'x'.join(map(str, mesh))}-{label}")
 
 
 BUDGET = 0.75   # of the replicated fp32 Adam state (16 bytes per parameter)
 
 CONFIGS = [
     # hand-written MLP
-    _cfg("mlp", (2,), "free", budget_fraction=BUDGET),
-    _cfg("mlp", (4,), "tp"),
-    _cfg("mlp", (2, 2), "dp"),
+    parity_case("mlp", (2,), "free", budget_fraction=BUDGET),
+    parity_case("mlp", (4,), "tp"),
+    parity_case("mlp", (2, 2), "dp"),
     # hand-written GPT
-    _cfg("gpt", (2,), "dp"),
-    _cfg("gpt", (4,), "tp", check_param_bytes=0),
-    _cfg("gpt", (2, 2), "dp_tp", check_local_inputs=True),
-    _cfg("gpt", (2, 2), "tp_sp"),
-    _cfg("gpt", (2, 2), "free"),
-    _cfg("gpt", (4,), "free", budget_fraction=BUDGET),
+    parity_case("gpt", (2,), "dp"),
+    parity_case("gpt", (4,), "tp", check_param_bytes=0),
+    parity_case("gpt", (2, 2), "dp_tp", check_local_inputs=True),
+    parity_case("gpt", (2, 2), "tp_sp"),
+    parity_case("gpt", (2, 2), "free"),
+    parity_case("gpt", (4,), "free", budget_fraction=BUDGET),
     # HF GPT-2 (Conv1D weights, tied lm_head, fused QKV)
-    _cfg("gpt2", (2,), "tp"),
-    _cfg("gpt2", (2, 2), "dp_tp"),
-    _cfg("gpt2", (4,), "tp_sp"),
-    _cfg("gpt2", (4,), "free", budget_fraction=BUDGET),
+    parity_case("gpt2", (2,), "tp"),
+    parity_case("gpt2", (2, 2), "dp_tp"),
+    parity_case("gpt2", (4,), "tp_sp"),
+    parity_case("gpt2", (4,), "free", budget_fraction=BUDGET),
     # HF BERT (attention mask input, tied decoder)
-    _cfg("bert", (2, 2), "dp_tp"),
-    _cfg("bert", (2,), "dp", check_local_inputs=True),
-    _cfg("bert", (4,), "free", budget_fraction=BUDGET),
+    parity_case("bert", (2, 2), "dp_tp"),
+    parity_case("bert", (2,), "dp", check_local_inputs=True),
+    parity_case("bert", (4,), "free", budget_fraction=BUDGET),
     # HF LLaMA (RMSNorm, rotary embeddings, grouped-query attention)
-    _cfg("llama", (2, 2), "tp_sp"),
-    _cfg("llama", (2,), "tp"),
-    _cfg("llama", (4,), "free", budget_fraction=BUDGET),
+    parity_case("llama", (2, 2), "tp_sp"),
+    parity_case("llama", (2,), "tp"),
+    parity_case("llama", (4,), "free", budget_fraction=BUDGET),
     # HF ViT (patch convolution, classification head)
-    _cfg("vit", (4,), "tp"),
-    _cfg("vit", (2, 2), "free", budget_fraction=BUDGET),
-    _cfg("vit", (2,), "free"),
+    parity_case("vit", (4,), "tp"),
+    parity_case("vit", (2, 2), "free", budget_fraction=BUDGET),
+    parity_case("vit", (2,), "free"),
 ]
-
-
-def _is_replicated(placement: str) -> bool:
-    return all(p == "R" for p in placement.strip("[]").split(", "))
-
-
-def _axes(placement: str) -> list:
-    return placement.strip("[]").split(", ")
 
 
 def _check_plan_shape(cfg, r0):
@@ -92,9 +80,9 @@ def _check_plan_shape(cfg, r0):
         return
     col, row = ("S(1)", "S(0)") if m["transposed"] else ("S(0)", "S(1)")
     if kind == "dp":
-        assert all(_is_replicated(placements[p]) for p in params), "data parallel: every parameter replicated"
+        assert all(is_replicated(placements[p]) for p in params), "data parallel: every parameter replicated"
         for name in m["inputs"]:
-            assert _axes(placements[name]) == ["S(0)"] * len(mesh), (name, placements[name])
+            assert placement_axes(placements[name]) == ["S(0)"] * len(mesh), (name, placements[name])
         assert set(r0["estimated"]) >= {"all_reduce"}
         assert set(r0["estimated"]["all_reduce"]) == {f"a{i}" for i in range(len(mesh))}, "gradient sync on every axis"
         return
@@ -103,12 +91,12 @@ def _check_plan_shape(cfg, r0):
     assert sharded_weights
     for p in sharded_weights:
         want = col if glob_any(p, m["column"]) else row
-        assert _axes(placements[p])[tp] == want, (p, placements[p])
-        assert all(a == "R" for a in _axes(placements[p])[:tp]), (p, placements[p])
+        assert placement_axes(placements[p])[tp] == want, (p, placements[p])
+        assert all(a == "R" for a in placement_axes(placements[p])[:tp]), (p, placements[p])
     for name in m["inputs"]:
-        assert _axes(placements[name])[tp] == "R", (name, placements[name])
+        assert placement_axes(placements[name])[tp] == "R", (name, placements[name])
         if len(mesh) == 2:
-            assert _axes(placements[name])[0] == "S(0)", (name, placements[name])
+            assert placement_axes(placements[name])[0] == "S(0)", (name, placements[name])
     tp_axis = f"a{tp}"
     est = r0["estimated"]
     if kind == "tp_sp":  # sequence parallel: reduce-scatter into the norms, all-gather out of them
@@ -174,7 +162,7 @@ def test_dropout_rng_rule_under_dp_x_tp():
     dp_axis = 0
     assert any(dp_axis in m["sharded_axes"] for m in modules.values())
     for name, m in modules.items():
-        sharded = [a for a, p in enumerate(_axes(m["placement"])) if p.startswith("S(")]
+        sharded = [a for a, p in enumerate(placement_axes(m["placement"])) if p.startswith("S(")]
         assert m["sharded_axes"] == sharded, (name, m["placement"], m["sharded_axes"])
         for a in results:
             for b in results:

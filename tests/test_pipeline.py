@@ -182,7 +182,10 @@ def pipeline_worker(rank, world, cfg):
 # -------------------------------------------------------------------------------------- parity
 
 
-def _cfg(model, mesh, schedule, microbatches, *, n_layer=4, virtual_stages=None, pins=None, layers="auto", note=""):
+def pipeline_case(model, mesh, schedule, microbatches, *, n_layer=4, virtual_stages=None, pins=None, layers="auto",
+                  note=""):
+    """One pipelined config as a ``pytest.param``: stages on mesh axis 0, the rest of the mesh
+    inside each stage (``pins``: how), its id naming the layout, schedule and microbatches."""
     pipeline = {"degree": mesh[0], "schedule": schedule, "microbatches": microbatches}
     if virtual_stages:
         pipeline["virtual_stages"] = virtual_stages
@@ -195,24 +198,24 @@ def _cfg(model, mesh, schedule, microbatches, *, n_layer=4, virtual_stages=None,
 
 CONFIGS = [
     # hand-written GPT: every schedule on 2 stages, and 8 stages interleaved on 4 ranks
-    _cfg("gpt", (2,), "gpipe", 4),
-    _cfg("gpt", (2,), "1f1b", 8),
-    _cfg("gpt", (2,), "interleaved", 4, virtual_stages=2),
-    _cfg("gpt", (2,), "zb-h1", 4),
-    _cfg("gpt", (2,), "1f1b", 4, layers="blocks", note="captured-by-blocks"),
-    _cfg("gpt", (4,), "interleaved", 8, n_layer=8, virtual_stages=2),
+    pipeline_case("gpt", (2,), "gpipe", 4),
+    pipeline_case("gpt", (2,), "1f1b", 8),
+    pipeline_case("gpt", (2,), "interleaved", 4, virtual_stages=2),
+    pipeline_case("gpt", (2,), "zb-h1", 4),
+    pipeline_case("gpt", (2,), "1f1b", 4, layers="blocks", note="captured-by-blocks"),
+    pipeline_case("gpt", (4,), "interleaved", 8, n_layer=8, virtual_stages=2),
     # HF GPT-2, eager attention: its causal mask is made before the layers and crosses stages
-    _cfg("gpt2", (2,), "zb-h1", 8),
-    _cfg("gpt2", (4,), "1f1b", 4),
-    _cfg("gpt2", (2, 2), "gpipe", 4, pins="dp"),
-    _cfg("gpt2", (2, 2), "zb-h1", 4, pins="dp", note="weight-pass-reduces-once"),
-    _cfg("gpt", (2, 2), "zb-h1", 4, pins="dpact", note="weight-pass-reduces-once"),
-    _cfg("gpt", (2, 2), "1f1b", 4, pins="dpact", note="batch-sharded-stage-boundary"),
+    pipeline_case("gpt2", (2,), "zb-h1", 8),
+    pipeline_case("gpt2", (4,), "1f1b", 4),
+    pipeline_case("gpt2", (2, 2), "gpipe", 4, pins="dp"),
+    pipeline_case("gpt2", (2, 2), "zb-h1", 4, pins="dp", note="weight-pass-reduces-once"),
+    pipeline_case("gpt", (2, 2), "zb-h1", 4, pins="dpact", note="weight-pass-reduces-once"),
+    pipeline_case("gpt", (2, 2), "1f1b", 4, pins="dpact", note="batch-sharded-stage-boundary"),
     # HF LLaMA (rotary embeddings cross stages)
-    _cfg("llama", (2,), "interleaved", 8, virtual_stages=2),
-    _cfg("llama", (2, 2), "1f1b", 4, pins="tp"),
+    pipeline_case("llama", (2,), "interleaved", 8, virtual_stages=2),
+    pipeline_case("llama", (2, 2), "1f1b", 4, pins="tp"),
     # fewer microbatches than stages: 1F1B degrades towards GPipe and stays exact
-    _cfg("gpt", (4,), "1f1b", 2, note="fewer-microbatches-than-stages"),
+    pipeline_case("gpt", (4,), "1f1b", 2, note="fewer-microbatches-than-stages"),
 ]
 
 

@@ -1,6 +1,6 @@
 """ZeRO-2 and ZeRO-3 on HF LLaMA (RoPE, grouped-query attention), on real gloo ranks against one device.
 
-The checks of ``tests/test_zero.py`` (its worker), in a file of their own because LLaMA's
+The checks of ``tests/test_zero.py`` (its worker, ``tests/zero_utils.py``), in a file of their own because LLaMA's
 captures take longest: on (4,) (the solver's plan, unpinned) and (2, 2) (activations pinned data
 x Megatron, which keeps the budgeted solve short), ZeRO-3 under half the replicated Adam state
 and ZeRO-2 stored where ZeRO-3 stores: loss, every gradient, counted communication == estimate,
@@ -8,9 +8,8 @@ saved tensors within 5% of the estimate, parameters after 3 AdamW steps.
 """
 
 import pytest
-from test_zero import TIMEOUT_S, zero_worker
-
 from parity_utils import run_checked
+from zero_utils import TIMEOUT_S, zero_worker
 
 CONFIGS = [
     {"model": "llama", "mesh": [4], "kind": "free"},

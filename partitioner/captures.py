@@ -1,0 +1,125 @@
+"""The capture step (export, analysis, attention fusion), and captures kept for reuse.
+
+:func:`captured` is the capture step of :func:`partitioner.plan` and
+:func:`partitioner.auto_parallelize`: ``capture_model`` (torch.export), ``analyze`` and
+``fuse_for`` (eager attention fused where ring or Ulysses is forced).
+
+Every rank of a job captures the model it runs (the graph is what it lowers). A process that
+captures a model more than once (previewing with ``plan`` and then running it; a parent that
+plans and then forks its ranks with ``runtime.launch.run_on_ranks``, each running
+``auto_parallelize``) may keep the first capture inside ``with keep_captures():`` and reuse it:
+
+* a capture made inside the block is kept until the outermost block ends; a forked process
+  inherits the captures its parent kept (and the block, when it forks inside one);
+* a kept capture is reused only for the same model object (by identity, while it is alive) in
+  the same mode, with the same parameter and buffer layout (names, shapes, dtypes, devices,
+  ``requires_grad``), the same example inputs (the tree, each tensor's shape, dtype, strides,
+  device and ``requires_grad``, each other value) and the same capture options (``layers``,
+  the autocast dtype, the sequence-parallel mode). The graph does not depend on weight values
+  (export refuses control flow that reads them), so they may change in between.
+
+:func:`capture` runs the step with the options of a ``plan``/``auto_parallelize`` call, so that
+a later call with those options on the same model reuses it::
+
+    with keep_captures():
+        capture(model, inputs, precision="bf16")              # once, in the parent
+        run_on_ranks(worker, 4, model, inputs)                # each rank: auto_parallelize(model, inputs,
+                                                              #   mesh=(2, 2), precision="bf16") reuses it
+
+Outside the block nothing is kept: every call captures afresh, as it always did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import weakref
+
+import torch
+from torch.utils import _pytree as pytree
+
+from partitioner.options import PlanOptions
+from passes.analyze import analyze
+from passes.capture import describe_captured
+from passes.capture_blocks import capture_model
+from passes.eager_attention import fuse_for
+from passes.moe.routing import measure_routing
+
+__all__ = ["capture", "captured", "keep_captures"]
+
+logger = logging.getLogger(__name__)
+
+_kept: dict | None = None  # key -> (weak reference to the model, capture) while keep_captures() is active
+
+
+@contextlib.contextmanager
+def keep_captures():
+    """Keep the captures made inside for reuse by later captures of the same model (see the module)."""
+    global _kept
+    outermost = _kept is None
+    if outermost:
+        _kept = {}
+    try:
+        yield
+    finally:
+        if outermost:
+            _kept = None
+
+
+def capture(model: torch.nn.Module, example_inputs, **options):
+    """The capture a ``plan``/``auto_parallelize`` call with these keyword ``options`` makes of
+    ``model`` (in its current mode), kept for that call inside :func:`keep_captures`."""
+    opts = PlanOptions.from_call(None, **options)
+    return captured(
+        model,
+        example_inputs,
+        layers=opts.layers,
+        autocast_dtype=opts.precision_policy.autocast_dtype,
+        sequence_parallel=opts.sequence_parallel,
+    )
+
+
+def captured(model, example_inputs, *, layers, autocast_dtype, sequence_parallel, timings: dict | None = None):
+    """Export, analyse and fuse ``model`` (or reuse the capture kept for the same call, see the
+    module). ``timings`` (if given) receives ``capture_s`` and ``analysis_s``."""
+    sequence_parallel = sequence_parallel or "auto"
+    key = None
+    if _kept is not None:
+        key = (id(model), layers, autocast_dtype, sequence_parallel, _layout(model, example_inputs))
+        kept = _kept.get(key)
+        if kept is not None and kept[0]() is model:
+            logger.info("capture: reusing the one kept for %s (keep_captures)", type(model).__name__)
+            if timings is not None:
+                timings.update(capture_s=0.0, analysis_s=0.0)
+            return kept[1]
+    t0 = time.perf_counter()
+    logger.info("capturing %s with torch.export ...", type(model).__name__)
+    cap = capture_model(model, example_inputs, layers=layers, autocast_dtype=autocast_dtype)
+    t1 = time.perf_counter()
+    logger.info("capture: %.2f s (%s)", t1 - t0, describe_captured(cap))
+    analyze(cap)
+    measure_routing(model, example_inputs, cap)
+    fuse_for(cap, sequence_parallel)
+    t2 = time.perf_counter()
+    logger.info("analysis: %.2f s", t2 - t1)
+    if timings is not None:
+        timings.update(capture_s=t1 - t0, analysis_s=t2 - t1)
+    if key is not None and _kept is not None:
+        _kept[key] = (weakref.ref(model), cap)
+    return cap
+
+
+def _layout(model: torch.nn.Module, example_inputs) -> tuple:
+    """What a capture depends on besides the model's code and the options: its parameters' and
+    buffers' layout, every module's mode, and the example inputs' structure and metadata."""
+
+    def tensor(t: torch.Tensor) -> tuple:
+        return tuple(t.shape), t.dtype, t.device.type, t.requires_grad
+
+    params = tuple((n, *tensor(p)) for n, p in model.named_parameters(remove_duplicate=False))
+    buffers = tuple((n, *tensor(b)) for n, b in model.named_buffers(remove_duplicate=False))
+    modes = tuple(m.training for m in model.modules())
+    leaves, spec = pytree.tree_flatten(example_inputs)
+    inputs = tuple((*tensor(x), x.stride()) if isinstance(x, torch.Tensor) else repr(x) for x in leaves)
+    return params, buffers, modes, inputs, str(spec)
