@@ -524,6 +524,15 @@ class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
         dist.broadcast(loss, group_src=last_owner, group=group)
         return loss
 
+    def forward(self, *args, **kwargs):
+        """A pipeline runs forward and backward together, microbatch by microbatch: refused."""
+        raise TypeError(
+            "this model was parallelized as a pipeline (PipelineRunner): a step is "
+            "`loss = model.train_step(batch)` (forward, backward and gradient reduction of every "
+            "microbatch; then optimizer.step()), not model(batch); give auto_parallelize a mesh= "
+            "without pipeline= for a module called like the original"
+        )
+
     def _run(self, action, step, posted):
         s, mb, kind = action.stage, action.microbatch, action.kind
         graph = self.stage_graphs[s]

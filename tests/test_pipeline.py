@@ -424,6 +424,11 @@ def _zb_split_worker(rank, world, cfg):
     grads = runner.full_grads()
     for name, p in ref.named_parameters():
         checks.close(f"grad of {name}", grads[name], p.grad)
+    try:  # a pipeline is stepped, not called: the error says how
+        runner(*inputs)
+        checks.true("calling a PipelineRunner is refused", False)
+    except TypeError as exc:
+        checks.true(f"the refusal names train_step: {exc}", "train_step" in str(exc))
     from partitioner.pipeline_simulation import stage_times
     return {"rank": rank, "failures": checks.failures, "calls": calls, "stage_times": stage_times(runner)}
 
@@ -432,7 +437,8 @@ def test_zero_bubble_splits_input_and_weight_gradients():
     """ZB-H1 on 2 stages: on the last stage, I passes ask autograd for the received activations'
     gradients only and W passes for parameters only, starting from the weight ops' outputs (not
     the loss again), so no work is done twice; the first stage (token ids in, nothing to send
-    back) has no input gradient and does its whole backward in W. Gradients stay exact."""
+    back) has no input gradient and does its whole backward in W. Gradients stay exact. Calling
+    the runner like a module is refused with a TypeError naming ``train_step``."""
     results = run_checked(_zb_split_worker, {"mesh": (2,)}, TIMEOUT_S)
     first, last = (r["calls"] for r in sorted(results, key=lambda r: r["rank"]))
     i_calls = [c for c in last if c[0] == "I"]
