@@ -1,5 +1,6 @@
 """Plan a captured graph on one mesh: the user's pins resolved to nodes, the forced algorithm
-modes, the intra-op solver (:func:`passes.plan_intra_op.plan_intra_op`), and the
+modes (pins, and the :class:`passes.rule_options.RuleOptions` handed to the rules), the
+intra-op solver (:func:`passes.plan_intra_op.plan_intra_op`), and the
 :class:`ShardingPlan` record it makes.
 
 ``plan_captured`` is the planning step every entry shares: :func:`partitioner.plan` (after it
@@ -131,32 +132,28 @@ def plan_captured(
     experts_rule.check_forced(cap.graph, opts.expert_parallel, mesh.shape)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("%s: pins %s", model_name, {n.name: format_spec(s) for n, s in pinned.items()})
-    with (
-        attention_rule.sequence_parallel(opts.sequence_parallel, mesh.shape),
-        multidim_tp.tensor_parallel(opts.tensor_parallel, mesh.shape),
-        experts_rule.expert_parallel(opts.expert_parallel, mesh.shape),
-    ):
-        result = plan_intra_op(
-            cap,
-            mesh.shape,
-            mesh.axis_names,
-            spec,
-            budget=budget,
-            pins=pinned,
-            objective=opts.objective,
-            optimizer=opts.optimizer,
-            share_blocks=opts.share_blocks,
-            time_limit=opts.time_limit,
-            activation_copies=activation_copies,
-            grad_reduce_bytes=precision.grad_reduce_bytes,
-            recompute=opts.recompute,
-            log=logger.info,
-            zero=opts.zero,
-            zero1=zero1,
-            host_budget=parse_bytes(opts.host_memory_budget) if opts.host_memory_budget is not None else None,
-            microbatches=microbatches,
-            holds_gradient_sums=holds_gradient_sums,
-        )
+    result = plan_intra_op(
+        cap,
+        mesh.shape,
+        mesh.axis_names,
+        spec,
+        budget=budget,
+        pins=pinned,
+        objective=opts.objective,
+        optimizer=opts.optimizer,
+        share_blocks=opts.share_blocks,
+        time_limit=opts.time_limit,
+        activation_copies=activation_copies,
+        grad_reduce_bytes=precision.grad_reduce_bytes,
+        recompute=opts.recompute,
+        log=logger.info,
+        zero=opts.zero,
+        zero1=zero1,
+        host_budget=parse_bytes(opts.host_memory_budget) if opts.host_memory_budget is not None else None,
+        microbatches=microbatches,
+        holds_gradient_sums=holds_gradient_sums,
+        rule_options=opts.rule_options(mesh.shape),
+    )
     t3 = time.perf_counter()
     stats = dict(result.stats, **timings, plan_s=t3 - t2, total_s=t3 - t0)
     inputs = {

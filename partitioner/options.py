@@ -28,10 +28,8 @@ import torch
 
 from partitioner.cluster import PRESETS, parse_bytes
 from partitioner.precision import Precision
-from passes import multidim_tp
 from passes.recompute import check_recompute_mode
-from passes.rules import attention as attention_rule
-from passes.rules import experts as experts_rule
+from passes.rule_options import RuleOptions
 from passes.strategy_space import check_zero
 
 __all__ = ["PlanOptions", "default_cluster", "OBJECTIVES", "OPTIMIZERS", "LAYER_MODES"]
@@ -104,9 +102,7 @@ class PlanOptions:
                 except (ValueError, TypeError) as e:
                     raise ValueError(f"{name}: {e}") from None
         check_recompute_mode(self.recompute)
-        attention_rule.check_mode(self.sequence_parallel)
-        multidim_tp.check_mode(self.tensor_parallel)
-        experts_rule.check_mode(self.expert_parallel)
+        self.rule_options()  # sequence_parallel, tensor_parallel and expert_parallel: checked there
         check_zero(self.zero)
         if self.precision is not None:
             Precision.build(self.precision)
@@ -159,6 +155,15 @@ class PlanOptions:
     def precision_policy(self) -> Precision:
         """The precision to plan for (fp32 when none is given)."""
         return Precision.build(self.precision if self.precision is not None else "fp32")
+
+    def rule_options(self, mesh_shape=()) -> RuleOptions:
+        """The algorithm modes the op rules honour when a graph is planned on ``mesh_shape``."""
+        return RuleOptions(
+            mesh_shape=tuple(mesh_shape),
+            tensor_parallel=self.tensor_parallel,
+            sequence_parallel=self.sequence_parallel,
+            expert_parallel=self.expert_parallel,
+        )
 
     def cluster_for(self, device: torch.device | str | None = None):
         """The cluster to price with: the one given, else the devices this process runs on."""

@@ -224,6 +224,7 @@ def plan_intra_op(
     host_budget=None,
     microbatches=1,
     holds_gradient_sums=False,
+    rule_options=None,
 ) -> IntraOpResult:
     """``recompute``: activation checkpointing of repeated blocks, ``"auto"`` (kept, selective or
     full, chosen by the solver when the budget needs it), ``"selective"``, ``"all"`` or ``"none"``
@@ -231,7 +232,9 @@ def plan_intra_op(
     ``host_budget``: host-memory bytes per device for offloaded optimizer state (None: nothing is
     offloaded); offloading only adds time, so it is chosen when the device budget needs it.
     ``holds_gradient_sums``: a pipeline stage, which holds its parameter-gradient sums over the
-    microbatches of a step (counted in its memory: :func:`passes.memory_accounting.memory_fields`)."""
+    microbatches of a step (counted in its memory: :func:`passes.memory_accounting.memory_fields`).
+    ``rule_options``: the algorithm modes forced on the rules (:class:`passes.rule_options.RuleOptions`
+    for ``mesh_shape``); None: none."""
     log = log or (lambda msg: None)
     check_recompute_mode(recompute)
     graph: fx.Graph = cap.graph
@@ -262,6 +265,7 @@ def plan_intra_op(
         zero1=zero1,
         offload=host_budget is not None,
         microbatches=microbatches,
+        rule_options=rule_options,
     )
     t1 = time.perf_counter()
     n_opts = sum(len(g.options) for g in space.groups)
