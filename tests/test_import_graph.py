@@ -30,13 +30,7 @@ SHARED_BOTTOM = ("passes.placements", "passes.node_info", "passes.rule_options")
 
 # Circles not broken yet, each with what is left to do; the test fails on any circle not listed
 # here, and when a listed one is gone (take it out).
-KNOWN_CIRCLES = {
-    ("runtime.parallel_module", "runtime.sharded_state"): (
-        "sharded_state.TensorLayout uses parallel_module's shard_tensor/gather_tensor, whose state-dict "
-        "methods use TensorLayout: those two functions move to a runtime module below both once the "
-        "checkpoint work that rewrites them has landed"
-    ),
-}
+KNOWN_CIRCLES: dict = {}
 
 
 def module_files() -> dict:
