@@ -156,6 +156,20 @@ def plan_captured(
     )
     t3 = time.perf_counter()
     stats = dict(result.stats, **timings, plan_s=t3 - t2, total_s=t3 - t0)
+    data = _plan_data(cap, model_name, mesh, spec, budget, precision, opts, activation_copies, pinned, result, stats)
+    made = ShardingPlan(data)
+    logger.info(
+        "plan ready: %.2f s in all; estimated step %.3f ms (the solver's objective, plus the optimizer step "
+        "and the fixed latencies it does not weigh)",
+        t3 - t0,
+        made.estimate().step_time_s * 1e3,
+    )
+    return made
+
+
+def _plan_data(cap, model_name, mesh, spec, budget, precision, opts, activation_copies, pinned, result, stats) -> dict:
+    """The plan's JSON value: what it was made for and under which options, the solver's
+    records, alternatives and blocks, and the model's FLOPs."""
     inputs = {
         info(n).name: list(info(n).shape or ())
         for n in cap.graph.nodes
@@ -192,14 +206,7 @@ def plan_captured(
     }
     data["model_flops"] = training_flops(cap)
     data["flops_dtype"] = flops_dtype(cap)
-    made = ShardingPlan(data)
-    logger.info(
-        "plan ready: %.2f s in all; estimated step %.3f ms (the solver's objective, plus the optimizer step "
-        "and the fixed latencies it does not weigh)",
-        t3 - t0,
-        made.estimate().step_time_s * 1e3,
-    )
-    return made
+    return data
 
 
 def flops_dtype(cap) -> str:

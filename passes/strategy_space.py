@@ -713,6 +713,27 @@ def build_space(
         microbatches,
         rule_options,
     )
+    groups, group_of = _form_groups(graph, blocks, b)
+    _price_groups(groups, blocks)
+    edges = _build_edges(graph, b, groups, group_of)
+    return StrategySpace(
+        grad_reduce_bytes=grad_reduce_bytes,
+        groups=groups,
+        edges=edges,
+        group_of=group_of,
+        blocks=blocks,
+        mesh_shape=tuple(mesh_shape),
+        cluster=cluster,
+        pruned=b.pruned,
+        optimizer=optimizer,
+    )
+
+
+def _form_groups(graph: fx.Graph, blocks: Blocks, b: _Builder) -> tuple:
+    """The decision groups, in graph order: a follower (a getitem, or an op whose rule may
+    follow, all of whose data inputs come from one group of the same block instance, unpinned)
+    joins that group, each option extended by how it follows; any other node leads a group of
+    its own, with its rule's options. Returns (groups, representative node -> group index)."""
     rep = blocks.represent
     group_of: dict = {}
     groups: list = []
@@ -758,6 +779,12 @@ def build_space(
         groups.append(Group(leader=node, members=[node], options=[{node: c} for c in options]))
         group_of[node] = len(groups) - 1
 
+    return groups, group_of
+
+
+def _price_groups(groups: list, blocks: Blocks) -> None:
+    """Each group's seconds, bytes and host bytes per option: its members' sums, times the
+    number of repeated blocks it decides for."""
     for g in groups:
         g.count = blocks.count.get(g.leader, 1)
         g.cost = (
@@ -768,19 +795,6 @@ def build_space(
         )
         g.memory = np.array([sum(opt[m].memory for m in g.members) for opt in g.options]) * g.count
         g.host_memory = np.array([sum(opt[m].host_memory for m in g.members) for opt in g.options]) * g.count
-
-    edges = _build_edges(graph, b, groups, group_of)
-    return StrategySpace(
-        grad_reduce_bytes=grad_reduce_bytes,
-        groups=groups,
-        edges=edges,
-        group_of=group_of,
-        blocks=blocks,
-        mesh_shape=tuple(mesh_shape),
-        cluster=cluster,
-        pruned=b.pruned,
-        optimizer=optimizer,
-    )
 
 
 def _grad_dst(choice: NodeChoice, mesh_shape):
