@@ -21,8 +21,9 @@ from partitioner.cluster import parse_bytes
 from partitioner.local_cluster import get_cluster
 from partitioner.mesh import MeshSpec
 from partitioner.options import PlanOptions
+from partitioner.plan_format import PlanHeader
 from partitioner.precision import Precision
-from partitioner.sharding_plan import PLAN_FORMAT, PLAN_VERSION, ShardingPlan
+from partitioner.sharding_plan import ShardingPlan
 from passes import multidim_tp
 from passes.analyze import info
 from passes.capture import graph_fingerprint
@@ -168,44 +169,41 @@ def plan_captured(
 
 
 def _plan_data(cap, model_name, mesh, spec, budget, precision, opts, activation_copies, pinned, result, stats) -> dict:
-    """The plan's JSON value: what it was made for and under which options, the solver's
-    records, alternatives and blocks, and the model's FLOPs."""
+    """The plan's JSON value: its typed header (:class:`partitioner.plan_format.PlanHeader`: what it
+    was made for, under which options, the model's FLOPs) and the solver's records, alternatives,
+    blocks and stats."""
     inputs = {
         info(n).name: list(info(n).shape or ())
         for n in cap.graph.nodes
         if n.op == "placeholder" and info(n).kind == "input"
     }
-    data = {
-        "format": PLAN_FORMAT,
-        "version": PLAN_VERSION,
-        "fingerprint": graph_fingerprint(cap),
-        "structure": graph_fingerprint(cap, shapes=False),
-        "training": cap.training,
-        "precision": precision.to_dict(),
-        "model": model_name,
-        "inputs": inputs,
-        "mesh": mesh.to_dict(),
-        "cluster": spec.to_dict(),
-        "budget": budget,
-        "objective": opts.objective,
-        "optimizer": opts.optimizer,
-        "activation_copies": activation_copies,
-        "recompute": opts.recompute,
-        "sequence_parallel": opts.sequence_parallel,
-        "zero": opts.zero,
-        "tensor_parallel": opts.tensor_parallel,
-        "expert_parallel": opts.expert_parallel,
-        "routing": routing_of(cap.graph),
-        "host_memory_budget": opts.host_memory_budget,
-        "share_blocks": opts.share_blocks,
-        "pins": {n.name: format_spec(s) for n, s in pinned.items()},
-        "records": result.records,
-        "alternatives": result.alternatives,
-        "blocks": result.blocks,
-        "stats": stats,
-    }
-    data["model_flops"] = training_flops(cap)
-    data["flops_dtype"] = flops_dtype(cap)
+    header = PlanHeader(
+        fingerprint=graph_fingerprint(cap),
+        structure=graph_fingerprint(cap, shapes=False),
+        training=cap.training,
+        precision=precision.to_dict(),
+        model=model_name,
+        inputs=inputs,
+        mesh=mesh.to_dict(),
+        cluster=spec.to_dict(),
+        budget=budget,
+        objective=opts.objective,
+        optimizer=opts.optimizer,
+        activation_copies=activation_copies,
+        recompute=opts.recompute,
+        sequence_parallel=opts.sequence_parallel,
+        zero=opts.zero,
+        tensor_parallel=opts.tensor_parallel,
+        expert_parallel=opts.expert_parallel,
+        routing=routing_of(cap.graph),
+        host_memory_budget=opts.host_memory_budget,
+        share_blocks=opts.share_blocks,
+        pins={n.name: format_spec(s) for n, s in pinned.items()},
+        model_flops=training_flops(cap),
+        flops_dtype=flops_dtype(cap),
+    )
+    data = header.to_dict()
+    data.update(records=result.records, alternatives=result.alternatives, blocks=result.blocks, stats=stats)
     return data
 
 
