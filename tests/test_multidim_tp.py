@@ -223,7 +223,7 @@ def test_3d_weight_storage_is_cut_innermost_and_gathers_in_one_collective():
     the gradient one reduce-scatter; cut outer axis first (``S(1)`` on a0) it takes three moves."""
     from passes.placements import InnerShard, P, R, Shard, parse_spec, transition_steps
     from runtime.collectives import MeshComm
-    from runtime.parallel_module import shard_tensor
+    from runtime.tensor_shards import shard_tensor
 
     stored, used = parse_spec("[Si(1), S(0), S(1)]", 3), (R, Shard(0), Shard(1))
     assert transition_steps(stored, used) == ((0, InnerShard(1), R),)
