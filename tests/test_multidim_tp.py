@@ -177,6 +177,7 @@ def test_2d_parity_and_linear_formula_on_4_ranks():
     assert set(results[0][4]["roles"].values()) == {"2d"}
 
 
+@pytest.mark.slow
 def test_2_5d_and_3d_parity_and_linear_formulas_on_8_ranks():
     jobs = [
         _model_job("gpt", "2.5d", (2, 2, 2)),
