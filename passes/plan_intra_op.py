@@ -260,12 +260,7 @@ def plan_intra_op(
         rule_options=rule_options,
     )
     t1 = time.perf_counter()
-    n_opts = sum(len(g.options) for g in space.groups)
-    log(
-        f"strategy space: {len(space.groups)} decisions, {n_opts} options, {len(space.edges)} edges, "
-        f"{len(blocks.groups)} repeated block kind(s) ({t1 - t0:.2f} s)"
-        + (f"; {space.pruned} high-compute options pruned" if space.pruned else "")
-    )
+    n_opts = _log_space(log, space, t1 - t0)
 
     solve = _Solves(space, objective=objective, zero=zero, time_limit=time_limit, host_budget=host_budget)
     result, redo, peak_of, least, least_kept = _solve_within_budget(
@@ -275,14 +270,7 @@ def plan_intra_op(
     if result.choice is None:
         _no_plan(result, space, budget, host_budget, redo, time_limit, least)
     if budget is not None:
-        result = _fit_peak(
-            result,
-            budget,
-            lambda limit: solve(limit, redo, nodes=RETRY_NODES),
-            peak_of,
-            lambda: solve(budget, redo, "memory", nodes=RETRY_NODES),
-        )
-        t2 = time.perf_counter()
+        result, t2 = _fit_budget(result, budget, solve, redo, peak_of), time.perf_counter()
     recomputed = redo.decode(result.choice)  # block label -> "kept" / "selective" / "full"
     regions = redo.regions(blocks, recomputed)
     if regions:
@@ -329,6 +317,28 @@ def _decoded_records(cap, space, choice, axis_names, redo, regions, optimizer, a
     overlap = credit_prefetch(records, getattr(space.cluster, "prefetch_overlap", 1.0))
 
     return records, overlap
+
+
+def _log_space(log, space, seconds: float) -> int:
+    """Log the strategy space's size; returns its number of options."""
+    n_opts = sum(len(g.options) for g in space.groups)
+    log(
+        f"strategy space: {len(space.groups)} decisions, {n_opts} options, {len(space.edges)} edges, "
+        f"{len(space.blocks.groups)} repeated block kind(s) ({seconds:.2f} s)"
+        + (f"; {space.pruned} high-compute options pruned" if space.pruned else "")
+    )
+    return n_opts
+
+
+def _fit_budget(result, budget, solve: _Solves, redo, peak_of):
+    """``result`` re-solved until its exact peak memory fits ``budget`` (:func:`_fit_peak`)."""
+    return _fit_peak(
+        result,
+        budget,
+        lambda limit: solve(limit, redo, nodes=RETRY_NODES),
+        peak_of,
+        lambda: solve(budget, redo, "memory", nodes=RETRY_NODES),
+    )
 
 
 def _proven(result) -> str:
