@@ -278,7 +278,8 @@ def _outer_first_steps(src: Spec, dst: Spec) -> tuple:
                 move(b, R)
 
     def outer_moves_dim(axis, dim):  # an outer axis still to move that cuts ``dim`` before or after
-        return any(cur[b] != dst[b] and any(is_shard(x) and x.dim == dim for x in (cur[b], dst[b])) for b in range(axis))
+        cuts = lambda p: is_shard(p) and p.dim == dim  # noqa: E731
+        return any(cur[b] != dst[b] and (cuts(cur[b]) or cuts(dst[b])) for b in range(axis))
 
     for a in reversed(range(n)):
         p, q = cur[a], dst[a]
