@@ -33,6 +33,7 @@ from passes.cost_model import (
 )
 from passes.ilp_solver import NODE_LIMIT, min_memory, solve_ilp
 from passes.memory_accounting import memory_fields
+from passes.mutated_aliases import mutated_alias_pins
 from passes.placements import format_spec, local_shape
 from passes.prefetch_gathers import credit_prefetch
 from passes.recompute import (
@@ -240,7 +241,9 @@ def plan_intra_op(
     blocks = find_blocks(graph, enabled=share_blocks)
     _tie_aliases(cap, blocks)
     rep_pins = {}
-    for node, spec in (pins or {}).items():
+    # tensors written in place through views stay replicated (a user's pin wins)
+    pins = {**mutated_alias_pins(graph, len(mesh_shape)), **(pins or {})}
+    for node, spec in pins.items():
         r = blocks.represent(node)
         if r in rep_pins and rep_pins[r] != spec:
             raise ValueError(
