@@ -59,6 +59,12 @@ def _written_arguments(node: fx.Node, schema) -> list:
     return out
 
 
+def _observed(writer: fx.Node, aliases: list, order: dict) -> bool:
+    """True when a node after ``writer`` reads its write through another of its ``aliases`` than
+    ``writer``'s own result (``x += y; return x`` reads the result: a copy does no harm)."""
+    return any(order[user] > order[writer] for member in aliases if member is not writer for user in member.users)
+
+
 def mutated_alias_pins(graph: fx.Graph, mesh_ndim: int) -> dict:
     """``{node: replicated spec}`` for every node aliasing a tensor some op writes in place."""
     parent: dict = {}
@@ -68,7 +74,7 @@ def mutated_alias_pins(graph: fx.Graph, mesh_ndim: int) -> dict:
             n = parent[n]
         return n
 
-    written = []
+    writers = []
     for node in graph.nodes:
         schema = _schema(node)
         if schema is None:
@@ -76,10 +82,13 @@ def mutated_alias_pins(graph: fx.Graph, mesh_ndim: int) -> dict:
         base = _aliased_argument(node, schema)
         if base is not None:
             parent[find(node)] = find(base)
-        writes = _written_arguments(node, schema)
-        if writes:
-            written += writes + [node]
-    roots = {find(n) for n in written}
+        if _written_arguments(node, schema):
+            writers.append(node)
+    order = {n: k for k, n in enumerate(graph.nodes)}
+    classes: dict = {}
+    for node in graph.nodes:
+        classes.setdefault(find(node), []).append(node)
+    roots = {find(w) for w in writers if _observed(w, classes[find(w)], order)}
     members = [n for n in graph.nodes if find(n) in roots and isinstance(n.meta.get("val"), torch.Tensor)]
     if members:
         logger.info("kept replicated, written in place through aliases: %s", ", ".join(n.name for n in members))

@@ -9,6 +9,10 @@ failed in backward. Here:
 * every move between two placements that fit a tensor passes only through placements that fit
   it (all pairs on small meshes, no process group);
 * that edge alone, forward and backward, on 4 ranks against slices of the whole tensors;
+* labels shifted right in place (BART's and T5's ``shift_tokens_right``: a zero tensor written
+  through a slice and a select, then masked in place and read): the planner keeps that alias
+  class replicated (a sharded slice of it was a copy, the writes were lost), and a small model
+  doing it trains like one device; ``x += y; return x`` (Falcon) is left free;
 * Mistral planned with ``objective="memory"`` on (2, 2): loss and every gradient equal the
   single-device model's, and the communication counted at run time equals the plan's estimate.
 """
@@ -24,6 +28,60 @@ from partitioner import hf_families
 from passes.placements import P, R, Shard, format_spec, spec_fits, transition_steps
 
 TIMEOUT_S = 240
+VOCAB, WIDTH = 16, 8
+
+
+class ShiftedLabels(torch.nn.Module):
+    """Decoder inputs made from the labels as BART and T5 make them: written in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        self.head = torch.nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, labels):
+        shifted = labels.new_zeros(labels.shape)
+        shifted[:, 1:] = labels[:, :-1].clone()
+        shifted[:, 0] = 1
+        shifted.masked_fill_(shifted == -100, 0)
+        logits = self.head(self.embed(shifted))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+class AddInPlace(torch.nn.Module):
+    """``x += y`` whose result alone is read on (Falcon's ``mlp_output += attention_output``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        y = self.a(x)
+        y += self.b(x)
+        return y.sum()
+
+
+def _labels():
+    labels = torch.randint(2, VOCAB, (4, 8), generator=torch.Generator().manual_seed(0))
+    labels[0, 3] = -100
+    return labels
+
+
+def test_in_place_writes_through_views_keep_their_aliases_replicated():
+    from passes.capture import capture
+    from passes.mutated_aliases import mutated_alias_pins
+
+    pinned = mutated_alias_pins(capture(ShiftedLabels(), (_labels(),)).graph, 2)
+    assert {str(n.target) for n in pinned} == {
+        "aten.new_zeros.default",
+        "aten.slice.Tensor",
+        "aten.copy_.default",
+        "aten.select.int",
+        "aten.fill_.Tensor",
+        "aten.masked_fill_.Scalar",
+    }, pinned
+    assert all(spec == (R, R) for spec in pinned.values())
+    assert mutated_alias_pins(capture(AddInPlace(), (torch.randn(4, WIDTH),)).graph, 2) == {}
 
 
 @pytest.mark.parametrize("shape, mesh", [((4, 2), (2, 2)), ((2, 4), (4, 2)), ((4, 2, 3), (2, 2, 2))])
@@ -65,6 +123,21 @@ def _edge_checks(comm, checks):
     checks.close("edge backward", x.grad, _piece(whole_grad, (R, Shard(1)), comm))
 
 
+def _shifted_labels_checks(checks):
+    """The shifted-labels model planned for the least memory on (2, 2): loss and gradients."""
+    import partitioner
+
+    torch.manual_seed(0)
+    model = ShiftedLabels()
+    ref = copy.deepcopy(model)
+    pm = partitioner.auto_parallelize(model, (_labels(),), mesh=(2, 2), cluster="h100", objective="memory")
+    loss, ref_loss = pm(_labels()), ref(_labels())
+    loss.backward()
+    ref_loss.backward()
+    checks.close("shifted labels: loss", loss.detach(), ref_loss.detach())
+    check_grads_by_alias(pm.full_grads(), ref, checks)
+
+
 def memory_objective_worker(rank, world, cfg):
     import partitioner
     from partitioner.parallelize import _device_mesh
@@ -73,6 +146,7 @@ def memory_objective_worker(rank, world, cfg):
     checks = Checks(rank)
     _edge_checks(MeshComm(_device_mesh(cfg["mesh"], ("a0", "a1"), "cpu")), checks)
 
+    _shifted_labels_checks(checks)
     model, inputs = prebuilt(cfg["family"]) or hf_families.build(cfg["family"])
     ref = copy.deepcopy(model)
     pm = partitioner.auto_parallelize(
