@@ -101,7 +101,7 @@ def test_moves_pass_only_through_placements_that_fit(shape, mesh):
 
 
 def _piece(whole, spec, comm):
-    from runtime.parallel_module import shard_runs
+    from runtime.tensor_shards import shard_runs
 
     runs = shard_runs(whole.shape, spec, comm)
     return whole[tuple(slice(*r[0]) for r in runs)]
