@@ -167,3 +167,28 @@ def memory_objective_worker(rank, world, cfg):
 def test_mistral_memory_objective_parity_on_2x2():
     cfg = {"family": "mistral", "mesh": (2, 2)}
     run_checked(memory_objective_worker, cfg, TIMEOUT_S, prebuild=("mistral", lambda: hf_families.build("mistral")))
+
+
+class CastLike(torch.nn.Module):
+    """``a(x).type_as(b(x))`` (Gemma's norms): ``b(x)`` lends only its dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.a(x).type_as(self.b(x)).sum()
+
+
+def test_type_as_moves_nothing_for_the_tensor_it_reads_the_dtype_of():
+    """Its edge had a backward priced (one move per placement change) that autograd never runs:
+    Gemma's plan under objective="memory" estimated 12-29 KB more than its run sent."""
+    from passes.analyze import analyze
+    from passes.capture import capture
+    from passes.rules import op_view, rule_for
+
+    cap = capture(CastLike(), (torch.randn(4, WIDTH),))
+    analyze(cap)
+    (node,) = [n for n in cap.graph.nodes if n.target is torch.ops.aten.type_as.default]
+    strategies = rule_for(node).axis_strategies(op_view(node))
+    assert strategies and all(s.ins[1] is None and s.ins[0] is not None for s in strategies), strategies
