@@ -251,6 +251,10 @@ def _outer_first_steps(src: Spec, dst: Spec) -> tuple:
     gathered first and cut again afterwards. Order:
 
     1. inner to outer: every shard that changes is gathered (``S->R``) or exchanged (``S->S'``);
+       an exchange onto a dim that an outer axis still has to cut or uncut is a gather instead
+       (step 3 cuts it): the outer move would gather it again, and until then the dim would be
+       cut on both axes, which a dim smaller than their product cannot be (``[S(1), S(0)] ->
+       [R, S(1)]`` of a dim 1 of size 2);
     2. outer to inner: partials reduce-scattered (``P->S``), so that a partial also summed on
        another axis is summed there at its scattered size (HSDP's order);
     3. outer to inner: partials are reduced (``P->R``) and new shards cut (``R->S``),
@@ -273,11 +277,15 @@ def _outer_first_steps(src: Spec, dst: Spec) -> tuple:
                 clear_inner(b, dim)
                 move(b, R)
 
+    def outer_moves_dim(axis, dim):  # an outer axis still to move that cuts ``dim`` before or after
+        cuts = lambda p: is_shard(p) and p.dim == dim  # noqa: E731
+        return any(cur[b] != dst[b] and (cuts(cur[b]) or cuts(dst[b])) for b in range(axis))
+
     for a in reversed(range(n)):
         p, q = cur[a], dst[a]
         if is_shard(p) and p != q:
             clear_inner(a, p.dim)
-            if is_shard(q):
+            if is_shard(q) and not outer_moves_dim(a, q.dim):
                 clear_inner(a, q.dim)
                 move(a, q)
             else:

@@ -34,6 +34,7 @@ from passes.cost_model import (
 )
 from passes.ilp_solver import NODE_LIMIT, min_memory, solve_ilp
 from passes.memory_accounting import memory_fields
+from passes.mutated_aliases import mutated_alias_pins
 from passes.placements import format_spec, local_shape
 from passes.prefetch_gathers import credit_prefetch
 from passes.recompute import (
@@ -243,6 +244,8 @@ def plan_intra_op(
     t0 = time.perf_counter()
     blocks = find_blocks(graph, enabled=share_blocks)
     _tie_aliases(cap, blocks)
+    # tensors written in place through views stay replicated (a user's pin wins)
+    pins = {**mutated_alias_pins(graph, len(mesh_shape)), **(pins or {})}
     space = build_space(
         graph,
         blocks,

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from passes.placements import (
+    format_placement,
     is_partial,
     is_shard,
     split_size,
@@ -250,6 +251,8 @@ def _move(x, axis, p, q, comm: MeshComm, phase, src_pieces=None, dst_pieces=None
     if n == 1:
         return x
     group, coord, name = comm.groups[axis], comm.coords[axis], comm.axis_names[axis]
+    if is_partial(p) or is_shard(p) and is_shard(q):
+        _check_divides(x, axis, p, q, n)
     if is_shard(p) and is_shard(q):  # all_to_all: cut along q.dim, join along p.dim
         # a strided q is cut from its strided order; a strided p is put back in order once joined
         record_collective("all_to_all", name, _nbytes(x), phase)
@@ -284,6 +287,17 @@ def _move(x, axis, p, q, comm: MeshComm, phase, src_pieces=None, dst_pieces=None
     if is_partial(q):  # keep one rank's share
         return x if coord == 0 or q.reduce_op != "sum" else torch.zeros_like(x)
     raise AssertionError(f"no move from {p} to {q}")
+
+
+def _check_divides(x, axis, p, q, n):
+    """An all-to-all or reduce-scatter cuts ``q.dim`` into ``n`` equal pieces: a clear error where
+    it does not divide (a placement the plan should not reach), never a wrong shape."""
+    if is_shard(q) and x.shape[q.dim] % n:
+        raise RuntimeError(
+            f"move {format_placement(p)} -> {format_placement(q)} on mesh axis {axis} ({n} ranks): local shape "
+            f"{tuple(x.shape)} has dim {q.dim} of size {x.shape[q.dim]}, not divisible by {n}; the placements "
+            "on the way shard that dim more ways than it has elements (report this plan)"
+        )
 
 
 def run_steps(x: torch.Tensor, steps, comm: MeshComm, phase: str, strided_src=None, strided_dst=None) -> torch.Tensor:

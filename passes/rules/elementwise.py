@@ -13,6 +13,8 @@ input stays replicated); and ``Partial`` where the op is linear in its operands:
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from passes.placements import P, R, Shard
@@ -74,6 +76,20 @@ register(aten.mul.Tensor, aten.mul.Scalar)(Elementwise("one", saves_inputs=True)
 register(aten.div.Tensor, aten.div_.Tensor, aten.div.Scalar, aten.div.Tensor_mode)(
     Elementwise("first", saves_inputs=True)
 )
+
+
+class TypeAs(Elementwise):
+    """``x.type_as(other)``: a cast of ``x``; ``other`` gives only its dtype, so no data moves
+    on its edge and no gradient comes back on it (its placement is ``None``)."""
+
+    def __init__(self):
+        super().__init__("unary")
+
+    def axis_strategies(self, op: OpView) -> list:
+        return elementwise_strategies(dataclasses.replace(op, in_shapes=(op.in_shapes[0], None)), self.partial)
+
+
+register(aten.type_as.default)(TypeAs())
 
 
 class Dropout(Elementwise):
@@ -144,7 +160,6 @@ register(
     aten.minimum.default,
     aten.min.other,
     aten.max.other,
-    aten.type_as.default,
     aten.where.self,
     aten.where.ScalarSelf,
     aten.where.ScalarOther,
