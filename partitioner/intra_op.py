@@ -94,6 +94,7 @@ def plan_captured(
     zero1=True,
     microbatches=1,
     holds_gradient_sums=False,
+    expert_axis=None,
     **option_kwargs,
 ) -> ShardingPlan:
     """:func:`plan` for a graph already captured and analysed (``passes.capture`` +
@@ -107,7 +108,8 @@ def plan_captured(
     held-back parameter-gradient all-reduces, once per step, are weighed at their share per
     microbatch; reduce-scatters onto weights stored sharded run every microbatch).
     ``holds_gradient_sums``: a pipeline stage (it holds its gradient sums over the microbatches:
-    counted in its memory)."""
+    counted in its memory). ``expert_axis``: the name of the one mesh axis every MoE layer's
+    experts split over (the configuration search's ``ep``; ``expert_parallel`` must be ``"on"``)."""
     opts = PlanOptions.build(options, **option_kwargs)
     precision = (
         Precision.build(opts.precision)
@@ -128,13 +130,14 @@ def plan_captured(
         pinned.setdefault(node, forced)
     for node, forced in multidim_tp.forced_pins(cap.graph, opts.tensor_parallel, mesh.shape).items():
         pinned.setdefault(node, forced)
-    experts_rule.check_forced(cap.graph, opts.expert_parallel, mesh.shape)
+    expert_index = None if expert_axis is None else mesh.axis_names.index(expert_axis)
+    experts_rule.check_forced(cap.graph, opts.expert_parallel, mesh.shape, expert_index)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("%s: pins %s", model_name, {n.name: format_spec(s) for n, s in pinned.items()})
     with (
         attention_rule.sequence_parallel(opts.sequence_parallel, mesh.shape),
         multidim_tp.tensor_parallel(opts.tensor_parallel, mesh.shape),
-        experts_rule.expert_parallel(opts.expert_parallel, mesh.shape),
+        experts_rule.expert_parallel(opts.expert_parallel, mesh.shape, expert_index),
     ):
         result = plan_intra_op(
             cap,

@@ -57,7 +57,7 @@ __all__ = [
 EXPERT_PARALLEL_MODES = ("auto", "on", "off")
 EXPERT_NOTES = ("experts", "experts_local")
 ROUTING_KEY = "partita.routing"
-_SETTING: dict = {"mode": "auto", "mesh": None}
+_SETTING: dict = {"mode": "auto", "mesh": None, "axis": None}
 
 
 def check_mode(mode) -> str:
@@ -67,30 +67,39 @@ def check_mode(mode) -> str:
 
 
 @contextlib.contextmanager
-def expert_parallel(mode: str, mesh_shape):
-    """Plan mixture-of-experts layers inside this block with ``mode`` on a mesh of ``mesh_shape``."""
+def expert_parallel(mode: str, mesh_shape, axis: int | None = None):
+    """Plan mixture-of-experts layers inside this block with ``mode`` on a mesh of ``mesh_shape``;
+    ``axis`` (with ``mode="on"``): the one mesh axis the experts split over (the configuration
+    search's expert degree, :mod:`partitioner.config_search`)."""
     check_mode(mode)
+    if axis is not None and mode != "on":
+        raise ValueError(f"an expert axis ({axis}) is given with expert_parallel={mode!r}: it needs 'on'")
     saved = dict(_SETTING)
-    _SETTING.update(mode=mode, mesh=tuple(int(n) for n in mesh_shape))
+    _SETTING.update(mode=mode, mesh=tuple(int(n) for n in mesh_shape), axis=axis)
     try:
         yield
     finally:
         _SETTING.update(saved)
 
 
-def check_forced(graph, mode: str, mesh_shape) -> None:
+def check_forced(graph, mode: str, mesh_shape, axis: int | None = None) -> None:
     """For ``mode="on"``: raise naming the first experts node whose expert count no mesh axis of
-    more than one device divides (it could not be expert parallel)."""
+    more than one device (``axis`` alone, when given) divides (it could not be expert parallel)."""
     if mode != "on":
         return
-    axes = [n for n in mesh_shape if n > 1]
+    axes = [n for i, n in enumerate(mesh_shape) if n > 1 and axis in (None, i)]
     for node in graph.nodes:
         if node.op == "call_function" and node.target is MOE_OP:
             experts = info(node.args[3]).shape[0]
             if not any(experts % n == 0 for n in axes):
+                which = (
+                    f"mesh axis {axis} of {tuple(mesh_shape)}"
+                    if axis is not None
+                    else (f"no mesh axis of {tuple(mesh_shape)} with more than one device")
+                )
                 raise ValueError(
                     f"expert_parallel='on': experts node {node.name} ({info(node).module_path}) has {experts} "
-                    f"experts, which no mesh axis of {tuple(mesh_shape)} with more than one device divides; "
+                    f"experts, which {which} {'does not divide' if axis is not None else 'divides'}; "
                     f"use a mesh axis dividing {experts}, or expert_parallel='auto'"
                 )
 
@@ -173,7 +182,7 @@ class ExpertsRule(OpRule):
             return False
         if _SETTING["mode"] == "on":
             mesh = _SETTING["mesh"] or ()
-            return len(split) == 1 and mesh[split[0]] > 1
+            return len(split) == 1 and mesh[split[0]] > 1 and _SETTING["axis"] in (None, split[0])
         return True
 
     def flops(self, op: OpView) -> float:
