@@ -753,6 +753,7 @@ class _Planner:
                 holds_gradient_sums=True,
                 zero=planner_zero(c.zero),
                 sequence_parallel=c.sequence_parallel,
+                config=c,
             )
             sent_as.update(sent_placements(g, made_by[k], len(shape)))
         plans = [made_by[k] for k in range(len(graphs))]
