@@ -304,7 +304,9 @@ def moe_meta(run: dict):
         use_cache=False,
     )
     if run["family"] == "mixtral":
-        cfg = transformers.MixtralConfig(**sizes, intermediate_size=run["intermediate"], num_local_experts=run["experts"])
+        cfg = transformers.MixtralConfig(
+            **sizes, intermediate_size=run["intermediate"], num_local_experts=run["experts"]
+        )
         cls = transformers.MixtralForCausalLM
     else:
         cfg = transformers.Qwen3MoeConfig(
