@@ -32,6 +32,7 @@ from parity_utils import Checks, adam_in_lockstep, call, check_grads_by_alias, l
 
 import partitioner
 from partitioner import hf_families
+from partitioner.axis_roles import axis_role_shares
 from passes.capture import capture
 from passes.moe.experts_op import MOE_OP
 from runtime.collectives import CommCounter
@@ -103,6 +104,9 @@ def test_expert_parallel_option_is_honoured_or_refused():
     assert len(lines) == 1 and f"split over mesh axis {axis} (2 ranks) in 2 MoE layer(s)" in lines[0], lines
     assert "measured on the example batch" in lines[0]
     assert "replicated on every axis" in off.summary(wide=True)
+    # the plan report's axis role: the MoE layers' compute counts as "expert" on the axis splitting them
+    assert axis_role_shares(on)[on.axis_names.index(axis)].get("expert", 0) > 0
+    assert not any("expert" in shares for shares in axis_role_shares(off))
 
 
 def test_auto_splits_experts_when_replicated_experts_cannot_fit():
