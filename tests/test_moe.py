@@ -11,7 +11,8 @@
   device (loss, aux loss, gradients, AdamW parameters; counted communication = estimate, the
   all-to-all as the mean over the ranks);
 * 4 gloo ranks, one forked group per mesh, two families each (Mixtral and OLMoE on (4,),
-  Qwen3-MoE and DeepSeek-V3 on (2, 2)), ``expert_parallel="on"``: the loss (with the router's
+  Qwen3-MoE and DeepSeek-V3 on (2, 2); Mixtral's auxiliary-loss ``histc`` pinned to partial counts
+  of a split input), ``expert_parallel="on"``: the loss (with the router's
   auxiliary loss), every gradient and the parameters after 2 AdamW steps equal one device's;
   where the experts run by all-to-all, the bytes each rank's all-to-alls send equal the formula
   computed from the router's choices on the batch (``2 T k H`` by the pairs' side and ``2 N H``
@@ -296,7 +297,8 @@ def _dispatch_pins(ndim):
 @pytest.mark.parametrize(
     "mesh, runs",
     [
-        ((4,), [("mixtral", _dispatch_pins(1)), ("olmoe", None)]),
+        # the router's auxiliary loss counts tokens per expert with histc: pinned partial (split input)
+        ((4,), [("mixtral", dict(_dispatch_pins(1), histc=["P"])), ("olmoe", None)]),
         ((2, 2), [("qwen3_moe", _dispatch_pins(2)), ("deepseek_v3", None)]),
     ],
     ids=["4", "2x2"],
