@@ -15,11 +15,7 @@ PACKAGES = ("partitioner", "passes", "runtime")
 MAX_LINES = 100
 
 # "path:function" -> why it is not split yet
-KNOWN = {
-    "partitioner/config_search.py:search_config": (
-        "the expert-degree and frontier-scale work edit the search in parallel; split once both have landed"
-    ),
-}
+KNOWN: dict = {}
 
 
 def source_files() -> list:
