@@ -396,3 +396,29 @@ def test_search_chooses_an_expert_degree_when_only_it_fits_and_trains_like_one_d
     sent = [r["all_to_all"][0].get("ep", 0) for r in results]
     # by all-to-all (dispatched tokens): the mean over the ranks is the estimate; local experts send none
     assert sum(sent) == len(results) * first["all_to_all"][1].get("ep", 0), (sent, first["all_to_all"])
+
+
+def test_expert_degrees_lay_out_an_ep_axis_and_follow_the_mode():
+    """Expert degrees divide the data degree and the experts; the data ranks become ``dp`` x ``ep``;
+    ``"on"`` keeps only expert degrees, ``"off"`` none; pipelines get none (their solvers keep the mode)."""
+    from partitioner.expert_degrees import ExpertFacts, expert_state, solver_mode, with_expert_degrees
+    from partitioner.parallel_config import ParallelConfig
+
+    c = ParallelConfig(data=8, tensor=2, expert=4, global_batch=16)
+    assert (c.stage_mesh_shape, c.stage_axis_names) == ((2, 4, 2), ("dp", "ep", "tp"))
+    assert ParallelConfig(data=4, expert=4).stage_axis_names == ("ep",)
+    with pytest.raises(ValueError, match=r"expert \(3\) must divide data \(4\)"):
+        ParallelConfig(data=4, expert=3)
+    facts = ExpertFacts(experts=4, layers=1, shapes={(4, 8, 8): 2}, params=512, layer_params=512)
+    flat = ParallelConfig(data=8, global_batch=8)
+    piped = ParallelConfig(pipeline=2, data=4, microbatches=2, schedule="1f1b", global_batch=8)
+    assert [x.expert for x in with_expert_degrees([flat, piped], facts, "auto")] == [1, 2, 4, 1]
+    assert [x.expert for x in with_expert_degrees([flat, piped], facts, "on")] == [2, 4]
+    assert with_expert_degrees([flat, piped], facts, "off") == [flat, piped]
+    assert with_expert_degrees([flat], ExpertFacts(), "on") == [flat]  # no MoE layer: nothing to split
+    assert solver_mode(ParallelConfig(data=8, expert=4), facts, "auto") == ("on", "ep")
+    assert solver_mode(flat, facts, "auto") == ("off", None)  # the degree is the search's decision
+    assert solver_mode(piped, facts, "auto") == ("auto", None)
+    # Adam's 16 B per element, a quarter per rank on ep; ZeRO-3 cuts that by the 2 dp ranks too
+    assert expert_state(facts, ParallelConfig(data=8, expert=4), 0, 16, 16) == 512 / 4 * 16
+    assert expert_state(facts, ParallelConfig(data=8, expert=4), 3, 0, 16) == 512 / 4 / 2 * 16
