@@ -20,6 +20,10 @@ The published step time is the row's published throughput turned into seconds pe
   published TFLOP/s per GPU times the GPUs (Llama 3's Table 4 reports these);
 * ``tokens``: tokens per GPU per step over the published tokens per second per GPU (torchtitan).
 
+Mixture-of-experts rows (HF Mixtral / Qwen3-MoE on ``meta``, ``ep``: the published expert
+degree, the experts over ``ep`` data ranks) count ``model`` FLOPs with the *active* parameters
+(the non-expert ones plus ``k / E`` of the experts), as Megatron-Core counts the routed experts.
+
 Everything plans on ``meta`` (nothing is allocated) with the row's cluster preset, bf16 and Adam.
 
     python benchmarks/published_runs.py --json out.json --markdown out.md
@@ -45,6 +49,14 @@ GPT_VOCAB = 51200
 MEGATRON = "Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM, SC'21"
 LLAMA3 = "Llama Team, The Llama 3 Herd of Models (2024), Table 4"
 TORCHTITAN = "pytorch/torchtitan docs/performance.md (Llama 3, FSDP2 on 64 A100 80GB)"
+MCORE_MOE = (
+    "NVIDIA Megatron-LM megatron/core/transformer/moe/README.md (MCore v0.9: 468 TFLOPS for Mixtral 8x7B bf16 "
+    "training) and its Mixtral 8x7B example (TP1 PP4 EP8, micro-batch 1, seq 4096, no recomputation)"
+)
+BRIDGE_MOE = (
+    "NVIDIA NeMo Megatron-Bridge docs, skills/perf-techniques/moe-hardware-configs (rounded performance bands): "
+    "Qwen3 30B on H100 'low-200s TFLOPS/GPU', TP1 EP8 PP1"
+)
 
 # family: "gpt" (partitioner.models.gpt_block) or "llama" (HF LlamaForCausalLM on meta).
 # tp, pp, dp, cp: the published degrees; mb: samples per microbatch per data-parallel rank;
@@ -196,6 +208,56 @@ RUNS = {
         tokens_per_s=331,
         count="tokens",
     ),
+    "mcore-mixtral-8x7b": dict(
+        source=f"{MCORE_MOE}; 64 H100 (TP1 PP4 EP8, the GPU count of NeMo's reference configuration); global "
+        "batch 256 assumed (not stated beside the figure)",
+        family="mixtral",
+        cluster="h100",
+        layers=32,
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        intermediate=14336,
+        experts=8,
+        top_k=2,
+        vocab=32000,
+        seq=4096,
+        devices=64,
+        batch=256,
+        tp=1,
+        pp=4,
+        cp=1,
+        ep=8,
+        mb=1,
+        recompute="none",
+        tflops=468,
+        count="model",
+    ),
+    "bridge-qwen3-30b-a3b": dict(
+        source=f"{BRIDGE_MOE}; 215 TFLOP/s taken for 'low-200s'; 32 H100 (EP8 over 4 data ranks; the band names no GPU count), seq 4096, "
+        "1 sample per GPU",
+        family="qwen3_moe",
+        cluster="h100",
+        layers=48,
+        hidden=2048,
+        heads=32,
+        kv_heads=4,
+        intermediate=768,
+        experts=128,
+        top_k=8,
+        vocab=151936,
+        seq=4096,
+        devices=32,
+        batch=32,
+        tp=1,
+        pp=1,
+        cp=1,
+        ep=8,
+        mb=1,
+        recompute="none",
+        tflops=215,
+        count="model",
+    ),
 }
 
 
@@ -203,6 +265,8 @@ def build(run: dict):
     """The run's model on ``meta`` at its global batch and its example inputs."""
     from partitioner import models
 
+    if run["family"] in ("mixtral", "qwen3_moe"):
+        return moe_meta(run)
     if run["family"] == "gpt":
         return models.gpt_block(
             batch=run["batch"],
@@ -224,7 +288,46 @@ def build(run: dict):
     )
 
 
-def published_step_s(run: dict, params: int) -> float:
+def moe_meta(run: dict):
+    """An HF mixture-of-experts model of the run's shapes on ``meta`` (bf16) and its inputs."""
+    import torch
+    import transformers
+
+    sizes = dict(
+        num_hidden_layers=run["layers"],
+        hidden_size=run["hidden"],
+        num_attention_heads=run["heads"],
+        num_key_value_heads=run["kv_heads"],
+        num_experts_per_tok=run["top_k"],
+        vocab_size=run["vocab"],
+        max_position_embeddings=run["seq"],
+        use_cache=False,
+    )
+    if run["family"] == "mixtral":
+        cfg = transformers.MixtralConfig(
+            **sizes, intermediate_size=run["intermediate"], num_local_experts=run["experts"]
+        )
+        cls = transformers.MixtralForCausalLM
+    else:
+        cfg = transformers.Qwen3MoeConfig(
+            **sizes, head_dim=128, moe_intermediate_size=run["intermediate"], num_experts=run["experts"]
+        )
+        cls = transformers.Qwen3MoeForCausalLM
+    with torch.device("meta"):
+        model = cls(cfg).to(torch.bfloat16)
+    ids = torch.zeros(run["batch"], run["seq"], dtype=torch.long, device="meta")
+    return model, {"input_ids": ids, "labels": torch.zeros_like(ids)}
+
+
+def active_params(model, run: dict) -> float:
+    """Parameters one token uses: all but the experts, plus ``k / E`` of the experts."""
+    unique = {id(p): (n, p) for n, p in model.named_parameters()}.values()
+    experts = sum(p.numel() for n, p in unique if ".experts." in n)
+    total = sum(p.numel() for _, p in unique)
+    return total - experts + experts * run.get("top_k", 1) / run.get("experts", 1)
+
+
+def published_step_s(run: dict, params: float) -> float:
     """The published throughput as seconds per step (the module docstring's three counts)."""
     tokens = run["batch"] * run["seq"]
     if run["count"] == "megatron":
@@ -252,6 +355,7 @@ def published_config(run: dict):
         zero=run.get("zero", 0 if pipelined else 1),
         sequence=run["cp"],
         sequence_parallel="ring" if run["cp"] > 1 else "auto",
+        expert=run.get("ep", 1),
     )
 
 
@@ -285,7 +389,7 @@ def run_case(name: str, *, search: bool = True, published: bool = True) -> dict:
     model, inputs = build(run)
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     row: dict = {"run": name, "params": params, "published": run}
-    row["published_step_s"] = published_step_s(run, params)
+    row["published_step_s"] = published_step_s(run, active_params(model, run) if "experts" in run else params)
     options = dict(cluster=run["cluster"], precision="bf16", optimizer="adam")
     if published:
         t0, c0 = time.perf_counter(), time.process_time()
@@ -322,6 +426,8 @@ def _cfg(c: dict | None) -> str:
     text = f"p{c['pipeline']} d{c['data']} t{c['tensor']}"
     if c.get("sequence", 1) > 1:
         text += f" cp{c['sequence']} {c.get('sequence_parallel')}"
+    if c.get("expert", 1) > 1:
+        text += f" ep{c['expert']}"
     if c["pipeline"] > 1:
         text += f", m={c['microbatches']} {c['schedule']}"
     return text + f", rc {c['recompute']}, ZeRO {c.get('zero')}"

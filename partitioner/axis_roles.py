@@ -4,7 +4,9 @@ The intra-op solver places every tensor on every axis freely, so an axis's role 
 plan, not from its name: per axis, the plan's matmuls (``linear``/``addmm``/``mm``/``matmul``)
 are classified by their output placement there, weighted by their compute time: *data* (the
 batch dim is split), *tensor* (the output's last dim is split, or partial sums are reduced),
-*sequence* (another dim split, or ring/Ulysses attention runs on the axis) or *replicated*. A
+*sequence* (another dim split, or ring/Ulysses attention runs on the axis) or *replicated*; a
+mixture-of-experts layer (``partita.moe_experts``) whose experts split on an axis counts its
+compute time there as *expert* (expert parallelism), elsewhere by its tokens' placement. A
 pipelined plan's first axis is its *pipeline* axis; its other axes are read off the stage plans.
 Plain data, no torch import.
 """
@@ -15,9 +17,11 @@ from collections import defaultdict
 
 __all__ = ["axis_role_shares", "axis_roles", "ROLES"]
 
-ROLES = ("data", "tensor", "sequence", "pipeline", "replicated")
+ROLES = ("data", "tensor", "sequence", "pipeline", "expert", "replicated")
 _MATMULS = ("aten.linear", "aten.addmm", "aten.mm", "aten.matmul")
 _SEQUENCE_ALGORITHMS = ("ring", "ulysses")
+_EXPERT_NOTES = ("experts", "experts_local")
+_EXPERTS_OP = "partita.moe_experts"
 
 
 def _matmul_role(placement: str, rank: int) -> str:
@@ -36,6 +40,9 @@ def _intra_op_shares(plan) -> list:
         for axis_name, note in (r.get("notes") or {}).items():  # ring / Ulysses attention on an axis
             if note in _SEQUENCE_ALGORITHMS and axis_name in plan.axis_names:
                 shares[plan.axis_names.index(axis_name)]["sequence"] += r.get("compute_s", 0.0) or 1e-12
+        if r["target"].startswith(_EXPERTS_OP) and r.get("out"):
+            _expert_shares(r, plan.axis_names, shares)
+            continue
         if not r["target"].startswith(_MATMULS) or not r.get("out") or not r.get("shapes"):
             continue
         rank = len(r["shapes"][0] or ())
@@ -47,6 +54,15 @@ def _intra_op_shares(plan) -> list:
         total = sum(roles.values())
         out.append({role: share / total for role, share in roles.items()} if total else {})
     return out
+
+
+def _expert_shares(r, axis_names, shares) -> None:
+    """An MoE layer's compute: *expert* on the axis splitting its experts, else by its tokens."""
+    weight = r.get("compute_s", 0.0) or 1e-12
+    notes = r.get("notes") or {}
+    for axis, p in enumerate(r["out"][0].strip("[]").split(", ")):
+        split = notes.get(axis_names[axis]) in _EXPERT_NOTES
+        shares[axis]["expert" if split else "data" if p.startswith("S(0)") else "replicated"] += weight
 
 
 def axis_role_shares(plan) -> list:

@@ -10,7 +10,8 @@ what runs, so it is built from these uses, per stage axis:
   rows there (role ``M``, :func:`passes.multidim_tp.classify`) with its output split on dim 0;
 * ``sequence``: the same on a later dim (the tokens), or attention runs ring / Ulysses there;
 * ``tensor``: a weight contraction splits its weight there (roles ``N`` / ``K``), or a weight is
-  used where it lies split there;
+  used where it lies split there (an MoE layer's stacked experts excepted);
+* ``experts``: an MoE layer splits its experts there (expert parallelism, :mod:`passes.rules.experts`);
 * ``ZeRO``: a weight stored split there is gathered for use there (ZeRO-2/3), or its optimizer
   shard is cut there (ZeRO-1);
 * ``split``: none of the above, but some value is split or partial there;
@@ -29,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["axis_uses", "describe_config", "USE_ORDER"]
 
-USE_ORDER = ("data", "sequence", "tensor", "ZeRO", "split")
+USE_ORDER = ("data", "sequence", "tensor", "experts", "ZeRO", "split")
 """The order uses are joined in (``data+tensor``)."""
 
 
@@ -57,12 +58,15 @@ def _uses_of(records, mesh_shape, axis_names) -> list:
     found: list = [set() for _ in mesh_shape]
     names = list(axis_names)
     gathered = _gathered_weight_axes(records, names)
+    experts = _expert_weights(records)
     for r in records:
         if r.get("tp_roles"):
             _contraction_uses(r, ndim, found)
         for axis, note in (r.get("notes") or {}).items():
             if note in ("ring", "ulysses"):
                 found[_axis_index(axis, names)].add("sequence")
+            elif note in ("experts", "experts_local"):
+                found[_axis_index(axis, names)].add("experts")
         specs = [parse_spec(s, ndim) for s in [*(r.get("out") or ()), *(r.get("ins") or ())] if s]
         for axis in range(ndim):
             if any(is_shard(s[axis]) or is_partial(s[axis]) for s in specs):
@@ -71,7 +75,7 @@ def _uses_of(records, mesh_shape, axis_names) -> list:
             for axis, p in enumerate(parse_spec(r["out"][0], ndim)):
                 if is_shard(p):
                     found[axis].add("data" if p.dim == 0 else "sequence")
-        elif r.get("kind") == "param" and r.get("out"):
+        elif r.get("kind") == "param" and r.get("out") and r["name"] not in experts:
             _param_uses(r, parse_spec(r["out"][0], ndim), gathered.get(r["name"], set()), found)
     for axis, n in enumerate(mesh_shape):
         if n == 1:
@@ -99,6 +103,16 @@ def _param_uses(r, used, gathered_axes, found) -> None:
             found[axis].add("ZeRO")  # ZeRO-1: the optimizer's shard
         elif is_shard(p):
             found[axis].add("ZeRO" if axis in gathered_axes else "tensor")
+
+
+def _expert_weights(records) -> set:
+    """Names of the stacked expert weights (inputs 3 and 4 of each MoE layer's op)."""
+    return {
+        name
+        for r in records
+        if str(r.get("target", "")).startswith("partita.moe_experts")
+        for name in (r.get("inputs") or ())[3:5]
+    }
 
 
 def _gathered_weight_axes(records, names) -> dict:

@@ -17,7 +17,10 @@ Algorithm
    pipeline the intra-op solver decides it, ``recompute="auto"``); with ``d > 1`` each with
    every ZeRO stage on ``dp`` (:func:`zero_stages`: 0, 1 without a pipeline and with Adam, 2, 3).
    For a long sequence (:func:`sequence_degrees`) also ``N = d * s`` with a sequence axis
-   ``sp`` and ring or Ulysses attention forced on it (no pipeline, no tensor axis).
+   ``sp`` and ring or Ulysses attention forced on it (no pipeline, no tensor axis). A model with
+   mixture-of-experts layers also gets, without a pipeline, each expert degree ``e > 1``
+   dividing ``d`` and its expert counts: the experts split over an ``ep`` axis of ``e`` data
+   ranks (:mod:`partitioner.expert_degrees`; ``expert_parallel="on"`` keeps only those).
 3. **Lower bounds, cheap.** Memory per device: parameter state (weights, gradients, optimizer
    state) by ZeRO stage (:meth:`_Bounds.state_per_device`: what the stage keeps whole on ``dp``
    cut by ``tp`` alone, the rest over all ``N`` devices), plus the activations the schedule keeps alive for the layers
@@ -81,6 +84,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from partitioner import expert_degrees
 from partitioner.axis_uses import describe_config
 from partitioner.cluster import parse_bytes
 from partitioner.local_cluster import get_cluster
@@ -94,6 +98,7 @@ from passes.analyze import analyze, info
 from passes.blocks import find_blocks
 from passes.capture import describe_captured, graph_fingerprint
 from passes.capture_blocks import capture_model
+from passes.moe.routing import measure_routing
 from passes.plan_intra_op import InfeasibleBudgetError
 from passes.split_stages import stages_of_layers
 
@@ -180,6 +185,8 @@ class ModelFacts:
     pre_flops_per_sample: float = 0.0
     """Forward FLOPs before the first layer (embeddings) and after the last (head, loss)."""
     post_flops_per_sample: float = 0.0
+    experts: expert_degrees.ExpertFacts = field(default_factory=expert_degrees.ExpertFacts)
+    """The mixture-of-experts layers (:mod:`partitioner.expert_degrees`)."""
 
     @classmethod
     def of(cls, model, cap, batch: int) -> ModelFacts:
@@ -221,6 +228,7 @@ class ModelFacts:
             layer_flops_per_sample=layer_flops / batch,
             pre_flops_per_sample=pre / batch,
             post_flops_per_sample=max(0.0, flops - pre - layers * layer_flops) / batch,
+            experts=expert_degrees.ExpertFacts.of(cap, batch),
         )
 
 
@@ -397,14 +405,19 @@ class _Bounds:
         ZeRO-0 on a data axis also holds its gradients' sums over the microbatches
         (:func:`passes.cost_model.grad_held_back`)."""
         stage = 3 if c.zero == 2 and c.recompute != "none" else c.zero
-        key = (c.pipeline, c.data * c.sequence, c.tensor, stage)
+        key = (c.pipeline, c.data * c.sequence, c.tensor, stage, c.expert)
         if key not in self._state_cache:
             data = c.data * c.sequence
             whole = {0: self.bytes_per_param, 1: 4 + self.grad_bytes, 2: 4}.get(stage, 0)  # type: ignore[arg-type]
             if stage == 0 and c.pipeline > 1 and data > 1:  # the gradient sums a stage holds back
                 whole += self.grad_bytes
-            total = 0.0
+            total, gathered = 0.0, float(self.f.layer_params)
+            experts = self.f.experts if c.expert > 1 else expert_degrees.ExpertFacts()
+            if experts.params:  # split over ep (partitioner/expert_degrees.py)
+                total += expert_degrees.expert_state(experts, c, _stage_rank(stage), whole, self.bytes_per_param)
+                gathered -= experts.layer_params * (1 - 1 / c.expert)
             for shape, count in self.f.param_shapes.items():
+                count -= experts.shapes.get(shape, 0)
                 n = count * math.prod(shape)
                 tp_only = n / _most_splits(shape, 1, c.tensor)
                 if stage == 0:
@@ -413,7 +426,7 @@ class _Bounds:
                     total += tp_only * whole + n / _most_splits(shape, data, c.tensor) * self.bytes_per_param
             total /= c.pipeline
             if stage == 3 and self.f.layers:
-                total += self.f.layer_params * 4 / c.tensor  # the one layer gathered at a time
+                total += gathered * 4 / c.tensor  # the one layer gathered at a time
             self._state_cache[key] = total
         return self._state_cache[key]
 
@@ -470,8 +483,9 @@ class _Bounds:
             # for the plans the solver finds with activations split on both axes
             link = spec.link_for_axis(shape, 1)
             share = (data - 1) / data / link.bandwidth
-            grads = f.params / (c.pipeline * c.tensor) * self.reduce_bytes
-            weights = f.params / (c.pipeline * c.tensor) * 4
+            synced = expert_degrees.data_synced_params(f.experts, c, f.params)
+            grads = synced / (c.pipeline * c.tensor) * self.reduce_bytes
+            weights = synced / (c.pipeline * c.tensor) * 4
             hop = overhead + link.latency_s
             gathers = {2: 1, 3: 2}.get(c.zero, 0)  # type: ignore[arg-type]
             if c.zero in (0, "auto"):
@@ -489,6 +503,7 @@ class _Bounds:
                 per_micro += gather
             else:
                 per_micro += as_tensor
+        per_micro += expert_degrees.dispatch_seconds(f.experts, c, spec, mb)
         if c.pipeline > 1:  # an activation forward and its gradient back, per microbatch
             link = spec.link_for_axis(shape, 0)
             per_micro += 2 * (f.boundary_per_sample * mb / (c.data * c.tensor) / link.bandwidth + link.latency_s)
@@ -543,6 +558,7 @@ class _Planner:
                 autocast_dtype=self.precision.autocast_dtype,
             )
             analyze(cap)
+            measure_routing(self.model, _at_batch(self.inputs, self.batch, size), cap)  # MoE layers' loads
             logger.info(
                 "search: captured at batch %d in %.2f s (%s)", size, time.perf_counter() - t0, describe_captured(cap)
             )
@@ -565,9 +581,13 @@ class _Planner:
         holds_gradient_sums=False,
         zero="auto",
         sequence_parallel="auto",
+        config=None,
     ):
         from partitioner.intra_op import plan_captured
 
+        experts, expert_axis = self.options.expert_parallel, None
+        if config is not None and self.facts is not None:
+            experts, expert_axis = expert_degrees.solver_mode(config, self.facts.experts, experts)
         return plan_captured(
             cap,
             model_name=name,
@@ -582,7 +602,9 @@ class _Planner:
                 sequence_parallel=sequence_parallel
                 if self.options.sequence_parallel == "auto"
                 else self.options.sequence_parallel,
+                expert_parallel=experts,
             ),
+            expert_axis=expert_axis,
             activation_copies=copies,
             zero1=zero1,
             microbatches=microbatches,
@@ -602,6 +624,7 @@ class _Planner:
                 recompute=c.recompute,
                 zero=planner_zero(c.zero),
                 sequence_parallel=c.sequence_parallel,
+                config=c,
             )
         else:
             made = self._pipeline(c)
@@ -730,6 +753,7 @@ class _Planner:
                 holds_gradient_sums=True,
                 zero=planner_zero(c.zero),
                 sequence_parallel=c.sequence_parallel,
+                config=c,
             )
             sent_as.update(sent_placements(g, made_by[k], len(shape)))
         plans = [made_by[k] for k in range(len(graphs))]
@@ -844,14 +868,14 @@ def _stage_rank(stage) -> int:
 
 
 def zero_stage_of(plan: ShardingPlan) -> int:
-    """The ZeRO stage a plan's weights use on its data axes (``dp``, ``sp``): 3 when one is
+    """The ZeRO stage a plan's weights use on its data axes (``dp``, ``ep``, ``sp``): 3 when one is
     gathered again in backward, 2 when one is stored sharded there, 1 when one's optimizer
     shard is (ZeRO-1), else 0."""
     plans = plan.stage_plans if plan.data.get("pipeline") else [plan]
     stage = 0
     for part in plans:
         names = list(part.axis_names)
-        data_axes = [k for k, a in enumerate(names) if a in ("dp", "sp")]
+        data_axes = [k for k, a in enumerate(names) if a in ("dp", "ep", "sp")]
         for r in part.records:
             if r.get("kind") != "param":
                 continue
@@ -944,11 +968,6 @@ def _search_options(opts: PlanOptions) -> PlanOptions:
             "objective": "the search ranks configurations by estimated step time; give mesh= to minimise memory",
         },
     )
-    if opts.expert_parallel == "on":
-        raise ValueError(
-            f"expert_parallel='on' is not available {_SEARCH_MODE} yet: the search does not enumerate an "
-            f"expert degree; give mesh=, or use 'auto' (each candidate's solver may split the experts)"
-        )
     if opts.tensor_parallel not in ("auto", "1d"):
         raise ValueError(
             f"tensor_parallel={opts.tensor_parallel!r} is not available {_SEARCH_MODE}: its grid needs a mesh of "
@@ -1058,6 +1077,13 @@ def _searched_configs(devices, batch, inputs, facts, spec, bounds, budget, opts,
     if not pipeline_recompute:
         configs = [c for c in configs if c.pipeline == 1 or c.recompute == "none"]
     enumerated = len(configs)
+    configs = expert_degrees.with_expert_degrees(configs, facts.experts, opts.expert_parallel)
+    if enumerated and not configs:
+        raise ValueError(
+            f"expert_parallel='on' cannot be honoured {_SEARCH_MODE}: no configuration of {devices} devices "
+            f"without a pipeline or sequence axis has a data degree with a divisor above 1 that divides the "
+            f"{facts.experts.experts} experts of its MoE layers; use 'auto', or give mesh= with an axis dividing them"
+        )
     configs = _honoured(configs, opts)
     if not configs:
         forced = {k: v for k, v in opts.changed().items() if k in ("sequence_parallel", "tensor_parallel", "zero")}
@@ -1093,7 +1119,7 @@ class _PlanningLoop:
         self.least_seen: tuple | None = None  # (memory bound, why) of the least refused over budget
         self.slack = 1.0
         self.queue: list = []
-        self.tried: dict = {}  # (p, d, s, t) -> (what was planned for them, its memory bound if refused over budget)
+        self.tried: dict = {}  # (p, d, s, t, e) -> (what was planned for them, its memory bound if refused over budget)
         self.refused = 0  # plannings refused over budget count half toward max_plans (they stop early)
         self.limit: float = max_plans  # raised by one for each runner-up planned after the limit
 
@@ -1210,7 +1236,7 @@ class _PlanningLoop:
 
 
 def _degrees(c) -> tuple:
-    return (c.pipeline, c.data, c.sequence, c.tensor)
+    return (c.pipeline, c.data, c.sequence, c.tensor, c.expert)
 
 
 def _chosen(best: Candidate, cands: list, devices: int, batch: int, t0: float, plannings: int) -> ShardingPlan:
@@ -1330,6 +1356,7 @@ def stage_set_key(c: ParallelConfig, shared: bool = True) -> tuple:
         c.data,
         c.sequence,
         c.tensor,
+        c.expert,
         c.virtual_stages,
         c.recompute,
         family,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
@@ -96,6 +97,7 @@ def plan_captured(
     zero1=True,
     microbatches=1,
     holds_gradient_sums=False,
+    expert_axis=None,
     **option_kwargs,
 ) -> ShardingPlan:
     """:func:`plan` for a graph already captured and analysed (``passes.capture`` +
@@ -109,7 +111,8 @@ def plan_captured(
     held-back parameter-gradient all-reduces, once per step, are weighed at their share per
     microbatch; reduce-scatters onto weights stored sharded run every microbatch).
     ``holds_gradient_sums``: a pipeline stage (it holds its gradient sums over the microbatches:
-    counted in its memory)."""
+    counted in its memory). ``expert_axis``: the name of the one mesh axis every MoE layer's
+    experts split over (the configuration search's ``ep``; ``expert_parallel`` must be ``"on"``)."""
     opts = PlanOptions.build(options, **option_kwargs)
     precision = (
         Precision.build(opts.precision)
@@ -130,7 +133,8 @@ def plan_captured(
         pinned.setdefault(node, forced)
     for node, forced in multidim_tp.forced_pins(cap.graph, opts.tensor_parallel, mesh.shape).items():
         pinned.setdefault(node, forced)
-    experts_rule.check_forced(cap.graph, opts.expert_parallel, mesh.shape)
+    expert_index = None if expert_axis is None else mesh.axis_names.index(expert_axis)
+    experts_rule.check_forced(cap.graph, opts.expert_parallel, mesh.shape, expert_index)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("%s: pins %s", model_name, {n.name: format_spec(s) for n, s in pinned.items()})
     result = plan_intra_op(
@@ -153,7 +157,7 @@ def plan_captured(
         host_budget=parse_bytes(opts.host_memory_budget) if opts.host_memory_budget is not None else None,
         microbatches=microbatches,
         holds_gradient_sums=holds_gradient_sums,
-        rule_options=opts.rule_options(mesh.shape),
+        rule_options=replace(opts.rule_options(mesh.shape), expert_axis=expert_index),
     )
     t3 = time.perf_counter()
     stats = dict(result.stats, **timings, plan_s=t3 - t2, total_s=t3 - t0)

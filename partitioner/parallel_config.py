@@ -1,7 +1,8 @@
 """``ParallelConfig``: the whole configuration of a training job on N devices, as one value.
 
-Degrees (pipeline x data x sequence x tensor), the mesh they make (axis names ``pp``, ``dp``,
-``sp``, ``tp``; an axis of size 1 is left out), the microbatches per step, the pipeline schedule,
+Degrees (pipeline x data x sequence x tensor, and the expert degree: the data ranks that split
+the experts), the mesh they make (axis names ``pp``, ``dp``, ``ep``, ``sp``, ``tp``; an axis of
+size 1 is left out), the microbatches per step, the pipeline schedule,
 activation checkpointing, the ZeRO stage on the data-parallel axes and the sequence-parallel
 attention. :mod:`partitioner.config_search` chooses one; a :class:`ShardingPlan` made by the
 search carries it (``plan.config``) and shows it in its summary. Plain data, no torch import:
@@ -22,7 +23,7 @@ __all__ = ["ParallelConfig", "ZERO_STAGES"]
 
 ZERO_STAGES = ("auto", 0, 1, 2, 3)
 
-_INTENT = {"dp": "data", "sp": "sequence", "tp": "tensor"}
+_INTENT = {"dp": "data", "ep": "data+experts", "sp": "sequence", "tp": "tensor"}
 """What the search put each stage axis there for (the label :meth:`ParallelConfig.describe` prints)."""
 
 
@@ -55,12 +56,20 @@ class ParallelConfig:
     sequence_parallel: str = "auto"
     """Attention over ``sp`` (``"ring"`` or ``"ulysses"`` when ``sequence > 1``); ``"auto"``
     otherwise (the solver may still choose either on any axis)."""
+    expert: int = 1
+    """Expert parallelism: ranks every mixture-of-experts layer splits its experts over, a
+    divisor of ``data`` (the experts over data ranks, as DeepSeek-V3 does). With ``expert > 1``
+    the data ranks are laid out as two axes, ``dp`` (``data / expert``, outer) and ``ep``
+    (``expert``), the batch split over both and the experts over ``ep``; 1: no expert axis (the
+    solver may still split experts, ``expert_parallel="auto"``)."""
 
     def __post_init__(self):
-        for name in ("pipeline", "data", "tensor", "microbatches", "virtual_stages", "sequence"):
+        for name in ("pipeline", "data", "tensor", "microbatches", "virtual_stages", "sequence", "expert"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ParallelConfig.{name} must be a positive int, got {value!r}")
+        if self.data % self.expert:
+            raise ValueError(f"ParallelConfig.expert ({self.expert}) must divide data ({self.data})")
         if self.zero not in ZERO_STAGES:
             raise ValueError(f"ParallelConfig.zero must be one of {ZERO_STAGES}, got {self.zero!r}")
         if self.sequence > 1 and self.sequence_parallel not in ("ring", "ulysses"):
@@ -85,7 +94,8 @@ class ParallelConfig:
         return names or ("dp",)
 
     def _stage_axes(self) -> list:
-        return [(a, n) for a, n in (("dp", self.data), ("sp", self.sequence), ("tp", self.tensor)) if n > 1]
+        data = (("dp", self.data // self.expert), ("ep", self.expert))
+        return [(a, n) for a, n in (*data, ("sp", self.sequence), ("tp", self.tensor)) if n > 1]
 
     @property
     def mesh_shape(self) -> tuple:
@@ -129,6 +139,7 @@ class ParallelConfig:
         where that differs (empty otherwise)."""
         planned = (
             f"pipeline {self.pipeline} x data {self.data}"
+            + (f" (experts over {self.expert}: ep)" if self.expert > 1 else "")
             + (f" x sequence {self.sequence} ({self.sequence_parallel})" if self.sequence > 1 else "")
             + f" x tensor {self.tensor}"
         )

@@ -52,12 +52,19 @@ class RuleOptions:
     """Attention over a sequence split: one of :data:`SEQUENCE_PARALLEL_MODES`."""
     expert_parallel: str = "auto"
     """Mixture-of-experts layers: one of :data:`EXPERT_PARALLEL_MODES`."""
+    expert_axis: int | None = None
+    """With ``expert_parallel="on"``: the one mesh axis every MoE layer's experts split over (the
+    configuration search's ``ep``); None: any axis."""
 
     def __post_init__(self):
         object.__setattr__(self, "mesh_shape", tuple(int(n) for n in self.mesh_shape))
         check_choice("sequence_parallel", self.sequence_parallel, SEQUENCE_PARALLEL_MODES)
         check_choice("tensor_parallel", self.tensor_parallel, TP_MODES)
         check_choice("expert_parallel", self.expert_parallel, EXPERT_PARALLEL_MODES)
+        if self.expert_axis is not None and self.expert_parallel != "on":
+            raise ValueError(
+                f"an expert axis ({self.expert_axis}) needs expert_parallel='on', got {self.expert_parallel!r}"
+            )
 
     def axis_sizes(self) -> list:
         """The sizes of the mesh axes of more than one device, in order."""

@@ -5,8 +5,14 @@
   layer; ``expert_parallel`` is validated, refused where it cannot be honoured and names the
   node it cannot split; the summary names the axis carrying the experts; under a memory budget
   that replicated experts cannot meet, ``"auto"`` splits them by itself (fixed cluster);
+* 2 gloo ranks, ``auto_parallelize`` without a mesh under a budget only expert parallelism meets
+  (replicated experts need more on any mesh of 2, the model has one layer: no pipeline): the
+  configuration search chooses an expert degree (experts over ``ep``) and the run matches one
+  device (loss, aux loss, gradients, AdamW parameters; counted communication = estimate, the
+  all-to-all as the mean over the ranks);
 * 4 gloo ranks, one forked group per mesh, two families each (Mixtral and OLMoE on (4,),
-  Qwen3-MoE and DeepSeek-V3 on (2, 2)), ``expert_parallel="on"``: the loss (with the router's
+  Qwen3-MoE and DeepSeek-V3 on (2, 2); Mixtral's auxiliary-loss ``histc`` pinned to partial counts
+  of a split input), ``expert_parallel="on"``: the loss (with the router's
   auxiliary loss), every gradient and the parameters after 2 AdamW steps equal one device's;
   where the experts run by all-to-all, the bytes each rank's all-to-alls send equal the formula
   computed from the router's choices on the batch (``2 T k H`` by the pairs' side and ``2 N H``
@@ -27,6 +33,7 @@ from parity_utils import Checks, adam_in_lockstep, call, check_grads_by_alias, l
 
 import partitioner
 from partitioner import hf_families
+from partitioner.axis_roles import axis_role_shares
 from passes.capture import capture
 from passes.moe.experts_op import MOE_OP
 from runtime.collectives import CommCounter
@@ -88,8 +95,8 @@ def test_expert_parallel_option_is_honoured_or_refused():
         partitioner.plan(model, inputs, mesh=(2,), cluster="h100", expert_parallel="yes")
     with pytest.raises(ValueError, match=r"experts node moe_experts .* has 4 experts, which no mesh axis of \(3,\)"):
         partitioner.plan(model, inputs, mesh=(3,), cluster="h100", expert_parallel="on")
-    with pytest.raises(ValueError, match="expert_parallel='on' is not available in the configuration search"):
-        partitioner.plan(model, inputs, devices=4, cluster="h100", expert_parallel="on")
+    with pytest.raises(ValueError, match=r"expert_parallel='on' cannot be honoured in the configuration search.* 4 ex"):
+        partitioner.plan(model, inputs, devices=3, global_batch=6, cluster="h100", expert_parallel="on")
     on = partitioner.plan(model, inputs, mesh=(2, 2), cluster="h100", expert_parallel="on")
     off = partitioner.plan(model, inputs, mesh=(2, 2), cluster="h100", expert_parallel="off")
     assert len(_expert_axes(on)) == 1 and not _expert_axes(off)
@@ -98,6 +105,9 @@ def test_expert_parallel_option_is_honoured_or_refused():
     assert len(lines) == 1 and f"split over mesh axis {axis} (2 ranks) in 2 MoE layer(s)" in lines[0], lines
     assert "measured on the example batch" in lines[0]
     assert "replicated on every axis" in off.summary(wide=True)
+    # the plan report's axis role: the MoE layers' compute counts as "expert" on the axis splitting them
+    assert axis_role_shares(on)[on.axis_names.index(axis)].get("expert", 0) > 0
+    assert not any("expert" in shares for shares in axis_role_shares(off))
 
 
 def test_auto_splits_experts_when_replicated_experts_cannot_fit():
@@ -287,7 +297,8 @@ def _dispatch_pins(ndim):
 @pytest.mark.parametrize(
     "mesh, runs",
     [
-        ((4,), [("mixtral", _dispatch_pins(1)), ("olmoe", None)]),
+        # the router's auxiliary loss counts tokens per expert with histc: pinned partial (split input)
+        ((4,), [("mixtral", dict(_dispatch_pins(1), histc=["P"])), ("olmoe", None)]),
         ((2, 2), [("qwen3_moe", _dispatch_pins(2)), ("deepseek_v3", None)]),
     ],
     ids=["4", "2x2"],
@@ -308,3 +319,106 @@ def test_moe_families_expert_parallel_match_one_device(mesh, runs):
             assert sum(counted for counted, _, _ in sent) == len(results) * sent[0][2], sent
         lines = [line for line in results[0]["summaries"][family].splitlines() if line.startswith("experts")]
         assert lines and all("split over mesh axis" in line for line in lines), (family, lines)
+
+
+# -- the expert degree in the configuration search ---------------------------------------------
+
+
+def _one_layer_moe():
+    """One Mixtral layer whose experts hold 93% of the parameters (8 experts of 64 x 256), and a
+    budget (12 B per parameter) that fits it on 2 devices only with the experts split: replicated
+    experts need at least 14.1 B per parameter on a mesh of 2 (the memory objective's plan)."""
+    _, inputs = hf_families.build("mixtral", batch=4, seq=8)
+    sizes = dict(
+        hf_families.MOE_FAMILIES["mixtral"][2],
+        intermediate_size=256,
+        hidden_size=64,
+        num_local_experts=8,
+        num_hidden_layers=1,
+        vocab_size=hf_families.VOCAB,
+    )
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**sizes)).train()
+    return model, inputs, 12 * sum(p.numel() for p in model.parameters())
+
+
+def test_replicated_experts_cannot_meet_the_search_budget():
+    model, inputs, budget = _one_layer_moe()
+    with pytest.raises(partitioner.InfeasibleBudgetError):
+        partitioner.plan(model, inputs, mesh=(2,), cluster="h100", memory_budget=budget, expert_parallel="off")
+
+
+def searched_worker(rank, world, cfg):
+    checks = Checks(rank)
+    model, inputs, budget = _one_layer_moe()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = partitioner.auto_parallelize(model, inputs, cluster="h100", memory_budget=budget)  # no mesh: searched
+    with CommCounter() as counter:
+        out = call(pm, inputs)
+        loss_of(out).backward()
+    ref_out = call(ref, inputs)
+    loss_of(ref_out).backward()
+    checks.close("loss", loss_of(out).detach(), loss_of(ref_out).detach())
+    checks.close("router aux loss", out.aux_loss.detach(), ref_out.aux_loss.detach())
+    check_grads_by_alias(pm.full_grads(), ref, checks)
+    counted, estimated = counter.as_dict(), pm.plan.estimate().comm_bytes
+    sent = dict(counted.get("all_to_all", {}))
+    counted = {k: v for k, v in counted.items() if k != "all_to_all"}
+    for diff in nested_approx_equal(counted, {k: v for k, v in estimated.items() if k != "all_to_all"}):
+        checks.true(f"communication: {diff}", False)
+    adam_in_lockstep(pm.parameters(), ref, inputs, STEPS, _step_of(pm, inputs), checks)
+    state = pm.full_state_dict()
+    for name, p in ref.named_parameters():
+        checks.close(f"parameter {name} after {STEPS} AdamW steps", state[name], p.detach())
+    return {
+        "rank": rank,
+        "failures": checks.failures,
+        "config": pm.plan.config.to_dict(),
+        "axes": sorted(_expert_axes(pm.plan)),
+        "memory": pm.plan.estimate().memory_bytes,
+        "budget": budget,
+        "all_to_all": (sent, estimated.get("all_to_all", {})),
+        "summary": pm.plan.summary(wide=True) if rank == 0 else "",
+    }
+
+
+def test_search_chooses_an_expert_degree_when_only_it_fits_and_trains_like_one_device():
+    results = run_checked(searched_worker, {"mesh": (2,)}, TIMEOUT_S)
+    first = results[0]
+    assert all(r["config"] == first["config"] for r in results)
+    assert (first["config"]["data"], first["config"]["expert"]) == (2, 2), first["config"]
+    assert first["axes"] == ["ep"] and first["memory"] <= first["budget"]
+    summary = " ".join(first["summary"].split())
+    assert "searched as pipeline 1 x data 2 (experts over 2: ep)" in summary
+    assert "split over mesh axis ep (2 ranks)" in summary and "measured on the example batch" in summary
+    sent = [r["all_to_all"][0].get("ep", 0) for r in results]
+    # by all-to-all (dispatched tokens): the mean over the ranks is the estimate; local experts send none
+    assert sum(sent) == len(results) * first["all_to_all"][1].get("ep", 0), (sent, first["all_to_all"])
+
+
+def test_expert_degrees_lay_out_an_ep_axis_and_follow_the_mode():
+    """Expert degrees divide the data degree and the experts; the data ranks become ``dp`` x ``ep``;
+    ``"on"`` keeps only expert degrees, ``"off"`` none; pipelines get none (their solvers keep the mode)."""
+    from partitioner.expert_degrees import ExpertFacts, expert_state, solver_mode, with_expert_degrees
+    from partitioner.parallel_config import ParallelConfig
+
+    c = ParallelConfig(data=8, tensor=2, expert=4, global_batch=16)
+    assert (c.stage_mesh_shape, c.stage_axis_names) == ((2, 4, 2), ("dp", "ep", "tp"))
+    assert ParallelConfig(data=4, expert=4).stage_axis_names == ("ep",)
+    with pytest.raises(ValueError, match=r"expert \(3\) must divide data \(4\)"):
+        ParallelConfig(data=4, expert=3)
+    facts = ExpertFacts(experts=4, layers=1, shapes={(4, 8, 8): 2}, params=512, layer_params=512)
+    flat = ParallelConfig(data=8, global_batch=8)
+    piped = ParallelConfig(pipeline=2, data=4, microbatches=2, schedule="1f1b", global_batch=8)
+    assert [x.expert for x in with_expert_degrees([flat, piped], facts, "auto")] == [1, 2, 4, 1]
+    assert [x.expert for x in with_expert_degrees([flat, piped], facts, "on")] == [2, 4]
+    assert with_expert_degrees([flat, piped], facts, "off") == [flat, piped]
+    assert with_expert_degrees([flat], ExpertFacts(), "on") == [flat]  # no MoE layer: nothing to split
+    assert solver_mode(ParallelConfig(data=8, expert=4), facts, "auto") == ("on", "ep")
+    assert solver_mode(flat, facts, "auto") == ("off", None)  # the degree is the search's decision
+    assert solver_mode(piped, facts, "auto") == ("auto", None)
+    # Adam's 16 B per element, a quarter per rank on ep; ZeRO-3 cuts that by the 2 dp ranks too
+    assert expert_state(facts, ParallelConfig(data=8, expert=4), 0, 16, 16) == 512 / 4 * 16
+    assert expert_state(facts, ParallelConfig(data=8, expert=4), 3, 0, 16) == 512 / 4 / 2 * 16

@@ -26,7 +26,8 @@ example batch (:mod:`passes.moe.routing`; 1.0 where none was measured).
 Whether expert splits are offered is a planning setting (``op.options.expert_parallel``, from
 ``partitioner.plan(..., expert_parallel=...)``): ``"auto"`` offers them beside the rest (the
 solver chooses by time and memory), ``"on"`` only candidates with the experts split over a mesh
-axis of more than one device, ``"off"`` none.
+axis of more than one device (over ``op.options.expert_axis`` when given: the configuration
+search's ``ep``), ``"off"`` none.
 """
 
 from __future__ import annotations
@@ -56,20 +57,24 @@ EXPERT_NOTES = ("experts", "experts_local")
 ROUTING_KEY = "partita.routing"
 
 
-def check_forced(graph, mode: str, mesh_shape) -> None:
+def check_forced(graph, mode: str, mesh_shape, axis: int | None = None) -> None:
     """For ``mode="on"``: raise naming the first experts node whose expert count no mesh axis of
-    more than one device divides (it could not be expert parallel)."""
+    more than one device (``axis`` alone, when given) divides (it could not be expert parallel)."""
     if mode != "on":
         return
-    axes = [n for n in mesh_shape if n > 1]
+    axes = [n for i, n in enumerate(mesh_shape) if n > 1 and axis in (None, i)]
     for node in graph.nodes:
         if node.op == "call_function" and node.target is MOE_OP:
             experts = info(node.args[3]).shape[0]
             if not any(experts % n == 0 for n in axes):
+                which = (
+                    f"mesh axis {axis} of {tuple(mesh_shape)} does not divide"
+                    if axis is not None
+                    else f"no mesh axis of {tuple(mesh_shape)} with more than one device divides"
+                )
                 raise ValueError(
                     f"expert_parallel='on': experts node {node.name} ({info(node).module_path}) has {experts} "
-                    f"experts, which no mesh axis of {tuple(mesh_shape)} with more than one device divides; "
-                    f"use a mesh axis dividing {experts}, or expert_parallel='auto'"
+                    f"experts, which {which}; use a mesh axis dividing {experts}, or expert_parallel='auto'"
                 )
 
 
@@ -151,7 +156,7 @@ class ExpertsRule(OpRule):
             return False
         if op.options.expert_parallel == "on":
             mesh = op.options.mesh_shape
-            return len(split) == 1 and mesh[split[0]] > 1
+            return len(split) == 1 and mesh[split[0]] > 1 and op.options.expert_axis in (None, split[0])
         return True
 
     def flops(self, op: OpView) -> float:

@@ -1,9 +1,12 @@
-"""Reductions (sum, mean, amax, var) and scans (cumsum, diff).
+"""Reductions (sum, mean, amax, var), histograms (histc) and scans (cumsum, diff).
 
 A reduction over a sharded dim leaves each rank a partial result: ``Partial("sum")`` for sum
 and mean (the mean of equal shards is the mean of their means), ``Partial("max")`` for amax.
-Kept dims map to their new positions; partial inputs stay partial for sum and mean. Scans
-and differences run along a dim that must be whole; the other dims may be sharded.
+Kept dims map to their new positions; partial inputs stay partial for sum and mean. A
+histogram over a fixed range (``histc(x, bins, min, max)`` with ``min < max``: the router's
+auxiliary loss counts tokens per expert so) of a sharded input is the sum of the pieces'
+histograms: ``Partial("sum")``. Scans and differences run along a dim that must be whole; the
+other dims may be sharded.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from passes.rules.base import AxisStrategy, OpRule, OpView, register
 
 aten = torch.ops.aten
 
-__all__ = ["ReductionRule", "ScanRule"]
+__all__ = ["ReductionRule", "HistogramRule", "ScanRule"]
 
 
 def _reduced_dims(op: OpView):
@@ -81,6 +84,18 @@ class ReductionRule(OpRule):
         return float(n)
 
 
+class HistogramRule(OpRule):
+    """histc(x, bins, min, max): any split of ``x`` gives partial counts, when the range is fixed
+    (``min == max`` takes each rank's own data range: only replicated)."""
+
+    def axis_strategies(self, op: OpView) -> list:
+        strategies = [AxisStrategy(out=(R,), ins=(R,))]
+        if op.arg(2, "min", 0) >= op.arg(3, "max", 0):
+            return strategies
+        x = op.in_shapes[0]
+        return strategies + [AxisStrategy(out=(P,), ins=(Shard(d),)) for d in range(len(x)) if x[d] > 1]
+
+
 class ScanRule(OpRule):
     """cumsum(x, dim) / diff(x, n, dim, prepend, append): the scanned dim stays whole; a split of
     another dim splits ``prepend`` / ``append`` the same way (they match ``x`` off the scanned dim)."""
@@ -115,5 +130,6 @@ register(
     aten.all.dim,
     aten.any.dim,
 )(ReductionRule(None))
+register(aten.histc.default)(HistogramRule())
 register(aten.cumsum.default)(ScanRule(1))
 register(aten.diff.default)(ScanRule(2, -1))
