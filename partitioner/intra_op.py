@@ -11,6 +11,7 @@ imports another to reach it.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import logging
 import time
 
@@ -27,7 +28,7 @@ from passes.analyze import info
 from passes.capture import graph_fingerprint
 from passes.moe.routing import routing_of
 from passes.placements import format_spec, parse_spec
-from passes.plan_intra_op import plan_intra_op
+from passes.plan_intra_op import InfeasibleBudgetError, plan_intra_op
 from passes.rules import attention as attention_rule
 from passes.rules import experts as experts_rule
 
@@ -136,7 +137,8 @@ def plan_captured(
         multidim_tp.tensor_parallel(opts.tensor_parallel, mesh.shape),
         experts_rule.expert_parallel(opts.expert_parallel, mesh.shape),
     ):
-        result = plan_intra_op(
+        solve = functools.partial(
+            plan_intra_op,
             cap,
             mesh.shape,
             mesh.axis_names,
@@ -157,6 +159,13 @@ def plan_captured(
             microbatches=microbatches,
             holds_gradient_sums=holds_gradient_sums,
         )
+        try:
+            result = solve()
+        except InfeasibleBudgetError:
+            # activations kept as their shard only add time (a gather again in backward): tried
+            # when nothing fits without (passes/activation_regather.py)
+            logger.info("%s: no plan fits; planning again with gathered activations kept as shards", model_name)
+            result = solve(regather_activations=True)
     t3 = time.perf_counter()
     stats = dict(result.stats, **timings, plan_s=t3 - t2, total_s=t3 - t0)
     inputs = {

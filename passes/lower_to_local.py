@@ -341,6 +341,7 @@ def lower_to_local(
     chains = _strided_chains(graph, records, comm)
     zero1: dict = {}  # ZeRO-1 / offloaded parameter -> (compute copy's placement, the stepped one's, on host)
     grad_dst: dict = {}  # ZeRO-1 parameter -> where its edges leave the gradient
+    regathered = False  # some activation edge gathers again in backward
     layers: dict = {}  # recomputed layer -> [node before its first emitted node, its last emitted node]
     open_layer = None
 
@@ -407,6 +408,7 @@ def lower_to_local(
             if ins[k] is not None and src is not None:
                 _check_uneven_edge(node, u, src, ins[k], grads[k] if info(u).requires_grad else None, b.uneven)
                 strided, src_strided = _edge_strided(node, u, src, ins[k], chains, comm)
+                before = value
                 value = b.reshard(
                     value,
                     src,
@@ -418,6 +420,12 @@ def lower_to_local(
                     producer=u.name,
                     grad_dst=grad_dst.get(u),
                 )
+                if k in rec.get("regather_inputs", ()) and value is not before:
+                    # an activation kept as its shard, gathered again in backward (passes/activation_regather.py)
+                    edge = b.root.get_submodule(str(value.target))
+                    assert isinstance(edge, Reshard), edge
+                    edge.regather = True
+                    regathered = True
             local_inputs.append(value)
         args, kwargs = _fill_nodes((node.args, node.kwargs), local_inputs)
         args, kwargs = _replace_devices(args, device), _replace_devices(kwargs, device)
@@ -452,6 +460,7 @@ def lower_to_local(
                 # ZeRO-3: gathered copies freed after forward, gathered again in backward
                 edge.regather = bool(record(node).get("regather")) and edge.forward_communicates
                 gm.meta[REGATHER_KEY] = gm.meta.get(REGATHER_KEY, False) or edge.regather
+    gm.meta[REGATHER_KEY] = gm.meta.get(REGATHER_KEY, False) or regathered
     bucketable = _bucketable(graph, b) if bucket_grads else {}
     spans = {layer: (before.next, end) for layer, (before, end) in layers.items() if end is not before}
     moved = outline_recomputed(gm, spans)

@@ -20,6 +20,7 @@ import numpy as np
 import torch.fx as fx
 
 from passes import multidim_tp
+from passes.activation_regather import regathers_activation
 from passes.analyze import info
 from passes.blocks import find_blocks
 from passes.capture import tied_placeholders
@@ -196,8 +197,11 @@ def _edge_comm(node, choices, space, axis_names):
         )
         out += _collective_dicts(fwd, "fwd", k, mesh, space.cluster, axis_names)
         out += _collective_dicts(bwd, "bwd", k, mesh, space.cluster, axis_names)
-        if choices[u].regather and regathers(node, k, choices[u].out[0], dst, mesh):
-            # a ZeRO-3 parameter: its gathered copy is freed after forward and gathered again here
+        if ui.kind == "op":  # an activation kept as its shard (passes/activation_regather.py)
+            again = space.regather_activations and regathers_activation(node, k, u, choices[u].out[0], dst, mesh)
+        else:  # a ZeRO-3 parameter: its gathered copy is freed after forward
+            again = choices[u].regather and regathers(node, k, choices[u].out[0], dst, mesh)
+        if again:  # ... and gathered again here
             out += [dict(c, regather=True) for c in _collective_dicts(fwd, "bwd", k, mesh, space.cluster, axis_names)]
     return out
 
@@ -224,6 +228,7 @@ def plan_intra_op(
     host_budget=None,
     microbatches=1,
     holds_gradient_sums=False,
+    regather_activations=False,
 ) -> IntraOpResult:
     """``recompute``: activation checkpointing of repeated blocks, ``"auto"`` (kept, selective or
     full, chosen by the solver when the budget needs it), ``"selective"``, ``"all"`` or ``"none"``
@@ -231,7 +236,10 @@ def plan_intra_op(
     ``host_budget``: host-memory bytes per device for offloaded optimizer state (None: nothing is
     offloaded); offloading only adds time, so it is chosen when the device budget needs it.
     ``holds_gradient_sums``: a pipeline stage, which holds its parameter-gradient sums over the
-    microbatches of a step (counted in its memory: :func:`passes.memory_accounting.memory_fields`)."""
+    microbatches of a step (counted in its memory: :func:`passes.memory_accounting.memory_fields`).
+    ``regather_activations``: activations gathered for an op that keeps them are kept as their
+    shard and gathered again in backward (:mod:`passes.activation_regather`; the records name
+    those inputs, ``regather_inputs``)."""
     log = log or (lambda msg: None)
     check_recompute_mode(recompute)
     graph: fx.Graph = cap.graph
@@ -262,6 +270,7 @@ def plan_intra_op(
         zero1=zero1,
         offload=host_budget is not None,
         microbatches=microbatches,
+        regather_activations=regather_activations,
     )
     t1 = time.perf_counter()
     n_opts = sum(len(g.options) for g in space.groups)
@@ -392,6 +401,10 @@ def plan_intra_op(
                 redo.mark(rec, node, choices.get(node), blocks, regions, activation_copies, space.mesh_shape)
         if rec.get("recompute"):  # its rerun's gathered weights stay until the layer's backward: no regather
             rec["comm"] = [c for c in rec["comm"] if not c.get("regather")]
+        from_ops = [k for k, u in enumerate(tensor_input_nodes(node)) if info(u).kind == "op"]
+        as_shards = sorted({c["input"] for c in rec["comm"] if c.get("regather") and c["input"] in from_ops})
+        if as_shards:  # activations kept as their shard, gathered again in backward (the lowering reads this)
+            rec["regather_inputs"] = as_shards
         records.append(rec)
 
     exact = memory_fields(
@@ -403,6 +416,7 @@ def plan_intra_op(
         tied=tied_placeholders(cap),
         recomputed=regions,
         holds_gradient_sums=holds_gradient_sums,
+        regather_activations=space.regather_activations,
     )
     for rec in records:
         rec.update(exact.get(rec["name"], {}))
@@ -511,6 +525,7 @@ def _peak_of(space, cap, optimizer, activation_copies, redo, holds_gradient_sums
             tied=tied,
             recomputed=redo().regions(space.blocks, redo().decode(choice)),
             holds_gradient_sums=holds_gradient_sums,
+            regather_activations=space.regather_activations,
         )
         m = memory_breakdown([dict(fields.get(n.name, {}), name=n.name) for n in graph.nodes])
         return m.peak, m.peak - (m.state + m.inputs + m.saved)
