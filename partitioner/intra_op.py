@@ -161,9 +161,11 @@ def plan_captured(
         )
         try:
             result = solve()
-        except InfeasibleBudgetError:
+        except InfeasibleBudgetError as refused:
             # activations kept as their shard only add time (a gather again in backward): tried
-            # when nothing fits without (passes/activation_regather.py)
+            # when nothing fits without (passes/activation_regather.py); they change no bound
+            if refused.by_bound:
+                raise
             logger.info("%s: no plan fits; planning again with gathered activations kept as shards", model_name)
             result = solve(regather_activations=True)
     t3 = time.perf_counter()

@@ -58,7 +58,10 @@ CHOICE_KEY = "partita.choice"
 
 
 class InfeasibleBudgetError(ValueError):
-    """No plan fits the memory budget."""
+    """No plan fits the memory budget. ``by_bound``: refused by the least memory of the decisions'
+    own terms, before solving (what no edge's buffer, kept or not, changes)."""
+
+    by_bound = False
 
 
 @dataclass
@@ -335,7 +338,9 @@ def plan_intra_op(
         redo = add_recompute_options(space, graph, recompute, activation_copies)
         least = least_memory(space, redo)
         if budget is not None and least > budget:
-            raise InfeasibleBudgetError(_infeasible(budget, mesh_shape, least_kept, least, recompute, blocks))
+            refused = InfeasibleBudgetError(_infeasible(budget, mesh_shape, least_kept, least, recompute, blocks))
+            refused.by_bound = True
+            raise refused
         result = solve(budget, redo)
         if result.choice is not None and set(zip(range(len(result.choice)), result.choice)) & set(shards):
             plain = solve(budget, redo, zero1=False)  # ZeRO-1 ties replicated: only where it saves time
