@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 INSTALL := $(BIN)/pip install -q -c constraints.txt
 LINTED := partitioner passes runtime
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-slow test-fast lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,8 +22,13 @@ demo: setup
 	$(BIN)/python -m partitioner demo
 
 # Two workers (pytest-xdist): while one test's rank 0 plans, the other core runs another test.
+# The everyday tier: every test but the slow tier's.
 test: setup
-	$(BIN)/python -m pytest tests -n 2 --durations=25
+	$(BIN)/python -m pytest tests -n 2 -m "not slow" --durations=15
+
+# The slow tier: more models through paths the everyday tier covers, torchrun and two hosts. CI runs both.
+test-slow: setup
+	$(BIN)/python -m pytest tests -n 2 -m slow --durations=15
 
 # The fast tier: everything but the tests that start processes (ranks, CLI subprocesses).
 test-fast: setup

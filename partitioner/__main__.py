@@ -474,6 +474,20 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    _add_plan_command(sub)
+    _add_saved_plan_commands(sub)
+    _add_calibrate_command(sub)
+    _add_convert_command(sub)
+    p = sub.add_parser(
+        "demo", add_help=False, help="the main job: a GPT auto-parallelized on 4 local gloo ranks next to one process"
+    )
+    p.add_argument("demo_args", nargs=argparse.REMAINDER)
+    p.set_defaults(run=lambda args: __import__("partitioner.demo", fromlist=["main"]).main(args.demo_args))
+    return parser
+
+
+def _add_plan_command(sub) -> None:
+    """``partita plan``: what to plan and where, the planning options, what to print or save."""
     p = sub.add_parser(
         "plan",
         help="plan a model built by a factory",
@@ -503,6 +517,35 @@ def _parser() -> argparse.ArgumentParser:
         help="h100, h200, a100, cpu (measured here) or a ClusterSpec JSON file (default: the devices of this "
         "machine: cpu without a GPU, as auto_parallelize)",
     )
+    _add_planning_options(p)
+    p.add_argument("--json", metavar="PATH", help="save the plan as JSON here")
+    p.add_argument(
+        "--explain",
+        action="append",
+        default=[],
+        metavar="TARGET",
+        help="also explain the choice for a module path, parameter FQN or node; repeatable",
+    )
+    p.add_argument(
+        "--verbose-table", action="store_true", help="show every node: views, getitems and mask/index rows included"
+    )
+    p.add_argument(
+        "--wide",
+        action="store_true",
+        help="every column in full (op, local shape, collectives with phase and bytes); lines may "
+        "exceed 120 characters",
+    )
+    p.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS", help="solver time limit")
+    p.add_argument(
+        "--no-share-blocks", action="store_true", help="decide each repeated block (transformer layer) on its own"
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
+    p.set_defaults(run=_cmd_plan)
+
+
+def _add_planning_options(p) -> None:
+    """The flags of :class:`partitioner.PlanOptions` (``tests/test_plan_options.py`` checks that
+    the plan command has one for each option)."""
     p.add_argument(
         "--precision", choices=("fp32", "bf16", "fp16"), default=None, help="compute precision (default: fp32)"
     )
@@ -565,30 +608,10 @@ def _parser() -> argparse.ArgumentParser:
         help="fix a placement, one per mesh axis, e.g. 'input_ids=[S(0), R]'; KEY is an input, a "
         "parameter FQN, a node name or a module path (globs allowed); repeatable",
     )
-    p.add_argument("--json", metavar="PATH", help="save the plan as JSON here")
-    p.add_argument(
-        "--explain",
-        action="append",
-        default=[],
-        metavar="TARGET",
-        help="also explain the choice for a module path, parameter FQN or node; repeatable",
-    )
-    p.add_argument(
-        "--verbose-table", action="store_true", help="show every node: views, getitems and mask/index rows included"
-    )
-    p.add_argument(
-        "--wide",
-        action="store_true",
-        help="every column in full (op, local shape, collectives with phase and bytes); lines may "
-        "exceed 120 characters",
-    )
-    p.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS", help="solver time limit")
-    p.add_argument(
-        "--no-share-blocks", action="store_true", help="decide each repeated block (transformer layer) on its own"
-    )
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
-    p.set_defaults(run=_cmd_plan)
 
+
+def _add_saved_plan_commands(sub) -> None:
+    """``show``, ``explain``, ``diff`` and ``report``: commands that read saved plans."""
     p = sub.add_parser("show", help="print a saved plan and its estimate")
     p.add_argument("plan", metavar="PLAN.json")
     p.add_argument("--explain", action="append", default=[], metavar="TARGET", help="also explain TARGET")
@@ -617,6 +640,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
     p.set_defaults(run=_cmd_report)
 
+
+def _add_calibrate_command(sub) -> None:
     p = sub.add_parser(
         "calibrate",
         help="measure this machine into a cluster file (--cluster FILE)",
@@ -641,6 +666,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
     p.set_defaults(run=_cmd_calibrate)
 
+
+def _add_convert_command(sub) -> None:
     p = sub.add_parser(
         "convert",
         help="a Partita checkpoint (save_checkpoint's folder) to a HuggingFace directory, or back",
@@ -658,13 +685,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB", help="the largest safetensors file written (default 5GB)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
     p.set_defaults(run=_cmd_convert)
-
-    p = sub.add_parser(
-        "demo", add_help=False, help="the main job: a GPT auto-parallelized on 4 local gloo ranks next to one process"
-    )
-    p.add_argument("demo_args", nargs=argparse.REMAINDER)
-    p.set_defaults(run=lambda args: __import__("partitioner.demo", fromlist=["main"]).main(args.demo_args))
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

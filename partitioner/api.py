@@ -73,60 +73,13 @@ def plan(
             (:mod:`partitioner.config_search`); ``plan.config`` holds it, ``plan.explain()`` the
             runner-ups. With ``mesh`` too, the two must agree (the mesh is then used).
         global_batch: samples per step for the search (default: the example inputs' batch).
-        cluster: ``"h100"``, ``"h200"``, ``"a100"``, ``"cpu"`` (measured here), a cluster file
-            or a ClusterSpec; default: the devices this process runs on (the measured ``"cpu"``
-            without a GPU; see :func:`partitioner.options.default_cluster`).
-        memory_budget: bytes per device (``"80GiB"``); default: the cluster's device memory.
-        host_memory_budget: host-memory bytes per device for offloaded optimizer state
-            (``"200GiB"``): a weight's optimizer state and step can then live on the host, its
-            gradient and stepped values crossing the host link (PCIe on the GPU presets) once
-            per step; chosen where the device budget needs it. Default None: nothing offloaded.
-        pins: fixed placements, e.g. ``{"input_ids": ["S(0)", "R"], "lm_head.weight": ["R", "S(0)"]}``
-            (see :func:`resolve_pins`).
-        objective: ``"time"`` (estimated step time) or ``"memory"`` (peak memory per device).
-        optimizer: ``"adam"`` (16 bytes per fp32 parameter), ``"sgd"`` or ``None`` (weights only).
-        share_blocks: decide once for identical repeated blocks (transformer layers).
-        time_limit: seconds the ILP solver may take for one plan.
-        layers: ``"auto"`` captures deep models (8+ identical layers) by exporting two layers and
-            repeating them in the graph (node for node what a full export gives, much faster);
-            ``"full"`` always exports every layer (for layers whose code depends on their index).
-        precision: ``"fp32"`` (default), ``"bf16"``, ``"fp16"`` or a MixedPrecisionPolicy: the model is
-            captured under ``torch.autocast`` in that dtype and priced as it computes (fp32 master
-            weights and optimizer state; see :mod:`partitioner.precision`).
-        recompute: activation checkpointing of repeated blocks (transformer layers): ``"auto"``
-            lets the solver choose per block kind between keeping its activations, recomputing
-            its attention core (selective) and recomputing all of it, when the memory budget
-            needs it (never otherwise: it only adds time); ``"selective"`` recomputes every
-            block's attention core, ``"all"`` every repeated block, ``"none"`` nothing (see
-            :mod:`passes.recompute`).
         verbose: show progress (capture, analysis, solve) on stderr for this call; the same
             records go to the ``partitioner`` logger at INFO in any case (see
             :mod:`partitioner.progress`).
-        sequence_parallel: attention over a sequence split (see ``docs/ARCHITECTURE.md``, "Long
-            sequences"): ``"auto"`` lets the solver choose among head-sharded (Megatron), ring and
-            Ulysses attention by cost and memory; ``"ring"`` / ``"ulysses"`` force that algorithm on
-            every attention op, on the last mesh axis (data parallel on the others); ``"none"``
-            offers neither.
-        zero: a weight stored sharded and gathered for use (FSDP / ZeRO): ``"auto"`` lets the
-            solver choose per weight between keeping the gathered copy for backward (ZeRO-2,
-            FSDP's ``reshard_after_forward=False``) and freeing it after forward to gather it
-            again in backward (ZeRO-3); and, for a weight replicated on a data-parallel axis,
-            keeping it whole with its optimizer state sharded there (ZeRO-1: one reduce-scatter
-            and one all-gather per step, the optimizer sees the shard); ``1``, ``2`` or ``3``
-            force one; a dict of parameter name
-            patterns to modes (``{"h.*.mlp.*": 3, "*": 2}``, first match) decides per weight
-            (see ``docs/ARCHITECTURE.md``, "Parameter storage").
-        tensor_parallel: how weight contractions (linear layers) split over the mesh:
-            ``"auto"`` (the solver chooses per layer and axis), ``"1d"`` (Megatron on the last
-            axis, data parallel on the others), ``"2d"`` (SUMMA / Optimus on a ``q x q`` mesh),
-            ``"2.5d"`` (Tesseract on ``d x q x q``) or ``"3d"`` (on ``c x c x c``); see
-            :mod:`passes.multidim_tp` and ``docs/ARCHITECTURE.md``, "2D, 2.5D and 3D tensor
-            parallelism".
-        expert_parallel: mixture-of-experts layers (HuggingFace experts modules, captured as one
-            op each): ``"auto"`` lets the solver split the stacked experts over a mesh axis
-            (tokens dispatched to them and combined back by all-to-all) where that is faster or
-            needed to fit; ``"on"`` splits every MoE layer's experts over one mesh axis; ``"off"``
-            never does (see ``docs/moe.md``).
+        cluster ... expert_parallel: the planning options, each documented on its field of
+            :class:`partitioner.PlanOptions` (cost model, memory and host-memory budgets, pins,
+            objective, optimizer state, repeated blocks, solver time limit, capture depth,
+            precision, recomputation, sequence / tensor / expert parallel algorithms, ZeRO).
 
     Example::
 

@@ -1009,7 +1009,6 @@ def search_config(
     t0 = time.perf_counter()
     devices = check_devices(devices)
     opts = _search_options(PlanOptions.build(options, **option_kwargs))
-    recompute, optimizer = opts.recompute, opts.optimizer
     precision = opts.precision_policy
     spec = get_cluster(opts.cluster_for())
     budget = parse_bytes(opts.memory_budget) if opts.memory_budget is not None else spec.memory_bytes
@@ -1020,15 +1019,51 @@ def search_config(
     inputs = _at_batch(example_inputs, example_batch, batch)
     planner = _Planner(model, inputs, batch, spec=spec, budget=budget, precision=precision, options=opts)
     facts = planner.facts = ModelFacts.of(model, planner.capture(batch), batch)
-    bounds = _Bounds(facts, spec, precision, optimizer, batch, host_budget=opts.host_memory_budget)
+    bounds = _Bounds(facts, spec, precision, opts.optimizer, batch, host_budget=opts.host_memory_budget)
+    configs = _searched_configs(
+        devices, batch, inputs, facts, spec, bounds, budget, opts, pipelines, pipeline_recompute
+    )
+    cands = [Candidate(c, bounds.memory(c), bounds.time(c), bounds.quick(c)) for c in configs]
+    for cand in cands:
+        if cand.memory_lb > budget:
+            cand.status = "over budget"
+            cand.reason = f"needs at least {_fmt_gib(cand.memory_lb)} per device (bound), budget {_fmt_gib(budget)}"
+    alive = [c for c in cands if c.status != "over budget"]
+    logger.info(
+        "search: %d configurations for %d devices, %d within the memory bound (%.2f s)",
+        len(cands),
+        devices,
+        len(alive),
+        time.perf_counter() - t0,
+    )
+    loop = _PlanningLoop(planner, bounds, budget, cands, max_plans)
+    best = loop.run(alive, spec.devices_per_node)
+    if best is None:
+        least = min(cands, key=lambda c: c.memory_lb)
+        optimizer = opts.optimizer
+        need = math.ceil(facts.params * _state_bytes_per_param(optimizer) / budget) if budget > 0 else 0
+        raise InfeasibleBudgetError(
+            f"no configuration of {devices} devices fits the budget of {_fmt_gib(budget)} per device: the least "
+            f"memory any needs is at least {_fmt_gib(least.memory_lb)} ({least.config.describe()})"
+            + (f"; planned: {loop.least_seen[1]}" if loop.least_seen else "")
+            + f". The parameter state alone ({facts.params:,} parameters, optimizer {optimizer!r}) needs at least "
+            f"{need} devices of this budget at batch {batch} in {precision}; raise the budget or the device count"
+        )
+    return _chosen(best, cands, devices, batch, t0, planner.plannings)
+
+
+def _searched_configs(devices, batch, inputs, facts, spec, bounds, budget, opts, pipelines, pipeline_recompute):
+    """The configurations to price: every one for ``devices`` devices (:func:`enumerate_configs`),
+    narrowed to those the options honour (a ValueError naming the options when none is left);
+    without a pipeline, one whose kept activations alone overflow the budget recomputes."""
     configs = enumerate_configs(
         devices,
         batch,
         facts.layers,
         spec.devices_per_node,
-        recompute=recompute,
+        recompute=opts.recompute,
         pipelines=pipelines,
-        optimizer=optimizer,
+        optimizer=opts.optimizer,
         seq_len=_seq_of(inputs, batch),
     )
     if not pipeline_recompute:
@@ -1045,7 +1080,7 @@ def search_config(
         )
     # without a pipeline, a model whose kept activations alone overflow the budget recomputes:
     # planned with recompute="all" (the solver's "auto" would first try, and fail, without)
-    configs = [
+    return [
         replace(c, recompute="all")
         if c.pipeline == 1
         and c.recompute == "auto"
@@ -1053,109 +1088,126 @@ def search_config(
         else c
         for c in configs
     ]
-    cands = [Candidate(c, bounds.memory(c), bounds.time(c), bounds.quick(c)) for c in configs]
-    for cand in cands:
-        if cand.memory_lb > budget:
-            cand.status = "over budget"
-            cand.reason = f"needs at least {_fmt_gib(cand.memory_lb)} per device (bound), budget {_fmt_gib(budget)}"
-    alive = [c for c in cands if c.status != "over budget"]
-    t1 = time.perf_counter()
-    logger.info(
-        "search: %d configurations for %d devices, %d within the memory bound (%.2f s)",
-        len(cands),
-        devices,
-        len(alive),
-        t1 - t0,
-    )
-    best: Candidate | None = None
-    least_seen: tuple | None = None
-    # planning order: the candidates likely to fit first, each group by the quick estimate. Likely
-    # to fit: the memory bound with its activations scaled by ``slack``, the largest ratio of a
-    # refused plan's least memory to its bound seen so far (the bound leaves out buffers, copies
-    # and transients the solver counts), starting at 1.
-    slack = 1.0
 
-    def order(c: Candidate) -> tuple:
-        state = bounds.state_per_device(c.config)
-        return (state + slack * (c.memory_lb - state) > budget, c.quick_s, c.time_lb)
 
-    queue = sorted(alive, key=order)
-    seed = _rule_of_thumb(queue, spec.devices_per_node, bounds, budget)
-    if seed is not None:  # planned first: the best plan is never worse than the usual recipe
-        queue.remove(seed)
-        queue.insert(0, seed)
-    tried: dict = {}  # (p, d, s, t) -> (what was planned for them, its memory bound if refused over budget)
-    refused = 0  # plannings refused over budget count half toward max_plans (they stop early)
-    limit: float = max_plans  # raised by one for each runner-up planned after the limit
-    while True:
-        if not queue:
-            again = _runner_up(cands, best, limit - max_plans < _RUNNER_UPS)
-            if again is None:
-                break
-            limit = planner.plannings - refused / 2 + 1
-            queue.append(again)
-        cand = queue.pop(0)
+class _PlanningLoop:
+    """Step 5 of the module docstring: plan the candidates in order, best first, until the limit.
+
+    Planning order: the candidates likely to fit first, each group by the quick estimate. Likely
+    to fit: the memory bound with its activations scaled by ``slack``, the largest ratio of a
+    refused plan's least memory to its bound seen so far (the bound leaves out buffers, copies
+    and transients the solver counts), starting at 1."""
+
+    def __init__(self, planner: _Planner, bounds: _Bounds, budget: float, cands: list, max_plans: int):
+        self.planner, self.bounds, self.budget, self.cands, self.max_plans = planner, bounds, budget, cands, max_plans
+        self.best: Candidate | None = None
+        self.least_seen: tuple | None = None  # (memory bound, why) of the least refused over budget
+        self.slack = 1.0
+        self.queue: list = []
+        self.tried: dict = {}  # (p, d, s, t) -> (what was planned for them, its memory bound if refused over budget)
+        self.refused = 0  # plannings refused over budget count half toward max_plans (they stop early)
+        self.limit: float = max_plans  # raised by one for each runner-up planned after the limit
+
+    def order(self, c: Candidate) -> tuple:
+        state = self.bounds.state_per_device(c.config)
+        return (state + self.slack * (c.memory_lb - state) > self.budget, c.quick_s, c.time_lb)
+
+    def run(self, alive: list, devices_per_node: int) -> Candidate | None:
+        """The fastest candidate planned (None: none fits)."""
+        self.queue = sorted(alive, key=self.order)
+        seed = _rule_of_thumb(self.queue, devices_per_node, self.bounds, self.budget)
+        if seed is not None:  # planned first: the best plan is never worse than the usual recipe
+            self.queue.remove(seed)
+            self.queue.insert(0, seed)
+        while True:
+            if not self.queue:
+                again = _runner_up(self.cands, self.best, self.limit - self.max_plans < _RUNNER_UPS)
+                if again is None:
+                    break
+                self.limit = self.planner.plannings - self.refused / 2 + 1
+                self.queue.append(again)
+            cand = self.queue.pop(0)
+            if self.skipped(cand):
+                continue
+            made = self.plan(cand)
+            if made is not None:
+                self.take(cand, made)
+        return self.best
+
+    def skipped(self, cand: Candidate) -> bool:
+        """Whether ``cand`` is left unplanned (its reason set): its time bound is past the best
+        step, the planning limit is reached, or its degrees were planned already."""
+        best = self.best
         if best is not None and cand.time_lb > best.step_time_s:
             cand.status = "pruned"
             cand.reason = f"its time bound {_fmt_s(cand.time_lb)} exceeds the best step {_fmt_s(best.step_time_s)}"
-            continue
-        degrees = (cand.config.pipeline, cand.config.data, cand.config.sequence, cand.config.tensor)
-        if not _cached(planner, cand.config):
-            if planner.plannings - refused / 2 >= limit:
-                cand.reason = f"{_LIMIT} ({max_plans} plannings); quick estimate {_fmt_s(cand.quick_s)}"
-                continue
-            # one planning per set of degrees, and one more after a refusal over budget: a higher
-            # ZeRO stage that the solver is asked differently (or the other sequence algorithm)
-            if degrees in tried and not (
-                tried[degrees][1]
-                and _stage_rank(cand.config.zero) > _stage_rank(tried[degrees][2])
-                and planner_zero(cand.config.zero) != planner_zero(tried[degrees][2])
-            ):
-                cand.reason = (
-                    f"these degrees were planned with {tried[degrees][0]}; quick estimate {_fmt_s(cand.quick_s)}"
-                )
-                continue
-        retry = degrees in tried
-        tried[degrees] = (
+            return True
+        degrees = _degrees(cand.config)
+        if _cached(self.planner, cand.config):
+            return False
+        if self.planner.plannings - self.refused / 2 >= self.limit:
+            cand.reason = f"{_LIMIT} ({self.max_plans} plannings); quick estimate {_fmt_s(cand.quick_s)}"
+            return True
+        # one planning per set of degrees, and one more after a refusal over budget: a higher
+        # ZeRO stage that the solver is asked differently (or the other sequence algorithm)
+        tried = self.tried
+        if degrees in tried and not (
+            tried[degrees][1]
+            and _stage_rank(cand.config.zero) > _stage_rank(tried[degrees][2])
+            and planner_zero(cand.config.zero) != planner_zero(tried[degrees][2])
+        ):
+            cand.reason = f"these degrees were planned with {tried[degrees][0]}; quick estimate {_fmt_s(cand.quick_s)}"
+            return True
+        return False
+
+    def plan(self, cand: Candidate) -> ShardingPlan | None:
+        """``cand``'s plan; None when it is refused (over budget: the slack learns from it; or an
+        algorithm that cannot run there)."""
+        degrees = _degrees(cand.config)
+        retry = degrees in self.tried
+        self.tried[degrees] = (
             f"{cand.config.microbatches} microbatches, recompute {cand.config.recompute}, ZeRO {cand.config.zero}",
             False,
             cand.config.zero,
         )
         try:
-            made = planner.plan(cand.config)
+            return self.planner.plan(cand.config)
         except InfeasibleBudgetError as exc:
-            refused += 1
+            self.refused += 1
             cand.status = "over budget"
             cand.reason = str(exc).split(". ")[0]
-            if least_seen is None or cand.memory_lb < least_seen[0]:
-                least_seen = (cand.memory_lb, cand.reason)
+            if self.least_seen is None or cand.memory_lb < self.least_seen[0]:
+                self.least_seen = (cand.memory_lb, cand.reason)
             needed = re.search(r"\((\d+) bytes\)", str(exc))
-            state = bounds.state_per_device(cand.config)
-            tried[degrees] = (tried[degrees][0], not retry, cand.config.zero)
+            state = self.bounds.state_per_device(cand.config)
+            self.tried[degrees] = (self.tried[degrees][0], not retry, cand.config.zero)
             if needed and cand.memory_lb > state:
-                slack = max(slack, (float(needed.group(1)) - state) / (cand.memory_lb - state))
-                queue.sort(key=order)
-            continue
+                self.slack = max(self.slack, (float(needed.group(1)) - state) / (cand.memory_lb - state))
+                self.queue.sort(key=self.order)
+            return None
         except ValueError as exc:  # a forced ring / Ulysses that cannot run here (heads, masks)
             if cand.config.sequence == 1:
                 raise
-            tried[degrees] = (tried[degrees][0], True, -1)  # the other algorithm may
+            self.tried[degrees] = (self.tried[degrees][0], True, -1)  # the other algorithm may
             cand.status, cand.reason = "cannot run", str(exc).split(". ")[0]
-            continue
+            return None
+
+    def take(self, cand: Candidate, made: ShardingPlan) -> None:
+        """Record ``cand``'s plan (under the configuration it ran as) and keep the fastest."""
         est = made.estimate()
         if made.config is not None and made.config.zero != cand.config.zero:
             cand.reason = f"asked ZeRO-{cand.config.zero}; "
             if _stage_rank(made.config.zero) > _stage_rank(cand.config.zero):
                 # the solver had to store weights sharded to fit: the asked stage did not, so its
                 # bound was optimistic at least by budget / bound (a refusal, softly)
-                state = bounds.state_per_device(cand.config)
+                state = self.bounds.state_per_device(cand.config)
                 if cand.memory_lb > state:
-                    slack = max(slack, 1.001 * (budget - state) / (cand.memory_lb - state))
-                    queue.sort(key=order)
+                    self.slack = max(self.slack, 1.001 * (self.budget - state) / (cand.memory_lb - state))
+                    self.queue.sort(key=self.order)
             cand.config = made.config
-        if any(o.plan is not None and o.config == made.config for o in cands):
+        if any(o.plan is not None and o.config == made.config for o in self.cands):
             cand.reason += "the plan of an earlier candidate (the same stage plans)"
-            continue
+            return
         cand.status, cand.plan = "planned", made
         cand.step_time_s, cand.memory_bytes = est.step_time_s, est.memory_bytes
         logger.info(
@@ -1164,18 +1216,17 @@ def search_config(
             _fmt_s(est.step_time_s),
             _fmt_gib(est.memory_bytes),
         )
-        if best is None or est.step_time_s < best.step_time_s:
-            best = cand
-    if best is None:
-        least = min(cands, key=lambda c: c.memory_lb)
-        need = math.ceil(facts.params * _state_bytes_per_param(optimizer) / budget) if budget > 0 else 0
-        raise InfeasibleBudgetError(
-            f"no configuration of {devices} devices fits the budget of {_fmt_gib(budget)} per device: the least "
-            f"memory any needs is at least {_fmt_gib(least.memory_lb)} ({least.config.describe()})"
-            + (f"; planned: {least_seen[1]}" if least_seen else "")
-            + f". The parameter state alone ({facts.params:,} parameters, optimizer {optimizer!r}) needs at least "
-            f"{need} devices of this budget at batch {batch} in {precision}; raise the budget or the device count"
-        )
+        if self.best is None or est.step_time_s < self.best.step_time_s:
+            self.best = cand
+
+
+def _degrees(c) -> tuple:
+    return (c.pipeline, c.data, c.sequence, c.tensor)
+
+
+def _chosen(best: Candidate, cands: list, devices: int, batch: int, t0: float, plannings: int) -> ShardingPlan:
+    """The chosen candidate's plan, with its configuration and the search's table (every
+    candidate, why it lost) in its data."""
     _explain_runner_ups(cands, best)
     for cand in cands:
         if cand.status == "planned" and cand is not best:
@@ -1186,7 +1237,7 @@ def search_config(
     assert plan is not None
     t2 = time.perf_counter()
     plan.data["config"] = best.config.to_dict()
-    plan.data["search"] = _search_table(cands, best, devices, batch, t2 - t0, planner.plannings)
+    plan.data["search"] = _search_table(cands, best, devices, batch, t2 - t0, plannings)
     plan.data.setdefault("stats", {})["search_s"] = t2 - t0
     table = plan.data["search"]
     logger.info(

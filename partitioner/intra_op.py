@@ -1,5 +1,6 @@
 """Plan a captured graph on one mesh: the user's pins resolved to nodes, the forced algorithm
-modes, the intra-op solver (:func:`passes.plan_intra_op.plan_intra_op`), and the
+modes (pins, and the :class:`passes.rule_options.RuleOptions` handed to the rules), the
+intra-op solver (:func:`passes.plan_intra_op.plan_intra_op`), and the
 :class:`ShardingPlan` record it makes.
 
 ``plan_captured`` is the planning step every entry shares: :func:`partitioner.plan` (after it
@@ -21,8 +22,9 @@ from partitioner.cluster import parse_bytes
 from partitioner.local_cluster import get_cluster
 from partitioner.mesh import MeshSpec
 from partitioner.options import PlanOptions
+from partitioner.plan_format import PlanHeader
 from partitioner.precision import Precision
-from partitioner.sharding_plan import PLAN_FORMAT, PLAN_VERSION, ShardingPlan
+from partitioner.sharding_plan import ShardingPlan
 from passes import multidim_tp
 from passes.analyze import info
 from passes.capture import graph_fingerprint
@@ -132,80 +134,41 @@ def plan_captured(
     experts_rule.check_forced(cap.graph, opts.expert_parallel, mesh.shape)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("%s: pins %s", model_name, {n.name: format_spec(s) for n, s in pinned.items()})
-    with (
-        attention_rule.sequence_parallel(opts.sequence_parallel, mesh.shape),
-        multidim_tp.tensor_parallel(opts.tensor_parallel, mesh.shape),
-        experts_rule.expert_parallel(opts.expert_parallel, mesh.shape),
-    ):
-        solve = functools.partial(
-            plan_intra_op,
-            cap,
-            mesh.shape,
-            mesh.axis_names,
-            spec,
-            budget=budget,
-            pins=pinned,
-            objective=opts.objective,
-            optimizer=opts.optimizer,
-            share_blocks=opts.share_blocks,
-            time_limit=opts.time_limit,
-            activation_copies=activation_copies,
-            grad_reduce_bytes=precision.grad_reduce_bytes,
-            recompute=opts.recompute,
-            log=logger.info,
-            zero=opts.zero,
-            zero1=zero1,
-            host_budget=parse_bytes(opts.host_memory_budget) if opts.host_memory_budget is not None else None,
-            microbatches=microbatches,
-            holds_gradient_sums=holds_gradient_sums,
-        )
-        try:
-            result = solve()
-        except InfeasibleBudgetError as refused:
-            # activations kept as their shard only add time (a gather again in backward): tried
-            # when nothing fits without (passes/activation_regather.py); they change no bound
-            if refused.by_bound:
-                raise
-            logger.info("%s: no plan fits; planning again with gathered activations kept as shards", model_name)
-            result = solve(regather_activations=True)
+    solve = functools.partial(
+        plan_intra_op,
+        cap,
+        mesh.shape,
+        mesh.axis_names,
+        spec,
+        budget=budget,
+        pins=pinned,
+        objective=opts.objective,
+        optimizer=opts.optimizer,
+        share_blocks=opts.share_blocks,
+        time_limit=opts.time_limit,
+        activation_copies=activation_copies,
+        grad_reduce_bytes=precision.grad_reduce_bytes,
+        recompute=opts.recompute,
+        log=logger.info,
+        zero=opts.zero,
+        zero1=zero1,
+        host_budget=parse_bytes(opts.host_memory_budget) if opts.host_memory_budget is not None else None,
+        microbatches=microbatches,
+        holds_gradient_sums=holds_gradient_sums,
+        rule_options=opts.rule_options(mesh.shape),
+    )
+    try:
+        result = solve()
+    except InfeasibleBudgetError as refused:
+        # activations kept as their shard only add time (a gather again in backward): tried
+        # when nothing fits without (passes/activation_regather.py); they change no bound
+        if refused.by_bound:
+            raise
+        logger.info("%s: no plan fits; planning again with gathered activations kept as shards", model_name)
+        result = solve(regather_activations=True)
     t3 = time.perf_counter()
     stats = dict(result.stats, **timings, plan_s=t3 - t2, total_s=t3 - t0)
-    inputs = {
-        info(n).name: list(info(n).shape or ())
-        for n in cap.graph.nodes
-        if n.op == "placeholder" and info(n).kind == "input"
-    }
-    data = {
-        "format": PLAN_FORMAT,
-        "version": PLAN_VERSION,
-        "fingerprint": graph_fingerprint(cap),
-        "structure": graph_fingerprint(cap, shapes=False),
-        "training": cap.training,
-        "precision": precision.to_dict(),
-        "model": model_name,
-        "inputs": inputs,
-        "mesh": mesh.to_dict(),
-        "cluster": spec.to_dict(),
-        "budget": budget,
-        "objective": opts.objective,
-        "optimizer": opts.optimizer,
-        "activation_copies": activation_copies,
-        "recompute": opts.recompute,
-        "sequence_parallel": opts.sequence_parallel,
-        "zero": opts.zero,
-        "tensor_parallel": opts.tensor_parallel,
-        "expert_parallel": opts.expert_parallel,
-        "routing": routing_of(cap.graph),
-        "host_memory_budget": opts.host_memory_budget,
-        "share_blocks": opts.share_blocks,
-        "pins": {n.name: format_spec(s) for n, s in pinned.items()},
-        "records": result.records,
-        "alternatives": result.alternatives,
-        "blocks": result.blocks,
-        "stats": stats,
-    }
-    data["model_flops"] = training_flops(cap)
-    data["flops_dtype"] = flops_dtype(cap)
+    data = _plan_data(cap, model_name, mesh, spec, budget, precision, opts, activation_copies, pinned, result, stats)
     made = ShardingPlan(data)
     logger.info(
         "plan ready: %.2f s in all; estimated step %.3f ms (the solver's objective, plus the optimizer step "
@@ -214,6 +177,45 @@ def plan_captured(
         made.estimate().step_time_s * 1e3,
     )
     return made
+
+
+def _plan_data(cap, model_name, mesh, spec, budget, precision, opts, activation_copies, pinned, result, stats) -> dict:
+    """The plan's JSON value: its typed header (:class:`partitioner.plan_format.PlanHeader`: what it
+    was made for, under which options, the model's FLOPs) and the solver's records, alternatives,
+    blocks and stats."""
+    inputs = {
+        info(n).name: list(info(n).shape or ())
+        for n in cap.graph.nodes
+        if n.op == "placeholder" and info(n).kind == "input"
+    }
+    header = PlanHeader(
+        fingerprint=graph_fingerprint(cap),
+        structure=graph_fingerprint(cap, shapes=False),
+        training=cap.training,
+        precision=precision.to_dict(),
+        model=model_name,
+        inputs=inputs,
+        mesh=mesh.to_dict(),
+        cluster=spec.to_dict(),
+        budget=budget,
+        objective=opts.objective,
+        optimizer=opts.optimizer,
+        activation_copies=activation_copies,
+        recompute=opts.recompute,
+        sequence_parallel=opts.sequence_parallel,
+        zero=opts.zero,
+        tensor_parallel=opts.tensor_parallel,
+        expert_parallel=opts.expert_parallel,
+        routing=routing_of(cap.graph),
+        host_memory_budget=opts.host_memory_budget,
+        share_blocks=opts.share_blocks,
+        pins={n.name: format_spec(s) for n, s in pinned.items()},
+        model_flops=training_flops(cap),
+        flops_dtype=flops_dtype(cap),
+    )
+    data = header.to_dict()
+    data.update(records=result.records, alternatives=result.alternatives, blocks=result.blocks, stats=stats)
+    return data
 
 
 def flops_dtype(cap) -> str:

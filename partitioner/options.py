@@ -28,10 +28,8 @@ import torch
 
 from partitioner.cluster import PRESETS, parse_bytes
 from partitioner.precision import Precision
-from passes import multidim_tp
 from passes.recompute import check_recompute_mode
-from passes.rules import attention as attention_rule
-from passes.rules import experts as experts_rule
+from passes.rule_options import RuleOptions
 from passes.strategy_space import check_zero
 
 __all__ = ["PlanOptions", "default_cluster", "OBJECTIVES", "OPTIMIZERS", "LAYER_MODES"]
@@ -49,39 +47,69 @@ class PlanOptions:
     :func:`partitioner.plan` and :func:`partitioner.auto_parallelize`)."""
 
     cluster: Any = None
-    """Cost model: a preset name (``"h100"``, ``"h200"``, ``"a100"``, ``"cpu"``: measured here),
-    a cluster file's path or a ClusterSpec. None: the devices this process runs on
-    (:func:`default_cluster`)."""
+    """Cost model: ``"h100"``, ``"h200"``, ``"a100"``, ``"cpu"`` (measured here), a cluster file's
+    path or a ClusterSpec. None: the devices this process runs on (the measured ``"cpu"`` without
+    a GPU; see :func:`default_cluster`)."""
     memory_budget: Any = None
     """Bytes per device (``"80GiB"`` or an int); None: the cluster's device memory."""
     host_memory_budget: Any = None
-    """Host-memory bytes per device for offloaded optimizer state; None: nothing offloaded."""
+    """Host-memory bytes per device for offloaded optimizer state (``"200GiB"``): a weight's
+    optimizer state and step can then live on the host, its gradient and stepped values crossing
+    the host link (PCIe on the GPU presets) once per step; chosen where the device budget needs
+    it. None: nothing offloaded."""
     pins: Mapping | None = None
-    """Fixed placements by input, parameter, node or module name (needs a mesh)."""
+    """Fixed placements by input, parameter, node or module name (needs a mesh), e.g.
+    ``{"input_ids": ["S(0)", "R"], "lm_head.weight": ["R", "S(0)"]}``
+    (see :func:`partitioner.intra_op.resolve_pins`)."""
     objective: str = "time"
     """``"time"`` (estimated step time) or ``"memory"`` (peak memory per device)."""
     optimizer: str | None = "adam"
-    """Optimizer state to count: ``"adam"``, ``"sgd"`` or None (weights only)."""
+    """Optimizer state to count: ``"adam"`` (16 bytes per fp32 parameter), ``"sgd"`` or None
+    (weights only)."""
     share_blocks: bool = True
     """Decide once for identical repeated blocks (transformer layers)."""
     time_limit: float = 60.0
     """Seconds the ILP solver may take for one plan."""
     layers: str = "auto"
-    """How deep models are captured: ``"auto"``, ``"full"`` or ``"blocks"``."""
+    """How deep models are captured: ``"auto"`` captures deep models (8+ identical layers) by
+    exporting two layers and repeating them in the graph (node for node what a full export
+    gives, much faster); ``"full"`` always exports every layer (for layers whose code depends on
+    their index); ``"blocks"`` repeats any list of 3 or more identical layers (an error where
+    there is none)."""
     precision: Any = None
-    """``"fp32"``, ``"bf16"``, ``"fp16"`` or a MixedPrecisionPolicy; None: fp32 (or a replayed
-    plan's own)."""
+    """``"fp32"``, ``"bf16"``, ``"fp16"`` or a MixedPrecisionPolicy: the model is captured under
+    ``torch.autocast`` in that dtype and priced as it computes (fp32 master weights and optimizer
+    state; see :mod:`partitioner.precision`). None: fp32 (or a replayed plan's own)."""
     recompute: str = "auto"
-    """Activation checkpointing of repeated blocks: ``"auto"``, ``"selective"``, ``"all"``, ``"none"``."""
+    """Activation checkpointing of repeated blocks (transformer layers): ``"auto"`` lets the solver
+    choose per block kind between keeping its activations, recomputing its attention core
+    (selective) and recomputing all of it, when the memory budget needs it (never otherwise: it
+    only adds time); ``"selective"`` recomputes every block's attention core, ``"all"`` every
+    repeated block, ``"none"`` nothing (see :mod:`passes.recompute`)."""
     sequence_parallel: str = "auto"
-    """Attention over a sequence split: ``"auto"``, ``"ring"``, ``"ulysses"`` or ``"none"``."""
+    """Attention over a sequence split (``docs/ARCHITECTURE.md``, "Long sequences"): ``"auto"`` lets
+    the solver choose among head-sharded (Megatron), ring and Ulysses attention by cost and
+    memory; ``"ring"`` / ``"ulysses"`` force that algorithm on every attention op, on the last
+    mesh axis (data parallel on the others); ``"none"`` offers neither."""
     zero: Any = "auto"
-    """ZeRO for weights on data-parallel axes: ``"auto"``, ``1``, ``2``, ``3`` or a dict of name patterns."""
+    """A weight stored sharded and gathered for use (FSDP / ZeRO): ``"auto"`` lets the solver choose
+    per weight between keeping the gathered copy for backward (ZeRO-2, FSDP's
+    ``reshard_after_forward=False``) and freeing it after forward to gather it again in backward
+    (ZeRO-3); and, for a weight replicated on a data-parallel axis, keeping it whole with its
+    optimizer state sharded there (ZeRO-1: one reduce-scatter and one all-gather per step, the
+    optimizer sees the shard); ``1``, ``2`` or ``3`` force one; a dict of parameter name patterns
+    to modes (``{"h.*.mlp.*": 3, "*": 2}``, first match) decides per weight
+    (``docs/ARCHITECTURE.md``, "Parameter storage")."""
     tensor_parallel: str = "auto"
-    """Weight contractions: ``"auto"``, ``"1d"``, ``"2d"``, ``"2.5d"`` or ``"3d"``."""
+    """How weight contractions (linear layers) split over the mesh: ``"auto"`` (the solver chooses
+    per layer and axis), ``"1d"`` (Megatron on the last axis, data parallel on the others),
+    ``"2d"`` (SUMMA / Optimus on a ``q x q`` mesh), ``"2.5d"`` (Tesseract on ``d x q x q``) or
+    ``"3d"`` (on ``c x c x c``); see :mod:`passes.multidim_tp`."""
     expert_parallel: str = "auto"
-    """Mixture-of-experts layers: ``"auto"`` (the solver may split the experts over a mesh axis),
-    ``"on"`` (every MoE layer's experts split over one axis) or ``"off"`` (experts never split)."""
+    """Mixture-of-experts layers (HuggingFace experts modules, captured as one op each): ``"auto"``
+    lets the solver split the stacked experts over a mesh axis (tokens dispatched to them and
+    combined back by all-to-all) where that is faster or needed to fit; ``"on"`` splits every MoE
+    layer's experts over one mesh axis; ``"off"`` never does (see ``docs/moe.md``)."""
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -104,9 +132,7 @@ class PlanOptions:
                 except (ValueError, TypeError) as e:
                     raise ValueError(f"{name}: {e}") from None
         check_recompute_mode(self.recompute)
-        attention_rule.check_mode(self.sequence_parallel)
-        multidim_tp.check_mode(self.tensor_parallel)
-        experts_rule.check_mode(self.expert_parallel)
+        self.rule_options()  # sequence_parallel, tensor_parallel and expert_parallel: checked there
         check_zero(self.zero)
         if self.precision is not None:
             Precision.build(self.precision)
@@ -159,6 +185,15 @@ class PlanOptions:
     def precision_policy(self) -> Precision:
         """The precision to plan for (fp32 when none is given)."""
         return Precision.build(self.precision if self.precision is not None else "fp32")
+
+    def rule_options(self, mesh_shape=()) -> RuleOptions:
+        """The algorithm modes the op rules honour when a graph is planned on ``mesh_shape``."""
+        return RuleOptions(
+            mesh_shape=tuple(mesh_shape),
+            tensor_parallel=self.tensor_parallel,
+            sequence_parallel=self.sequence_parallel,
+            expert_parallel=self.expert_parallel,
+        )
 
     def cluster_for(self, device: torch.device | str | None = None):
         """The cluster to price with: the one given, else the devices this process runs on."""

@@ -165,12 +165,7 @@ def auto_parallelize(
     opts = PlanOptions.from_call(options, **PlanOptions.pick(locals()))
     if plan is not None:
         _check_replay_options(opts, plan)
-    if device.type == "cpu" and opts.memory_budget is not None:
-        return_freed_blocks()  # a budget on the CPU: freed tensors leave the process (runtime/host_memory.py)
-    cluster = job_cluster(opts.cluster_for(device))  # "cpu": measured by this job's ranks unless cached
-    if device.type == "cpu" and opts.memory_budget is not None:
-        cluster = for_memory_budget(cluster, opts.memory_budget)  # priced with the fresh mappings it now gets
-    opts = opts.replace(cluster=cluster, precision=_resolve_precision(opts.precision, plan))
+    opts = _job_options(opts, plan, device)
     if mesh is None and plan is None and pipeline is None:
         mesh, mesh_axis_names, plan, pipeline, opts = _searched_configuration(model, example_inputs, opts)
     source = WeightSource(model, state_dict, checkpoint)
@@ -188,6 +183,24 @@ def auto_parallelize(
             local_inputs=local_inputs,
         )
         return _loaded(runner, source, model)
+    return _on_mesh(model, example_inputs, mesh, mesh_axis_names, plan, opts, source, device, local_inputs)
+
+
+def _job_options(opts: PlanOptions, plan, device: torch.device) -> PlanOptions:
+    """``opts`` with the cluster this job prices with (measured by its ranks for ``"cpu"``, for
+    the fresh mappings a CPU job under a memory budget gets) and the precision it runs in (a
+    replayed plan's own)."""
+    if device.type == "cpu" and opts.memory_budget is not None:
+        return_freed_blocks()  # a budget on the CPU: freed tensors leave the process (runtime/host_memory.py)
+    cluster = job_cluster(opts.cluster_for(device))  # "cpu": measured by this job's ranks unless cached
+    if device.type == "cpu" and opts.memory_budget is not None:
+        cluster = for_memory_budget(cluster, opts.memory_budget)  # priced with the fresh mappings it now gets
+    return opts.replace(cluster=cluster, precision=_resolve_precision(opts.precision, plan))
+
+
+def _on_mesh(model, example_inputs, mesh, mesh_axis_names, plan, opts: PlanOptions, source, device, local_inputs):
+    """The :class:`ParallelModule` of ``model`` on one mesh: captured, planned (or ``plan``
+    replayed), lowered, its weights loaded, and a specializer for other modes and shapes."""
     comm = MeshComm(_device_mesh(mesh, mesh_axis_names, device.type))
     t0 = time.perf_counter()
     # a saved plan is replayed on a capture in the mode it was made in; the module's own mode

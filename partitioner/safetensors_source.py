@@ -11,7 +11,7 @@ Layouts read (what ``PreTrainedModel.save_pretrained`` writes):
 * a single ``.safetensors`` file given by path.
 
 Each file is opened once with ``safetensors.safe_open`` (a memory map); a tensor is read through
-``get_slice``: for a rank's piece (:func:`runtime.parallel_module.shard_runs`: per dim the runs of
+``get_slice``: for a rank's piece (:func:`runtime.tensor_shards.shard_runs`: per dim the runs of
 positions it keeps) one block per run is copied out of the mapping and the blocks are joined.
 ``bytes_read`` counts the bytes copied out; a rank's count is its shard's bytes in the
 checkpoint's dtype (a replicated weight counts whole), never the whole checkpoint. The operating
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.parallel_module import read_runs, shard_runs
+from runtime.tensor_shards import read_runs, shard_runs
 
 __all__ = ["SafetensorsCheckpoint", "is_safetensors_checkpoint", "SINGLE_FILE", "INDEX_FILE"]
 
@@ -101,7 +101,7 @@ class SafetensorsCheckpoint:
         return tuple(self._slice(name).get_shape())
 
     def read_piece(self, name: str, spec, comm, strided=None) -> torch.Tensor:
-        """This rank's piece of ``name`` under ``spec`` (as :func:`runtime.parallel_module.shard_tensor`
+        """This rank's piece of ``name`` under ``spec`` (as :func:`runtime.tensor_shards.shard_tensor`
         cuts it), reading only its blocks."""
         sliced = self._slice(name)
         shape = tuple(sliced.get_shape())

@@ -21,13 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from partitioner.memory import MemoryBreakdown, memory_breakdown
+from partitioner.plan_format import PLAN_FORMAT, PLAN_VERSION, PlanHeader, migrate
 from partitioner.units import fmt_bytes as _fmt_bytes
 from partitioner.units import fmt_time as _fmt_time
 
 __all__ = ["ShardingPlan", "Estimate", "PlanDiff", "PlanMismatchError", "PLAN_FORMAT", "PLAN_VERSION"]
-
-PLAN_FORMAT = "partita.sharding_plan"
-PLAN_VERSION = 1
 
 
 class PlanMismatchError(ValueError):
@@ -228,6 +226,12 @@ class ShardingPlan:
     @property
     def records(self) -> list:
         return self.data["records"]
+
+    @property
+    def header(self) -> PlanHeader:
+        """What the plan was made for and under which options, typed
+        (:class:`partitioner.plan_format.PlanHeader`)."""
+        return PlanHeader.from_dict(self.data)
 
     @property
     def precision(self):
@@ -619,15 +623,9 @@ class ShardingPlan:
 
     @classmethod
     def from_dict(cls, data: dict) -> ShardingPlan:
-        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
-            raise ValueError("not a Partita sharding plan (missing format marker 'partita.sharding_plan')")
-        version = data.get("version")
-        if version != PLAN_VERSION:
-            raise ValueError(
-                f"sharding plan version {version} is not supported by this Partita "
-                f"(reads version {PLAN_VERSION}); plan again with this version"
-            )
-        return cls(data)
+        """A plan from its JSON object: a version-1 object is migrated to the current version
+        (:func:`partitioner.plan_format.migrate`), any other refused with a message naming it."""
+        return cls(migrate(data))
 
     @classmethod
     def from_json(cls, text: str) -> ShardingPlan:

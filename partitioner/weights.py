@@ -34,7 +34,7 @@ from partitioner.safetensors_source import SafetensorsCheckpoint, is_safetensors
 from partitioner.state_names import checkpoint_names, tied_names
 from passes.lower_to_local import strided_parameters
 from passes.placements import format_spec, parse_spec
-from runtime.parallel_module import shard_tensor
+from runtime.tensor_shards import shard_tensor
 
 __all__ = ["WeightSource", "LocalWeights", "load_local_weights", "shard_weights", "tie_weights"]
 

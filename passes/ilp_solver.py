@@ -88,59 +88,13 @@ def solve_ilp(
     for edge in edges:
         flow_offsets.append(flow_offsets[-1] + edge[4].size)
     n = flow_offsets[-1]
-
-    c = np.zeros(n)
-    x_cost = np.concatenate(node_costs) if node_costs else np.zeros(0)
     x_mem = np.concatenate(memories) if memories else np.zeros(0)
     flow_mem = np.zeros(n - n_x)  # bytes an edge's buffers keep, on its flow variables
     for e, edge in enumerate(edges):
         if len(edge) > 5 and edge[5] is not None:
             flow_mem[flow_offsets[e] - n_x : flow_offsets[e + 1] - n_x] = edge[5].ravel()
-    if objective == "memory":
-        scale = max(1.0, float(np.abs(x_mem).max(initial=1.0)))
-        c[:n_x] = x_mem / scale + 1e-9 * x_cost
-    else:
-        c[:n_x] = x_cost
-    rows, cols, vals, lo, hi = [], [], [], [], []
-
-    def add_entries(row_index, col_index, values):
-        rows.append(row_index)
-        cols.append(col_index)
-        vals.append(values)
-
-    def add_rows(low, high):
-        lo.append(low)
-        hi.append(high)
-
-    n_groups = len(node_costs)
-    sizes = np.diff(offsets)
-    add_entries(np.repeat(np.arange(n_groups), sizes), np.arange(n_x), np.ones(n_x))
-    add_rows(np.ones(n_groups), np.ones(n_groups))
-    r = n_groups
-    for e, (g, h, cls_g, cls_h, m, *_) in enumerate(edges):
-        base = flow_offsets[e]
-        n_src, n_dst = m.shape
-        if objective == "memory":
-            c[base : base + m.size] = flow_mem[base - n_x : base - n_x + m.size] / scale + 1e-9 * m.ravel()
-        else:
-            c[base : base + m.size] = m.ravel()
-        flows = base + np.arange(m.size)
-        # producer side: one row per source class
-        add_entries(r + np.repeat(np.arange(n_src), n_dst), flows, np.ones(m.size))
-        add_entries(r + np.asarray(cls_g), offsets[g] + np.arange(len(cls_g)), -np.ones(len(cls_g)))
-        r += n_src
-        # consumer side: one row per destination class
-        add_entries(r + np.tile(np.arange(n_dst), n_src), flows, np.ones(m.size))
-        add_entries(r + np.asarray(cls_h), offsets[h] + np.arange(len(cls_h)), -np.ones(len(cls_h)))
-        r += n_dst
-        add_rows(np.zeros(n_src + n_dst), np.zeros(n_src + n_dst))
-    for g, opts_g, h, opts_h in links or ():
-        add_entries(np.full(len(opts_g), r), offsets[g] + np.asarray(opts_g), np.ones(len(opts_g)))
-        add_entries(np.full(len(opts_h), r), offsets[h] + np.asarray(opts_h), -np.ones(len(opts_h)))
-        add_rows(np.zeros(1), np.zeros(1))
-        r += 1
-    matrix = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(r, n)).tocsr()
-    constraints = [LinearConstraint(matrix, np.concatenate(lo), np.concatenate(hi))]
+    c = _objective(node_costs, x_mem, flow_mem, edges, flow_offsets, objective)
+    constraints = [_choice_and_flow_rows(node_costs, edges, links, offsets, flow_offsets)]
     if budget is not None:
         mem_row = np.zeros(n)
         mem_row[:n_x] = x_mem
@@ -175,3 +129,67 @@ def solve_ilp(
         total += float(m[cls_g[choice[g]], cls_h[choice[h]]])
     proven = getattr(res, "mip_gap", None)
     return IlpResult(choice, total, res.status, res.message, 0.0 if res.status == 0 else proven)
+
+
+def _objective(node_costs: list, x_mem, flow_mem, edges: list, flow_offsets: list, objective: str):
+    """The objective's coefficient per variable (the ``x`` first, then each edge's ``f``): seconds,
+    or for ``objective="memory"`` bytes (scaled by the largest option's) with seconds as a
+    tie-break."""
+    n_x, n = flow_offsets[0], flow_offsets[-1]
+    c = np.zeros(n)
+    x_cost = np.concatenate(node_costs) if node_costs else np.zeros(0)
+    scale = 1.0
+    if objective == "memory":
+        scale = max(1.0, float(np.abs(x_mem).max(initial=1.0)))
+        c[:n_x] = x_mem / scale + 1e-9 * x_cost
+    else:
+        c[:n_x] = x_cost
+    for e, (_g, _h, _cls_g, _cls_h, m, *_) in enumerate(edges):
+        base = flow_offsets[e]
+        if objective == "memory":
+            c[base : base + m.size] = flow_mem[base - n_x : base - n_x + m.size] / scale + 1e-9 * m.ravel()
+        else:
+            c[base : base + m.size] = m.ravel()
+    return c
+
+
+def _choice_and_flow_rows(node_costs: list, edges: list, links, offsets, flow_offsets: list) -> LinearConstraint:
+    """The equality rows: one option per group, each edge's flow leaving its producer's class
+    and arriving at its consumer's, and the links."""
+    n_x, n = flow_offsets[0], flow_offsets[-1]
+    rows, cols, vals, lo, hi = [], [], [], [], []
+
+    def add_entries(row_index, col_index, values):
+        rows.append(row_index)
+        cols.append(col_index)
+        vals.append(values)
+
+    def add_rows(low, high):
+        lo.append(low)
+        hi.append(high)
+
+    n_groups = len(node_costs)
+    sizes = np.diff(offsets)
+    add_entries(np.repeat(np.arange(n_groups), sizes), np.arange(n_x), np.ones(n_x))
+    add_rows(np.ones(n_groups), np.ones(n_groups))
+    r = n_groups
+    for e, (g, h, cls_g, cls_h, m, *_) in enumerate(edges):
+        base = flow_offsets[e]
+        n_src, n_dst = m.shape
+        flows = base + np.arange(m.size)
+        # producer side: one row per source class
+        add_entries(r + np.repeat(np.arange(n_src), n_dst), flows, np.ones(m.size))
+        add_entries(r + np.asarray(cls_g), offsets[g] + np.arange(len(cls_g)), -np.ones(len(cls_g)))
+        r += n_src
+        # consumer side: one row per destination class
+        add_entries(r + np.tile(np.arange(n_dst), n_src), flows, np.ones(m.size))
+        add_entries(r + np.asarray(cls_h), offsets[h] + np.arange(len(cls_h)), -np.ones(len(cls_h)))
+        r += n_dst
+        add_rows(np.zeros(n_src + n_dst), np.zeros(n_src + n_dst))
+    for g, opts_g, h, opts_h in links or ():
+        add_entries(np.full(len(opts_g), r), offsets[g] + np.asarray(opts_g), np.ones(len(opts_g)))
+        add_entries(np.full(len(opts_h), r), offsets[h] + np.asarray(opts_h), -np.ones(len(opts_h)))
+        add_rows(np.zeros(1), np.zeros(1))
+        r += 1
+    matrix = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(r, n)).tocsr()
+    return LinearConstraint(matrix, np.concatenate(lo), np.concatenate(hi))

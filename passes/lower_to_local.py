@@ -330,23 +330,33 @@ def lower_to_local(
     ``bucket_grads``: list, in ``gm.meta["partita.bucketable_grads"]``, the parameter edges whose
     gradient sync can be bucketed (the caller attaches the buckets; pipelines, which accumulate
     gradients over microbatches inside one step, keep the per-edge sync)."""
-    device = torch.device(device or "cpu")
-    b = _Builder(comm, device)
-    b.uneven = _UnevenPieces(graph, records, comm)
-    ndim = comm.ndim
-    env: dict = {}
-    out_specs: dict = {}
-    output_specs: list = []  # the placement of each value the program returns
-    output_shapes: list = []  # and its whole shape (to gather pieces that may be unequal)
-    chains = _strided_chains(graph, records, comm)
-    zero1: dict = {}  # ZeRO-1 / offloaded parameter -> (compute copy's placement, the stepped one's, on host)
-    grad_dst: dict = {}  # ZeRO-1 parameter -> where its edges leave the gradient
-    regathered = False  # some activation edge gathers again in backward
-    layers: dict = {}  # recomputed layer -> [node before its first emitted node, its last emitted node]
-    open_layer = None
+    lowering = _Lowering(graph, records, comm, torch.device(device or "cpu"))
+    for node in graph.nodes:
+        lowering.emit(node)
+    return lowering.finish(bucket_grads)
 
-    def record(node):
-        rec = records.get(node.name)
+
+class _Lowering:
+    """One rank's program being emitted, node by node, with what the nodes emitted so far left:
+    each node's local value (``env``) and its placements (``out_specs``)."""
+
+    def __init__(self, graph: fx.Graph, records: dict, comm: MeshComm, device: torch.device):
+        self.graph, self.records, self.comm, self.device = graph, records, comm, device
+        self.b = _Builder(comm, device)
+        self.b.uneven = _UnevenPieces(graph, records, comm)
+        self.env: dict = {}
+        self.out_specs: dict = {}
+        self.output_specs: list = []  # the placement of each value the program returns
+        self.output_shapes: list = []  # and its whole shape (to gather pieces that may be unequal)
+        self.chains = _strided_chains(graph, records, comm)
+        self.zero1: dict = {}  # ZeRO-1 / offloaded parameter -> (compute copy's placement, the stepped one's, on host)
+        self.grad_dst: dict = {}  # ZeRO-1 parameter -> where its edges leave the gradient
+        self.layers: dict = {}  # recomputed layer -> [node before its first emitted node, its last emitted node]
+        self.open_layer: str | None = None
+        self.regathered = False  # some activation edge gathers again in backward
+
+    def record(self, node):
+        rec = self.records.get(node.name)
         if rec is None:
             raise LoweringError(
                 f"the plan has no entry for node {node.name} ({node.target}); it was made for "
@@ -354,122 +364,145 @@ def lower_to_local(
             )
         return rec
 
-    for node in graph.nodes:
-        i = info(node)
-        if open_layer is not None:  # the previous node was in a recomputed layer: it ends here so far
-            layers[open_layer][1] = _last(b.graph)
-            open_layer = None
+    def emit(self, node) -> None:
+        if self.open_layer is not None:  # the previous node was in a recomputed layer: it ends here so far
+            self.layers[self.open_layer][1] = _last(self.b.graph)
+            self.open_layer = None
         if node.op == "placeholder":
-            env[node] = b.graph.placeholder(node.name)
-            env[node].meta.update(node.meta)
-            out_specs[node] = _specs(record(node)["out"], ndim)
-            rec = record(node)
-            if rec.get("stored") or rec.get("offload"):  # ZeRO-1 or offloaded: it reads a compute copy
-                stored = parse_spec(rec["stored"], ndim) if rec.get("stored") else out_specs[node][0]
-                zero1[node.name] = (out_specs[node][0], stored, bool(rec.get("offload")))
-                grad_dst[node] = zero1_grad_spec(out_specs[node][0], comm.shape)
-            continue
-        if i.kind == "ignored":
-            continue
-        if node.op == "output":
-            counter = iter(range(10**9))
+            self.placeholder(node)
+        elif info(node).kind == "ignored":
+            return
+        elif node.op == "output":
+            self.output(node)
+        else:
+            self.op(node)
 
-            def out_value(n, counter=counter):
-                v = env[n]
-                wanted = required_output_spec(graph, next(counter), out_specs[n][0])
-                if wanted is not None:
-                    # the caller's gradient arrives in the placement returned (a loss: replicated)
-                    v = b.reshard(v, out_specs[n][0], wanted, wanted, "output")
-                output_specs.append(wanted or out_specs[n][0])
-                output_shapes.append(info(n).out_shapes[0])
-                return v
+    def placeholder(self, node) -> None:
+        env, ndim = self.env, self.comm.ndim
+        env[node] = self.b.graph.placeholder(node.name)
+        env[node].meta.update(node.meta)
+        self.out_specs[node] = _specs(self.record(node)["out"], ndim)
+        rec = self.record(node)
+        if rec.get("stored") or rec.get("offload"):  # ZeRO-1 or offloaded: it reads a compute copy
+            stored = parse_spec(rec["stored"], ndim) if rec.get("stored") else self.out_specs[node][0]
+            self.zero1[node.name] = (self.out_specs[node][0], stored, bool(rec.get("offload")))
+            self.grad_dst[node] = zero1_grad_spec(self.out_specs[node][0], self.comm.shape)
 
-            b.graph.output(pytree.tree_map(lambda a: out_value(a) if isinstance(a, fx.Node) else a, node.args[0]))
-            continue
+    def output(self, node) -> None:
+        counter = iter(range(10**9))
+        b, env, out_specs = self.b, self.env, self.out_specs
 
-        rec = record(node)
+        def out_value(n, counter=counter):
+            v = env[n]
+            wanted = required_output_spec(self.graph, next(counter), out_specs[n][0])
+            if wanted is not None:
+                # the caller's gradient arrives in the placement returned (a loss: replicated)
+                v = b.reshard(v, out_specs[n][0], wanted, wanted, "output")
+            self.output_specs.append(wanted or out_specs[n][0])
+            self.output_shapes.append(info(n).out_shapes[0])
+            return v
+
+        b.graph.output(pytree.tree_map(lambda a: out_value(a) if isinstance(a, fx.Node) else a, node.args[0]))
+
+    def op(self, node) -> None:
+        b, env, ndim = self.b, self.env, self.comm.ndim
+        rec = self.record(node)
         if rec.get("recompute"):  # a whole layer, or an attention core (selective recomputation)
-            open_layer = rec.get("region") or f"{rec['block']}[{rec['block_index']}]"
-            layers.setdefault(open_layer, [_last(b.graph), None])
+            self.open_layer = rec.get("region") or f"{rec['block']}[{rec['block_index']}]"
+            self.layers.setdefault(self.open_layer, [_last(b.graph), None])
         ins = _specs(rec.get("ins", []), ndim)
         grads = _specs(rec.get("grads", [None] * len(ins)), ndim)
         outs = _specs(rec["out"], ndim)
         inputs = tensor_input_nodes(node)
         if node.target is operator.getitem:
             env[node] = b.graph.call_function(operator.getitem, (env[node.args[0]], node.args[1]))
-            out_specs[node] = [out_specs[node.args[0]][node.args[1]]]
-            continue
+            self.out_specs[node] = [self.out_specs[node.args[0]][node.args[1]]]
+            return
         if len(ins) != len(inputs):
             raise LoweringError(f"plan entry for {node.name} lists {len(ins)} inputs, the graph has {len(inputs)}")
-        local_inputs = []
-        for k, u in enumerate(inputs):
-            src = out_specs[u][0]
-            value = env[u]
-            if ins[k] is not None and src is not None:
-                _check_uneven_edge(node, u, src, ins[k], grads[k] if info(u).requires_grad else None, b.uneven)
-                strided, src_strided = _edge_strided(node, u, src, ins[k], chains, comm)
-                before = value
-                value = b.reshard(
-                    value,
-                    src,
-                    ins[k],
-                    grads[k] if info(u).requires_grad else None,
-                    f"{node.name}_in{k}",
-                    strided,
-                    src_strided,
-                    producer=u.name,
-                    grad_dst=grad_dst.get(u),
-                )
-                if k in rec.get("regather_inputs", ()) and value is not before:
-                    # an activation kept as its shard, gathered again in backward (passes/activation_regather.py)
-                    edge = b.root.get_submodule(str(value.target))
-                    assert isinstance(edge, Reshard), edge
-                    edge.regather = True
-                    regathered = True
-            local_inputs.append(value)
+        local_inputs = [self.input_value(node, k, u, ins[k], grads[k]) for k, u in enumerate(inputs)]
         args, kwargs = _fill_nodes((node.args, node.kwargs), local_inputs)
-        args, kwargs = _replace_devices(args, device), _replace_devices(kwargs, device)
+        args, kwargs = _replace_devices(args, self.device), _replace_devices(kwargs, self.device)
         if outs and outs[0] is not None:
             b.uneven.specs[node] = outs[0]
-        # a dim cut into unequal pieces is -1: the local size follows from the rank's input
-        uneven_out = b.uneven.of(node)
+        local_shapes = self.local_shapes(node, outs)
+        call = LowerCall(node, tuple(args), dict(kwargs), outs, ins, local_shapes, self.comm, b, rec.get("notes") or {})
+        result = rule_for(node).lower(call)
+        if isinstance(result, fx.Node):
+            result.meta["partita.source"] = node.name
+        env[node] = result
+        self.out_specs[node] = outs
+
+    def input_value(self, node, k: int, u, dst, grad):
+        """Input ``k`` (node ``u``) of ``node`` as the op reads it: resharded from where ``u``
+        left it to ``dst`` (its gradient back from ``grad``)."""
+        src = self.out_specs[u][0]
+        value = self.env[u]
+        if dst is None or src is None:
+            return value
+        grad = grad if info(u).requires_grad else None
+        _check_uneven_edge(node, u, src, dst, grad, self.b.uneven)
+        strided, src_strided = _edge_strided(node, u, src, dst, self.chains, self.comm)
+        made = self.b.reshard(
+            value,
+            src,
+            dst,
+            grad,
+            f"{node.name}_in{k}",
+            strided,
+            src_strided,
+            producer=u.name,
+            grad_dst=self.grad_dst.get(u),
+        )
+        if made is not value and k in self.record(node).get("regather_inputs", ()):
+            # an activation kept as its shard, gathered again in backward (passes/activation_regather.py)
+            edge = self.b.root.get_submodule(str(made.target))
+            assert isinstance(edge, Reshard), edge
+            edge.regather = self.regathered = True
+        return made
+
+    def local_shapes(self, node, outs) -> list:
+        """Each output's shape on this rank; a dim cut into unequal pieces is -1 (the local size
+        follows from the rank's input)."""
+        comm = self.comm
+        uneven_out = self.b.uneven.of(node)
         local_shapes = [
             None
             if s is None or sp is None
             else [-1 if d in uneven_out else n for d, n in enumerate(rank_local_shape(s, sp, comm.shape, comm.coords))]
-            for s, sp in zip(i.out_shapes, outs)
+            for s, sp in zip(info(node).out_shapes, outs)
         ]
         if len(uneven_out) > 1 and node.target in _SIZED_VIEWS:
             raise LoweringError(
                 f"node {node.name} ({node.target}) reshapes a tensor cut into unequal pieces on dims "
                 f"{sorted(uneven_out)}; use sizes that divide the mesh axes cutting them"
             )
-        call = LowerCall(node, tuple(args), dict(kwargs), outs, ins, local_shapes, comm, b, rec.get("notes") or {})
-        result = rule_for(node).lower(call)
-        if isinstance(result, fx.Node):
-            result.meta["partita.source"] = node.name
-        env[node] = result
-        out_specs[node] = outs
-    gm = fx.GraphModule(b.root, b.graph, class_name="PartitaRankProgram")
-    gm.graph.lint()
-    for node in graph.find_nodes(op="placeholder"):
-        if info(node).kind == "param":  # these edges' backward syncs the parameter's gradient
-            for _, edge in b.edges_from.get(node.name, ()):
-                edge.param_edge = node.name
-                edge.weight_name = info(node).name
-                # ZeRO-3: gathered copies freed after forward, gathered again in backward
-                edge.regather = bool(record(node).get("regather")) and edge.forward_communicates
-                gm.meta[REGATHER_KEY] = gm.meta.get(REGATHER_KEY, False) or edge.regather
-    gm.meta[REGATHER_KEY] = gm.meta.get(REGATHER_KEY, False) or regathered
-    bucketable = _bucketable(graph, b) if bucket_grads else {}
-    spans = {layer: (before.next, end) for layer, (before, end) in layers.items() if end is not before}
-    moved = outline_recomputed(gm, spans)
-    prefetch_gathers(gm)  # weight gathers started one ahead of their use
-    gm.meta["partita.output_specs"] = output_specs  # placement of each returned value, in order
-    gm.meta["partita.output_shapes"] = output_shapes
-    gm.meta[ZERO1_KEY] = zero1
-    gm.meta["partita.bucketable_grads"] = {moved.get(name, name): param for name, param in bucketable.items()}
-    return gm
+        return local_shapes
+
+    def finish(self, bucket_grads: bool) -> fx.GraphModule:
+        """The rank's GraphModule: parameter edges marked, recomputed layers outlined, weight
+        gathers prefetched, and what the runtime needs in ``gm.meta``."""
+        b, graph = self.b, self.graph
+        gm = fx.GraphModule(b.root, b.graph, class_name="PartitaRankProgram")
+        gm.graph.lint()
+        for node in graph.find_nodes(op="placeholder"):
+            if info(node).kind == "param":  # these edges' backward syncs the parameter's gradient
+                for _, edge in b.edges_from.get(node.name, ()):
+                    edge.param_edge = node.name
+                    edge.weight_name = info(node).name
+                    # ZeRO-3: gathered copies freed after forward, gathered again in backward
+                    edge.regather = bool(self.record(node).get("regather")) and edge.forward_communicates
+                    gm.meta[REGATHER_KEY] = gm.meta.get(REGATHER_KEY, False) or edge.regather
+        gm.meta[REGATHER_KEY] = gm.meta.get(REGATHER_KEY, False) or self.regathered
+        bucketable = _bucketable(graph, b) if bucket_grads else {}
+        spans = {layer: (before.next, end) for layer, (before, end) in self.layers.items() if end is not before}
+        moved = outline_recomputed(gm, spans)
+        prefetch_gathers(gm)  # weight gathers started one ahead of their use
+        gm.meta["partita.output_specs"] = self.output_specs  # placement of each returned value, in order
+        gm.meta["partita.output_shapes"] = self.output_shapes
+        gm.meta[ZERO1_KEY] = self.zero1
+        gm.meta["partita.bucketable_grads"] = {moved.get(name, name): param for name, param in bucketable.items()}
+        return gm
 
 
 def _last(graph: fx.Graph) -> fx.Node:

@@ -93,36 +93,61 @@ def memory_fields(
     ``regather_activations``: the plan keeps activations gathered for a consumer that keeps them
     as their shard (:mod:`passes.activation_regather`)."""
     recomputed = recomputed or {}
-    again = {name for names in tied for name in names[1:]}
-    mesh = tuple(mesh_shape)
+    walk = _StorageWalk(choices, tuple(mesh_shape), regather_activations)
+    walk.keep_saved(graph, recomputed)
     fields: dict = {}
+    walk.count_kept(fields, activation_copies)
+    walk.state_and_transients(graph, fields, again={name for names in tied for name in names[1:]}, optimizer=optimizer)
+    if holds_gradient_sums:
+        walk.held_gradients(graph, fields, tied)
+    _prefetched(graph, choices, walk.mesh, recomputed, fields)
+    for layer, storages in walk.layer_kept.items():  # alive while the layer's backward reruns it
+        rebuilt = sum(nbytes for key, (nbytes, _) in storages.items() if key not in walk.kept)
+        f = fields.setdefault(walk.first_of[layer].name, {})
+        f["transient_bwd"] = f.get("transient_bwd", 0.0) + rebuilt
+    return {name: f for name, f in fields.items() if f}
 
-    def out_spec(n, j=0):
-        c = choices.get(n)
+
+class _StorageWalk:
+    """The storages a solved plan's nodes and edges make, and which of them are kept for
+    backward (the module docstring's rules), for :func:`memory_fields`."""
+
+    def __init__(self, choices: dict, mesh: tuple, regather_activations: bool = False):
+        self.choices, self.mesh = choices, mesh
+        self.regather_activations = regather_activations
+        self.kept: dict = {}  # storage key -> (bytes, owner node)
+        self.edge_buffers: dict = {}  # consumer -> bytes of its edges' buffers
+        self.regathered: dict = {}  # consumer -> bytes of ZeRO-3 parameters gathered again for its backward
+        self.layer_kept: dict = {}  # recomputed layer -> {storage key: bytes}, rebuilt in its backward
+        self.first_of: dict = {}  # recomputed layer -> its first node
+
+    def out_spec(self, n, j=0):
+        c = self.choices.get(n)
         return c.out[j] if c is not None and j < len(c.out) else None
 
-    def value_bytes(n, j=0):
+    def value_bytes(self, n, j=0):
         i = info(n)
-        spec = out_spec(n, j)
+        spec = self.out_spec(n, j)
         if spec is None or j >= len(i.out_shapes) or i.out_shapes[j] is None:
             return 0.0
-        return local_bytes(i.out_shapes[j], spec, mesh, dtype_bytes(i.dtype))
+        return local_bytes(i.out_shapes[j], spec, self.mesh, dtype_bytes(i.dtype))
 
-    def edge(c, k):
+    def edge(self, c, k):
+        """(key, bytes) of the buffer the edge into input ``k`` of ``c`` allocates, or None."""
         u = tensor_input_nodes(c)[k]
-        mine = choices.get(c)
+        mine = self.choices.get(c)
         if mine is None or mine.strategy is None or k >= len(mine.ins) or mine.ins[k] is None:
             return None
-        src, dst = out_spec(u), mine.ins[k]
+        src, dst = self.out_spec(u), mine.ins[k]
         ui = info(u)
         grad = mine.strategy.grad_spec(k) if ui.requires_grad else None
         if src is None or not edge_allocates(
-            src, dst, grad, mesh, requires_grad=ui.requires_grad, from_param=ui.kind == "param"
+            src, dst, grad, self.mesh, requires_grad=ui.requires_grad, from_param=ui.kind == "param"
         ):
             return None
-        return ("edge", c, k), local_bytes(ui.shape or (), dst, mesh, dtype_bytes(ui.dtype))
+        return ("edge", c, k), local_bytes(ui.shape or (), dst, self.mesh, dtype_bytes(ui.dtype))
 
-    def base(n, j=0):
+    def base(self, n, j=0):
         """The storage value ``n`` (output ``j``) lives in: (key, bytes, owner) or None (state, batch)."""
         while True:
             i = info(n)
@@ -135,106 +160,118 @@ def memory_fields(
                     if info(parent).saves is not None and info(parent).saves.alias is not None:
                         n, j = parent, 0
                         continue
-                    return ("value", parent, n.args[1]), value_bytes(parent, n.args[1]), parent
-                e = edge(n, saves.alias)
+                    return ("value", parent, n.args[1]), self.value_bytes(parent, n.args[1]), parent
+                e = self.edge(n, saves.alias)
                 if e is not None:
                     return e[0], e[1], n
                 n, j = tensor_input_nodes(n)[saves.alias], 0
                 continue
-            return ("value", n, j), value_bytes(n, j), n
+            return ("value", n, j), self.value_bytes(n, j), n
 
-    kept: dict = {}  # storage key -> (bytes, owner node)
-    edge_buffers: dict = {}  # consumer -> bytes of its edges' buffers
-    regathered: dict = {}  # consumer -> bytes of ZeRO-3 parameters gathered again for its backward
-
-    def regathers(c, k, layer) -> bool:
+    def regathers(self, c, k, layer) -> bool:
         u = tensor_input_nodes(c)[k]
-        placed = choices.get(u)
+        placed = self.choices.get(u)
         if layer is not None or placed is None:
             return False
-        if regather_activations and info(u).kind == "op":
-            return regathers_activation(c, k, u, out_spec(u), choices[c].ins[k], mesh)
-        return placed.regather and strategy_regathers(c, k, out_spec(u), choices[c].ins[k], mesh)
+        if self.regather_activations and info(u).kind == "op":
+            return regathers_activation(c, k, u, self.out_spec(u), self.choices[c].ins[k], self.mesh)
+        return placed.regather and strategy_regathers(c, k, self.out_spec(u), self.choices[c].ins[k], self.mesh)
 
-    layer_kept: dict = {}  # recomputed layer -> {storage key: bytes}, rebuilt in its backward
-    first_of: dict = {}  # recomputed layer -> its first node
-
-    def keep(found, into=kept):
+    def keep(self, found, into=None):
+        into = self.kept if into is None else into
         if found is not None:
             key, nbytes, owner = found
             into.setdefault(key, (nbytes, owner))
 
-    for c in graph.nodes:
-        i = info(c)
-        if c.op != "call_function" or i.kind != "op" or i.saves is None or choices.get(c) is None:
-            continue
-        ins = tensor_input_nodes(c)
-        layer = recomputed.get(c)
-        into = kept if layer is None else layer_kept.setdefault(layer, {})
-        if layer is not None:
-            first_of.setdefault(layer, c)
-            for u in ins:  # the checkpoint keeps what enters the layer
-                if recomputed.get(u) != layer:
-                    keep(base(u))
-        for k in i.saves.inputs:
-            e = edge(c, k)
-            if e is not None and regathers(c, k, layer):
-                regathered[c] = regathered.get(c, 0.0) + e[1]
-                if info(ins[k]).kind == "op":  # an activation: its shard is kept instead
-                    keep(base(ins[k]), into)
-            elif e is not None:
-                keep((e[0], e[1], c), into)
-            else:
-                keep(base(ins[k]), into)
-        for j in i.saves.outputs:
-            keep(base(c, j), into)
-        if i.saves.extra_bytes:
-            mine = choices[c]
-            placed = [(info(u).shape, spec) for u, spec in zip(ins, mine.ins)] or [(i.shape, out_spec(c))]
-            share = rule_for(c).buffer_share(op_view(c), placed, mesh)
-            fraction = share if share is not None else largest_share(placed, mesh)
-            into[("extra", c)] = (i.saves.extra_bytes * fraction, c)
-        for k in range(len(ins)):
-            e = edge(c, k)
-            if e is not None and e[0] not in kept:
-                edge_buffers[c] = edge_buffers.get(c, 0.0) + e[1]
+    def keep_saved(self, graph: fx.Graph, recomputed: dict) -> None:
+        """Walk the ops: what each keeps for backward (its saved inputs' and outputs' storages,
+        its own buffers; in a recomputed layer, kept by the layer), its edges' buffers, and the
+        ZeRO-3 parameters gathered again for its backward."""
+        choices, mesh = self.choices, self.mesh
+        for c in graph.nodes:
+            i = info(c)
+            if c.op != "call_function" or i.kind != "op" or i.saves is None or choices.get(c) is None:
+                continue
+            ins = tensor_input_nodes(c)
+            layer = recomputed.get(c)
+            into = self.kept if layer is None else self.layer_kept.setdefault(layer, {})
+            if layer is not None:
+                self.first_of.setdefault(layer, c)
+                for u in ins:  # the checkpoint keeps what enters the layer
+                    if recomputed.get(u) != layer:
+                        self.keep(self.base(u))
+            for k in i.saves.inputs:
+                e = self.edge(c, k)
+                if e is not None and self.regathers(c, k, layer):
+                    self.regathered[c] = self.regathered.get(c, 0.0) + e[1]
+                    if info(ins[k]).kind == "op":  # an activation: its shard is kept instead
+                        self.keep(self.base(ins[k]), into)
+                elif e is not None:
+                    self.keep((e[0], e[1], c), into)
+                else:
+                    self.keep(self.base(ins[k]), into)
+            for j in i.saves.outputs:
+                self.keep(self.base(c, j), into)
+            if i.saves.extra_bytes:
+                mine = choices[c]
+                placed = [(info(u).shape, spec) for u, spec in zip(ins, mine.ins)] or [(i.shape, self.out_spec(c))]
+                share = rule_for(c).buffer_share(op_view(c), placed, mesh)
+                fraction = share if share is not None else largest_share(placed, mesh)
+                into[("extra", c)] = (i.saves.extra_bytes * fraction, c)
+            for k in range(len(ins)):
+                e = self.edge(c, k)
+                if e is not None and e[0] not in self.kept:
+                    self.edge_buffers[c] = self.edge_buffers.get(c, 0.0) + e[1]
 
-    for key, (nbytes, owner) in kept.items():
-        f = fields.setdefault(owner.name, {})
-        name = "gathered_buffers" if key[0] == "edge" else "saved_activations"
-        f[name] = f.get(name, 0.0) + nbytes * activation_copies
-    kept_values = {key[1] for key in kept if key[0] == "value"}
-    for n in graph.nodes:
-        i = info(n)
-        f = fields.setdefault(n.name, {})
-        spec = out_spec(n)
-        if n.op == "placeholder" and spec is not None and n.name not in again:
-            if i.kind == "param":
-                stored = choices[n].stored  # ZeRO-1: the optimizer steps a shard placed so
-                numel = local_bytes(i.shape, spec if stored is None else stored, mesh, 1)
-                p, g, s = param_state_parts(numel, dtype_bytes(i.dtype), optimizer)
-                whole = local_bytes(i.shape, spec, mesh, dtype_bytes(i.dtype))
-                if choices[n].offload:  # on the device: the compute copy and its gradient only
-                    f.update(parameters=whole, gradients=whole, optimizer_state=0.0, offloaded=p + g + s)
-                    continue
-                if stored is not None:  # and the compute copy, with its gradient, is whole
-                    p, g = p + whole, g + whole
-                f.update(parameters=p, gradients=g, optimizer_state=s)
-            else:
-                f["input_bytes"] = local_bytes(i.shape, spec, mesh, dtype_bytes(i.dtype))
-            continue
-        if n.op != "call_function" or i.kind != "op" or spec is None:
-            continue
-        own = 0.0 if (i.saves is not None and i.saves.alias is not None) or n in kept_values else value_bytes(n)
-        f["transient_fwd"] = own + edge_buffers.get(n, 0.0)
-        if i.requires_grad:
-            grads_in = sum(value_bytes(u) for u in tensor_input_nodes(n) if info(u).requires_grad)
-            f["transient_bwd"] = value_bytes(n) + grads_in + regathered.get(n, 0.0)
-    if holds_gradient_sums:
+    def count_kept(self, fields: dict, activation_copies: int) -> None:
+        """Each kept storage on its owner: gathered buffers (made by edges) or saved activations."""
+        for key, (nbytes, owner) in self.kept.items():
+            f = fields.setdefault(owner.name, {})
+            name = "gathered_buffers" if key[0] == "edge" else "saved_activations"
+            f[name] = f.get(name, 0.0) + nbytes * activation_copies
+
+    def state_and_transients(self, graph: fx.Graph, fields: dict, *, again: set, optimizer) -> None:
+        """Each placeholder's state or batch bytes (``again``: tied names counted on their first),
+        and each op's forward and backward transients."""
+        choices, mesh = self.choices, self.mesh
+        kept_values = {key[1] for key in self.kept if key[0] == "value"}
+        for n in graph.nodes:
+            i = info(n)
+            f = fields.setdefault(n.name, {})
+            spec = self.out_spec(n)
+            if n.op == "placeholder" and spec is not None and n.name not in again:
+                if i.kind == "param":
+                    stored = choices[n].stored  # ZeRO-1: the optimizer steps a shard placed so
+                    numel = local_bytes(i.shape, spec if stored is None else stored, mesh, 1)
+                    p, g, s = param_state_parts(numel, dtype_bytes(i.dtype), optimizer)
+                    whole = local_bytes(i.shape, spec, mesh, dtype_bytes(i.dtype))
+                    if choices[n].offload:  # on the device: the compute copy and its gradient only
+                        f.update(parameters=whole, gradients=whole, optimizer_state=0.0, offloaded=p + g + s)
+                        continue
+                    if stored is not None:  # and the compute copy, with its gradient, is whole
+                        p, g = p + whole, g + whole
+                    f.update(parameters=p, gradients=g, optimizer_state=s)
+                else:
+                    f["input_bytes"] = local_bytes(i.shape, spec, mesh, dtype_bytes(i.dtype))
+                continue
+            if n.op != "call_function" or i.kind != "op" or spec is None:
+                continue
+            aliased = i.saves is not None and i.saves.alias is not None
+            own = 0.0 if aliased or n in kept_values else self.value_bytes(n)
+            f["transient_fwd"] = own + self.edge_buffers.get(n, 0.0)
+            if i.requires_grad:
+                grads_in = sum(self.value_bytes(u) for u in tensor_input_nodes(n) if info(u).requires_grad)
+                f["transient_bwd"] = self.value_bytes(n) + grads_in + self.regathered.get(n, 0.0)
+
+    def held_gradients(self, graph: fx.Graph, fields: dict, tied) -> None:
+        """A pipeline stage: the gradient sums its parameter edges hold back over a step's
+        microbatches (on the consumer), and the parameters whose ``.grad`` exists from the first
+        microbatch's backward on (``gradients_in_forward``)."""
+        mesh = self.mesh
         first = {name: names[0] for names in tied for name in names}
         early = set()  # parameters (first tied name) with an edge not held back: .grad made per microbatch
         for n in graph.nodes:
-            mine = choices.get(n)
+            mine = self.choices.get(n)
             if mine is None or mine.strategy is None:
                 continue
             for k, u in enumerate(tensor_input_nodes(n)):
@@ -242,7 +279,7 @@ def memory_fields(
                 if ui.kind != "param" or not ui.requires_grad or k >= len(mine.ins) or mine.ins[k] is None:
                     continue
                 grad = mine.strategy.grad_spec(k)
-                if grad_held_back(out_spec(u), grad, mesh):
+                if grad_held_back(self.out_spec(u), grad, mesh):
                     f = fields.setdefault(n.name, {})
                     f["held_gradients"] = f.get("held_gradients", 0.0) + local_bytes(
                         ui.shape or (), grad, mesh, dtype_bytes(ui.dtype)
@@ -253,12 +290,6 @@ def memory_fields(
             f = fields.get(name, {})
             if f.get("gradients"):
                 f["gradients_in_forward"] = f["gradients"]
-    _prefetched(graph, choices, mesh, recomputed, fields)
-    for layer, storages in layer_kept.items():  # alive while the layer's backward reruns it
-        rebuilt = sum(nbytes for key, (nbytes, _) in storages.items() if key not in kept)
-        f = fields.setdefault(first_of[layer].name, {})
-        f["transient_bwd"] = f.get("transient_bwd", 0.0) + rebuilt
-    return {name: f for name, f in fields.items() if f}
 
 
 def _prefetched(graph: fx.Graph, choices: dict, mesh, recomputed: dict, fields: dict) -> None:

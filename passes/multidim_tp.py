@@ -33,27 +33,24 @@ pins 2D / 2.5D weights to their grid storage (3D's to the two orders of its W/p 
 solver choosing the one the layer's roles use; under ``"auto"`` on a cube mesh these are
 offered); the ops around the contractions (norms over the split hidden dim, attention with heads
 split, residual adds, embedding, loss) are left to the solver, which keeps the layout because any
-other costs more. :func:`classify` names the role
-each axis plays in a chosen strategy (the plan summary's grid line). :func:`linear_comm_bytes`
-is the per-linear communication formula for each algorithm (bytes per device, payloads as
-:mod:`passes.cost_model` counts them).
+other costs more. The mode comes with the mesh in the plan's
+:class:`passes.rule_options.RuleOptions`, which the strategy space hands to :func:`allowed` and
+:func:`storage_options`. :func:`classify` names the role each axis plays in a chosen strategy
+(the plan summary's grid line). :func:`linear_comm_bytes` is the per-linear communication
+formula for each algorithm (bytes per device, payloads as :mod:`passes.cost_model` counts them).
 """
 
 from __future__ import annotations
 
-import contextlib
-
 from passes.analyze import info
 from passes.placements import InnerShard, R, Shard, is_partial, is_shard
+from passes.rule_options import TP_MODES, RuleOptions, check_choice
 from passes.rules import op_view, rule_for, tensor_input_nodes
 
 __all__ = [
     "TP_MODES",
-    "check_mode",
-    "forced_mode",
     "check_mesh",
     "grid_roles",
-    "tensor_parallel",
     "weight_contraction",
     "weight_input",
     "axis_role",
@@ -70,24 +67,10 @@ __all__ = [
     "grid_lines",
 ]
 
-TP_MODES = ("auto", "1d", "2d", "2.5d", "3d")
-_SETTING: dict = {"mode": "auto", "mesh": None}
-
-
-def forced_mode() -> str:
-    """The mode :func:`tensor_parallel` set (``"auto"`` outside it)."""
-    return _SETTING["mode"]
-
-
-def check_mode(mode) -> str:
-    if mode not in TP_MODES:
-        raise ValueError(f"tensor_parallel must be one of {TP_MODES}, got {mode!r}")
-    return mode
-
 
 def check_mesh(mode: str, mesh_shape) -> tuple:
     """The mesh ``mode`` needs; raises naming the mesh and the shape needed."""
-    check_mode(mode)
+    check_choice("tensor_parallel", mode, TP_MODES)
     mesh = tuple(int(n) for n in mesh_shape)
     need = {
         "2d": (2, lambda m: m[0] == m[1] and m[0] > 1, "q x q (two equal axes, q > 1), e.g. (2, 2) or (8, 8)"),
@@ -127,18 +110,6 @@ GRID_NAMES = {
     "2.5d": lambda n: ["depth", "rows", "columns"],
     "3d": lambda n: ["i (rows)", "j", "k"],
 }
-
-
-@contextlib.contextmanager
-def tensor_parallel(mode: str, mesh_shape):
-    """Plan weight contractions inside this block under ``mode`` on a mesh of ``mesh_shape``."""
-    mesh = check_mesh(mode, mesh_shape) if mode != "auto" else tuple(mesh_shape)
-    saved = dict(_SETTING)
-    _SETTING.update(mode=mode, mesh=mesh)
-    try:
-        yield
-    finally:
-        _SETTING.update(saved)
 
 
 def _is_param(node) -> bool:
@@ -287,10 +258,11 @@ def label_records(records, mesh_shape) -> None:
         rec["tensor_parallel"] = algorithm_of(rec["tp_roles"], mesh_shape, spec)
 
 
-def allowed(node, strategy) -> bool:
-    """Whether ``strategy`` is admissible for ``node`` under the forced mode: weight contractions
-    take their grid roles, 2D / 2.5D / 3D norms the activation layouts; any under ``"auto"``."""
-    mode = _SETTING["mode"]
+def allowed(node, strategy, options: RuleOptions) -> bool:
+    """Whether ``strategy`` is admissible for ``node`` under the mode ``options`` force: weight
+    contractions take their grid roles, 2D / 2.5D / 3D norms the activation layouts; any under
+    ``"auto"``."""
+    mode = options.tensor_parallel
     if mode == "auto":
         return True
     wc = weight_contraction(node)
@@ -298,7 +270,7 @@ def allowed(node, strategy) -> bool:
         if mode in ACTIVATION_LAYOUTS and _is_norm(node):
             return _layout_of(strategy.out[0], len(op_view(node).out_shape)) in ACTIVATION_LAYOUTS[mode]
         return True
-    mesh = _SETTING["mesh"]
+    mesh = options.mesh_shape
     out_rank = len(op_view(node).out_shape)
     roles = [axis_role(a, wc[0], out_rank) for a in strategy.axes]
     for role, want, n in zip(roles, grid_roles(mode, len(mesh)), mesh):
@@ -390,12 +362,12 @@ def cube_storage(param, mesh_shape, aliases=()) -> list:
     return [(inner, Shard(n_dim), Shard(k_dim)), (inner, Shard(k_dim), Shard(n_dim))]
 
 
-def storage_options(param, specs: list, mesh_shape, aliases=()) -> list:
+def storage_options(param, specs: list, options: RuleOptions, aliases=()) -> list:
     """A parameter placeholder's storage options: under forced 3D a weight contraction's 2-D
     weight takes only :func:`cube_storage` (W/p a device; a weight whose dims the grid does not
     divide is refused, naming it), under ``"auto"`` on a cube mesh those are added to ``specs``.
     ``aliases``: the placeholders this one decides for (a tied weight's other names)."""
-    mode = _SETTING["mode"]
+    mode, mesh_shape = options.tensor_parallel, options.mesh_shape
     cube = cube_storage(param, mesh_shape, aliases)
     if mode == "3d" and _param_weight_dims(param, aliases) is not None:
         if not cube:

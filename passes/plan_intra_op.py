@@ -15,6 +15,7 @@ from __future__ import annotations
 import operator
 import time
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import numpy as np
 import torch.fx as fx
@@ -231,6 +232,7 @@ def plan_intra_op(
     host_budget=None,
     microbatches=1,
     holds_gradient_sums=False,
+    rule_options=None,
     regather_activations=False,
 ) -> IntraOpResult:
     """``recompute``: activation checkpointing of repeated blocks, ``"auto"`` (kept, selective or
@@ -240,6 +242,8 @@ def plan_intra_op(
     offloaded); offloading only adds time, so it is chosen when the device budget needs it.
     ``holds_gradient_sums``: a pipeline stage, which holds its parameter-gradient sums over the
     microbatches of a step (counted in its memory: :func:`passes.memory_accounting.memory_fields`).
+    ``rule_options``: the algorithm modes forced on the rules (:class:`passes.rule_options.RuleOptions`
+    for ``mesh_shape``); None: none.
     ``regather_activations``: activations gathered for an op that keeps them are kept as their
     shard and gathered again in backward (:mod:`passes.activation_regather`; the records name
     those inputs, ``regather_inputs``)."""
@@ -250,21 +254,12 @@ def plan_intra_op(
     t0 = time.perf_counter()
     blocks = find_blocks(graph, enabled=share_blocks)
     _tie_aliases(cap, blocks)
-    rep_pins = {}
-    for node, spec in (pins or {}).items():
-        r = blocks.represent(node)
-        if r in rep_pins and rep_pins[r] != spec:
-            raise ValueError(
-                f"conflicting pins for {info(node).name}: {format_spec(rep_pins[r])} and "
-                f"{format_spec(spec)} (repeated blocks share one decision; pin all layers alike)"
-            )
-        rep_pins[r] = spec
     space = build_space(
         graph,
         blocks,
         mesh_shape,
         cluster,
-        pins=rep_pins,
+        pins=_representative_pins(pins, blocks),
         optimizer=optimizer,
         max_options=max_options,
         activation_copies=activation_copies,
@@ -273,6 +268,7 @@ def plan_intra_op(
         zero1=zero1,
         offload=host_budget is not None,
         microbatches=microbatches,
+        rule_options=rule_options,
         regather_activations=regather_activations,
     )
     t1 = time.perf_counter()
@@ -283,37 +279,173 @@ def plan_intra_op(
         + (f"; {space.pruned} high-compute options pruned" if space.pruned else "")
     )
 
-    twins = [(gi, i) for gi, g in enumerate(space.groups) for i, o in enumerate(g.options) if o[g.leader].regather]
-    # ZeRO-1 weights cost what replicated ones do (a reduce-scatter and an all-gather instead of an
-    # all-reduce) and only save memory: outside a forced ``zero=1`` they are left out of the solves
-    # made before the budget needs them, so a plan that fits without them has none
-    forced1 = 1 in (zero.values() if isinstance(zero, dict) else [zero])
-    shards = (
-        []
-        if forced1
-        else [
-            (gi, i)
-            for gi, g in enumerate(space.groups)
-            for i, o in enumerate(g.options)
-            if o[g.leader].stored is not None
-        ]
+    solve = _Solves(space, objective=objective, zero=zero, time_limit=time_limit, host_budget=host_budget)
+    result, redo, peak_of, least, least_kept = _solve_within_budget(
+        solve, cap, budget, recompute, activation_copies, holds_gradient_sums, mesh_shape
+    )
+    t2 = time.perf_counter()
+    if result.choice is None:
+        _no_plan(result, space, budget, host_budget, redo, time_limit, least)
+    if budget is not None:
+        result = _fit_peak(
+            result,
+            budget,
+            lambda limit: solve(limit, redo, nodes=RETRY_NODES),
+            peak_of,
+            lambda: solve(budget, redo, "memory", nodes=RETRY_NODES),
+        )
+        t2 = time.perf_counter()
+    recomputed = redo.decode(result.choice)  # block label -> "kept" / "selective" / "full"
+    regions = redo.regions(blocks, recomputed)
+    if regions:
+        log(f"recomputed in backward: {', '.join(f'{b} ({m})' for b, m in recomputed.items() if m != 'kept')}")
+    log(f"solve: {t2 - t1:.2f} s, objective {result.objective * 1e3:.3f} ms{_proven(result)}")
+
+    records, overlap = _decoded_records(
+        cap, space, result.choice, axis_names, redo, regions, optimizer, activation_copies, holds_gradient_sums
     )
 
-    def solve(limit, redo, objective=objective, zero3=True, nodes=NODE_LIMIT, zero1=True):
-        forbidden = ([] if zero3 else twins) + ([] if zero1 else shards)
+    alternatives = _alternatives(space, result.choice, axis_names, redo)
+    t3 = time.perf_counter()
+    stats = _stats(space, result, (t0, t1, t2, t3), n_opts, overlap, records, least, least_kept)
+    return IntraOpResult(
+        records=records,
+        alternatives=alternatives,
+        blocks=_block_summaries(blocks, recomputed),
+        stats=stats,
+    )
+
+
+def _decoded_records(cap, space, choice, axis_names, redo, regions, optimizer, activation_copies, holds_gradient_sums):
+    """The plan's records under the solver's ``choice``, with each node's exact memory fields
+    (:func:`passes.memory_accounting.memory_fields`), its grid labels, and the prefetched gathers'
+    credit: (records, seconds of gathers overlapped)."""
+    graph, blocks = cap.graph, space.blocks
+    choices = _choices(graph, space, blocks, choice)
+    records = _records(cap, space, blocks, choices, axis_names, redo, regions, activation_copies)
+
+    exact = memory_fields(
+        graph,
+        choices,
+        space.mesh_shape,
+        optimizer=optimizer,
+        activation_copies=activation_copies,
+        tied=tied_placeholders(cap),
+        recomputed=regions,
+        holds_gradient_sums=holds_gradient_sums,
+        regather_activations=space.regather_activations,
+    )
+    for rec in records:
+        rec.update(exact.get(rec["name"], {}))
+    multidim_tp.label_records(records, space.mesh_shape)
+    # weight gathers started ahead of their use (passes/prefetch_gathers.py), at the measured overlap
+    overlap = credit_prefetch(records, getattr(space.cluster, "prefetch_overlap", 1.0))
+
+    return records, overlap
+
+
+def _proven(result) -> str:
+    """How far from optimal a solve stopped, when it stopped before proving its plan optimal."""
+    gap = 100 * (result.gap or 0)
+    return "" if result.optimal else f" (search stopped at its node limit, within {gap:.2f}% of optimal)"
+
+
+def _no_plan(result, space, budget, host_budget, redo, time_limit, least) -> NoReturn:
+    """Raise for a solve that found no plan: naming the host budget when it is what is short,
+    else the least memory any plan needs."""
+    if host_budget is not None:
+        _check_host_budget(space, budget, host_budget, redo, time_limit)
+    raise InfeasibleBudgetError(
+        f"the solver found no plan within the budget ({result.message}); the least memory "
+        f"any plan needs is {least / 2**30:.3f} GiB"
+    )
+
+
+def _stats(space, result, times, n_opts, overlap, records, least, least_kept) -> dict:
+    """The plan's ``stats``: phase times (``times``: start, space built, solved, decoded), the
+    space's size, the solver's objective and gap, and the memory floors."""
+    t0, t1, t2, t3 = times
+    stats = {
+        "build_s": t1 - t0,
+        "solve_s": t2 - t1,
+        "ilp_gap": 0.0 if result.optimal else result.gap,
+        "decode_s": t3 - t2,
+        "decisions": len(space.groups),
+        "options": n_opts,
+        "edges": len(space.edges),
+        "objective_s": result.objective,
+        "prefetch_overlap_s": overlap,
+        "optimizer_step_s": sum(r.get("optimizer_step_s", 0.0) for r in records),
+        "pruned_options": space.pruned,
+        "least_memory": least,
+        "least_memory_without_recompute": least_kept,
+    }
+    return stats
+
+
+def _representative_pins(pins, blocks) -> dict:
+    """The pins by the representative node of each (repeated blocks share one decision); raises
+    naming the parameter when two layers are pinned apart."""
+    rep_pins = {}
+    for node, spec in (pins or {}).items():
+        r = blocks.represent(node)
+        if r in rep_pins and rep_pins[r] != spec:
+            raise ValueError(
+                f"conflicting pins for {info(node).name}: {format_spec(rep_pins[r])} and "
+                f"{format_spec(spec)} (repeated blocks share one decision; pin all layers alike)"
+            )
+        rep_pins[r] = spec
+    return rep_pins
+
+
+class _Solves:
+    """The ILP over ``space`` (:func:`passes.ilp_solver.solve_ilp`), with the options it may
+    leave out: ZeRO-3's regathering twins and ZeRO-1's shards (``twins``, ``shards``)."""
+
+    def __init__(self, space, *, objective, zero, time_limit, host_budget):
+        self.space, self.objective, self.time_limit, self.host_budget = space, objective, time_limit, host_budget
+        groups = space.groups
+        self.twins = [(gi, i) for gi, g in enumerate(groups) for i, o in enumerate(g.options) if o[g.leader].regather]
+        # ZeRO-1 weights cost what replicated ones do (a reduce-scatter and an all-gather instead of an
+        # all-reduce) and only save memory: outside a forced ``zero=1`` they are left out of the solves
+        # made before the budget needs them, so a plan that fits without them has none
+        forced1 = 1 in (zero.values() if isinstance(zero, dict) else [zero])
+        self.shards = (
+            []
+            if forced1
+            else [
+                (gi, i)
+                for gi, g in enumerate(groups)
+                for i, o in enumerate(g.options)
+                if o[g.leader].stored is not None
+            ]
+        )
+        self.forced3 = 3 in (zero.values() if isinstance(zero, dict) else [zero])  # some weight must regather
+
+    def __call__(self, limit, redo, objective=None, zero3=True, nodes=NODE_LIMIT, zero1=True):
+        space, host_budget = self.space, self.host_budget
+        forbidden = ([] if zero3 else self.twins) + ([] if zero1 else self.shards)
         return solve_ilp(
             [g.cost for g in space.groups],
             [g.memory for g in space.groups],
             [(e.src, e.dst, e.src_class, e.dst_class, e.matrix, e.memory) for e in space.edges],
             budget=limit,
             links=redo.rows(),
-            objective=objective,
-            time_limit=time_limit,
+            objective=objective or self.objective,
+            time_limit=self.time_limit,
             forbidden=forbidden or None,
             node_limit=nodes,
             host=([g.host_memory for g in space.groups], host_budget) if host_budget is not None else None,
         )
 
+
+def _solve_within_budget(solve: _Solves, cap, budget, recompute, activation_copies, holds_gradient_sums, mesh_shape):
+    """The cheapest plan, reaching for what only saves memory (recomputation, ZeRO-3, ZeRO-1) only
+    when the budget needs it: (result, the recompute choice, the peak-memory function, least
+    memory, least memory without recomputation)."""
+    space, graph, blocks = solve.space, cap.graph, solve.space.blocks
+    twins, shards = solve.twins, solve.shards
+    optimizer = space.optimizer
     redo = RecomputeChoice()
     peak_of = _peak_of(space, cap, optimizer, activation_copies, lambda: redo, holds_gradient_sums)
     least_kept = min_memory([g.memory for g in space.groups])
@@ -325,7 +457,7 @@ def plan_intra_op(
         used = free.choice is not None and peak_of(free.choice)[0]
         if free.choice is not None and (budget is None or used <= budget):
             result = free
-    forced = 3 in (zero.values() if isinstance(zero, dict) else [zero])  # some weight must regather
+    forced = solve.forced3
     if result is None and budget is not None and (twins or shards) and not forced and recompute in ("auto", "none"):
         # ZeRO-3 only adds time too (a second gather): the best plan without it, if its peak fits
         result = _without_zero3(budget, solve, redo, peak_of)
@@ -346,33 +478,14 @@ def plan_intra_op(
             plain = solve(budget, redo, zero1=False)  # ZeRO-1 ties replicated: only where it saves time
             if plain.choice is not None and plain.objective <= result.objective * (1 + 1e-9):
                 result = plain
-    t2 = time.perf_counter()
-    if result.choice is None and host_budget is not None:
-        _check_host_budget(space, budget, host_budget, redo, time_limit)
-    if result.choice is None:
-        raise InfeasibleBudgetError(
-            f"the solver found no plan within the budget ({result.message}); the least memory "
-            f"any plan needs is {least / 2**30:.3f} GiB"
-        )
-    if budget is not None:
-        result = _fit_peak(
-            result,
-            budget,
-            lambda limit: solve(limit, redo, nodes=RETRY_NODES),
-            peak_of,
-            lambda: solve(budget, redo, "memory", nodes=RETRY_NODES),
-        )
-        t2 = time.perf_counter()
-    recomputed = redo.decode(result.choice)  # block label -> "kept" / "selective" / "full"
-    regions = redo.regions(blocks, recomputed)
-    if regions:
-        log(f"recomputed in backward: {', '.join(f'{b} ({m})' for b, m in recomputed.items() if m != 'kept')}")
-    gap = 100 * (result.gap or 0)
-    proven = "" if result.optimal else f" (search stopped at its node limit, within {gap:.2f}% of optimal)"
-    log(f"solve: {t2 - t1:.2f} s, objective {result.objective * 1e3:.3f} ms{proven}")
+    return result, redo, peak_of, least, least_kept
 
+
+def _choices(graph, space, blocks, choice: list) -> dict:
+    """Node -> its NodeChoice under the solver's ``choice`` (every node of a repeated block takes
+    its representative's), also written to ``node.meta[CHOICE_KEY]``."""
     rep_choice = {}
-    for g, i in zip(space.groups, result.choice):
+    for g, i in zip(space.groups, choice):
         for m in g.members:
             rep_choice[m] = g.options[i][m]
     choices = {}
@@ -381,6 +494,13 @@ def plan_intra_op(
         if c is not None:
             choices[node] = c
             node.meta[CHOICE_KEY] = c
+    return choices
+
+
+def _records(cap, space, blocks, choices: dict, axis_names, redo, regions, activation_copies) -> list:
+    """The plan's record per node (placements, local shapes, collectives, block, decision), in
+    graph order."""
+    graph = cap.graph
     records = []
     block_label = {}
     for grp in blocks.groups:
@@ -412,55 +532,20 @@ def plan_intra_op(
             rec["regather_inputs"] = as_shards
         records.append(rec)
 
-    exact = memory_fields(
-        graph,
-        choices,
-        space.mesh_shape,
-        optimizer=optimizer,
-        activation_copies=activation_copies,
-        tied=tied_placeholders(cap),
-        recomputed=regions,
-        holds_gradient_sums=holds_gradient_sums,
-        regather_activations=space.regather_activations,
-    )
-    for rec in records:
-        rec.update(exact.get(rec["name"], {}))
-    multidim_tp.label_records(records, space.mesh_shape)
-    # weight gathers started ahead of their use (passes/prefetch_gathers.py), at the measured overlap
-    overlap = credit_prefetch(records, getattr(space.cluster, "prefetch_overlap", 1.0))
+    return records
 
-    alternatives = _alternatives(space, result.choice, axis_names, redo)
-    t3 = time.perf_counter()
-    stats = {
-        "build_s": t1 - t0,
-        "solve_s": t2 - t1,
-        "ilp_gap": 0.0 if result.optimal else result.gap,
-        "decode_s": t3 - t2,
-        "decisions": len(space.groups),
-        "options": n_opts,
-        "edges": len(space.edges),
-        "objective_s": result.objective,
-        "prefetch_overlap_s": overlap,
-        "optimizer_step_s": sum(r.get("optimizer_step_s", 0.0) for r in records),
-        "pruned_options": space.pruned,
-        "least_memory": least,
-        "least_memory_without_recompute": least_kept,
-    }
-    return IntraOpResult(
-        records=records,
-        alternatives=alternatives,
-        blocks=[
-            {
-                "label": g.label,
-                "count": len(g.indices),
-                "prefix": g.prefix,
-                "recompute": recomputed.get(g.label, "kept") != "kept",
-                "recompute_mode": recomputed.get(g.label, "kept"),
-            }
-            for g in blocks.groups
-        ],
-        stats=stats,
-    )
+
+def _block_summaries(blocks, recomputed: dict) -> list:
+    return [
+        {
+            "label": g.label,
+            "count": len(g.indices),
+            "prefix": g.prefix,
+            "recompute": recomputed.get(g.label, "kept") != "kept",
+            "recompute_mode": recomputed.get(g.label, "kept"),
+        }
+        for g in blocks.groups
+    ]
 
 
 def _check_host_budget(space, budget, host_budget, redo, time_limit) -> None:

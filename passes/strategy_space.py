@@ -55,6 +55,7 @@ from passes.cost_model import (
     saved_bytes,
 )
 from passes.placements import R, Shard, dual_spec, is_shard, replicated, spec_fits, zero1_grad_spec
+from passes.rule_options import RuleOptions
 from passes.rules import Strategy, expand_to_mesh, op_view, rule_for, tensor_input_nodes
 
 __all__ = [
@@ -253,6 +254,7 @@ class _Builder:
         zero1=True,
         offload=False,
         microbatches=1,
+        rule_options=None,
         regather_activations=False,
     ):
         self.graph = graph
@@ -267,6 +269,8 @@ class _Builder:
         self.pruned = 0
         self.blocks = blocks
         self.mesh = tuple(mesh_shape)
+        self.rule_options = rule_options if rule_options is not None else RuleOptions(mesh_shape=self.mesh)
+        assert self.rule_options.mesh_shape == self.mesh, (self.rule_options, self.mesh)
         self.cluster = cluster
         self.pins = pins  # node -> spec (output placement)
         self.optimizer = optimizer
@@ -282,7 +286,7 @@ class _Builder:
 
     def view_of(self, node):
         if node not in self._views:
-            self._views[node] = op_view(node)
+            self._views[node] = op_view(node, self.rule_options)
         return self._views[node]
 
     # -- costs of one node ------------------------------------------------------------
@@ -513,7 +517,7 @@ class _Builder:
                 specs = [s for s in specs if s == pin] or [pin]
             elif i.kind == "param":  # 3D's weights: stored W/p, cut innermost over the rows axis
                 aliases = [n for n, r in self.blocks.rep.items() if r is node and n.op == "placeholder"]
-                specs = multidim_tp.storage_options(node, specs, self.mesh, aliases)
+                specs = multidim_tp.storage_options(node, specs, self.rule_options, aliases)
             choices = []
             for spec in specs:
                 elem = dtype_bytes(i.dtype)
@@ -547,10 +551,10 @@ class _Builder:
                     f"pinned placement {pin} is not reachable for node {node.name} "
                     f"({i.module_path or 'top level'}, op {node.target}) with shape {i.shape}"
                 )
-        strategies = [s for s in strategies if multidim_tp.allowed(node, s)]
+        strategies = [s for s in strategies if multidim_tp.allowed(node, s, self.rule_options)]
         if not strategies:
             raise ValueError(
-                f"tensor_parallel={multidim_tp.forced_mode()!r}: no strategy of node {node.name} "
+                f"tensor_parallel={self.rule_options.tensor_parallel!r}: no strategy of node {node.name} "
                 f"({i.module_path or 'top level'}, op {node.target}) with shape {i.shape} fits the grid"
             )
         choices = [self.choice_for(node, s) for s in strategies]
@@ -682,6 +686,7 @@ def build_space(
     zero1: bool = True,
     offload: bool = False,
     microbatches: int = 1,
+    rule_options: RuleOptions | None = None,
     regather_activations: bool = False,
 ) -> StrategySpace:
     """``max_options``: cap on an op leader's options (lowest compute kept); ``"auto"`` caps at
@@ -700,6 +705,8 @@ def build_space(
     sharded, ZeRO-1), ``1``, ``2`` or ``3`` (only that). ``zero1``: offer ZeRO-1 at all (False
     for pipeline stages, whose runtime keeps no compute copies). ``offload``: offer each
     parameter option an offloaded twin (optimizer state and step in host memory).
+    ``rule_options``: the algorithm modes the rules honour (:class:`passes.rule_options.RuleOptions`,
+    for this mesh); None: none forced, the solver chooses.
     ``regather_activations``: activations gathered for an op that keeps them are kept as their
     shard and gathered again in backward (:mod:`passes.activation_regather`)."""
     check_zero(zero)
@@ -721,8 +728,31 @@ def build_space(
         zero1,
         offload,
         microbatches,
+        rule_options,
         regather_activations,
     )
+    groups, group_of = _form_groups(graph, blocks, b)
+    _price_groups(groups, blocks)
+    edges = _build_edges(graph, b, groups, group_of)
+    return StrategySpace(
+        grad_reduce_bytes=grad_reduce_bytes,
+        groups=groups,
+        edges=edges,
+        group_of=group_of,
+        blocks=blocks,
+        mesh_shape=tuple(mesh_shape),
+        cluster=cluster,
+        pruned=b.pruned,
+        optimizer=optimizer,
+        regather_activations=regather_activations,
+    )
+
+
+def _form_groups(graph: fx.Graph, blocks: Blocks, b: _Builder) -> tuple:
+    """The decision groups, in graph order: a follower (a getitem, or an op whose rule may
+    follow, all of whose data inputs come from one group of the same block instance, unpinned)
+    joins that group, each option extended by how it follows; any other node leads a group of
+    its own, with its rule's options. Returns (groups, representative node -> group index)."""
     rep = blocks.represent
     group_of: dict = {}
     groups: list = []
@@ -768,6 +798,12 @@ def build_space(
         groups.append(Group(leader=node, members=[node], options=[{node: c} for c in options]))
         group_of[node] = len(groups) - 1
 
+    return groups, group_of
+
+
+def _price_groups(groups: list, blocks: Blocks) -> None:
+    """Each group's seconds, bytes and host bytes per option: its members' sums, times the
+    number of repeated blocks it decides for."""
     for g in groups:
         g.count = blocks.count.get(g.leader, 1)
         g.cost = (
@@ -778,20 +814,6 @@ def build_space(
         )
         g.memory = np.array([sum(opt[m].memory for m in g.members) for opt in g.options]) * g.count
         g.host_memory = np.array([sum(opt[m].host_memory for m in g.members) for opt in g.options]) * g.count
-
-    edges = _build_edges(graph, b, groups, group_of)
-    return StrategySpace(
-        grad_reduce_bytes=grad_reduce_bytes,
-        groups=groups,
-        edges=edges,
-        group_of=group_of,
-        blocks=blocks,
-        mesh_shape=tuple(mesh_shape),
-        cluster=cluster,
-        pruned=b.pruned,
-        optimizer=optimizer,
-        regather_activations=regather_activations,
-    )
 
 
 def _grad_dst(choice: NodeChoice, mesh_shape):

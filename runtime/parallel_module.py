@@ -6,9 +6,9 @@ rank's shards), ``forward`` takes the same arguments and returns the same output
 steps the shards. Inputs: by default every rank passes the global batch and the module keeps
 its own piece (``local_inputs=False``); with ``local_inputs=True`` each rank passes its piece.
 
-State moves between full and sharded forms with :func:`shard_tensor` / :func:`gather_tensor`,
-which follow the plan's placements (and the strided layout of fused projections that are
-split after the matmul, e.g. GPT's QKV).
+State moves between full and sharded forms with :func:`runtime.tensor_shards.shard_tensor` /
+:func:`runtime.tensor_shards.gather_tensor`, which follow the plan's placements (and the strided
+layout of fused projections that are split after the matmul, e.g. GPT's QKV).
 """
 
 from __future__ import annotations
@@ -18,22 +18,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import torch
-import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from passes.placements import (
-    format_spec,
-    rank_local_shape,
-    replicated,
-    shard_degree,
-    split_size,
-    split_start,
-    transition_steps,
-)
-from runtime.collectives import MeshComm, run_steps
+from passes.placements import format_spec
+from runtime.collectives import MeshComm
 from runtime.pretrained_io import PretrainedIO
 from runtime.reshard import Reshard
 from runtime.sharded_io import ShardedCheckpointIO
+from runtime.tensor_shards import gather_tensor, shard_tensor
 
 if TYPE_CHECKING:
     from partitioner.sharding_plan import ShardingPlan
@@ -41,117 +33,7 @@ if TYPE_CHECKING:
     from runtime.grad_sync import DeferredSyncs, GradientBuckets
     from runtime.optimizer_shards import OptimizerShards
 
-__all__ = ["ParallelModule", "Variant", "shard_tensor", "shard_runs", "read_runs", "gather_tensor"]
-
-
-def shard_runs(shape, spec, comm: MeshComm, strided=None) -> list:
-    """Which elements of a whole tensor of ``shape`` this rank keeps under ``spec``: per dim, the
-    ``(start, stop)`` runs, in the order the piece holds them (one run per dim, except on a dim
-    cut in the strided layout: one run per fused piece). ``strided``: axis -> pieces per shard.
-
-    Each mesh axis that cuts a dim (in the order the moves from ``Replicate`` cut them) picks,
-    among the positions the earlier axes kept, either one block (a dim that does not divide: the
-    first ranks one element more, as ``torch.tensor_split``) or, in the strided layout, the same
-    block of each of the ``f`` fused pieces."""
-    strided = strided or {}
-    runs = [[(0, int(n))] for n in shape]
-    for axis, _p, q in transition_steps(replicated(comm.ndim), tuple(spec)):
-        n, c = comm.shape[axis], comm.coords[axis]
-        if n == 1 or getattr(q, "dim", None) is None:
-            continue
-        d = q.dim
-        kept = sum(stop - start for start, stop in runs[d])
-        if axis in strided:
-            f = strided[axis]
-            block, size = kept // f, kept // (f * n)
-            picks = [(j * block + c * size, size) for j in range(f)]
-        else:
-            picks = [(split_start(kept, n, c), split_size(kept, n, c))]
-        runs[d] = _pick(runs[d], picks)
-    return runs
-
-
-def _pick(runs: list, picks: list) -> list:
-    """The runs of whole-tensor positions at offsets ``picks`` ((offset, length) into the
-    concatenation of ``runs``)."""
-    out = []
-    for offset, length in picks:
-        for start, stop in runs:
-            if length == 0:
-                break
-            if offset >= stop - start:
-                offset -= stop - start
-                continue
-            take = min(length, stop - start - offset)
-            out.append((start + offset, start + offset + take))
-            offset, length = 0, length - take
-    return out
-
-
-def read_runs(read, runs: list) -> torch.Tensor:
-    """The piece ``runs`` (:func:`shard_runs`) names, from ``read(index)``: ``index`` is a tuple of
-    one ``slice`` per dim, a block of the whole tensor. Blocks of a dim with several runs are
-    joined along it."""
-    several = next((d for d, r in enumerate(runs) if len(r) > 1), None)
-    if several is None:
-        return read(tuple(slice(start, stop) for ((start, stop),) in runs))
-    parts = [read_runs(read, [*runs[:several], [run], *runs[several + 1 :]]) for run in runs[several]]
-    return torch.cat(parts, dim=several)
-
-
-def shard_tensor(full: torch.Tensor, spec, comm: MeshComm, strided=None) -> torch.Tensor:
-    """This rank's piece of ``full`` under ``spec`` (``strided``: axis -> pieces per shard)."""
-    runs = shard_runs(full.shape, spec, comm, strided)
-    return read_runs(lambda index: full[index], runs).contiguous()
-
-
-def gather_tensor(local: torch.Tensor, spec, comm: MeshComm, strided=None, whole_shape=None) -> torch.Tensor:
-    """The full tensor from every rank's piece (a collective: every rank must call it).
-    ``whole_shape``: the full shape, needed when a cut dim does not divide (unequal pieces)."""
-    strided = strided or {}
-    spec = tuple(spec)
-    if (
-        whole_shape is not None
-        and not strided
-        and any(size % shard_degree(spec, comm.shape, d) for d, size in enumerate(whole_shape))
-    ):
-        return _gather_unequal(local, spec, comm, tuple(whole_shape))
-    if not strided:
-        return run_steps(local, transition_steps(spec, replicated(comm.ndim)), comm, "state")
-    cur = local
-    for axis, p, _q in transition_steps(spec, replicated(comm.ndim)):
-        n = comm.shape[axis]
-        if n == 1 or getattr(p, "dim", None) is None:
-            continue
-        d = p.dim
-        pieces = [torch.empty_like(cur) for _ in range(n)]
-        dist.all_gather(pieces, cur.contiguous(), group=comm.groups[axis])
-        if axis in strided:
-            f = strided[axis]
-            pieces = [t.unflatten(d, (f, t.shape[d] // f)) for t in pieces]
-            cur = torch.cat(pieces, dim=d + 1).flatten(d, d + 1)
-        else:
-            cur = torch.cat(pieces, dim=d)
-    return cur
-
-
-def _gather_unequal(local: torch.Tensor, spec, comm: MeshComm, whole_shape) -> torch.Tensor:
-    """:func:`gather_tensor` for pieces cut like ``torch.tensor_split``: inner axis first, each
-    piece padded to the largest one on that axis, gathered, and the padding cut off."""
-    cur, held = local, list(spec)
-    for axis, p, _q in transition_steps(spec, replicated(comm.ndim)):
-        n = comm.shape[axis]
-        if n == 1 or getattr(p, "dim", None) is None:
-            continue
-        d = p.dim
-        held[axis] = replicated(1)[0]
-        level = rank_local_shape(whole_shape, held, comm.shape, comm.coords)[d]  # the size once joined
-        sizes = [split_size(level, n, j) for j in range(n)]
-        padded = torch.nn.functional.pad(cur.movedim(d, -1), (0, sizes[0] - cur.shape[d])).movedim(-1, d)
-        pieces = [torch.empty_like(padded) for _ in range(n)]
-        dist.all_gather(pieces, padded.contiguous(), group=comm.groups[axis])
-        cur = torch.cat([piece.narrow(d, 0, size) for piece, size in zip(pieces, sizes)], dim=d)
-    return cur
+__all__ = ["ParallelModule", "Variant"]
 
 
 def run_under_autocast(program, values: list, dtype):

@@ -56,10 +56,11 @@ from torch.utils import _pytree as pytree
 from passes.placements import replicated
 from runtime.collectives import MeshComm
 from runtime.grad_sync import DeferredSyncs
-from runtime.parallel_module import gather_tensor, run_under_autocast, shard_tensor
+from runtime.parallel_module import run_under_autocast
 from runtime.pretrained_io import PretrainedIO
 from runtime.reshard import Reshard
 from runtime.sharded_io import ShardedCheckpointIO
+from runtime.tensor_shards import gather_tensor, shard_tensor
 
 if TYPE_CHECKING:
     from partitioner.sharding_plan import ShardingPlan

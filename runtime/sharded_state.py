@@ -35,7 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from passes.placements import InnerShard, Shard, local_shape
 from runtime.collectives import MeshComm
-from runtime.parallel_module import gather_tensor, shard_tensor
+from runtime.tensor_shards import gather_tensor, shard_tensor
 
 __all__ = [
     "TensorLayout",

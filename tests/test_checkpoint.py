@@ -322,6 +322,7 @@ def test_resume_with_dropout_draws_the_same_masks(tmp_path):
 FAULT_TIMEOUT_S = 240  # the run takes ~45 s on 2 shared cores; the bound is for a stuck torchrun
 
 
+@pytest.mark.slow
 def test_a_killed_rank_resumes_from_the_last_checkpoint_with_the_same_losses(tmp_path):
     """``tests/fault_train.py`` under ``torchrun --nproc-per-node 4 --max-restarts 1`` (gloo,
     c10d rendezvous on a free local port): 12 steps, a checkpoint every 4, rank 3 SIGKILLs itself

@@ -308,6 +308,7 @@ def test_the_grid_design_crosses_grid_and_precision_and_runs_every_model_and_zer
     assert not any(c["refused"] for c in GRID_CASES)
 
 
+@pytest.mark.slow  # 8 ranks; 2D and the grids' rules run in the everyday tier (test_multidim_tp, the matrix)
 def test_2_5d_and_3d_on_held_out_families_at_batch_2():
     """:data:`GRID_CASES` on 8 ranks: parity, counted communication = estimate, every weight
     contraction running the forced grid, and the tokens split on the sequence as well as the batch."""

@@ -177,6 +177,7 @@ def test_2d_parity_and_linear_formula_on_4_ranks():
     assert set(results[0][4]["roles"].values()) == {"2d"}
 
 
+@pytest.mark.slow
 def test_2_5d_and_3d_parity_and_linear_formulas_on_8_ranks():
     jobs = [
         _model_job("gpt", "2.5d", (2, 2, 2)),
@@ -223,7 +224,7 @@ def test_3d_weight_storage_is_cut_innermost_and_gathers_in_one_collective():
     the gradient one reduce-scatter; cut outer axis first (``S(1)`` on a0) it takes three moves."""
     from passes.placements import InnerShard, P, R, Shard, parse_spec, transition_steps
     from runtime.collectives import MeshComm
-    from runtime.parallel_module import shard_tensor
+    from runtime.tensor_shards import shard_tensor
 
     stored, used = parse_spec("[Si(1), S(0), S(1)]", 3), (R, Shard(0), Shard(1))
     assert transition_steps(stored, used) == ((0, InnerShard(1), R),)

@@ -144,6 +144,17 @@ def test_mul_partial_in_one_operand_only():
     assert ((P, P), (P,)) not in got
 
 
+def test_diff_splits_its_prepend_like_its_input():
+    """diff(x, prepend=p, dim=-1) splits the batch dim of x and of p together (HF's packed-sequence
+    check diffs position ids with a prepended column)."""
+    m = Fn(lambda self, x, p: torch.diff(x, prepend=p, dim=-1))
+    (node,) = nodes_of(m, (torch.randn(4, 16), torch.randn(4, 1)), aten.diff.default)
+    got = dict((s.out, s.ins) for s in strategies_of(node))
+    assert got[(Shard(0),)] == (Shard(0), Shard(0)), got
+    assert got[(R,)] == (R, R), got
+    assert (Shard(1),) not in got, "the differenced dim stays whole"
+
+
 # -- normalisation and softmax ------------------------------------------------------------
 def test_softmax_over_sharded_dim_has_collectives():
     m = Fn(lambda self, x: F.softmax(x, dim=-1))

@@ -105,7 +105,7 @@ def test_hf_plan_table_fits_and_folds_mask_and_index_rows(hf_plan):
 def test_json_round_trip_is_exact_and_pickle_free(plan, tmp_path):
     path = plan.save(tmp_path / "plan.json")
     raw = json.loads(path.read_text())
-    assert raw["format"] == "partita.sharding_plan" and raw["version"] == 1
+    assert raw["format"] == "partita.sharding_plan" and raw["version"] == 2
     loaded = partitioner.ShardingPlan.load(path)
     assert loaded.to_dict() == plan.to_dict()
     assert loaded.estimate() == plan.estimate()

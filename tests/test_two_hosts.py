@@ -101,6 +101,7 @@ def _kill(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_a_mesh_over_two_hosts_trains_like_one_process(tmp_path):
     missing = _needs()
     if missing is not None:

@@ -30,7 +30,7 @@ rules plan it op by op, and where ring or Ulysses is forced :mod:`passes.eager_a
 first turns it into this op.
 
 Which of the sequence algorithms are offered is a planning setting
-(:func:`sequence_parallel`, from ``partitioner.plan(..., sequence_parallel=...)``): ``"auto"``
+(``op.options.sequence_parallel``, from ``partitioner.plan(..., sequence_parallel=...)``): ``"auto"``
 offers all (the solver chooses by cost and memory), ``"ring"`` / ``"ulysses"`` only that one
 (and :func:`forced_pins` pins every attention output to it on the last mesh axis, data
 parallel on the others), ``"none"`` neither. Ring or Ulysses on one axis combines only with
@@ -39,50 +39,25 @@ replicated or batch-sharded attention on the other axes.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 
 import torch
 
 from passes.placements import R, Shard
+from passes.rule_options import SEQUENCE_PARALLEL_MODES
 from passes.rules.base import AxisStrategy, OpRule, OpView, register, tensor_input_nodes
 
 aten = torch.ops.aten
 logger = logging.getLogger(__name__)
 
-__all__ = ["AttentionRule", "sequence_parallel", "forced_pins", "SEQUENCE_PARALLEL_MODES", "SEQUENCE_ALGORITHMS"]
+__all__ = ["AttentionRule", "forced_pins", "SEQUENCE_PARALLEL_MODES", "SEQUENCE_ALGORITHMS"]
 
-SEQUENCE_PARALLEL_MODES = ("auto", "ring", "ulysses", "none")
 SEQUENCE_ALGORITHMS = ("ring", "ulysses")
-_SETTING: dict = {"mode": "auto", "mesh": None}
-
-
-def check_mode(mode) -> str:
-    if mode not in SEQUENCE_PARALLEL_MODES:
-        raise ValueError(f"sequence_parallel must be one of {SEQUENCE_PARALLEL_MODES}, got {mode!r}")
-    return mode
-
-
-@contextlib.contextmanager
-def sequence_parallel(mode: str, mesh_shape):
-    """Plan attention inside this block with ``mode`` on a mesh of ``mesh_shape``."""
-    check_mode(mode)
-    saved = dict(_SETTING)
-    _SETTING.update(mode=mode, mesh=tuple(int(n) for n in mesh_shape))
-    try:
-        yield
-    finally:
-        _SETTING.update(saved)
 
 
 def _is_causal(op: OpView) -> bool:
     return bool(op.arg(5, "is_causal", False))
-
-
-def _axis_sizes():
-    mesh = _SETTING["mesh"] or ()
-    return [n for n in mesh if n > 1]
 
 
 def _cross_attention(op: OpView) -> bool:
@@ -196,7 +171,7 @@ class AttentionRule(OpRule):
         n_in = len(op.in_shapes)
         mask = op.in_shapes[3] if n_in > 3 else None
         is_causal = _is_causal(op)
-        mode = _SETTING["mode"]
+        mode = op.options.sequence_parallel
 
         def mask_p(dim):
             if mask is None:
@@ -218,7 +193,7 @@ class AttentionRule(OpRule):
             strategies.append(make(Shard(2), R, Shard(2), 2))
         if len(q) != 4 or q[2] <= 1:
             return strategies
-        sizes = _axis_sizes()
+        sizes = op.options.axis_sizes()
         nq, nk = math.prod(q), math.prod(op.in_shapes[1])
         if mode in ("auto", "ring") and _ring_problem(op, sizes) is None:
             kv = float(2 * nk)
@@ -241,7 +216,7 @@ class AttentionRule(OpRule):
             strategies.append(AxisStrategy(out=out, ins=tuple(u_ins), extra=a2a, note="ulysses"))
         return strategies
 
-    def combination_ok(self, axes) -> bool:
+    def combination_ok(self, axes, op) -> bool:
         """Ring or Ulysses on one axis: the others replicated or batch-sharded only."""
         algo = [a for a in axes if a.note in SEQUENCE_ALGORITHMS]
         if not algo:

@@ -10,6 +10,10 @@ every sharded dim divides evenly.
 ``None`` as an input placement means the op reads only that input's metadata (``new_ones``,
 ``type_as``): no data moves on that edge.
 
+A rule reads the algorithm modes forced for this plan (``tensor_parallel=``, ``sequence_parallel=``,
+``expert_parallel=``) and the mesh from ``op.options`` (:class:`passes.rule_options.RuleOptions`),
+which the strategy space puts on every view it makes; there is no module state to set.
+
 An op with no rule gets :data:`REPLICATE_FALLBACK`: everything replicated, one warning per op.
 """
 
@@ -25,6 +29,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from passes.placements import P, Partial, R, Replicate, Shard, spec_fits
+from passes.rule_options import DEFAULT_RULE_OPTIONS, RuleOptions
 
 __all__ = [
     "OpView",
@@ -92,6 +97,8 @@ class OpView:
     """One global shape per output (a single-output op has one)."""
     in_dtypes: tuple
     out_dtypes: tuple
+    options: RuleOptions = DEFAULT_RULE_OPTIONS
+    """The modes and mesh this plan is made under (the defaults: the solver chooses freely)."""
 
     @property
     def args(self):
@@ -121,7 +128,7 @@ def _val_list(val):
     return [val]
 
 
-def op_view(node: fx.Node) -> OpView:
+def op_view(node: fx.Node, options: RuleOptions = DEFAULT_RULE_OPTIONS) -> OpView:
     ins = tensor_input_nodes(node)
     in_vals = [n.meta.get("val") for n in ins]
     outs = _val_list(node.meta.get("val"))
@@ -131,6 +138,7 @@ def op_view(node: fx.Node) -> OpView:
         out_shapes=tuple(_shape_of(v) for v in outs),
         in_dtypes=tuple(getattr(v, "dtype", None) for v in in_vals),
         out_dtypes=tuple(getattr(v, "dtype", None) for v in outs),
+        options=options,
     )
 
 
@@ -228,8 +236,8 @@ class OpRule(abc.ABC):
         op on local tensors. Rules whose sharded form differs override this."""
         return call.emit()
 
-    def combination_ok(self, axes) -> bool:
-        """Whether per-axis candidates ``axes`` may be combined on one mesh (default: any)."""
+    def combination_ok(self, axes, op: OpView) -> bool:
+        """Whether per-axis candidates ``axes`` may be combined on one mesh for ``op`` (default: any)."""
         return True
 
     def rate_shape(self, op: OpView, strategy: Strategy | None = None, mesh_shape=()) -> tuple | None:
@@ -325,7 +333,7 @@ def expand_to_mesh(axis_candidates: list, op: OpView, mesh_shape) -> list:
     rule = rule_for(op.node)
     for combo in itertools.product(axis_candidates, repeat=len(mesh_shape)):
         strat = Strategy.from_axes(combo)
-        if strat.axes in seen or not rule.combination_ok(strat.axes):
+        if strat.axes in seen or not rule.combination_ok(strat.axes, op):
             continue
         ok = all(shape is None or spec_fits(shape, spec, mesh_shape) for shape, spec in zip(op.out_shapes, strat.out))
         ok = ok and all(

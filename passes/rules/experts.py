@@ -23,7 +23,7 @@ twice that), over the work split, times the *imbalance* on an expert axis of ``n
 most-loaded rank's share of the routed pairs over the mean, measured from the router on the
 example batch (:mod:`passes.moe.routing`; 1.0 where none was measured).
 
-Whether expert splits are offered is a planning setting (:func:`expert_parallel`, from
+Whether expert splits are offered is a planning setting (``op.options.expert_parallel``, from
 ``partitioner.plan(..., expert_parallel=...)``): ``"auto"`` offers them beside the rest (the
 solver chooses by time and memory), ``"on"`` only candidates with the experts split over a mesh
 axis of more than one device, ``"off"`` none.
@@ -31,7 +31,6 @@ axis of more than one device, ``"off"`` none.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
@@ -39,6 +38,7 @@ import torch
 from passes.moe.experts_op import MOE_OP
 from passes.node_info import Saves, info
 from passes.placements import P, R, Shard
+from passes.rule_options import EXPERT_PARALLEL_MODES
 from passes.rules.base import AxisStrategy, OpRule, OpView, register
 
 logger = logging.getLogger(__name__)
@@ -47,35 +47,13 @@ __all__ = [
     "ExpertsRule",
     "EXPERT_PARALLEL_MODES",
     "EXPERT_NOTES",
-    "check_mode",
     "check_forced",
     "experts_lines",
-    "expert_parallel",
     "imbalance",
 ]
 
-EXPERT_PARALLEL_MODES = ("auto", "on", "off")
 EXPERT_NOTES = ("experts", "experts_local")
 ROUTING_KEY = "partita.routing"
-_SETTING: dict = {"mode": "auto", "mesh": None}
-
-
-def check_mode(mode) -> str:
-    if mode not in EXPERT_PARALLEL_MODES:
-        raise ValueError(f"expert_parallel must be one of {EXPERT_PARALLEL_MODES}, got {mode!r}")
-    return mode
-
-
-@contextlib.contextmanager
-def expert_parallel(mode: str, mesh_shape):
-    """Plan mixture-of-experts layers inside this block with ``mode`` on a mesh of ``mesh_shape``."""
-    check_mode(mode)
-    saved = dict(_SETTING)
-    _SETTING.update(mode=mode, mesh=tuple(int(n) for n in mesh_shape))
-    try:
-        yield
-    finally:
-        _SETTING.update(saved)
 
 
 def check_forced(graph, mode: str, mesh_shape) -> None:
@@ -152,7 +130,7 @@ class ExpertsRule(OpRule):
     def axis_strategies(self, op: OpView) -> list:
         tokens, k = op.in_shapes[1]
         experts, hidden = op.in_shapes[4][0], op.in_shapes[0][1]
-        mode = _SETTING["mode"]
+        mode = op.options.expert_parallel
         out = [AxisStrategy(out=(R,), ins=(R,) * 5)]
         if tokens > 1:
             out.append(AxisStrategy(out=(Shard(0),), ins=(Shard(0),) * 3 + (R, R)))
@@ -166,13 +144,13 @@ class ExpertsRule(OpRule):
         out.append(AxisStrategy(out=(P,), ins=(R, R, R, Shard(0), Shard(0)), note="experts_local"))
         return out
 
-    def combination_ok(self, axes) -> bool:
+    def combination_ok(self, axes, op) -> bool:
         """The experts split on one axis at most; under ``"on"`` on exactly one of more than one device."""
         split = [ax for ax, a in enumerate(axes) if a.note in EXPERT_NOTES]
         if len(split) > 1:
             return False
-        if _SETTING["mode"] == "on":
-            mesh = _SETTING["mesh"] or ()
+        if op.options.expert_parallel == "on":
+            mesh = op.options.mesh_shape
             return len(split) == 1 and mesh[split[0]] > 1
         return True
 

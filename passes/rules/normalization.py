@@ -59,7 +59,7 @@ class LayerNormRule(OpRule):
             )
         return strategies
 
-    def combination_ok(self, axes) -> bool:
+    def combination_ok(self, axes, op) -> bool:
         # the normalised dim sharded on one axis at most (the row statistics' payload assumes it)
         return sum(1 for a in axes if a.extra) <= 1
 

@@ -82,7 +82,8 @@ class ReductionRule(OpRule):
 
 
 class ScanRule(OpRule):
-    """cumsum(x, dim) / diff(x, n, dim): the scanned dim stays whole."""
+    """cumsum(x, dim) / diff(x, n, dim, prepend, append): the scanned dim stays whole; a split of
+    another dim splits ``prepend`` / ``append`` the same way (they match ``x`` off the scanned dim)."""
 
     def __init__(self, dim_index: int, default: int = 0):
         self.dim_index = dim_index
@@ -92,10 +93,11 @@ class ScanRule(OpRule):
         x = op.in_shapes[0]
         dim = op.arg(self.dim_index, "dim", self.default)
         dim = dim + len(x) if dim < 0 else dim
-        rest = tuple(None if s is None else R for s in op.in_shapes[1:])
-        strategies = [AxisStrategy(out=(R,), ins=(R,) + rest)]
+        others = op.in_shapes[1:]
+        strategies = [AxisStrategy(out=(R,), ins=(R,) + tuple(None if s is None else R for s in others))]
         for d in range(len(x)):
             if d != dim and x[d] > 1 and x[d] == op.out_shape[d]:
+                rest = tuple(None if s is None else Shard(d) for s in others)
                 strategies.append(AxisStrategy(out=(Shard(d),), ins=(Shard(d),) + rest))
         return strategies
 

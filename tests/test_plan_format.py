@@ -1,0 +1,80 @@
+"""The plan file's format: a typed header (``partitioner.plan_format.PlanHeader``), version 2, and
+the migration that reads version-1 files. ``tests/data/plan_v1_mlp.json`` was written by the
+code before version 2 (``partitioner.plan(mlp_demo(batch=8), mesh=(2, 2), cluster="h100",
+memory_budget="80GiB")``); it loads as the plan the same call makes now. Single process."""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+import partitioner
+from partitioner import ShardingPlan, models
+from partitioner.plan_format import PLAN_VERSION, PlanHeader
+
+V1_FILE = Path(__file__).parent / "data" / "plan_v1_mlp.json"
+HEADER_KEYS = [f.name for f in fields(PlanHeader)]
+
+
+@pytest.fixture(scope="module")
+def fresh():
+    model, inputs = models.mlp_demo(batch=8)
+    return partitioner.plan(model, inputs, mesh=(2, 2), mesh_axis_names=("dp", "tp"), cluster="h100",
+                            memory_budget="80GiB")
+
+
+def test_a_version_1_file_loads_as_the_plan_made_now(fresh):
+    raw = json.loads(V1_FILE.read_text())
+    assert raw["version"] == 1
+    old = ShardingPlan.load(V1_FILE)
+    assert PLAN_VERSION == 2 and old.data["version"] == 2 and fresh.data["version"] == 2
+    assert old.header == fresh.header
+    for key in ("records", "alternatives", "blocks"):
+        assert old.data[key] == fresh.data[key], key
+    assert old.estimate() == fresh.estimate()
+    untimed = lambda plan: [line for line in plan.summary().splitlines() if "solved in" not in line]  # noqa: E731
+    assert untimed(old) == untimed(fresh)
+
+
+def test_keys_an_older_version_1_writer_left_out_get_their_defaults(fresh):
+    raw = json.loads(V1_FILE.read_text())
+    dropped = ["structure", "routing", "tensor_parallel", "expert_parallel", "host_memory_budget", "flops_dtype"]
+    for key in dropped:
+        del raw[key]
+    old = ShardingPlan.from_dict(raw)
+    assert set(HEADER_KEYS) <= set(old.data)
+    header = old.header
+    assert (header.tensor_parallel, header.expert_parallel, header.routing, header.structure) == ("auto", "auto", None, None)
+    assert old.estimate() == fresh.estimate()
+
+
+def test_the_stage_plans_of_a_version_1_pipeline_are_migrated_too():
+    stage = json.loads(V1_FILE.read_text())
+    del stage["expert_parallel"]
+    pipelined = {k: stage[k] for k in ("format", "version", "model", "inputs", "mesh", "cluster", "budget")}
+    pipelined.update(fingerprint=None, records=[], alternatives={}, blocks=[], stats={},
+                     pipeline={"stage_plans": [copy.deepcopy(stage), copy.deepcopy(stage)]})
+    plan = ShardingPlan.from_dict(pipelined)
+    assert plan.data["version"] == 2
+    assert [s["version"] for s in plan.data["pipeline"]["stage_plans"]] == [2, 2]
+    assert all(s["expert_parallel"] == "auto" for s in plan.data["pipeline"]["stage_plans"])
+
+
+def test_json_round_trip_keeps_the_typed_header(fresh, tmp_path):
+    again = ShardingPlan.load(fresh.save(tmp_path / "plan.json"))
+    assert again.header == fresh.header and again.to_dict() == fresh.to_dict()
+    assert list(fresh.data)[: len(HEADER_KEYS)] == HEADER_KEYS  # the header first, in its fields' order
+    assert fresh.header.mesh == {"shape": [2, 2], "axis_names": ["dp", "tp"]}
+
+
+def test_unknown_versions_and_incomplete_files_are_refused_by_name(fresh):
+    with pytest.raises(ValueError, match="version 3 is not supported .*reads versions 1 and 2"):
+        ShardingPlan.from_dict(dict(fresh.to_dict(), version=3))
+    incomplete = {k: v for k, v in fresh.to_dict().items() if k != "mesh"}
+    with pytest.raises(ValueError, match=r"lacks \['mesh'\]"):
+        ShardingPlan.from_dict(incomplete)
+    with pytest.raises(ValueError, match="not a Partita sharding plan"):
+        ShardingPlan.from_dict({"version": 2})
