@@ -889,15 +889,26 @@ def zero_stage_of(plan: ShardingPlan) -> int:
 
 def _send_pins(first, second, second_plan, ndim) -> dict:
     """Pins for ``first``'s returned values: the placements ``second``'s plan receives them in
-    (node name -> placement), so the first stage sends what the next one chose to take."""
+    (node name -> placement), so the first stage sends what the next one chose to take.
+
+    A value made inside a repeated layer (the last layer's output) is not pinned: the layers
+    share one decision, so its pin would place every layer's output so (the middle stages'
+    free choice of input placement, say replicated over ``dp``, would become every layer's
+    output in the first stage and what each layer's checkpoint keeps under recomputation).
+    The first stage then sends its own placement, as it does when a job plans its stages in
+    order (:mod:`partitioner.pipeline_parallelize`: each stage receives what the one before
+    sends)."""
     from passes.placements import format_spec, parse_spec
 
     records = {r["name"]: r for r in second_plan.records}
     returned = first.captured.graph.find_nodes(op="output")[0].args[0]
     returned = returned if isinstance(returned, (list, tuple)) else [returned]
+    blocks = find_blocks(first.captured.graph)
     pins = {}
     for node, name in zip(returned, first.outputs):
         record = records.get(name)
+        if isinstance(node, torch.fx.Node) and blocks.count.get(blocks.represent(node), 1) > 1:
+            continue
         if name in second.activation_inputs and record and record.get("out") and hasattr(node, "name"):
             spec = parse_spec(record["out"][0], ndim)
             if all(type(p).__name__ != "Partial" for p in spec):

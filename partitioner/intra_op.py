@@ -12,6 +12,7 @@ imports another to reach it.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import logging
 import time
 from dataclasses import replace
@@ -30,7 +31,7 @@ from passes.analyze import info
 from passes.capture import graph_fingerprint
 from passes.moe.routing import routing_of
 from passes.placements import format_spec, parse_spec
-from passes.plan_intra_op import plan_intra_op
+from passes.plan_intra_op import InfeasibleBudgetError, plan_intra_op
 from passes.rules import attention as attention_rule
 from passes.rules import experts as experts_rule
 
@@ -137,7 +138,8 @@ def plan_captured(
     experts_rule.check_forced(cap.graph, opts.expert_parallel, mesh.shape, expert_index)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("%s: pins %s", model_name, {n.name: format_spec(s) for n, s in pinned.items()})
-    result = plan_intra_op(
+    solve = functools.partial(
+        plan_intra_op,
         cap,
         mesh.shape,
         mesh.axis_names,
@@ -159,6 +161,15 @@ def plan_captured(
         holds_gradient_sums=holds_gradient_sums,
         rule_options=replace(opts.rule_options(mesh.shape), expert_axis=expert_index),
     )
+    try:
+        result = solve()
+    except InfeasibleBudgetError as refused:
+        # activations kept as their shard only add time (a gather again in backward): tried
+        # when nothing fits without (passes/activation_regather.py); they change no bound
+        if refused.by_bound:
+            raise
+        logger.info("%s: no plan fits; planning again with gathered activations kept as shards", model_name)
+        result = solve(regather_activations=True)
     t3 = time.perf_counter()
     stats = dict(result.stats, **timings, plan_s=t3 - t2, total_s=t3 - t0)
     data = _plan_data(cap, model_name, mesh, spec, budget, precision, opts, activation_copies, pinned, result, stats)

@@ -353,6 +353,7 @@ class _Lowering:
         self.grad_dst: dict = {}  # ZeRO-1 parameter -> where its edges leave the gradient
         self.layers: dict = {}  # recomputed layer -> [node before its first emitted node, its last emitted node]
         self.open_layer: str | None = None
+        self.regathered = False  # some activation edge gathers again in backward
 
     def record(self, node):
         rec = self.records.get(node.name)
@@ -442,7 +443,7 @@ class _Lowering:
         grad = grad if info(u).requires_grad else None
         _check_uneven_edge(node, u, src, dst, grad, self.b.uneven)
         strided, src_strided = _edge_strided(node, u, src, dst, self.chains, self.comm)
-        return self.b.reshard(
+        made = self.b.reshard(
             value,
             src,
             dst,
@@ -453,6 +454,12 @@ class _Lowering:
             producer=u.name,
             grad_dst=self.grad_dst.get(u),
         )
+        if made is not value and k in self.record(node).get("regather_inputs", ()):
+            # an activation kept as its shard, gathered again in backward (passes/activation_regather.py)
+            edge = self.b.root.get_submodule(str(made.target))
+            assert isinstance(edge, Reshard), edge
+            edge.regather = self.regathered = True
+        return made
 
     def local_shapes(self, node, outs) -> list:
         """Each output's shape on this rank; a dim cut into unequal pieces is -1 (the local size
@@ -486,6 +493,7 @@ class _Lowering:
                     # ZeRO-3: gathered copies freed after forward, gathered again in backward
                     edge.regather = bool(self.record(node).get("regather")) and edge.forward_communicates
                     gm.meta[REGATHER_KEY] = gm.meta.get(REGATHER_KEY, False) or edge.regather
+        gm.meta[REGATHER_KEY] = gm.meta.get(REGATHER_KEY, False) or self.regathered
         bucketable = _bucketable(graph, b) if bucket_grads else {}
         spans = {layer: (before.next, end) for layer, (before, end) in self.layers.items() if end is not before}
         moved = outline_recomputed(gm, spans)

@@ -25,6 +25,10 @@ keeps (:mod:`passes.saved_tensors` says what each op saves) and counts each stor
 * **ZeRO-3 parameters** (``regather``): the copy an edge gathers for a consumer that keeps it
   is freed after forward (a forward transient) and gathered again while the consumer's
   backward runs (a backward transient), outside recomputed layers.
+* **Activations gathered again** (``regather_activations``, :mod:`passes.activation_regather`):
+  the copy an edge gathers for a consumer that keeps it is a forward transient; the producer's
+  shard is kept instead (a saved activation, once per storage); the copy is gathered again
+  while the consumer's backward runs (a backward transient), outside recomputed layers.
 * **ZeRO-1 parameters** (``stored``): the compute copy and its gradient at the placement the
   ops use, plus the optimizer's shard with its gradient and state.
 * **Offloaded parameters** (``offload``): the compute copy and its gradient on the device; the
@@ -45,6 +49,7 @@ import operator
 
 import torch.fx as fx
 
+from passes.activation_regather import regathers_activation
 from passes.analyze import info
 from passes.cost_model import (
     dtype_bytes,
@@ -71,6 +76,7 @@ def memory_fields(
     tied=(),
     recomputed=None,
     holds_gradient_sums: bool = False,
+    regather_activations: bool = False,
 ) -> dict:
     """Node name -> memory fields (bytes per device) for a solved plan; ``choices``: node ->
     NodeChoice (the solver's decision for every node that has one); ``tied``: lists of placeholder
@@ -83,9 +89,11 @@ def memory_fields(
     edges that reduce-scatter onto a weight stored sharded move it in every microbatch and hold
     nothing more: :func:`passes.cost_model.grad_held_back`), and whose parameters with an edge not
     held back have their ``.grad`` from the first microbatch's backward on, while later
-    microbatches run forward (``gradients_in_forward`` on the parameter)."""
+    microbatches run forward (``gradients_in_forward`` on the parameter).
+    ``regather_activations``: the plan keeps activations gathered for a consumer that keeps them
+    as their shard (:mod:`passes.activation_regather`)."""
     recomputed = recomputed or {}
-    walk = _StorageWalk(choices, tuple(mesh_shape))
+    walk = _StorageWalk(choices, tuple(mesh_shape), regather_activations)
     walk.keep_saved(graph, recomputed)
     fields: dict = {}
     walk.count_kept(fields, activation_copies)
@@ -104,8 +112,9 @@ class _StorageWalk:
     """The storages a solved plan's nodes and edges make, and which of them are kept for
     backward (the module docstring's rules), for :func:`memory_fields`."""
 
-    def __init__(self, choices: dict, mesh: tuple):
+    def __init__(self, choices: dict, mesh: tuple, regather_activations: bool = False):
         self.choices, self.mesh = choices, mesh
+        self.regather_activations = regather_activations
         self.kept: dict = {}  # storage key -> (bytes, owner node)
         self.edge_buffers: dict = {}  # consumer -> bytes of its edges' buffers
         self.regathered: dict = {}  # consumer -> bytes of ZeRO-3 parameters gathered again for its backward
@@ -162,9 +171,11 @@ class _StorageWalk:
     def regathers(self, c, k, layer) -> bool:
         u = tensor_input_nodes(c)[k]
         placed = self.choices.get(u)
-        if layer is not None or placed is None or not placed.regather:
+        if layer is not None or placed is None:
             return False
-        return strategy_regathers(c, k, self.out_spec(u), self.choices[c].ins[k], self.mesh)
+        if self.regather_activations and info(u).kind == "op":
+            return regathers_activation(c, k, u, self.out_spec(u), self.choices[c].ins[k], self.mesh)
+        return placed.regather and strategy_regathers(c, k, self.out_spec(u), self.choices[c].ins[k], self.mesh)
 
     def keep(self, found, into=None):
         into = self.kept if into is None else into
@@ -193,6 +204,8 @@ class _StorageWalk:
                 e = self.edge(c, k)
                 if e is not None and self.regathers(c, k, layer):
                     self.regathered[c] = self.regathered.get(c, 0.0) + e[1]
+                    if info(ins[k]).kind == "op":  # an activation: its shard is kept instead
+                        self.keep(self.base(ins[k]), into)
                 elif e is not None:
                     self.keep((e[0], e[1], c), into)
                 else:

@@ -21,6 +21,7 @@ import numpy as np
 import torch.fx as fx
 
 from passes import multidim_tp
+from passes.activation_regather import regathers_activation
 from passes.analyze import info
 from passes.blocks import find_blocks
 from passes.capture import tied_placeholders
@@ -59,7 +60,10 @@ CHOICE_KEY = "partita.choice"
 
 
 class InfeasibleBudgetError(ValueError):
-    """No plan fits the memory budget."""
+    """No plan fits the memory budget. ``by_bound``: refused by the least memory of the decisions'
+    own terms, before solving (what no edge's buffer, kept or not, changes)."""
+
+    by_bound = False
 
 
 @dataclass
@@ -198,8 +202,11 @@ def _edge_comm(node, choices, space, axis_names):
         )
         out += _collective_dicts(fwd, "fwd", k, mesh, space.cluster, axis_names)
         out += _collective_dicts(bwd, "bwd", k, mesh, space.cluster, axis_names)
-        if choices[u].regather and regathers(node, k, choices[u].out[0], dst, mesh):
-            # a ZeRO-3 parameter: its gathered copy is freed after forward and gathered again here
+        if ui.kind == "op":  # an activation kept as its shard (passes/activation_regather.py)
+            again = space.regather_activations and regathers_activation(node, k, u, choices[u].out[0], dst, mesh)
+        else:  # a ZeRO-3 parameter: its gathered copy is freed after forward
+            again = choices[u].regather and regathers(node, k, choices[u].out[0], dst, mesh)
+        if again:  # ... and gathered again here
             out += [dict(c, regather=True) for c in _collective_dicts(fwd, "bwd", k, mesh, space.cluster, axis_names)]
     return out
 
@@ -227,6 +234,7 @@ def plan_intra_op(
     microbatches=1,
     holds_gradient_sums=False,
     rule_options=None,
+    regather_activations=False,
 ) -> IntraOpResult:
     """``recompute``: activation checkpointing of repeated blocks, ``"auto"`` (kept, selective or
     full, chosen by the solver when the budget needs it), ``"selective"``, ``"all"`` or ``"none"``
@@ -236,7 +244,10 @@ def plan_intra_op(
     ``holds_gradient_sums``: a pipeline stage, which holds its parameter-gradient sums over the
     microbatches of a step (counted in its memory: :func:`passes.memory_accounting.memory_fields`).
     ``rule_options``: the algorithm modes forced on the rules (:class:`passes.rule_options.RuleOptions`
-    for ``mesh_shape``); None: none."""
+    for ``mesh_shape``); None: none.
+    ``regather_activations``: activations gathered for an op that keeps them are kept as their
+    shard and gathered again in backward (:mod:`passes.activation_regather`; the records name
+    those inputs, ``regather_inputs``)."""
     log = log or (lambda msg: None)
     check_recompute_mode(recompute)
     graph: fx.Graph = cap.graph
@@ -261,6 +272,7 @@ def plan_intra_op(
         offload=host_budget is not None,
         microbatches=microbatches,
         rule_options=rule_options,
+        regather_activations=regather_activations,
     )
     t1 = time.perf_counter()
     n_opts = _log_space(log, space, t1 - t0)
@@ -312,6 +324,7 @@ def _decoded_records(cap, space, choice, axis_names, redo, regions, optimizer, a
         tied=tied_placeholders(cap),
         recomputed=regions,
         holds_gradient_sums=holds_gradient_sums,
+        regather_activations=space.regather_activations,
     )
     for rec in records:
         rec.update(exact.get(rec["name"], {}))
@@ -470,7 +483,9 @@ def _solve_within_budget(solve: _Solves, cap, budget, recompute, activation_copi
         redo = add_recompute_options(space, graph, recompute, activation_copies)
         least = least_memory(space, redo)
         if budget is not None and least > budget:
-            raise InfeasibleBudgetError(_infeasible(budget, mesh_shape, least_kept, least, recompute, blocks))
+            refused = InfeasibleBudgetError(_infeasible(budget, mesh_shape, least_kept, least, recompute, blocks))
+            refused.by_bound = True
+            raise refused
         result = solve(budget, redo)
         if result.choice is not None and set(zip(range(len(result.choice)), result.choice)) & set(shards):
             plain = solve(budget, redo, zero1=False)  # ZeRO-1 ties replicated: only where it saves time
@@ -524,6 +539,10 @@ def _records(cap, space, blocks, choices: dict, axis_names, redo, regions, activ
                 redo.mark(rec, node, choices.get(node), blocks, regions, activation_copies, space.mesh_shape)
         if rec.get("recompute"):  # its rerun's gathered weights stay until the layer's backward: no regather
             rec["comm"] = [c for c in rec["comm"] if not c.get("regather")]
+        from_ops = [k for k, u in enumerate(tensor_input_nodes(node)) if info(u).kind == "op"]
+        as_shards = sorted({c["input"] for c in rec["comm"] if c.get("regather") and c["input"] in from_ops})
+        if as_shards:  # activations kept as their shard, gathered again in backward (the lowering reads this)
+            rec["regather_inputs"] = as_shards
         records.append(rec)
 
     return records
@@ -609,6 +628,7 @@ def _peak_of(space, cap, optimizer, activation_copies, redo, holds_gradient_sums
             tied=tied,
             recomputed=redo().regions(space.blocks, redo().decode(choice)),
             holds_gradient_sums=holds_gradient_sums,
+            regather_activations=space.regather_activations,
         )
         m = memory_breakdown([dict(fields.get(n.name, {}), name=n.name) for n in graph.nodes])
         return m.peak, m.peak - (m.state + m.inputs + m.saved)

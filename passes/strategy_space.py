@@ -34,6 +34,7 @@ import numpy as np
 import torch.fx as fx
 
 from passes import multidim_tp
+from passes.activation_regather import regathers_activation
 from passes.analyze import info
 from passes.blocks import Blocks
 from passes.cost_model import (
@@ -181,6 +182,9 @@ class StrategySpace:
     """Bytes per element parameter gradients are reduced in (None: the parameter's own dtype)."""
     optimizer: str | None = None
     """The optimizer the plan is made for (``"adam"``, ``"sgd"``, None)."""
+    regather_activations: bool = False
+    """Activations gathered for an op that keeps them are kept as their shard and gathered again
+    in backward (:mod:`passes.activation_regather`)."""
 
 
 def _options_for_placeholder(shape, mesh_shape) -> list:
@@ -251,8 +255,10 @@ class _Builder:
         offload=False,
         microbatches=1,
         rule_options=None,
+        regather_activations=False,
     ):
         self.graph = graph
+        self.regather_activations = regather_activations
         self.zero = zero
         self.zero1 = zero1
         self.offload = offload
@@ -287,22 +293,30 @@ class _Builder:
     def edge_memory(self, u, src, dst, grad, consumer, k, regather=False) -> float:
         """Bytes of the buffer the edge ``u -> consumer`` (input ``k``) makes, when ``consumer``
         keeps that input for backward (see :func:`passes.cost_model.edge_allocates`); none for a
-        ZeRO-3 parameter's gathered copy (freed after forward, gathered again for backward)."""
+        ZeRO-3 parameter's gathered copy (freed after forward, gathered again for backward); for
+        an activation gathered again in backward, the shard it keeps instead
+        (:mod:`passes.activation_regather`)."""
         saves = info(consumer).saves
         if saves is None or k not in saves.inputs or src is None or dst is None:
             return 0.0
-        if regather and edge_gathers(src, dst, self.mesh):
-            return 0.0
         ui = info(u)
+        if regather and ui.kind == "op":
+            if regathers_activation(consumer, k, u, src, dst, self.mesh):
+                return self.activation_copies * local_bytes(ui.shape or (), src, self.mesh, dtype_bytes(ui.dtype))
+        elif regather and edge_gathers(src, dst, self.mesh):
+            return 0.0
         grad = grad if ui.requires_grad else None
         if not edge_allocates(src, dst, grad, self.mesh, requires_grad=ui.requires_grad, from_param=ui.kind == "param"):
             return 0.0
         return self.activation_copies * local_bytes(ui.shape or (), dst, self.mesh, dtype_bytes(ui.dtype))
 
     def regather_time(self, u, src, dst, consumer, k) -> float:
-        """Seconds of gathering a ZeRO-3 parameter again in backward for ``consumer``, which
-        keeps input ``k`` (the forward's gather, once more)."""
-        if not regathers(consumer, k, src, dst, self.mesh):
+        """Seconds of gathering a ZeRO-3 parameter (or an activation kept as its shard) again in
+        backward for ``consumer``, which keeps input ``k`` (the forward's gather, once more)."""
+        if info(u).kind == "op":
+            if not regathers_activation(consumer, k, u, src, dst, self.mesh):
+                return 0.0
+        elif not regathers(consumer, k, src, dst, self.mesh):
             return 0.0
         return self.edge_time(src, dst, None, u)
 
@@ -673,6 +687,7 @@ def build_space(
     offload: bool = False,
     microbatches: int = 1,
     rule_options: RuleOptions | None = None,
+    regather_activations: bool = False,
 ) -> StrategySpace:
     """``max_options``: cap on an op leader's options (lowest compute kept); ``"auto"`` caps at
     24 on meshes of 3 or more axes, where an op can have over 200 combinations, and not
@@ -691,7 +706,9 @@ def build_space(
     for pipeline stages, whose runtime keeps no compute copies). ``offload``: offer each
     parameter option an offloaded twin (optimizer state and step in host memory).
     ``rule_options``: the algorithm modes the rules honour (:class:`passes.rule_options.RuleOptions`,
-    for this mesh); None: none forced, the solver chooses."""
+    for this mesh); None: none forced, the solver chooses.
+    ``regather_activations``: activations gathered for an op that keeps them are kept as their
+    shard and gathered again in backward (:mod:`passes.activation_regather`)."""
     check_zero(zero)
     if max_options == "auto":
         max_options = 24 if len(mesh_shape) >= 3 else None
@@ -712,6 +729,7 @@ def build_space(
         offload,
         microbatches,
         rule_options,
+        regather_activations,
     )
     groups, group_of = _form_groups(graph, blocks, b)
     _price_groups(groups, blocks)
@@ -726,6 +744,7 @@ def build_space(
         cluster=cluster,
         pruned=b.pruned,
         optimizer=optimizer,
+        regather_activations=regather_activations,
     )
 
 
@@ -833,7 +852,10 @@ def _build_edges(graph, b: _Builder, groups, group_of) -> list:
     by_pair: dict = {}
     for (u, v, k), occurrences in pending.items():
         gu = group_of[u]
-        src_specs = [(opt[u].out[0], opt[u].regather, _grad_dst(opt[u], b.mesh)) for opt in groups[gu].options]
+        again_u = b.regather_activations and info(u).kind == "op"  # else: a ZeRO-3 parameter option's
+        src_specs = [
+            (opt[u].out[0], opt[u].regather or again_u, _grad_dst(opt[u], b.mesh)) for opt in groups[gu].options
+        ]
         if v.op == "output":
             wanted = [required_output_spec(b.graph, k, s) for s, _, _ in src_specs]
             if all(w is None for w in wanted):

@@ -1,4 +1,4 @@
-"""ZeRO-3 parameters: gathered copies freed after forward and gathered again for backward.
+"""ZeRO-3 parameters (and activations): gathered copies freed after forward, gathered again for backward.
 
 A parameter stored sharded is gathered by a :class:`runtime.reshard.Reshard` on every edge
 to a consumer that needs it whole (all-gather on the data-parallel axis). When the consumer
@@ -23,6 +23,12 @@ parameter the plan marks ``regather`` (ZeRO-3), the edge instead:
    weight, gathered on the spot, starts the copy before it ahead and its bias's prefetch is
    still out); the issue order is the backward's, the same on every rank. Every copy is
    gathered again at most once per backward unpacking, as the plan prices.
+
+**Activations** kept as their shard (the plan's ``regather_inputs``,
+``passes/activation_regather.py``: Megatron's sequence parallelism) go through the same hooks:
+their edge registers the gathered copy with the shard it came from, and backward gathers it
+again when unpacking; they are not chained, so never gathered ahead (the plan prices no
+prefetch of them). The shard is what stays: hooks already active (a memory probe) see it kept.
 
 Only the outermost hooks see a save: inside a recomputed layer (activation checkpointing,
 which holds its own hooks) the rerun keeps its gathered copies until the layer's backward ends,
@@ -69,6 +75,7 @@ class _Holder:
         self.chained = False  # linked into its scope's chain
         self.pending = None  # its regather, started ahead (runtime/prefetch.py)
         self.gathered = False  # backward has gathered it again already (never start it ahead after)
+        self.shown = None  # an activation's shard as the caller's hooks packed it (a memory probe counts it)
 
     def get(self) -> torch.Tensor:
         full = self.ref() if self.ref is not None else None
@@ -146,7 +153,10 @@ def regather_scope(program) -> contextlib.AbstractContextManager:
         recipe = _recipe_for(t)
         if recipe is not None:
             holder = recipe.holder
-            if not holder.chained:
+            if holder.edge.param_edge is None:  # an activation: never gathered ahead; its shard stays
+                if outer is not None and holder.shown is None:  # what the caller's hooks see kept
+                    holder.shown = outer[0](holder.shard)
+            elif not holder.chained:
                 holder.prev, holder.chained, last[0] = last[0], True, holder
             return recipe
         return t if outer is None else _Outer(outer[0](t))

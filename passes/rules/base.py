@@ -67,11 +67,16 @@ def rate_key(node: fx.Node) -> str:
 
 
 def tensor_input_nodes(node: fx.Node) -> list:
-    """Every fx.Node occurrence among ``node``'s args and kwargs, in order, duplicates kept."""
-    found = []
-    for leaf in pytree.tree_leaves((node.args, node.kwargs)):
-        if isinstance(leaf, fx.Node):
-            found.append(leaf)
+    """Every fx.Node occurrence among ``node``'s args and kwargs, in order, duplicates kept.
+
+    Remembered on the node for its current ``args`` / ``kwargs`` objects (fx assigns new ones
+    when a node's inputs change), since planning asks it hundreds of thousands of times."""
+    args, kwargs = node.args, node.kwargs
+    known = getattr(node, "_partita_inputs", None)
+    if known is not None and known[0] is args and known[1] is kwargs:
+        return list(known[2])
+    found = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, fx.Node)]
+    node._partita_inputs = (args, kwargs, tuple(found))
     return found
 
 
