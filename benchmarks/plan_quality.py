@@ -44,11 +44,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from bench_common import revision
 
 import partitioner
 from partitioner.models import gpt_block, llama_meta
-from passes.placements import parse_spec, spec_fits
-from bench_common import revision
+from passes.core.placements import parse_spec, spec_fits
 
 CLUSTER = "h100"
 BUDGET = "80GiB"

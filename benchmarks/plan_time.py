@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+
 from bench_common import revision
 
 MESH = (8, 8)

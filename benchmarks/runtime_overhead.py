@@ -89,9 +89,10 @@ def megatron_pins(world):
 
 def _tp_rank(rank, world, steps, size, cluster="h100"):
     use_size(size)
-    import partitioner
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import partitioner
 
     model, batch = build()
     pm = partitioner.auto_parallelize(model, batch, mesh=(world,), pins=megatron_pins(world), cluster=cluster)

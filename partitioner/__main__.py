@@ -162,7 +162,7 @@ def _build_model(spec: str, kwargs: dict, args):
 
 
 def _parse_pins(items: list[str], ndim: int) -> dict:
-    from passes.placements import parse_spec
+    from passes.core.placements import parse_spec
 
     pins = {}
     for item in items or []:

@@ -7,7 +7,7 @@ compute they would save), or split the batch on ``tp`` too. The configuration's 
 what runs, so it is built from these uses, per stage axis:
 
 * ``data``: a model input is split on its first dim there, or a weight contraction splits its
-  rows there (role ``M``, :func:`passes.multidim_tp.classify`) with its output split on dim 0;
+  rows there (role ``M``, :func:`passes.rules.multidim_tp.classify`) with its output split on dim 0;
 * ``sequence``: the same on a later dim (the tokens), or attention runs ring / Ulysses there;
 * ``tensor``: a weight contraction splits its weight there (roles ``N`` / ``K``), or a weight is
   used where it lies split there (an MoE layer's stacked experts excepted);
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 
-from passes.placements import is_partial, is_shard, parse_spec
+from passes.core.placements import is_partial, is_shard, parse_spec
 
 logger = logging.getLogger(__name__)
 

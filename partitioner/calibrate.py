@@ -11,7 +11,7 @@ Algorithm
    rank: the mean, as a step meets the machine's average share, not its best moment). The
    cost model prices an op as ``op_overhead_s + max(flops / peak[dtype], bytes /
    memory_bandwidth)`` in forward and again per backward product
-   (:func:`passes.cost_model.compute_time`): the programs' time per op (a line ``t = a + k *
+   (:func:`passes.plan.cost_model.compute_time`): the programs' time per op (a line ``t = a + k *
    u``) is two overheads, ``u = 2 op_overhead_s`` (what an op costs a lowered program, fx and
    autograd included, beyond its arithmetic); the elementwise times give ``memory_bandwidth``
    (``t = a + bytes * u``, ``a`` a bare call's cost), the matmul times ``peak[dtype]`` and its
@@ -26,13 +26,13 @@ Algorithm
    over their input, a fused attention's blocked kernel) are timed forward + backward through
    autograd on a transformer's activations (``op_tokens x op_width``; attention on a grid of
    sequence lengths and head dimensions), and each op's rule is asked what it counts (its FLOPs
-   and the backward multiples the cost model charges, :func:`passes.cost_model.backward_factor`).
+   and the backward multiples the cost model charges, :func:`passes.plan.cost_model.backward_factor`).
    ``op_rates[dtype][op]`` is those FLOPs over the time beyond each pass's ``op_overhead_s``, so
    the cost model prices each sample at the time it took: one number for an activation or a
    norm; for attention, whose kernel here runs at 21-87 GFLOP/s (float32) depending on the
    sequence length and head dimension (short sequences and small or odd head dimensions are
    slow), the grid of rates, read at an attention's own shape
-   (:func:`passes.cost_model.measured_rate`; flat beyond the grid, so a 32k-token attention
+   (:func:`passes.plan.cost_model.measured_rate`; flat beyond the grid, so a 32k-token attention
    reads the 1,024-token rate).
    **Optimizer steps.** AdamW and SGD step over sets of float32 parameters (many tiny tensors, a
    few large ones): the line ``t = tensors * tensor_s + bytes / bandwidth`` (bytes as the cost
@@ -54,7 +54,7 @@ Algorithm
    free cores than ranks a rank that waits must be scheduled again: a tight loop of collectives
    (ranks arriving together) measures a fraction of what a step pays.
    The cost model prices one as ``collective_overhead_s + steps(n) * latency_s + wire(n) *
-   payload / (bandwidth * efficiency[kind])`` (:func:`passes.cost_model.collective_time`): one
+   payload / (bandwidth * efficiency[kind])`` (:func:`passes.plan.cost_model.collective_time`): one
    linear least-squares fit over every sample, with unknowns ``collective_overhead_s``,
    ``latency_s`` and one seconds-per-wire-byte per kind; the all-reduce's is the link's
    ``bandwidth`` and the other kinds' are its ``efficiency``. Both fixed terms stay >= 0 (a
@@ -66,8 +66,8 @@ Algorithm
    inside the all-reduce after it (the mean over runs and ranks, the collective samples'
    statistic). ``arrival_wait`` is, per measured run time, the time inside beyond the ``burst``
    one (kept >= 0 and non-decreasing), which the estimate adds per collective call by the compute
-   since the previous call (:func:`passes.collective_calls.arrival_wait_s`).
-   **Overlap.** A prefetched weight gather (``passes/prefetch_gathers.py``) runs asynchronously
+   since the previous call (:func:`passes.plan.collective_calls.arrival_wait_s`).
+   **Overlap.** A prefetched weight gather (``passes/lower/prefetch_gathers.py``) runs asynchronously
    beside compute; on a GPU it has its own engine, on gloo its transfers run on threads that
    compete with the compute for the cores. Every rank times an all-gather of a weight's size
    (the largest payload up to 2 MiB) alone, matmuls about as long alone, and the gather started
@@ -284,8 +284,8 @@ def optimizer_samples(sizes: dict, sync=None, say: Callable[[str], None] | None 
 def optimizer_steps(samples: list) -> dict:
     """``ClusterSpec.optimizer_steps`` from :func:`optimizer_samples`: per optimizer, the line
     ``t = tensors * tensor_s + bytes / bandwidth`` (bytes: what the cost model counts,
-    :func:`passes.cost_model.optimizer_step_bytes`) fitted on relative error, both terms >= 0."""
-    from passes.cost_model import optimizer_step_bytes
+    :func:`passes.plan.cost_model.optimizer_step_bytes`) fitted on relative error, both terms >= 0."""
+    from passes.plan.cost_model import optimizer_step_bytes
 
     out = {}
     for name in sorted({s["optimizer"] for s in samples}):
@@ -351,7 +351,7 @@ def _priced_work(target, args, kwargs, out) -> tuple:
     import torch
     import torch.fx as fx
 
-    from passes.cost_model import backward_factor
+    from passes.plan.cost_model import backward_factor
     from passes.rules import op_view, rate_key, rule_for
 
     graph = fx.Graph()
@@ -648,7 +648,7 @@ def _timed_after(work, fn, seconds: float, trials: int, agree, mean) -> float:
 
 
 def _collective(kind, payload, n, me, group, torch, dist, all_gather, reduce_scatter):
-    """One call of ``kind`` moving ``payload`` bytes as :mod:`passes.cost_model` names them
+    """One call of ``kind`` moving ``payload`` bytes as :mod:`passes.plan.cost_model` names them
     (all-gather: the gathered buffer; reduce-scatter: the full input; send/recv: what this rank
     sends to the next rank of the ring while it receives from the previous one)."""
     numel = max(n, payload // 4 // n * n)
@@ -777,7 +777,7 @@ def _fit_nonnegative(rows: list, times: list, fixed_columns: list) -> tuple[list
 
 def collective_design(kind: str, n: int, payload: float) -> list:
     """The row of the collective fit for one sample: [1, steps, wire bytes of kind 0, ...]."""
-    from passes.cost_model import _STEPS, _WIRE
+    from passes.plan.cost_model import _STEPS, _WIRE
 
     row = [1.0, float(_STEPS[kind](n))] + [0.0] * len(COLLECTIVES)
     row[2 + COLLECTIVES.index(kind)] = _WIRE[kind](n) * payload
@@ -823,7 +823,7 @@ def op_rates(samples: list, op_overhead_s: float) -> dict:
     (``op_overhead_s``). An op timed on one kind of shape keeps the mean over its samples; one
     whose samples carry a ``shape`` (attention: sequence length, head dimension) keeps a grid,
     ``{"axes": [the sorted values of each shape axis], "rates": nested lists}``, the mean at each
-    point, so the cost model (:func:`passes.cost_model.measured_rate`) prices every sample at the
+    point, so the cost model (:func:`passes.plan.cost_model.measured_rate`) prices every sample at the
     time it was measured in (the test checks it) and interpolates between them. A sample that is
     all fixed cost (95% or more) rates nothing; a grid point left without a rate (its samples all
     fixed cost) takes the rate of the measured point nearest to it in log coordinates."""
@@ -863,7 +863,7 @@ def _rate_of(points: dict):
 
 
 def _rate_text(rate) -> str:
-    from passes.cost_model import grid_rates
+    from passes.plan.cost_model import grid_rates
 
     if not isinstance(rate, dict):
         return f"{rate / 1e9:.2f} GFLOP/s"

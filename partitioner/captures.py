@@ -40,11 +40,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from partitioner.options import PlanOptions
-from passes.analyze import analyze
-from passes.capture import describe_captured
-from passes.capture_blocks import capture_model
-from passes.eager_attention import fuse_for
-from passes.moe.routing import measure_routing
+from passes.analysis.analyze import analyze
+from passes.analysis.expert_routing import measure_routing
+from passes.capture.capture import describe_captured
+from passes.capture.capture_blocks import capture_model
+from passes.capture.eager_attention import fuse_for
 
 __all__ = ["capture", "captured", "keep_captures"]
 

@@ -27,7 +27,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from passes.placements import is_shard
+from passes.core.placements import is_shard
 
 __all__ = ["clip_grad_norm_"]
 

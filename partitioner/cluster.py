@@ -118,7 +118,7 @@ class ClusterSpec:
     """Per dtype, the fraction of ``peak_flops`` a contraction reaches as a function of its
     arithmetic intensity (FLOPs per byte of its inputs and output): ``[[intensity, fraction],
     ...]`` in increasing intensity, read piecewise linearly in log intensity, flat beyond the
-    ends (:func:`passes.cost_model.matmul_fraction`). Measured by ``partitioner calibrate``;
+    ends (:func:`passes.plan.cost_model.matmul_fraction`). Measured by ``partitioner calibrate``;
     empty (the presets): ``matmul_efficiency`` for every shape."""
     op_rates: dict = field(default_factory=dict)
     """Per dtype, by op name (``aten.gelu``, ``aten.layer_norm``, ``aten.scaled_dot_product_attention``,
@@ -129,12 +129,12 @@ class ClusterSpec:
     ``erf``, ``exp`` and ``tanh`` of activations and the several passes of a normalisation).
     A rate is one number, or for attention a grid over (sequence length, head dimension),
     ``{"axes": [[lengths], [head dims]], "rates": [[...], ...]}``, read at the op's shape
-    (:func:`passes.cost_model.measured_rate`). Measured by ``partitioner calibrate`` (every op it
+    (:func:`passes.plan.cost_model.measured_rate`). Measured by ``partitioner calibrate`` (every op it
     times, forward and backward through autograd); empty (the presets): the roofline for every op."""
     optimizer_steps: dict = field(default_factory=dict)
     """By optimizer (``"adam"``, ``"sgd"``): ``{"tensor_s": seconds per parameter tensor,
     "bandwidth": bytes per second}`` of its step, priced as ``tensor_s + bytes /
-    bandwidth`` per parameter (bytes: :func:`passes.cost_model.optimizer_step_bytes`) in place
+    bandwidth`` per parameter (bytes: :func:`passes.plan.cost_model.optimizer_step_bytes`) in place
     of ``bytes / memory_bandwidth``. Measured by ``partitioner calibrate`` (torch's optimizer on
     CPU steps one tensor at a time, tens of microseconds of Python each, and streams its state
     from DRAM at a fraction of the rate cache-resident ops reach); empty (the presets): the
@@ -149,7 +149,7 @@ class ClusterSpec:
     threshold (``runtime/host_memory.py``; :func:`for_memory_budget`)."""
     prefetch_overlap: float = 1.0
     """The fraction of the shorter of a prefetched all-gather and the compute it runs beside that
-    running them together hides (:func:`passes.prefetch_gathers.credit_prefetch`): 1.0 where the
+    running them together hides (:func:`passes.lower.prefetch_gathers.credit_prefetch`): 1.0 where the
     collective has its own engine and link (the GPU presets); measured by ``partitioner
     calibrate`` on CPUs, where the gather's transfers and reductions run on threads that compete
     with the compute for the same cores."""
@@ -159,7 +159,7 @@ class ClusterSpec:
     collective fit was measured after (the first point, extra 0): ranks sharing cores progress
     unevenly, so the longer the compute between two calls, the further apart the ranks arrive at
     the second. Read piecewise linearly, flat beyond the ends
-    (:func:`passes.cost_model.arrival_wait`). Measured by ``partitioner calibrate``; empty (the
+    (:func:`passes.plan.cost_model.arrival_wait`). Measured by ``partitioner calibrate``; empty (the
     presets): nothing added."""
     host_link: LinkSpec | None = None
     """The link between a device and its host's memory (PCIe on the GPU presets), over which
@@ -198,7 +198,7 @@ class ClusterSpec:
         data["inter_node"] = LinkSpec(**data["inter_node"])
         if data.get("host_link") is not None:
             data["host_link"] = LinkSpec(**data["host_link"])
-        from passes.cost_model import check_rate_grid
+        from passes.plan.cost_model import check_rate_grid
 
         for dtype, ops in (data.get("op_rates") or {}).items():
             for op, rate in ops.items():

@@ -11,7 +11,7 @@ Algorithm
    ``p <= L`` (``d = 1 < t`` is left out: its one-axis stage mesh is ``(p, t, 1)``'s);
    without a pipeline (``p = 1``) one microbatch; with one, every number of microbatches
    ``m >= p`` that divides the global batch into microbatches ``d`` data-parallel
-   ranks can share, each schedule of ``passes.pipeline_schedules`` but GPipe (never faster than
+   ranks can share, each schedule of ``passes.schedules.pipeline_schedules`` but GPipe (never faster than
    1F1B and heavier) - 1F1B, ZB-H1, and interleaved with 2 stages per rank where ``m`` is a
    multiple of ``p`` and ``L >= 2p`` - and recomputation ``none`` or ``all`` (without a
    pipeline the intra-op solver decides it, ``recompute="auto"``); with ``d > 1`` each with
@@ -39,7 +39,7 @@ Algorithm
    recipe (tensor parallel across the node, the fewest pipeline stages whose memory bound fits,
    one sample per microbatch per data-parallel rank, 1F1B, recomputation): the intra-op ILP
    (:func:`partitioner.intra_op.plan_captured`) on the ``(d, t)`` mesh, and for a pipeline the
-   stages cut at layer boundaries (:mod:`passes.split_stages`), each stage planned with its
+   stages cut at layer boundaries (:mod:`passes.plan.split_stages`), each stage planned with its
    inputs pinned to what the stage before sends and its activations counted for the
    microbatches the schedule keeps alive; identical stages (same position, layers and incoming
    placements) are planned once. The pipeline's step is the schedule simulated with the
@@ -93,14 +93,14 @@ from partitioner.options import PlanOptions
 from partitioner.parallel_config import ParallelConfig
 from partitioner.precision import Precision
 from partitioner.sharding_plan import ShardingPlan
-from passes import pipeline_schedules as ps
-from passes.analyze import analyze, info
-from passes.blocks import find_blocks
-from passes.capture import describe_captured, graph_fingerprint
-from passes.capture_blocks import capture_model
-from passes.moe.routing import measure_routing
-from passes.plan_intra_op import InfeasibleBudgetError
-from passes.split_stages import stages_of_layers
+from passes.analysis.analyze import analyze, info
+from passes.analysis.expert_routing import measure_routing
+from passes.capture.blocks import find_blocks
+from passes.capture.capture import describe_captured, graph_fingerprint
+from passes.capture.capture_blocks import capture_model
+from passes.plan.plan_intra_op import InfeasibleBudgetError
+from passes.plan.split_stages import stages_of_layers
+from passes.schedules import pipeline_schedules as ps
 
 __all__ = ["search_config", "plan_config", "ModelFacts", "enumerate_configs", "check_devices"]
 
@@ -403,7 +403,7 @@ class _Bounds:
         (with nothing recomputed: a recomputed layer gathers again, so otherwise as 3), 3 one
         layer's gathered weights; ``"auto"`` (no data axis) all sharded. A pipeline stage with
         ZeRO-0 on a data axis also holds its gradients' sums over the microbatches
-        (:func:`passes.cost_model.grad_held_back`)."""
+        (:func:`passes.plan.cost_model.grad_held_back`)."""
         stage = 3 if c.zero == 2 and c.recompute != "none" else c.zero
         key = (c.pipeline, c.data * c.sequence, c.tensor, stage, c.expert)
         if key not in self._state_cache:
@@ -542,7 +542,7 @@ class _Planner:
     def schedule(self, c: ParallelConfig) -> ps.Schedule:
         """``c``'s compute schedule, made once per (schedule, stages, microbatches, stages per
         rank): configurations that differ in their stage plans replay the same schedule, which
-        :func:`passes.pipeline_schedules.simulate` indexes and checks once."""
+        :func:`passes.schedules.pipeline_schedules.simulate` indexes and checks once."""
         key = (c.schedule or "1f1b", c.pipeline, c.microbatches, c.virtual_stages)
         if key not in self._schedules:
             self._schedules[key] = ps.SCHEDULES[key[0]].make(*key[1:])
@@ -635,10 +635,10 @@ class _Planner:
 
     # -- pipelines ---------------------------------------------------------------------------
     def stage_lengths(self, stages: int) -> list:
-        """Layers per stage: the balanced split :func:`passes.split_stages.assign_stages` makes
+        """Layers per stage: the balanced split :func:`passes.plan.split_stages.assign_stages` makes
         (layers priced by their FLOPs, the ops before the first layer and after the last riding
         with them)."""
-        from passes.split_stages import balance_layers
+        from passes.plan.split_stages import balance_layers
 
         f = self.facts
         assert f is not None, "the planner's model facts are set before pipelines are planned"
@@ -651,7 +651,7 @@ class _Planner:
 
     def _truncated(self, size: int, n_layers: int):
         """The model cut to its first ``n_layers`` repeated layers, captured at batch ``size``."""
-        from passes.capture_blocks import repeated_layers
+        from passes.capture.capture_blocks import repeated_layers
 
         found = repeated_layers(self.model, min_layers=2)
         if found is None:
@@ -680,7 +680,7 @@ class _Planner:
     def _class_split(self, size: int, counts: tuple):
         """Stage graphs of the stage classes (first, middles by layer count, last): the model cut
         to ``sum(counts)`` layers, split into runs of ``counts`` layers."""
-        from passes.split_stages import split_stages
+        from passes.plan.split_stages import split_stages
 
         key = (size, counts)
         if key not in self._splits:
@@ -898,7 +898,7 @@ def _send_pins(first, second, second_plan, ndim) -> dict:
     The first stage then sends its own placement, as it does when a job plans its stages in
     order (:mod:`partitioner.pipeline_parallelize`: each stage receives what the one before
     sends)."""
-    from passes.placements import format_spec, parse_spec
+    from passes.core.placements import format_spec, parse_spec
 
     records = {r["name"]: r for r in second_plan.records}
     returned = first.captured.graph.find_nodes(op="output")[0].args[0]

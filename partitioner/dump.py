@@ -144,11 +144,11 @@ def dump(model_or_plan, directory, *, model=None, example_inputs=None, ranks=Non
         return written
     if example_inputs is None:
         raise ValueError("dump(plan, dir, model=...) also needs example_inputs= to capture the model")
-    from passes.analyze import analyze
-    from passes.capture import graph_fingerprint
-    from passes.capture_blocks import capture_model
-    from passes.eager_attention import fuse_for
-    from passes.lower_to_local import lower_to_local
+    from passes.analysis.analyze import analyze
+    from passes.capture.capture import graph_fingerprint
+    from passes.capture.capture_blocks import capture_model
+    from passes.capture.eager_attention import fuse_for
+    from passes.lower.lower_to_local import lower_to_local
     from runtime.collectives import MeshComm
 
     cap = capture_model(model, example_inputs)

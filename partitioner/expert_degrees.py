@@ -1,6 +1,6 @@
 """The expert degree in the configuration search: which degrees, and their bounds.
 
-A mixture-of-experts layer (:mod:`passes.moe.experts_op`) may split its stacked experts over
+A mixture-of-experts layer (:mod:`passes.capture.experts_op`) may split its stacked experts over
 some of the data-parallel ranks: *expert parallelism* over data ranks, as DeepSeek-V3 trains
 (its experts over 64 of the data ranks). A configuration's expert degree ``e``
 (:attr:`partitioner.parallel_config.ParallelConfig.expert`) divides its data degree ``d`` and
@@ -32,8 +32,8 @@ import logging
 import math
 from dataclasses import dataclass, field, replace
 
-from passes.analyze import info
-from passes.moe.experts_op import MOE_OP
+from passes.analysis.analyze import info
+from passes.capture.experts_op import MOE_OP
 
 logger = logging.getLogger(__name__)
 

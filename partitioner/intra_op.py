@@ -1,6 +1,6 @@
 """Plan a captured graph on one mesh: the user's pins resolved to nodes, the forced algorithm
-modes (pins, and the :class:`passes.rule_options.RuleOptions` handed to the rules), the
-intra-op solver (:func:`passes.plan_intra_op.plan_intra_op`), and the
+modes (pins, and the :class:`passes.core.rule_options.RuleOptions` handed to the rules), the
+intra-op solver (:func:`passes.plan.plan_intra_op.plan_intra_op`), and the
 :class:`ShardingPlan` record it makes.
 
 ``plan_captured`` is the planning step every entry shares: :func:`partitioner.plan` (after it
@@ -26,14 +26,14 @@ from partitioner.options import PlanOptions
 from partitioner.plan_format import PlanHeader
 from partitioner.precision import Precision
 from partitioner.sharding_plan import ShardingPlan
-from passes import multidim_tp
-from passes.analyze import info
-from passes.capture import graph_fingerprint
-from passes.moe.routing import routing_of
-from passes.placements import format_spec, parse_spec
-from passes.plan_intra_op import InfeasibleBudgetError, plan_intra_op
+from passes.analysis.analyze import info
+from passes.analysis.expert_routing import routing_of
+from passes.capture.capture import graph_fingerprint
+from passes.core.placements import format_spec, parse_spec
+from passes.plan.plan_intra_op import InfeasibleBudgetError, plan_intra_op
 from passes.rules import attention as attention_rule
 from passes.rules import experts as experts_rule
+from passes.rules import multidim_tp
 
 __all__ = ["plan_captured", "resolve_pins", "flops_dtype", "training_flops"]
 
@@ -101,8 +101,8 @@ def plan_captured(
     expert_axis=None,
     **option_kwargs,
 ) -> ShardingPlan:
-    """:func:`plan` for a graph already captured and analysed (``passes.capture`` +
-    ``passes.analyze``); ``auto_parallelize`` uses it so the model is captured once.
+    """:func:`plan` for a graph already captured and analysed (``passes.capture.capture`` +
+    ``passes.analysis.analyze``); ``auto_parallelize`` uses it so the model is captured once.
     ``options``: the :class:`PlanOptions` (keywords of the same names override them).
     ``activation_copies``: microbatches whose saved activations are alive at once (a pipeline
     stage under its schedule): the activation memory counts that many. ``options.precision``:
@@ -165,7 +165,7 @@ def plan_captured(
         result = solve()
     except InfeasibleBudgetError as refused:
         # activations kept as their shard only add time (a gather again in backward): tried
-        # when nothing fits without (passes/activation_regather.py); they change no bound
+        # when nothing fits without (passes/plan/activation_regather.py); they change no bound
         if refused.by_bound:
             raise
         logger.info("%s: no plan fits; planning again with gathered activations kept as shards", model_name)

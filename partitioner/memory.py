@@ -6,7 +6,7 @@ records the storages autograd keeps for backward (``saved_activations``: outputs
 statistics; ``gathered_buffers``: tensors made by resharding edges that are kept, e.g. a weight
 stored sharded and all-gathered for use) and what lives only while the op runs
 (``transient_fwd``: its unkept output and edge buffers; ``transient_bwd``: the gradients its
-backward holds). :mod:`passes.memory_accounting` writes those fields.
+backward holds). :mod:`passes.plan.memory_accounting` writes those fields.
 
 The peak follows the step:
 

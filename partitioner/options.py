@@ -28,9 +28,9 @@ import torch
 
 from partitioner.cluster import PRESETS, parse_bytes
 from partitioner.precision import Precision
-from passes.recompute import check_recompute_mode
-from passes.rule_options import RuleOptions
-from passes.strategy_space import check_zero
+from passes.core.rule_options import RuleOptions
+from passes.plan.recompute import check_recompute_mode
+from passes.plan.strategy_space import check_zero
 
 __all__ = ["PlanOptions", "default_cluster", "OBJECTIVES", "OPTIMIZERS", "LAYER_MODES"]
 
@@ -85,7 +85,7 @@ class PlanOptions:
     choose per block kind between keeping its activations, recomputing its attention core
     (selective) and recomputing all of it, when the memory budget needs it (never otherwise: it
     only adds time); ``"selective"`` recomputes every block's attention core, ``"all"`` every
-    repeated block, ``"none"`` nothing (see :mod:`passes.recompute`)."""
+    repeated block, ``"none"`` nothing (see :mod:`passes.plan.recompute`)."""
     sequence_parallel: str = "auto"
     """Attention over a sequence split (``docs/ARCHITECTURE.md``, "Long sequences"): ``"auto"`` lets
     the solver choose among head-sharded (Megatron), ring and Ulysses attention by cost and
@@ -104,7 +104,7 @@ class PlanOptions:
     """How weight contractions (linear layers) split over the mesh: ``"auto"`` (the solver chooses
     per layer and axis), ``"1d"`` (Megatron on the last axis, data parallel on the others),
     ``"2d"`` (SUMMA / Optimus on a ``q x q`` mesh), ``"2.5d"`` (Tesseract on ``d x q x q``) or
-    ``"3d"`` (on ``c x c x c``); see :mod:`passes.multidim_tp`."""
+    ``"3d"`` (on ``c x c x c``); see :mod:`passes.rules.multidim_tp`."""
     expert_parallel: str = "auto"
     """Mixture-of-experts layers (HuggingFace experts modules, captured as one op each): ``"auto"``
     lets the solver split the stacked experts over a mesh axis (tokens dispatched to them and

@@ -32,10 +32,10 @@ from partitioner.progress import verbose_to_stderr
 from partitioner.sharding_plan import ShardingPlan
 from partitioner.specialize import Specializer, in_mode
 from partitioner.weights import WeightSource, load_local_weights
-from passes.analyze import info
-from passes.capture import graph_fingerprint, tied_placeholders
-from passes.lower_to_local import lower_to_local
-from passes.shape_check import check_servable
+from passes.analysis.analyze import info
+from passes.analysis.shape_check import check_servable
+from passes.capture.capture import graph_fingerprint, tied_placeholders
+from passes.lower.lower_to_local import lower_to_local
 from runtime.collectives import MeshComm, on_rank0
 from runtime.host_memory import return_freed_blocks
 from runtime.parallel_module import ParallelModule
@@ -377,7 +377,7 @@ def _resolve_precision(precision, plan) -> Precision:
 
 def _capture(model, example_inputs, layers, precision, sequence_parallel="auto"):
     """Capture: every rank exports the model (the graph is needed to lower) and analyses it;
-    eager attention becomes one op where ring or Ulysses is forced (``passes.eager_attention``).
+    eager attention becomes one op where ring or Ulysses is forced (``passes.capture.eager_attention``).
     A capture kept by ``partitioner.captures.keep_captures`` (e.g. made by the parent that
     forked this rank) is reused."""
     return captured(

@@ -2,13 +2,13 @@
 
 The first mesh axis is the pipeline axis: ``mesh=(2, 2), pipeline={"degree": 2}`` gives two
 stages, each on a sub-mesh of 2 ranks planned for tensor / data / sequence parallelism like any
-model. Steps: capture on one microbatch; cut at layer boundaries (:mod:`passes.split_stages`);
+model. Steps: capture on one microbatch; cut at layer boundaries (:mod:`passes.plan.split_stages`);
 rank 0 plans the stages on the sub-mesh in order (a stage's inputs pinned to the placements the
 stage before sends them in: each rank sends only its own piece) and broadcasts the plans;
 each rank lowers its own stages, slices their parameters, and builds the schedule (checked for
 deadlock before anything runs). Left open, the microbatches are the most (up to 4 per stage)
 that divide the batch, and the schedule is the one simulated fastest with the stage plans' cost
-estimates (``passes.pipeline_schedules.choose_schedule``).
+estimates (``passes.schedules.pipeline_schedules.choose_schedule``).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from partitioner.pipeline_shapes import StageShapes, receive_buffers
 from partitioner.sharding_plan import ShardingPlan
 from partitioner.stage_boundaries import sent_placements, shared_weights
 from partitioner.weights import load_local_weights
-from passes import pipeline_schedules as ps
-from passes.analyze import analyze, info
-from passes.capture_blocks import capture_model
-from passes.eager_attention import fuse_for
-from passes.lower_to_local import lower_to_local
+from passes.analysis.analyze import analyze, info
+from passes.capture.capture_blocks import capture_model
+from passes.capture.eager_attention import fuse_for
+from passes.lower.lower_to_local import lower_to_local
+from passes.plan.split_stages import assign_stages, split_stages
 from passes.rules import tensor_input_nodes
-from passes.split_stages import assign_stages, split_stages
+from passes.schedules import pipeline_schedules as ps
 from runtime.collectives import MeshComm, on_rank0
 from runtime.pipeline import PipelineRunner, StageProgram
 from runtime.reshard import Reshard
@@ -48,7 +48,7 @@ class PipelineConfig:
     degree: int = 2
     """Pipeline stages on the first mesh axis (ranks along it)."""
     schedule: str | None = None
-    """A name in ``passes.pipeline_schedules.SCHEDULES`` (``gpipe``, ``1f1b``, ``interleaved``,
+    """A name in ``passes.schedules.pipeline_schedules.SCHEDULES`` (``gpipe``, ``1f1b``, ``interleaved``,
     ``zb-h1``); None: chosen by simulation."""
     microbatches: int = 0
     """Microbatches per step; 0: chosen (the most, up to 4 per stage, that divide the batch)."""
@@ -80,7 +80,7 @@ class PipelineConfig:
     def resolve(self, batch: int) -> PipelineConfig:
         """Fill in the microbatches when not given: the largest of 4p, 2p, p that divides the
         batch (more microbatches, a smaller bubble). The schedule, when not given, is chosen
-        once the stages are planned (:func:`passes.pipeline_schedules.choose_schedule`)."""
+        once the stages are planned (:func:`passes.schedules.pipeline_schedules.choose_schedule`)."""
         p = self.degree
         m = self.microbatches or next((k for k in (4 * p, 2 * p, p) if batch % k == 0), 0)
         if not m:
@@ -225,7 +225,7 @@ def _resolve_config(config: PipelineConfig, full, example_inputs) -> tuple:
 
 
 def _capture_stages(model, example_inputs, config, schedule, layers, precision=None, sequence_parallel="auto") -> tuple:
-    """Capture on one microbatch (``layers``: as :func:`passes.capture_blocks.capture_model`),
+    """Capture on one microbatch (``layers``: as :func:`passes.capture.capture_blocks.capture_model`),
     fuse eager attention where ring or Ulysses is forced, and cut at layer boundaries:
     (capture, stage graphs, layer runs)."""
     autocast_dtype = precision.autocast_dtype if precision is not None else None

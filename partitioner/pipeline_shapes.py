@@ -8,12 +8,12 @@ asks :class:`StageShapes` for programs, once per shape:
 
 1. capture the model on that microbatch and cut it into stages as the pipeline was cut;
 2. check that every stage has the structure it was planned with (ops, wiring, weights:
-   :func:`passes.capture.graph_fingerprint` without shapes) and the same names, and that each
-   rank still gets a piece of every sharded dim (:func:`passes.shape_check.check_servable`; a
+   :func:`passes.capture.capture.graph_fingerprint` without shapes) and the same names, and that each
+   rank still gets a piece of every sharded dim (:func:`passes.analysis.shape_check.check_servable`; a
    dim that does not divide is cut unevenly, as lowering handles for one-stage plans). Every
    rank checks every stage, so a refusal is raised on all ranks alike, before any message;
 3. lower this rank's stages with their plans' records at the new shapes, and give the receive
-   buffers each rank's own piece of every activation (:func:`passes.placements.rank_local_shape`:
+   buffers each rank's own piece of every activation (:func:`passes.core.placements.rank_local_shape`:
    the rank before, at the same stage-mesh coordinates, sends that piece).
 
 A shape whose capture has another structure (a microbatch of one sample: export specialises
@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import logging
 
-from passes.analyze import analyze, info
-from passes.capture import graph_fingerprint
-from passes.capture_blocks import capture_model
-from passes.eager_attention import fuse_for
-from passes.lower_to_local import lower_to_local
-from passes.placements import parse_spec, rank_local_shape
-from passes.shape_check import check_servable
-from passes.split_stages import assign_stages, split_stages
+from passes.analysis.analyze import analyze, info
+from passes.analysis.shape_check import check_servable
+from passes.capture.capture import graph_fingerprint
+from passes.capture.capture_blocks import capture_model
+from passes.capture.eager_attention import fuse_for
+from passes.core.placements import parse_spec, rank_local_shape
+from passes.lower.lower_to_local import lower_to_local
+from passes.plan.split_stages import assign_stages, split_stages
 from runtime.reshard import Reshard
 
 __all__ = ["StageShapes", "receive_buffers"]

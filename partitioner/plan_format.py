@@ -3,7 +3,7 @@
 A saved plan (:meth:`partitioner.ShardingPlan.save`) is one JSON object. Its *header* is what the
 plan was made for and under which options: :class:`PlanHeader`, one typed field per key, each
 documented below. The rest is the plan's bulk, read by the code that owns it: ``records`` (one
-per graph node, :mod:`passes.plan_intra_op`), ``alternatives``, ``blocks``, ``stats``, and for
+per graph node, :mod:`passes.plan.plan_intra_op`), ``alternatives``, ``blocks``, ``stats``, and for
 the plans the search or a pipeline makes ``config``, ``search`` and ``pipeline`` (whose
 ``stage_plans`` are plans of their own).
 

@@ -474,7 +474,7 @@ def pipeline_table(plan, *, width: int = WIDTH) -> str:
 
 def _grid_lines(plan, width, wide) -> list:
     """The tensor-parallel grid and each weight contraction's roles and blocks (2D / 2.5D / 3D)."""
-    from passes.multidim_tp import grid_lines
+    from passes.rules.multidim_tp import grid_lines
 
     lines = grid_lines(plan.records, plan.data)
     if wide:

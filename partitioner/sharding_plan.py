@@ -78,7 +78,7 @@ class Estimate:
     of the tensors it steps, at the device's memory bandwidth (the host's for offloaded state)."""
     comm_calls: dict = field(default_factory=dict)
     """``comm_calls[kind][axis_name]``: collective calls per device per step, each one paying the
-    latency terms once (bucketed gradients: one call per flat buffer; :mod:`passes.collective_calls`).
+    latency terms once (bucketed gradients: one call per flat buffer; :mod:`passes.plan.collective_calls`).
     What ``runtime.collectives.CommCounter.calls_dict()`` counts."""
     comm_calls_by_phase: dict = field(default_factory=dict)
     """``comm_calls_by_phase[phase][kind][axis_name]``."""
@@ -89,7 +89,7 @@ class Estimate:
     arrival_wait_s: float = 0.0
     """The part of ``comm_s`` the collective calls wait for ranks arriving apart after the compute
     since their previous call (the cluster's measured ``arrival_wait``; 0 on the presets): added
-    after solving (:func:`passes.collective_calls.arrival_wait_s`)."""
+    after solving (:func:`passes.plan.collective_calls.arrival_wait_s`)."""
 
     def total_comm_bytes(self) -> float:
         return sum(v for per_axis in self.comm_bytes.values() for v in per_axis.values())
@@ -146,9 +146,9 @@ def per_step_comm(per_microbatch: dict, grad_sync: dict, m: int) -> dict:
 
 @functools.lru_cache(maxsize=1 << 12)
 def _held_back(src: str, grad: str, mesh_shape: tuple) -> bool:
-    """:func:`passes.cost_model.grad_held_back` for placements written as text (imports torch)."""
-    from passes.cost_model import grad_held_back
-    from passes.placements import parse_spec
+    """:func:`passes.plan.cost_model.grad_held_back` for placements written as text (imports torch)."""
+    from passes.core.placements import parse_spec
+    from passes.plan.cost_model import grad_held_back
 
     return grad_held_back(parse_spec(src, len(mesh_shape)), parse_spec(grad, len(mesh_shape)), mesh_shape)
 
@@ -278,7 +278,7 @@ class ShardingPlan:
         """A collective of ``record``'s backward that moves a parameter's gradient (on the edge
         from the parameter; a ZeRO-3 regather is the weight, not its gradient) and that a
         pipeline stage holds back to once per step: an all-reduce onto replicated storage, not a
-        reduce-scatter onto a weight stored sharded (:func:`passes.cost_model.grad_held_back`;
+        reduce-scatter onto a weight stored sharded (:func:`passes.plan.cost_model.grad_held_back`;
         a plan saved without the consumers' gradient placements: every such collective)."""
         k = c.get("input")
         if c["phase"] != "bwd" or k is None or c.get("regather"):
@@ -331,7 +331,7 @@ class ShardingPlan:
         )
 
     def _calls(self, *, bucket_grads: bool) -> dict:
-        from passes.collective_calls import collective_calls
+        from passes.plan.collective_calls import collective_calls
 
         return collective_calls(self.records, self.mesh_shape, self.axis_names, bucket_grads=bucket_grads)
 
@@ -347,8 +347,8 @@ class ShardingPlan:
 
     def _priced_calls(self) -> tuple:
         """(calls per phase, kind and axis; the flat calls' latency terms; the arrival waits):
-        :mod:`passes.collective_calls` with the plan's cluster (no cluster saved: 0 s each)."""
-        from passes.collective_calls import arrival_wait_s, collective_calls, group_calls, unpriced_latency_s
+        :mod:`passes.plan.collective_calls` with the plan's cluster (no cluster saved: 0 s each)."""
+        from passes.plan.collective_calls import arrival_wait_s, collective_calls, group_calls, unpriced_latency_s
 
         args = (self.records, self.mesh_shape, self.axis_names)
         grouped = group_calls(*args)

@@ -6,10 +6,10 @@ shapes) pair, it asks a :class:`Specializer` for a program that serves it, and k
 
 1. capture the user's model in that mode on inputs of those shapes (its mode is put back after);
 2. if the graph has the plan's structure (the same ops and wiring: another batch or sequence
-   size), the plan's own records serve it, once :func:`passes.shape_check.check_servable` has
+   size), the plan's own records serve it, once :func:`passes.analysis.shape_check.check_servable` has
    found every rank a piece of each sharded dim (a dim that no longer divides is cut unevenly,
    the first ranks one element more; one smaller than its pieces raises a
-   :class:`~passes.shape_check.ShapeMismatchError` naming the input, the dim and the mesh axis);
+   :class:`~passes.analysis.shape_check.ShapeMismatchError` naming the input, the dim and the mesh axis);
 3. otherwise (eval mode drops or changes nodes: dropout, batch-norm statistics) rank 0 plans the
    new graph with every parameter and buffer pinned to the placement it is stored in, so the
    weights the optimizer holds serve every program, and every node the two graphs share (same
@@ -28,14 +28,14 @@ import logging
 
 import torch
 
-from passes.analyze import analyze, info
-from passes.capture import graph_fingerprint
-from passes.capture_blocks import capture_model
-from passes.eager_attention import fuse_for
-from passes.lower_to_local import lower_to_local, strided_parameters
-from passes.placements import format_spec, parse_spec
+from passes.analysis.analyze import analyze, info
+from passes.analysis.shape_check import check_servable
+from passes.capture.capture import graph_fingerprint
+from passes.capture.capture_blocks import capture_model
+from passes.capture.eager_attention import fuse_for
+from passes.core.placements import format_spec, parse_spec
+from passes.lower.lower_to_local import lower_to_local, strided_parameters
 from passes.rules import op_name
-from passes.shape_check import check_servable
 from runtime.collectives import on_rank0
 from runtime.parallel_module import Variant
 

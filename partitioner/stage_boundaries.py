@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from passes.capture import tied_placeholders
-from passes.placements import dual_spec, format_spec, parse_spec
+from passes.capture.capture import tied_placeholders
+from passes.core.placements import dual_spec, format_spec, parse_spec
 
 __all__ = ["sent_placements", "shared_weights"]
 

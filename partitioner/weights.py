@@ -32,8 +32,8 @@ import torch
 from partitioner.rebuild_buffers import non_persistent_buffers, rebuild_buffer
 from partitioner.safetensors_source import SafetensorsCheckpoint, is_safetensors_checkpoint
 from partitioner.state_names import checkpoint_names, tied_names
-from passes.lower_to_local import strided_parameters
-from passes.placements import format_spec, parse_spec
+from passes.core.placements import format_spec, parse_spec
+from passes.lower.lower_to_local import strided_parameters
 from runtime.tensor_shards import shard_tensor
 
 __all__ = ["WeightSource", "LocalWeights", "load_local_weights", "shard_weights", "tie_weights"]
@@ -137,7 +137,7 @@ def shard_weights(cap, specs: dict, comm, strided: dict, source: WeightSource, d
     """Cut every parameter and buffer placeholder of ``cap`` to this rank's piece.
 
     ``specs``: placeholder name -> planned placement; ``strided``: FQN -> {axis: pieces}
-    (:func:`passes.lower_to_local.strided_parameters`); ``exported``: where lifted constants live.
+    (:func:`passes.lower.lower_to_local.strided_parameters`); ``exported``: where lifted constants live.
     """
     out = LocalWeights()
     dtypes = {n.name: n.meta["val"].dtype for n in cap.graph.nodes if n.op == "placeholder" and "val" in n.meta}
@@ -154,7 +154,7 @@ def shard_weights(cap, specs: dict, comm, strided: dict, source: WeightSource, d
 def tie_weights(weights: LocalWeights, groups, specs: dict, strided: dict) -> None:
     """Make each group of tied placeholders share the first one's local tensor (in place).
 
-    ``groups``: lists of placeholder names that are one tensor (:func:`passes.capture.tied_placeholders`);
+    ``groups``: lists of placeholder names that are one tensor (:func:`passes.capture.capture.tied_placeholders`);
     names not among ``weights`` are skipped. Raises ``ValueError`` when the plan placed them differently."""
     for names in groups:
         names = [n for n in names if n in weights.params or n in weights.buffers]

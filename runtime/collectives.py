@@ -2,7 +2,7 @@
 
 :class:`MeshComm` is this rank's view of the device mesh: one process group per mesh axis
 and its coordinate on each. :func:`run_steps` performs the per-axis moves of
-:func:`passes.placements.transition_steps` on a local tensor:
+:func:`passes.core.placements.transition_steps` on a local tensor:
 
 =========  ====================================================  =======================
 move       what happens                                          collective
@@ -30,7 +30,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from passes.placements import (
+from passes.core.placements import (
     format_placement,
     is_partial,
     is_shard,

@@ -40,7 +40,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from passes.placements import is_partial, is_shard
+from passes.core.placements import is_partial, is_shard
 from runtime.collectives import (
     MeshComm,
     _reduce_scatter_single,
@@ -52,7 +52,7 @@ from runtime.collectives import (
 __all__ = ["GradientBuckets", "DeferredSyncs", "flat_reduce", "reduce_moves", "BUCKET_BYTES"]
 
 BUCKET_BYTES = 25 * 2**20
-"""A bucket is reduced once it holds this many gradient bytes (``passes.collective_calls`` counts
+"""A bucket is reduced once it holds this many gradient bytes (``passes.plan.collective_calls`` counts
 the calls with it)."""
 
 

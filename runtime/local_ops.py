@@ -42,7 +42,7 @@ __all__ = [
 
 def shard_offset(comm: MeshComm, spec, dim: int, local_size: int) -> int:
     """Where this rank's block of ``dim`` starts (mixed radix over the axes sharding it, outer
-    axis first, an :class:`~passes.placements.InnerShard` axis last)."""
+    axis first, an :class:`~passes.core.placements.InnerShard` axis last)."""
     axes = [a for a, p in enumerate(spec) if getattr(p, "dim", None) == dim and type(p).__name__ in _SHARDS]
     index = 0
     for axis in sorted(axes, key=lambda a: type(spec[a]).__name__ == "InnerShard"):

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from passes.placements import is_shard, transition_steps, zero1_grad_spec
+from passes.core.placements import is_shard, transition_steps, zero1_grad_spec
 from runtime.collectives import MeshComm, _all_gather_single, _strided_order, record_collective
 from runtime.grad_sync import flat_reduce, reduce_moves
 

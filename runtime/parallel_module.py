@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch.utils import _pytree as pytree
 
-from passes.placements import format_spec
+from passes.core.placements import format_spec
 from runtime.collectives import MeshComm
 from runtime.pretrained_io import PretrainedIO
 from runtime.reshard import Reshard
@@ -29,7 +29,7 @@ from runtime.tensor_shards import gather_tensor, shard_tensor
 
 if TYPE_CHECKING:
     from partitioner.sharding_plan import ShardingPlan
-    from passes.capture import CapturedGraph
+    from passes.capture.capture import CapturedGraph
     from runtime.grad_sync import DeferredSyncs, GradientBuckets
     from runtime.optimizer_shards import OptimizerShards
 

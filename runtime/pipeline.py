@@ -2,7 +2,7 @@
 
 Each rank owns one or more pipeline stages (:class:`StageProgram`: a lowered stage program with
 its local parameters). ``PipelineRunner.train_step(batch)`` cuts the batch into microbatches
-and walks the rank's actions from :mod:`passes.pipeline_schedules`:
+and walks the rank's actions from :mod:`passes.schedules.pipeline_schedules`:
 
 * ``F``: run the stage on the microbatch's inputs (activations received from the previous
   stage become leaves that require grad) and keep what backward needs;
@@ -40,7 +40,7 @@ Tied weights are unaffected: each use's edge follows its own rule into the one `
 the sum over the stages holding the weight is all-reduced after the step, as before. The cost
 model prices the same: ``Estimate.grad_sync_s`` (the held-back all-reduces) once per step, the
 reduce-scatters with the per-microbatch collectives, and ``MemoryBreakdown.held_gradients``
-the held sums only (:func:`passes.cost_model.grad_held_back`, the estimate's side of the rule).
+the held sums only (:func:`passes.plan.cost_model.grad_held_back`, the estimate's side of the rule).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from passes.placements import replicated
+from passes.core.placements import replicated
 from runtime.collectives import MeshComm
 from runtime.grad_sync import DeferredSyncs
 from runtime.parallel_module import run_under_autocast
@@ -383,7 +383,7 @@ class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
     # -- helpers -----------------------------------------------------------------------------
     def _microbatch_shapes(self) -> dict:
         """User input name -> the (whole, not sharded) microbatch shape its stages were captured for."""
-        from passes.node_info import info
+        from passes.core.node_info import info
 
         shapes = {}
         for g in self.stage_graphs:

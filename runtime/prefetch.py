@@ -4,7 +4,7 @@ The all-gather of a weight stored sharded (ZeRO-2 / ZeRO-3 / FSDP) does not depe
 activations, so it can run while earlier ops compute. Two places start one ahead:
 
 * **Forward** (:class:`PrefetchGather`, placed in the lowered program by
-  :func:`passes.prefetch_gathers.prefetch_gathers`): the edge's first all-gather is started
+  :func:`passes.lower.prefetch_gathers.prefetch_gathers`): the edge's first all-gather is started
   asynchronously (``async_op=True``) and the edge keeps the pending work (``Reshard.pending``);
   when the program reaches the edge, :func:`take_prefetched` waits for it (within
   :func:`wait_timeout`'s limit) and runs the edge's remaining moves.

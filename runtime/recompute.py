@@ -1,6 +1,6 @@
 """Checkpointed regions: a recomputed layer of the lowered program (activation checkpointing).
 
-Lowering (:func:`passes.lower_to_local.outline_recomputed`) moves the nodes of each layer the
+Lowering (:func:`passes.lower.lower_to_local.outline_recomputed`) moves the nodes of each layer the
 plan recomputes into a :class:`CheckpointRegion`, a submodule holding them as an
 ``fx.GraphModule`` (``body``) and calling it through
 ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: forward keeps only the

@@ -25,7 +25,7 @@ parameter the plan marks ``regather`` (ZeRO-3), the edge instead:
    gathered again at most once per backward unpacking, as the plan prices.
 
 **Activations** kept as their shard (the plan's ``regather_inputs``,
-``passes/activation_regather.py``: Megatron's sequence parallelism) go through the same hooks:
+``passes/plan/activation_regather.py``: Megatron's sequence parallelism) go through the same hooks:
 their edge registers the gathered copy with the shard it came from, and backward gathers it
 again when unpacking; they are not chained, so never gathered ahead (the plan prices no
 prefetch of them). The shard is what stays: hooks already active (a memory probe) see it kept.
@@ -33,7 +33,7 @@ prefetch of them). The shard is what stays: hooks already active (a memory probe
 Only the outermost hooks see a save: inside a recomputed layer (activation checkpointing,
 which holds its own hooks) the rerun keeps its gathered copies until the layer's backward ends,
 and the plan prices no regather there. The plan offers ZeRO-3 only where autocast does not save
-a low-precision copy instead of the gathered weight (see :mod:`passes.strategy_space`).
+a low-precision copy instead of the gathered weight (see :mod:`passes.plan.strategy_space`).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from passes.placements import dual_spec, format_spec, gradient_shrinks, is_partial, is_shard, transition_steps
+from passes.core.placements import dual_spec, format_spec, gradient_shrinks, is_partial, is_shard, transition_steps
 from runtime.collectives import MeshComm, PendingMoves, gather_first, grad_sync_scope, run_steps, start_steps
 from runtime.grad_sync import reduce_moves
 from runtime.prefetch import take_prefetched

@@ -7,7 +7,7 @@ state a checkpoint sees is the *global* view, and loading turns it back into loc
 * :class:`TensorLayout` says how one tensor is stored: the mesh, the placement, the whole
   shape and the strided layout of fused projections. ``to_global(local)`` is a ``DTensor`` over
   the job's ``DeviceMesh`` wrapping the local piece (no copy); a strided tensor or an inner-cut one
-  (:class:`passes.placements.InnerShard`; its shard is not
+  (:class:`passes.core.placements.InnerShard`; its shard is not
   one block) is gathered whole (a collective), and a tensor on a 1-device mesh is given as it is:
   DCP stores such plain tensors once, as replicated. ``to_local(value)`` takes a DTensor of any
   layout (gathered if not this one, then sliced), a whole tensor (sliced) or this rank's piece
@@ -33,7 +33,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from passes.placements import InnerShard, Shard, local_shape
+from passes.core.placements import InnerShard, Shard, local_shape
 from runtime.collectives import MeshComm
 from runtime.tensor_shards import gather_tensor, shard_tensor
 

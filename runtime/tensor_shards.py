@@ -22,7 +22,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from passes.placements import rank_local_shape, replicated, shard_degree, split_size, split_start, transition_steps
+from passes.core.placements import rank_local_shape, replicated, shard_degree, split_size, split_start, transition_steps
 from runtime.collectives import MeshComm, run_steps
 
 __all__ = ["shard_runs", "read_runs", "shard_tensor", "gather_tensor"]

@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from passes.placements import Shard, transition_steps
+from passes.core.placements import Shard, transition_steps
 from runtime.collectives import MeshComm, run_steps
 from runtime.ring_attention import (
     SCORES_PER_PRODUCT,

@@ -11,8 +11,16 @@ import math
 
 import pytest
 import torch
-from parity_utils import (Checks, adam_in_lockstep, built_in_parent, call, check_grads_by_alias, loss_of,
-                          nested_approx_equal, prebuilt)
+from parity_utils import (
+    Checks,
+    adam_in_lockstep,
+    built_in_parent,
+    call,
+    check_grads_by_alias,
+    loss_of,
+    nested_approx_equal,
+    prebuilt,
+)
 
 from partitioner import models
 

@@ -23,23 +23,22 @@ import gc
 import math
 
 import pytest
+import scipy.optimize  # noqa: F401
 import torch
+import torch._dynamo  # noqa: F401
+import torch.export._trace  # noqa: F401
+
+# the HF model classes, imported once here for the same reason (transformers is pinned for tests)
+import transformers  # noqa: F401,E402
+from support import is_replicated
+from transformers import BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM, ViTForImageClassification  # noqa: F401,E402
 
 # Import everything the ranks use before forking: every forked worker would otherwise import
 # torch.export / dynamo / sympy / scipy / transformers on its own (about 15 s on 2 cores).
 import partitioner.parallelize  # noqa: F401
-import torch._dynamo  # noqa: F401
-import torch.export._trace  # noqa: F401
-import scipy.optimize  # noqa: F401
 from partitioner import models
 from partitioner.captures import capture, keep_captures
 from runtime.collectives import CommCounter
-from support import is_replicated
-
-# the HF model classes, imported once here for the same reason (transformers is pinned for tests)
-import transformers  # noqa: F401,E402
-from transformers import (BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM,  # noqa: F401,E402
-                          ViTForImageClassification)
 
 # ------------------------------------------------------------------------------------ models
 

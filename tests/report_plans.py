@@ -4,7 +4,7 @@ searched pipeline, all planned on meta-free small models with the fixed ``h100``
 import functools
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def held_out_plans():
     """Qwen2 (RoPE, q/k/v biases; not a model Partita embeds), 2 layers, on a 2x2 mesh: the
     solver's plan and one with Megatron tensor parallelism and ZeRO-3 forced, to compare."""
@@ -17,7 +17,7 @@ def held_out_plans():
     return auto, forced
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def searched_pipeline():
     """The demo GPT (4 layers) searched for 8 H100s: a 2-stage pipeline wins."""
     import partitioner

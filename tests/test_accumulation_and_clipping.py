@@ -31,8 +31,19 @@ import math
 
 import pytest
 import torch
-from parity_utils import (ADAM_EPS, LR, Checks, build, call, check_grads_by_alias, loss_of, nested_approx_equal,
-                          parity_case, pins_for, run_checked)
+from parity_utils import (
+    ADAM_EPS,
+    LR,
+    Checks,
+    build,
+    call,
+    check_grads_by_alias,
+    loss_of,
+    nested_approx_equal,
+    parity_case,
+    pins_for,
+    run_checked,
+)
 
 from runtime.collectives import CommCounter
 
@@ -100,7 +111,6 @@ def _check_clipping(model, ref, checks, what):
 
 
 def accumulation_worker(rank, world, cfg):
-    import partitioner
 
     checks = Checks(rank)
     pm, ref, inputs = _parallel(cfg)

@@ -17,9 +17,17 @@ import copy
 
 import pytest
 import torch
-
-from parity_utils import (Checks, adam_in_lockstep, build, call, loss_of, nested_approx_equal, parity_case,
-                          pins_for, run_checked)
+from parity_utils import (
+    Checks,
+    adam_in_lockstep,
+    build,
+    call,
+    loss_of,
+    nested_approx_equal,
+    parity_case,
+    pins_for,
+    run_checked,
+)
 
 import partitioner
 from partitioner import models
@@ -180,7 +188,7 @@ def test_the_solver_recomputes_only_under_a_budget_that_needs_it():
     assert redo > 0
     # the estimate credits prefetched gathers' overlap and adds the optimizer step, after solving
     stats = tight.data["stats"]
-    # and the latency of the calls that send flat buffers (passes/collective_calls.py)
+    # and the latency of the calls that send flat buffers (passes/plan/collective_calls.py)
     solved = stats["objective_s"] - stats["prefetch_overlap_s"] + stats["optimizer_step_s"] + est.flat_latency_s
     assert est.step_time_s == pytest.approx(solved, rel=1e-9)
     forced = _plan(model, inputs, recompute="all", memory_budget="80GiB")

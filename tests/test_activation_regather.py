@@ -1,5 +1,5 @@
 """Activations gathered for an op that keeps them, kept as their shard and gathered again in
-backward (passes/activation_regather.py: Megatron's sequence parallelism), on 4 gloo ranks.
+backward (passes/plan/activation_regather.py: Megatron's sequence parallelism), on 4 gloo ranks.
 
 A GPT with Megatron tensor parallelism and sequence-parallel norms (``tp_sp`` pins), long
 enough that activations dominate, planned without recomputation under 70% of the memory the

@@ -22,7 +22,7 @@ from partitioner.calibrate import COLLECTIVES, TINY_SIZES, collective_design, fi
 from partitioner.cluster import ClusterSpec, LinkSpec
 from partitioner.local_cluster import get_cluster
 from partitioner.models import gpt_demo
-from passes.cost_model import Collective, collective_time, compute_time, measured_rate
+from passes.plan.cost_model import Collective, collective_time, compute_time, measured_rate
 from runtime.launch import run_on_ranks
 
 KNOWN = ClusterSpec(
@@ -206,7 +206,7 @@ def test_cost_model_reads_the_matmul_curve():
 
 def test_fresh_allocations_are_fitted_and_priced_under_a_budget():
     from partitioner.local_cluster import for_memory_budget
-    from passes.cost_model import allocation_time
+    from passes.plan.cost_model import allocation_time
     from runtime.host_memory import MMAP_THRESHOLD
 
     per_byte = 0.9e-9
@@ -255,7 +255,7 @@ def test_arrival_wait_is_fitted_and_priced_per_call():
     its time after the shortest run (>= 0, non-decreasing); the cost
     model reads it piecewise linearly, flat beyond the ends; the estimate adds it once per
     collective call (a constant curve: that much per call)."""
-    from passes.cost_model import arrival_wait
+    from passes.plan.cost_model import arrival_wait
 
     samples = samples_of(KNOWN)
     assert fit(samples, ranks=4).arrival_wait == []
@@ -456,7 +456,7 @@ def test_optimizer_steps_are_fitted_and_priced_per_tensor():
     gives both back, and a plan prices each parameter's step with them (a fixed cost per tensor
     plus its bytes at the measured rate) where the roofline priced the bytes only."""
     from partitioner.calibrate import optimizer_steps
-    from passes.cost_model import optimizer_step_bytes, optimizer_step_time
+    from passes.plan.cost_model import optimizer_step_bytes, optimizer_step_time
 
     known = {"adam": {"tensor_s": 40e-6, "bandwidth": 10e9}, "sgd": {"tensor_s": 3e-6, "bandwidth": 40e9}}
     samples = []

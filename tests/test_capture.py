@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import partitioner
 from partitioner import models
-from passes.capture import CapturedGraph, capture, graph_fingerprint
+from passes.capture.capture import CapturedGraph, capture, graph_fingerprint
 from passes.rules import op_name
 
 
@@ -126,8 +126,8 @@ def test_graph_fingerprint():
 # -- capture by blocks: two layers exported, the rest repeated in the graph -----------------------
 import pytest  # noqa: E402
 
-from passes.capture import graph_fingerprint as _fingerprint  # noqa: E402
-from passes.capture_blocks import capture_by_blocks, capture_model  # noqa: E402
+from passes.capture.capture import graph_fingerprint as _fingerprint  # noqa: E402
+from passes.capture.capture_blocks import capture_by_blocks, capture_model  # noqa: E402
 
 _DEEP = {
     "gpt": lambda: models.gpt_demo(batch=4, seq=8, n_layer=4),

@@ -29,7 +29,7 @@ from parity_utils import ADAM_EPS, LR, Checks, call, loss_of, pins_for, run_chec
 
 import partitioner
 from partitioner import models
-from passes.placements import Shard
+from passes.core.placements import Shard
 from runtime.collectives import MeshComm
 from runtime.launch import find_free_port, run_on_ranks
 from runtime.sharded_state import TensorLayout

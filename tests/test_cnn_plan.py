@@ -7,9 +7,9 @@ import re
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from support import fallback_warnings
 
 import partitioner
-from support import fallback_warnings
 
 # What export produces for this model (batch_norm stays aten.batch_norm in training mode).
 CNN_OPS = {"aten.conv2d", "aten.batch_norm", "aten.relu", "aten.max_pool2d", "aten.flatten.using_ints",

@@ -1,7 +1,7 @@
 """Collective calls counted at run time equal the calls the estimate prices (``Estimate.comm_calls``).
 
 A collective's latency is paid per call, so the estimate counts the calls the runtime makes
-(:mod:`passes.collective_calls`): one per unbucketed entry of the plan, one per flat buffer of
+(:mod:`passes.plan.collective_calls`): one per unbucketed entry of the plan, one per flat buffer of
 bucketed gradients (``runtime/grad_sync.py``) and of compute copies' reductions and refresh
 gathers (``runtime/optimizer_shards.py``). Unlike a time, a count can be compared exactly.
 
@@ -118,7 +118,7 @@ def test_flat_buffers_pay_their_latency_once():
     default bucket holds this whole model), whose latency terms the estimate adds once, beside
     one call per unbucketed entry."""
     import partitioner
-    from passes.cost_model import _STEPS
+    from passes.plan.cost_model import _STEPS
 
     cluster = partitioner.get_cluster("cpu")
 

@@ -48,7 +48,7 @@ from parity_utils import Checks, call, check_grads_by_alias, loss_of, nested_app
 
 from partitioner import hf_families
 from partitioner.captures import capture, keep_captures
-from passes.placements import Shard, parse_spec
+from passes.core.placements import Shard, parse_spec
 from runtime.collectives import CommCounter
 from runtime.launch import run_on_ranks
 

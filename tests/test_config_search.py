@@ -13,7 +13,7 @@ from partitioner import models
 from partitioner.axis_uses import axis_uses, describe_config
 from partitioner.config_search import enumerate_configs, plan_config, search_config, zero_stage_of
 from partitioner.parallel_config import ParallelConfig
-from passes.plan_intra_op import InfeasibleBudgetError
+from passes.plan.plan_intra_op import InfeasibleBudgetError
 
 
 def _state_bytes(model) -> int:
@@ -261,7 +261,7 @@ def _swap_two_collectives(program):
 
 def test_every_rank_is_lowered_and_checked_and_a_rank_with_another_order_is_named():
     from partitioner.simulate_ranks import check_events, plan_graphs, rank_events, simulate_ranks
-    from passes.lower_to_local import lower_to_local
+    from passes.lower.lower_to_local import lower_to_local
     from runtime.collectives import MeshComm
 
     model, inputs = models.gpt_demo(batch=64, seq=64, n_layer=4, n_embd=128)

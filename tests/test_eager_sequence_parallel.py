@@ -2,7 +2,7 @@
 
 With ``sequence_parallel="ring"`` / ``"ulysses"`` the eager core (``matmul(q, k^T)``, scale, mask,
 softmax, casts, dropout that drops nothing, ``matmul(., v)``) is fused into one
-``scaled_dot_product_attention`` op (``passes/eager_attention.py``) and runs the same ring /
+``scaled_dot_product_attention`` op (``passes/capture/eager_attention.py``) and runs the same ring /
 Ulysses modules. Parity (tier 3, one 4-rank run, the standard of ``tests/test_long_sequence.py``:
 loss, every gradient, parameters after 3 AdamW steps, counted communication = estimate = the
 formulas, saved bytes = estimate within 1%): HF LLaMA eager (RoPE, grouped-query heads repeated
@@ -53,8 +53,8 @@ def test_eager_attention_parity_and_cross_attention_fallback():
 
 
 def _capture(model, inputs):
-    from passes.analyze import analyze
-    from passes.capture_blocks import capture_model
+    from passes.analysis.analyze import analyze
+    from passes.capture.capture_blocks import capture_model
 
     cap = capture_model(model, inputs)
     analyze(cap)
@@ -82,7 +82,7 @@ class _BiasAttention(torch.nn.Module):
 
 
 def test_what_the_fusion_leaves_as_ops(caplog):
-    from passes.eager_attention import fuse_eager_attention
+    from passes.capture.eager_attention import fuse_eager_attention
 
     model, inputs = models.hf_llama(batch=2, seq=16, kv_heads=2)
     model.set_attn_implementation("eager")
@@ -98,7 +98,7 @@ def test_what_the_fusion_leaves_as_ops(caplog):
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.1
-    with caplog.at_level(logging.INFO, logger="passes.eager_attention"):
+    with caplog.at_level(logging.INFO, logger="passes.capture.eager_attention"):
         assert fuse_eager_attention(_capture(model, inputs)) == []
     assert "it has attention dropout" in caplog.text and "stays as ops" in caplog.text
     model.eval()  # no dropout in eval mode: fused
@@ -107,7 +107,7 @@ def test_what_the_fusion_leaves_as_ops(caplog):
     x = torch.randn(2, 8, 16)
     for probabilities, reason in ((False, "learned bias"), (True, "also read outside the attention core")):
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="passes.eager_attention"):
+        with caplog.at_level(logging.INFO, logger="passes.capture.eager_attention"):
             assert fuse_eager_attention(_capture(_BiasAttention(probabilities), (x,))) == []
         assert reason in caplog.text, caplog.text
 

@@ -25,8 +25,16 @@ import re
 
 import pytest
 import torch
-from parity_utils import (Checks, adam_in_lockstep, call, check_grads_by_alias, loss_of, nested_approx_equal, prebuilt,
-                          run_checked)
+from parity_utils import (
+    Checks,
+    adam_in_lockstep,
+    call,
+    check_grads_by_alias,
+    loss_of,
+    nested_approx_equal,
+    prebuilt,
+    run_checked,
+)
 from support import fallback_warnings
 
 from partitioner import hf_families
@@ -131,7 +139,7 @@ def test_family_parity_on_2x2_and_pipeline(family):
 def test_default_config_keeps_use_cache_and_captures(family):
     """The user's config is left as it was (use_cache on) and the captured program returns the
     model's own output class, without a cache object."""
-    from passes.capture import capture
+    from passes.capture.capture import capture
 
     model, inputs = hf_families.build(family, dropout=None)
     assert model.config.use_cache is True
@@ -142,7 +150,7 @@ def test_default_config_keeps_use_cache_and_captures(family):
 
 
 def test_unknown_output_type_gets_a_hint_in_our_words():
-    from passes.capture import CaptureError, capture
+    from passes.capture.capture import CaptureError, capture
 
     class Holder:
         def __init__(self, t):

@@ -12,11 +12,11 @@ import math
 import re
 
 import pytest
+from support import fallback_warnings, is_replicated
 
 import partitioner
 from partitioner import models
-from passes.cost_model import param_state_bytes
-from support import fallback_warnings, is_replicated
+from passes.plan.cost_model import param_state_bytes
 
 MODELS = {
     "gpt2_sdpa": lambda **kw: models.hf_gpt2(attn="sdpa", **kw),
@@ -52,7 +52,7 @@ def _fallback_ops(caught) -> list:
     return sorted({m.group(1) for w in caught if (m := _FALLBACK_RE.search(str(w.message)))})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def planned(name: str, mesh: tuple):
     """(model, inputs, plan, ops that fell back) for the default config of ``name``."""
     model, inputs = MODELS[name]()

@@ -10,7 +10,7 @@ import torch
 
 import partitioner
 from partitioner import models
-from passes.ilp_solver import solve_ilp
+from passes.plan.ilp_solver import solve_ilp
 
 COLUMN = ("h.*.attn.c_attn.weight", "h.*.mlp.c_fc.weight")
 ROW = ("h.*.attn.c_proj.weight", "h.*.mlp.c_proj.weight")
@@ -165,10 +165,10 @@ def test_e_ilp_equals_brute_force_on_random_graphs(seed):
 
 def test_e_ilp_equals_brute_force_on_a_real_graph():
     from partitioner.local_cluster import get_cluster
-    from passes.analyze import analyze
-    from passes.blocks import find_blocks
-    from passes.capture import capture
-    from passes.strategy_space import build_space
+    from passes.analysis.analyze import analyze
+    from passes.capture.blocks import find_blocks
+    from passes.capture.capture import capture
+    from passes.plan.strategy_space import build_space
 
     torch.manual_seed(0)
     model = models.MLP(d_in=8, d_hidden=16, d_out=4, depth=1)

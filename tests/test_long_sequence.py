@@ -39,12 +39,21 @@ import copy
 
 import pytest
 import torch
-from long_sequence_utils import (FACTORIES, SHAPES, TIMEOUT_S, check_sequence_results, expected_comm, run_sequence_cases,
-                                 sequence_case, sub_mesh)
+from long_sequence_utils import (
+    FACTORIES,
+    SHAPES,
+    TIMEOUT_S,
+    check_sequence_results,
+    expected_comm,
+    run_sequence_cases,
+    sequence_case,
+    sub_mesh,
+)
 from parity_utils import Checks, adam_in_lockstep, call, check_grads_by_alias, loss_of, nested_approx_equal
 
 from partitioner import models
 from runtime.launch import run_on_ranks
+
 
 def test_parity_on_two_and_four_ranks():
     """One 4-rank run. (4,): GPT ring (zig-zag causal), LLaMA ring, GPT-2 Ulysses; (2, 2): GPT
@@ -196,7 +205,7 @@ def _counting_pack(storages: dict):
 
 
 def ring_op_worker(rank, world):
-    from passes.placements import Shard
+    from passes.core.placements import Shard
     from runtime.ring_attention import RingAttention
     from runtime.ulysses_attention import UlyssesAttention
 
@@ -263,7 +272,7 @@ def autocast_op_worker(rank, world):
     under the same autocast on the whole sequence: the output in the autocast dtype, each
     gradient in its input's dtype, values norm-wise within max(4u, 2 x the reference's own
     low-precision noise) (u: the dtype's unit roundoff; tests/test_mixed_precision.py)."""
-    from passes.placements import Shard
+    from passes.core.placements import Shard
     from runtime.ring_attention import RingAttention
     from runtime.ulysses_attention import UlyssesAttention
 
@@ -374,7 +383,7 @@ def test_ring_transfers_overlap_block_compute_in_the_estimate():
     8,192 tokens (a block's compute outlasts its hop), partly at 64 tokens."""
     import partitioner
     from partitioner.local_cluster import get_cluster
-    from passes.cost_model import Collective, collective_time
+    from passes.plan.cost_model import Collective, collective_time
 
     cluster = get_cluster("h100")
     p, b, h, d = 4, 1, 8, 32

@@ -16,8 +16,8 @@ step's order) is checked in one process.
 """
 
 import pytest
-
 from parity_utils import Checks, build, pins_for
+
 from runtime.launch import run_on_ranks
 
 TIMEOUT_S = 240

@@ -25,7 +25,7 @@ import torch
 from parity_utils import Checks, call, check_grads_by_alias, loss_of, nested_approx_equal, prebuilt, run_checked
 
 from partitioner import hf_families
-from passes.placements import P, R, Shard, format_spec, spec_fits, transition_steps
+from passes.core.placements import P, R, Shard, format_spec, spec_fits, transition_steps
 
 TIMEOUT_S = 240
 VOCAB, WIDTH = 16, 8
@@ -68,8 +68,8 @@ def _labels():
 
 
 def test_in_place_writes_through_views_keep_their_aliases_replicated():
-    from passes.capture import capture
-    from passes.mutated_aliases import mutated_alias_pins
+    from passes.analysis.mutated_aliases import mutated_alias_pins
+    from passes.capture.capture import capture
 
     pinned = mutated_alias_pins(capture(ShiftedLabels(), (_labels(),)).graph, 2)
     assert {str(n.target) for n in pinned} == {
@@ -183,8 +183,8 @@ class CastLike(torch.nn.Module):
 def test_type_as_moves_nothing_for_the_tensor_it_reads_the_dtype_of():
     """Its edge had a backward priced (one move per placement change) that autograd never runs:
     Gemma's plan under objective="memory" estimated 12-29 KB more than its run sent."""
-    from passes.analyze import analyze
-    from passes.capture import capture
+    from passes.analysis.analyze import analyze
+    from passes.capture.capture import capture
     from passes.rules import op_view, rule_for
 
     cap = capture(CastLike(), (torch.randn(4, WIDTH),))

@@ -34,8 +34,8 @@ from parity_utils import Checks, adam_in_lockstep, call, check_grads_by_alias, l
 import partitioner
 from partitioner import hf_families
 from partitioner.axis_roles import axis_role_shares
-from passes.capture import capture
-from passes.moe.experts_op import MOE_OP
+from passes.capture.capture import capture
+from passes.capture.experts_op import MOE_OP
 from runtime.collectives import CommCounter
 from runtime.expert_dispatch import experts_forward
 
@@ -73,7 +73,7 @@ def test_families_capture_one_op_per_moe_layer_and_variants_stay_ops(caplog):
         assert sum(n.target is MOE_OP for n in cap.graph.nodes) == layers, family
     model, inputs = _build("mixtral")
     model.model.layers[0].mlp.experts.act_fn = torch.nn.Tanh()  # a variant the op does not cover
-    with caplog.at_level(logging.INFO, logger="passes.moe.experts_op"):
+    with caplog.at_level(logging.INFO, logger="passes.capture.experts_op"):
         cap = capture(model, inputs)
     assert sum(n.target is MOE_OP for n in cap.graph.nodes) == 1
     assert "model.layers.0.mlp.experts is planned op by op: activation Tanh" in caplog.text

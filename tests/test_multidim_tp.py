@@ -1,4 +1,4 @@
-"""2D, 2.5D and 3D tensor parallelism (``tensor_parallel=``, :mod:`passes.multidim_tp`).
+"""2D, 2.5D and 3D tensor parallelism (``tensor_parallel=``, :mod:`passes.rules.multidim_tp`).
 
 Two forked runs (the 4-rank and the 8-rank configs together, see ``_run``), each config checked
 to the parity standard (``parity_utils.parity_worker``: loss, every gradient, parameters after 3
@@ -12,7 +12,7 @@ in total and per phase):
 
 Every linear layer of those plans must run its algorithm's grid (classified from the plan's
 records), and one linear layer alone (its input a parameter, so dX is reduce-scattered too) must
-communicate exactly :func:`passes.multidim_tp.linear_comm_bytes` per algorithm, counted at run
+communicate exactly :func:`passes.rules.multidim_tp.linear_comm_bytes` per algorithm, counted at run
 time (plus the loss's 4-byte all-reduce per axis). The rest runs no ranks: meshes of the wrong
 shape and batches the grid cannot split are refused with the shape needed.
 """
@@ -23,7 +23,7 @@ import pytest
 import torch
 from parity_utils import Checks, build, nested_approx_equal, parity_worker
 
-from passes.multidim_tp import check_mesh, linear_comm_bytes
+from passes.rules.multidim_tp import check_mesh, linear_comm_bytes
 from runtime.launch import run_on_ranks
 
 TIMEOUT_S = 240
@@ -222,7 +222,7 @@ def test_3d_weight_storage_is_cut_innermost_and_gathers_in_one_collective():
     """``[Si(1), S(0), S(1)]``: device (i, j, h) holds piece i of the block W[j, h] (n over a1, k
     over a2, k cut again over a0 inside a2's cut), so gathering along a0 is one all-gather and
     the gradient one reduce-scatter; cut outer axis first (``S(1)`` on a0) it takes three moves."""
-    from passes.placements import InnerShard, P, R, Shard, parse_spec, transition_steps
+    from passes.core.placements import InnerShard, P, R, Shard, parse_spec, transition_steps
     from runtime.collectives import MeshComm
     from runtime.tensor_shards import shard_tensor
 

@@ -23,9 +23,15 @@ import copy
 
 import pytest
 import torch
-
-from parity_utils import Checks, build, check_step_like_one_device, train_like_one_device
-from parity_utils import free_weights, pins_for, run_checked
+from parity_utils import (
+    Checks,
+    build,
+    check_step_like_one_device,
+    free_weights,
+    pins_for,
+    run_checked,
+    train_like_one_device,
+)
 
 TIMEOUT_S = 240
 STEPS = 3
@@ -46,7 +52,7 @@ def _budgets(model, inputs, mesh, kind, zero, short=SHORT, name="gpt"):
 
 def test_solver_offloads_when_the_device_budget_needs_it(fake_process_group):
     import partitioner
-    from passes.plan_intra_op import InfeasibleBudgetError
+    from passes.plan.plan_intra_op import InfeasibleBudgetError
 
     fake_process_group(4)
     model, inputs = build("gpt")

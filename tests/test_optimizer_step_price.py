@@ -1,4 +1,4 @@
-"""The optimizer's step in the estimate (``passes.cost_model.optimizer_step_time``), known numbers.
+"""The optimizer's step in the estimate (``passes.plan.cost_model.optimizer_step_time``), known numbers.
 
 AdamW on fp32 reads the parameter, its gradient and two moments and writes the parameter and the
 moments: 28 B per element it steps, memory-bound at the device's bandwidth (H100: 3.35 TB/s), or
@@ -13,7 +13,6 @@ at the host's share (``host_memory_bandwidth``: 614 GB/s / 8) for state offloade
 """
 
 import pytest
-
 from parity_utils import build, free_weights, pins_for
 
 H100_HBM = 3.35e12

@@ -24,10 +24,9 @@ parameter bytes of Megatron TP. Dropout has its own test.
 
 import pytest
 import torch
-
-from parity_utils import (MODELS, dropout_worker, glob_any, nested_approx_equal, parity_case, parity_worker,
-                          run_checked)
+from parity_utils import MODELS, dropout_worker, glob_any, nested_approx_equal, parity_case, parity_worker, run_checked
 from support import is_replicated, placement_axes
+
 from runtime.launch import run_on_ranks
 
 TIMEOUT_S = 240

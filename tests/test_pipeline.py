@@ -44,7 +44,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from parity_utils import run_checked, Checks, check_grads_by_alias, adam_in_lockstep, call, loss_of, nested_approx_equal
+from parity_utils import Checks, adam_in_lockstep, call, check_grads_by_alias, loss_of, nested_approx_equal, run_checked
 
 from runtime.launch import run_on_ranks
 
@@ -127,14 +127,14 @@ def pipeline_worker(rank, world, cfg):
                           "microbatches": sched.num_microbatches, "stage_to_rank": list(sched.stage_to_rank)}
     result["layers"] = [list(run) for run in runner.plan["layers"]]
     if cfg["pipeline"].get("schedule") is None:   # what the stage estimates favour, recomputed here
-        from passes.pipeline_schedules import choose_schedule
         from partitioner.pipeline_simulation import stage_times
+        from passes.schedules.pipeline_schedules import choose_schedule
         name, _ = choose_schedule(sched.num_ranks, sched.num_microbatches, *stage_times(runner))
         result["expected_schedule"] = name.replace("-", "_")
     result["sends"] = [list(g.sends) for g in runner.stage_graphs]
     result["carried"] = {name: list(shape) for name, (shape, _) in runner.carried_meta.items()}
     result["activation_copies"] = [plan.data["activation_copies"] for plan in runner.plan["stages"]]
-    from passes.pipeline_schedules import stage_in_flight
+    from passes.schedules.pipeline_schedules import stage_in_flight
     result["in_flight"] = [stage_in_flight(sched)[s] for s in range(sched.num_stages)]
     if rank == 0:   # what the stage plans decided for parameters and inputs (FQN / argument name)
         placements = []
@@ -345,10 +345,10 @@ def test_stage_balance_uniform_transformer():
     on one device."""
     from partitioner import models
     from partitioner.api import plan_captured
-    from passes.analyze import analyze, info
-    from passes.blocks import find_blocks
-    from passes.capture import capture
-    from passes.split_stages import assign_stages, split_stages
+    from passes.analysis.analyze import analyze, info
+    from passes.capture.blocks import find_blocks
+    from passes.capture.capture import capture
+    from passes.plan.split_stages import assign_stages, split_stages
 
     model, inputs = models.gpt_block(batch=8, seq=128, n_embd=256, n_head=4, n_layer=16, vocab=1024)
     cap = capture(model, inputs)
@@ -476,7 +476,7 @@ def test_open_config_choices_are_logged(caplog, capsys):
     ``partitioner`` logger, and ``verbose=True`` shows them on stderr (built in this process as
     rank 0 of a 2-rank job on the fake process group: no forking)."""
     import partitioner
-    from passes.pipeline_schedules import SCHEDULES
+    from passes.schedules.pipeline_schedules import SCHEDULES
     model, inputs = _build("gpt", 4)
     with fake_job(2), caplog.at_level(logging.INFO, logger="partitioner"):
         runner = partitioner.auto_parallelize(model, inputs, mesh=(2,), cluster="h100", pipeline={"degree": 2},

@@ -36,7 +36,7 @@ MLP_WEIGHTS = ("h.*.mlp.c_fc.weight", "h.*.mlp.c_proj.weight")
 
 def _held_worker(rank, world, configs):
     from partitioner.sharding_plan import per_step_comm
-    from passes.placements import is_shard
+    from passes.core.placements import is_shard
     from runtime.collectives import CommCounter
     from runtime.grad_sync import DeferredSyncs
 
@@ -142,8 +142,8 @@ def test_held_back_rule_on_mixed_edges():
     """Which parameter edges a stage holds back, on a 2 x 2 stage mesh: the estimate's rule and
     the runtime's agree (a reduce-scatter on any axis, with an all-reduce on the other or not,
     moves every microbatch; an all-reduce alone, or a gradient all-gathered, is held)."""
-    from passes.cost_model import grad_held_back
-    from passes.placements import dual_spec, parse_spec
+    from passes.core.placements import dual_spec, parse_spec
+    from passes.plan.cost_model import grad_held_back
     from runtime.reshard import Reshard
 
     mesh = (2, 2)

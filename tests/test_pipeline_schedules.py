@@ -1,10 +1,27 @@
 """Pipeline schedules as data: text form, generators, lowering, the checker, the simulator."""
 import pytest
 
-from passes.pipeline_schedules import (
-    SCHEDULES, Action, ActionKind, Schedule, add_communication, assert_valid, check_schedule, format_action,
-    format_schedule, gpipe, interleaved_1f1b, one_f_one_b, parse_action, parse_schedule,
-    peak_in_flight, schedule_kind, simulate, stage_in_flight, v_shape_stage_to_rank, zb_h1,
+from passes.schedules.pipeline_schedules import (
+    SCHEDULES,
+    Action,
+    ActionKind,
+    Schedule,
+    add_communication,
+    assert_valid,
+    check_schedule,
+    format_action,
+    format_schedule,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    parse_action,
+    parse_schedule,
+    peak_in_flight,
+    schedule_kind,
+    simulate,
+    stage_in_flight,
+    v_shape_stage_to_rank,
+    zb_h1,
 )
 
 # every registered schedule (interleaved with 2 stages per rank), by its registry name
@@ -386,7 +403,7 @@ def test_schedule_shape_is_validated():
 def test_stage_durations_split_the_estimate():
     from types import SimpleNamespace as Est
 
-    from passes.pipeline_schedules import stage_durations, stage_syncs
+    from passes.schedules.pipeline_schedules import stage_durations, stage_syncs
     estimates = [Est(step_time_s=3.0, weight_grad_s=0.9, grad_sync_s=0.0),
                  Est(step_time_s=6.5, weight_grad_s=1.5, grad_sync_s=0.5),
                  Est(step_time_s=6.0, weight_grad_s=9.0, grad_sync_s=0.0)]
@@ -417,7 +434,7 @@ def test_a_stage_gradient_sync_runs_once_after_its_ranks_last_action(make):
 
 
 def test_choose_schedule_known_answers():
-    from passes.pipeline_schedules import choose_schedule
+    from passes.schedules.pipeline_schedules import choose_schedule
     # uniform stages, W half of B: zero-bubble fills the bubble with W, and wins
     name, steps = choose_schedule(4, 8, 1.0, 2.0, 1.0)
     assert name == "zb-h1" and steps["zb-h1"] < steps["1f1b"], steps
@@ -428,7 +445,7 @@ def test_choose_schedule_known_answers():
 
 
 def test_stage_in_flight_counts_activations_alive_per_stage():
-    from passes.pipeline_schedules import auto_stage_in_flight, stage_in_flight
+    from passes.schedules.pipeline_schedules import auto_stage_in_flight, stage_in_flight
     assert stage_in_flight(one_f_one_b(4, 8)) == {0: 4, 1: 3, 2: 2, 3: 1}
     assert stage_in_flight(gpipe(4, 8)) == {s: 8 for s in range(4)}
     # zero-bubble keeps the graph from F until W: every stage holds p microbatches
@@ -474,7 +491,7 @@ def test_the_quick_validity_check_never_passes_what_the_full_check_refuses():
     repeated or moved to another rank."""
     import random
 
-    from passes.pipeline_schedules import _Index, _plainly_valid, _static_issues
+    from passes.schedules.pipeline_schedules import _Index, _plainly_valid, _static_issues
     rng = random.Random(0)
     seen = {True: 0, False: 0}
     for name in ("gpipe", "1f1b", "zb-h1", "interleaved"):

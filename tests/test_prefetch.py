@@ -1,4 +1,4 @@
-"""Prefetched weight gathers (``passes/prefetch_gathers.py``, ``runtime/prefetch.py``), on 4 gloo ranks.
+"""Prefetched weight gathers (``passes/lower/prefetch_gathers.py``, ``runtime/prefetch.py``), on 4 gloo ranks.
 
 GPT on (4,), ZeRO-3 under half the replicated Adam state (every sharded weight is gathered for
 use and gathered again in backward). One forked run, every rank:
@@ -150,7 +150,7 @@ def test_prefetch_overlap_is_priced(fake_process_group):
     credit = sum(c["gather_s"] - c["time_s"] for c in prefetched)
     stats = plan.data["stats"]
     assert credit > 0 and stats["prefetch_overlap_s"] == pytest.approx(credit, rel=1e-12)
-    # the step is priced after solving too, with the flat buffers' call latency (passes/collective_calls.py)
+    # the step is priced after solving too, with the flat buffers' call latency (passes/plan/collective_calls.py)
     solved = stats["objective_s"] - credit + stats["optimizer_step_s"] + plan.estimate().flat_latency_s
     assert plan.estimate().step_time_s == pytest.approx(solved, rel=1e-9)
 

@@ -24,7 +24,7 @@ import torch
 import partitioner.parallelize  # noqa: F401  (imported before forking: see tests/parity_utils.py)
 from partitioner.state_names import tied_names
 from partitioner.weights import WeightSource
-from passes.placements import Replicate
+from passes.core.placements import Replicate
 from runtime.launch import run_on_ranks
 from tests.parity_utils import Checks, check_grads_by_alias, pins_for
 

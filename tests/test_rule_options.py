@@ -1,4 +1,4 @@
-"""The forced algorithm modes reach the op rules as a value (``passes.rule_options.RuleOptions``
+"""The forced algorithm modes reach the op rules as a value (``passes.core.rule_options.RuleOptions``
 on every ``OpView``), not as module state: two strategy spaces of one graph built with
 different modes, interleaved, each offer their own candidates. Single process."""
 from __future__ import annotations
@@ -8,12 +8,12 @@ import torch
 
 from partitioner import PlanOptions, models
 from partitioner.local_cluster import get_cluster
-from passes.analyze import analyze
-from passes.blocks import find_blocks
-from passes.capture import capture
-from passes.rule_options import RuleOptions
+from passes.analysis.analyze import analyze
+from passes.capture.blocks import find_blocks
+from passes.capture.capture import capture
+from passes.core.rule_options import RuleOptions
+from passes.plan.strategy_space import build_space
 from passes.rules import op_view, rule_for
-from passes.strategy_space import build_space
 
 aten = torch.ops.aten
 

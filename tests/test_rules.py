@@ -2,18 +2,16 @@
 fallback, and gradient placements. Single process, no process group."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from support import fallback_warnings
 
 import partitioner
-from passes.placements import P, R, Partial, Shard
-from passes.rules import (AxisStrategy, expand_to_mesh, has_rule, op_view,
-                          rule_for)
+from passes.core.placements import P, Partial, R, Shard
+from passes.rules import AxisStrategy, expand_to_mesh, has_rule, op_view, rule_for
 from passes.rules.views import view_dim_map
-from support import fallback_warnings
 
 aten = torch.ops.aten
 

@@ -8,7 +8,7 @@ from partitioner.config_search import _Planner, _send_pins, plan_config
 from partitioner.local_cluster import get_cluster
 from partitioner.options import PlanOptions
 from partitioner.parallel_config import ParallelConfig
-from passes.blocks import find_blocks
+from passes.capture.blocks import find_blocks
 
 
 def test_the_first_stage_sends_its_own_layers_output_and_recomputation_needs_no_more_memory():

@@ -179,10 +179,10 @@ def _llama_meta_eager(layers=2):
 
 
 def test_attention_cores_found_in_each_graph():
-    from passes.analyze import analyze
-    from passes.blocks import find_blocks
-    from passes.capture import capture
-    from passes.recompute import block_cores
+    from passes.analysis.analyze import analyze
+    from passes.capture.blocks import find_blocks
+    from passes.capture.capture import capture
+    from passes.plan.recompute import block_cores
 
     def cores(model, inputs):
         cap = capture(model, inputs)
@@ -200,8 +200,8 @@ def test_attention_cores_found_in_each_graph():
 
 def test_the_solver_picks_selective_between_full_and_kept():
     from partitioner.api import plan_captured
-    from passes.analyze import analyze
-    from passes.capture import capture
+    from passes.analysis.analyze import analyze
+    from passes.capture.capture import capture
 
     cap = capture(*_llama_meta_eager(layers=4))
     analyze(cap)

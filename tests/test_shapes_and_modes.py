@@ -16,9 +16,9 @@ import torch
 from parity_utils import Checks, adam_in_lockstep, call, check_grads_by_alias, loss_of, pins_for, run_checked
 
 from partitioner import hf_families, models
-from passes.analyze import analyze
-from passes.capture import capture, graph_fingerprint
-from passes.shape_check import ShapeMismatchError, check_divisible
+from passes.analysis.analyze import analyze
+from passes.analysis.shape_check import ShapeMismatchError, check_divisible
+from passes.capture.capture import capture, graph_fingerprint
 from runtime.launch import run_on_ranks
 
 TIMEOUT_S = 240

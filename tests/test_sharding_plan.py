@@ -11,7 +11,7 @@ import partitioner
 from partitioner import models
 from partitioner.plan_dot import plan_to_dot
 from partitioner.plan_table import mask_index_rows, plan_table, short_collectives, shown_rows
-from passes.capture import capture, graph_fingerprint
+from passes.capture.capture import capture, graph_fingerprint
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +291,7 @@ def test_activation_copies_multiply_activation_memory_only():
     every op's saved-activation memory is k times one copy's; parameters and optimizer state are
     counted once."""
     from partitioner.api import plan_captured
-    from passes.analyze import analyze
+    from passes.analysis.analyze import analyze
     model, inputs = models.gpt_demo(batch=4, seq=16, n_layer=2)
     cap = capture(model, inputs)
     analyze(cap)
@@ -312,7 +312,7 @@ def test_a_recomputed_layer_rebuilds_one_microbatch_whatever_the_copies_in_fligh
     backward reruns one layer of one microbatch at a time: the solver's memory (the records) grows
     by the kept bytes only, as the estimate's does."""
     from partitioner.api import plan_captured
-    from passes.analyze import analyze
+    from passes.analysis.analyze import analyze
     model, inputs = models.gpt_demo(batch=4, seq=16, n_layer=3)
     cap = capture(model, inputs)
     analyze(cap)

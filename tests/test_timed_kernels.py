@@ -51,9 +51,9 @@ def test_backward_holds_only_for_the_gradients_asked_for(holds, wanted, expected
 
 
 def test_planner_sees_one_costed_node_per_layer_and_cuts_evenly():
-    from passes.analyze import analyze, info
-    from passes.capture import capture
-    from passes.split_stages import assign_stages
+    from passes.analysis.analyze import analyze, info
+    from passes.capture.capture import capture
+    from passes.plan.split_stages import assign_stages
 
     model = timed_kernels.TimedLayers(n_layer=8, width=16, forward_ms=10.0, input_ms=10.0, weight_ms=10.0)
     cap = capture(model, (torch.randn(4, 16), torch.randn(4, 16)))

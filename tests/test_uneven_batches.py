@@ -13,11 +13,19 @@ batch, 1, captures another graph, size-1 dims being special to export, and is pl
 import copy
 
 import torch
-from parity_utils import (Checks, adam_in_lockstep, call, check_grads_by_alias, loss_of, pins_for, run_checked,
-                          train_like_one_device)
+from parity_utils import (
+    Checks,
+    adam_in_lockstep,
+    call,
+    check_grads_by_alias,
+    loss_of,
+    pins_for,
+    run_checked,
+    train_like_one_device,
+)
 
 from partitioner import models
-from passes.placements import Shard, rank_local_shape, split_size
+from passes.core.placements import Shard, rank_local_shape, split_size
 
 TIMEOUT_S = 240
 FACTORIES = {

@@ -2,7 +2,7 @@
 
 A fused projection (GPT-2's ``c_attn``: q, k and v in one weight) whose output is split while
 sharded is computed from a weight in the strided layout: rank ``c`` holds block ``c`` of each of
-q, k and v (``passes/lower_to_local.py``). A ZeRO-3 plan may store that weight cut along its
+q, k and v (``passes/lower/lower_to_local.py``). A ZeRO-3 plan may store that weight cut along its
 *other* dim on the same mesh axis (the memory objective on (2, 2) with 1-D tensor parallelism
 does): there its stored blocks are contiguous, and the edge into the matmul all-to-alls them
 into the strided shard (``runtime/collectives.py``). The loader must cut the stored blocks the
@@ -32,7 +32,7 @@ def _gpt():
 
 def memory_tp_worker(rank, world, cfg):
     import partitioner
-    from passes.placements import parse_spec
+    from passes.core.placements import parse_spec
 
     checks = Checks(rank)
     model, inputs = _gpt()

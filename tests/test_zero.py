@@ -22,7 +22,6 @@ checked in one process.
 """
 
 import pytest
-
 from parity_utils import build, run_checked
 from zero_utils import BUDGET, TIMEOUT_S, zero_worker
 
@@ -45,7 +44,7 @@ def test_solver_regathers_only_when_the_budget_needs_it(fake_process_group):
     and ZeRO-2 alone does not fit it: under ``zero="auto"`` the solver regathers some weights, and
     its estimated peak fits; ``zero=2`` reports the budget infeasible."""
     import partitioner
-    from passes.plan_intra_op import InfeasibleBudgetError
+    from passes.plan.plan_intra_op import InfeasibleBudgetError
 
     fake_process_group(4)
     model, inputs = build("gpt")

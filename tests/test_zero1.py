@@ -26,9 +26,18 @@ import copy
 
 import pytest
 import torch
+from parity_utils import (
+    Checks,
+    build,
+    call,
+    check_grads_by_alias,
+    check_step_like_one_device,
+    free_weights,
+    loss_of,
+    run_checked,
+    train_like_one_device,
+)
 
-from parity_utils import (Checks, build, call, check_grads_by_alias, check_step_like_one_device,
-                          loss_of, free_weights, run_checked, train_like_one_device)
 from runtime.collectives import CommCounter
 
 TIMEOUT_S = 240
@@ -162,7 +171,6 @@ def test_budget_below_replicated_state_picks_zero1(fake_process_group):
     """The budget: the estimated peak of the same data-parallel plan with every weight ZeRO-1,
     below the replicated plan's by most of the optimizer state."""
     import partitioner
-
     from partitioner.plan_table import weight_storage
 
     fake_process_group(4)
@@ -184,7 +192,7 @@ def test_budget_below_replicated_state_picks_zero1(fake_process_group):
     est = auto.estimate()  # no gathers in forward; the optimizer steps a quarter of every weight
     # the same bytes (reduce-scatter + all-gather = all-reduce), in two flat calls where the
     # replicated plan's gradient bucket is one: one more call's latency terms
-    # (passes/collective_calls.py), nothing else
+    # (passes/plan/collective_calls.py), nothing else
     others = replicated.comm_calls["all_reduce"]["a0"] - 1  # the loss's, not the gradients'
     assert est.comm_calls == {"all_reduce": {"a0": others}, "reduce_scatter": {"a0": 1}, "all_gather": {"a0": 1}}
     # 2 x (overhead + 3 ring steps) against overhead + 6 ring steps on 4 ranks: one more overhead

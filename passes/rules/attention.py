@@ -12,7 +12,7 @@ Per mesh axis the candidates are:
   key/value blocks passed around the axis; its own collectives are ``send_recv`` transfers of
   the local k/v blocks, ``p - 1`` forward and ``2 (p - 1)`` backward (k/v and their gradients),
   priced with scaling ``ring`` (local bytes times ``p - 1``; their time overlaps the block
-  computations, see :func:`passes.cost_model.own_collectives`); under ``is_causal`` the query
+  computations, see :func:`passes.plan.cost_model.own_collectives`); under ``is_causal`` the query
   block is moved into the zig-zag layout and back by all-to-alls of the local buffers (forward
   q and the output; backward q, dO, dq and the row sums ``rowsum(dO * O)``), which balances the
   causal work. A mask tensor comes split on its query rows with every key column;
@@ -26,7 +26,7 @@ A mask that broadcasts over a sharded dim stays replicated. Neither algorithm re
 for the mask, so a mask that needs one (a learned bias) gets neither; nor does cross-attention
 (queries and keys of different lengths), which keeps the other candidates. The eager
 ``softmax(q @ k^T) @ v`` pattern needs no rule of its own: the matmul, softmax and elementwise
-rules plan it op by op, and where ring or Ulysses is forced :mod:`passes.eager_attention`
+rules plan it op by op, and where ring or Ulysses is forced :mod:`passes.capture.eager_attention`
 first turns it into this op.
 
 Which of the sequence algorithms are offered is a planning setting
@@ -44,8 +44,8 @@ import math
 
 import torch
 
-from passes.placements import R, Shard
-from passes.rule_options import SEQUENCE_PARALLEL_MODES
+from passes.core.placements import R, Shard
+from passes.core.rule_options import SEQUENCE_PARALLEL_MODES
 from passes.rules.base import AxisStrategy, OpRule, OpView, register, tensor_input_nodes
 
 aten = torch.ops.aten
@@ -74,7 +74,7 @@ def _common_problem(op: OpView) -> str | None:
         return f"queries ({q[2]}) and keys ({k[2]}) differ in length (cross-attention)"
     if op.arg(4, "dropout_p", 0.0):
         return "it has attention dropout"
-    from passes.node_info import META_KEY
+    from passes.core.node_info import META_KEY
 
     ins = tensor_input_nodes(op.node)
     meta = ins[3].meta.get(META_KEY) if len(ins) > 3 else None

@@ -11,7 +11,7 @@ every sharded dim divides evenly.
 ``type_as``): no data moves on that edge.
 
 A rule reads the algorithm modes forced for this plan (``tensor_parallel=``, ``sequence_parallel=``,
-``expert_parallel=``) and the mesh from ``op.options`` (:class:`passes.rule_options.RuleOptions`),
+``expert_parallel=``) and the mesh from ``op.options`` (:class:`passes.core.rule_options.RuleOptions`),
 which the strategy space puts on every view it makes; there is no module state to set.
 
 An op with no rule gets :data:`REPLICATE_FALLBACK`: everything replicated, one warning per op.
@@ -28,8 +28,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from passes.placements import P, Partial, R, Replicate, Shard, spec_fits
-from passes.rule_options import DEFAULT_RULE_OPTIONS, RuleOptions
+from passes.core.placements import P, Partial, R, Replicate, Shard, spec_fits
+from passes.core.rule_options import DEFAULT_RULE_OPTIONS, RuleOptions
 
 __all__ = [
     "OpView",
@@ -232,7 +232,7 @@ class OpRule(abc.ABC):
         return True
 
     def lower(self, call):
-        """Emit this op for one rank (``passes.lower_to_local.LowerCall``); default: the same
+        """Emit this op for one rank (``passes.lower.lower_to_local.LowerCall``); default: the same
         op on local tensors. Rules whose sharded form differs override this."""
         return call.emit()
 
@@ -252,14 +252,14 @@ class OpRule(abc.ABC):
         return 1.0
 
     def saves(self, op: OpView, grads):
-        """What the op keeps for backward (a ``passes.saved_tensors.Saves``), for an op whose
+        """What the op keeps for backward (a ``passes.analysis.saved_tensors.Saves``), for an op whose
         lowering runs other code than the op itself; None (the default): found by running the op."""
         return None
 
     def buffer_share(self, op: OpView, placed: list, mesh_shape) -> float | None:
         """The fraction of its own saved buffers (``Saves.extra_bytes``, at the graph's shapes) a
         device keeps, its inputs placed as ``placed`` (``(shape, placement)`` pairs); None (the
-        default): the share of its largest input (:func:`passes.cost_model.largest_share`)."""
+        default): the share of its largest input (:func:`passes.plan.cost_model.largest_share`)."""
         return None
 
     def flops(self, op: OpView) -> float:

@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from passes.placements import P, R, Shard
+from passes.core.placements import P, R, Shard
 from passes.rules.base import AxisStrategy, OpRule, OpView, register
 
 aten = torch.ops.aten

@@ -1,6 +1,6 @@
 """partita.moe_experts(hidden[T,H], top_k_index[T,k], top_k_weights[T,k], gate_up[E,2I,H], down[E,H,I]).
 
-One node per mixture-of-experts layer (:mod:`passes.moe.experts_op`). Per mesh axis the
+One node per mixture-of-experts layer (:mod:`passes.capture.experts_op`). Per mesh axis the
 candidates are:
 
 * replicated;
@@ -21,7 +21,7 @@ The experts may be split on one mesh axis at most; the other axes split the toke
 Compute is priced at the routed load: ``6 T k H I`` FLOPs forward (a contraction: backward
 twice that), over the work split, times the *imbalance* on an expert axis of ``n`` ranks: the
 most-loaded rank's share of the routed pairs over the mean, measured from the router on the
-example batch (:mod:`passes.moe.routing`; 1.0 where none was measured).
+example batch (:mod:`passes.analysis.expert_routing`; 1.0 where none was measured).
 
 Whether expert splits are offered is a planning setting (``op.options.expert_parallel``, from
 ``partitioner.plan(..., expert_parallel=...)``): ``"auto"`` offers them beside the rest (the
@@ -36,10 +36,10 @@ import logging
 
 import torch
 
-from passes.moe.experts_op import MOE_OP
-from passes.node_info import Saves, info
-from passes.placements import P, R, Shard
-from passes.rule_options import EXPERT_PARALLEL_MODES
+from passes.capture.experts_op import MOE_OP
+from passes.core.node_info import Saves, info
+from passes.core.placements import P, R, Shard
+from passes.core.rule_options import EXPERT_PARALLEL_MODES
 from passes.rules.base import AxisStrategy, OpRule, OpView, register
 
 logger = logging.getLogger(__name__)

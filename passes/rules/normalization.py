@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from passes.placements import R, Shard, is_shard
+from passes.core.placements import R, Shard, is_shard
 from passes.rules.base import AxisStrategy, OpRule, OpView, register
 
 aten = torch.ops.aten

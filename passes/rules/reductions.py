@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from passes.placements import P, Partial, R, Shard
+from passes.core.placements import P, Partial, R, Shard
 from passes.rules.base import AxisStrategy, OpRule, OpView, register
 
 aten = torch.ops.aten

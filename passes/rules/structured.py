@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from passes.placements import P, R, Shard
+from passes.core.placements import P, R, Shard
 from passes.rules.base import AxisStrategy, OpRule, OpView, register
 
 aten = torch.ops.aten
@@ -86,7 +86,7 @@ class FactoryRule(OpRule):
 
     def lower(self, call):
         """Make the whole (small) tensor, then keep this rank's piece."""
-        from passes.placements import replicated
+        from passes.core.placements import replicated
 
         target = call.node.target
         if target in _LIKE_FILL:

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import logging
 
-from passes.analyze import info
-from passes.placements import is_shard, transition_steps
+from passes.analysis.analyze import info
+from passes.core.placements import is_shard, transition_steps
 from passes.rules import rule_for
 
 __all__ = ["regathers_activation"]

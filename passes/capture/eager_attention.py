@@ -3,7 +3,7 @@
 HF models with ``attn_implementation="eager"`` (and hand-written ones) compute attention as
 ops: ``matmul(q, k^T)``, a scale (``mul`` / ``div`` by a number), an additive mask (``add``),
 ``softmax`` over the keys, casts, ``dropout``, ``matmul(., v)``. The core is recognised as the
-selective recomputation recognises it (:func:`passes.recompute.eager_attention_contractions`:
+selective recomputation recognises it (:func:`passes.plan.recompute.eager_attention_contractions`:
 a softmax between a contraction of two activations and another); this pass then reads the exact
 chain between the two contractions and, when it is the math of
 ``scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s)``, replaces the chain by that
@@ -40,8 +40,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from passes.analyze import analyze, info
-from passes.recompute import eager_attention_contractions, is_softmax
+from passes.analysis.analyze import analyze, info
+from passes.plan.recompute import eager_attention_contractions, is_softmax
 from passes.rules import tensor_input_nodes
 
 aten = torch.ops.aten

@@ -17,7 +17,7 @@ The two flow families are the transportation form of the product ``x[g,i] x[h,j]
 integer ``x`` the only feasible ``f`` is the product, and the relaxation is much tighter than
 ``f >= x + x' - 1``. Classes (distinct placements on the edge) keep ``f`` small. Links tie
 decisions that must agree (every group of one repeated block recomputes, or none does:
-:mod:`passes.recompute`). With
+:mod:`passes.plan.recompute`). With
 ``objective="memory"`` the memory sum is minimised instead, with time as a tie-break.
 
 Search limits. Branch and bound stops at a relative gap of ``gap`` (1e-6: optimal), after

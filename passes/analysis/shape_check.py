@@ -21,8 +21,8 @@ stricter check (every cut dim divides) for callers that need equal pieces.
 
 from __future__ import annotations
 
-from passes.analyze import info
-from passes.placements import parse_spec, rank_local_shape, split_size
+from passes.analysis.analyze import info
+from passes.core.placements import parse_spec, rank_local_shape, split_size
 
 __all__ = ["ShapeMismatchError", "check_divisible", "check_servable", "rank_local_shape", "split_size", "uneven_dims"]
 

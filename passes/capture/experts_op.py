@@ -8,7 +8,7 @@ loop over the experts hit (``nonzero``, ``where``: data-dependent), or a sort + 
 or a batched matmul, as ``config._experts_implementation`` says. Traced op by op, neither
 splits by expert: the expert dim is only ever indexed.
 
-While a model is captured (:func:`experts_as_ops`, entered by :func:`passes.capture.capture`),
+While a model is captured (:func:`experts_as_ops`, entered by :func:`passes.capture.capture.capture`),
 every such module's forward is replaced by one call of the custom op
 ``partita::moe_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)``,
 which computes exactly what the module computes (:func:`runtime.expert_dispatch.experts_forward`,

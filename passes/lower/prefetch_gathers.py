@@ -26,7 +26,7 @@ backward compute of the ops after its consumer up to and including the consumer 
 cluster's ``prefetch_overlap``: the fraction of the shorter of the two that running them
 together hides (1.0 on the GPU presets, ``max(0, gather - compute)``; measured by ``partitioner
 calibrate`` on CPUs, where the gather's threads and the compute share the cores), and its output
-buffer is alive beside each op of its window: :mod:`passes.memory_accounting` adds it to their
+buffer is alive beside each op of its window: :mod:`passes.plan.memory_accounting` adds it to their
 transients (``transient_fwd`` / ``transient_bwd``), so the budgeted solve's peak check sees
 it. Other collectives in the window are not taken into account (the link is assumed free for
 the gather). The solver prices the gathers without this credit (an upper bound); the plan's
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from passes.cost_model import reshard
+from passes.plan.cost_model import reshard
 
 __all__ = ["prefetch_gathers", "credit_prefetch", "first_gather", "forward_windows", "backward_windows"]
 
@@ -113,7 +113,7 @@ def credit_prefetch(records: list, overlap: float = 1.0) -> float:
     """Credit the overlap of prefetched gathers on ``records`` (a solved plan's, graph order; see
     the module docstring): each one's ``time_s`` becomes its exposed part, ``overlap`` being the
     cluster's ``prefetch_overlap``. Returns the seconds credited. (Their bytes in flight are
-    counted by :func:`passes.memory_accounting.memory_fields`.)"""
+    counted by :func:`passes.plan.memory_accounting.memory_fields`.)"""
     by_name = {r["name"]: r for r in records}
     ops = [r for r in records if r.get("kind") == "op"]
     fwd_s = [r.get("forward_s", 0.0) for r in ops]

@@ -17,7 +17,7 @@ graph in order and emit a new fx graph:
   is replicated, and ``gm.meta["partita.zero1"]`` lists the placements and whether the stepped
   tensor is on the host, for :mod:`runtime.optimizer_shards`;
 * the gathers of weights stored sharded start one gather ahead of their use
-  (:func:`passes.prefetch_gathers.prefetch_gathers`);
+  (:func:`passes.lower.prefetch_gathers.prefetch_gathers`);
 * outputs the plan replicates are resharded to ``Replicate``; device arguments baked in at
   capture time (``meta``) are replaced by this rank's device;
 * the nodes emitted for each region the plan recomputes (records marked ``recompute``, named
@@ -40,8 +40,9 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from passes.analyze import info
-from passes.placements import (
+from passes.analysis.analyze import info
+from passes.analysis.shape_check import uneven_dims
+from passes.core.placements import (
     dual_spec,
     format_spec,
     is_partial,
@@ -50,10 +51,9 @@ from passes.placements import (
     rank_local_shape,
     transition_steps,
 )
-from passes.prefetch_gathers import prefetch_gathers
+from passes.lower.prefetch_gathers import prefetch_gathers
+from passes.plan.strategy_space import required_output_spec, zero1_grad_spec
 from passes.rules import op_view, rule_for, tensor_input_nodes
-from passes.shape_check import uneven_dims
-from passes.strategy_space import required_output_spec, zero1_grad_spec
 from runtime.collectives import MeshComm
 from runtime.optimizer_shards import ZERO1_KEY
 from runtime.recompute import CheckpointRegion
@@ -455,7 +455,7 @@ class _Lowering:
             grad_dst=self.grad_dst.get(u),
         )
         if made is not value and k in self.record(node).get("regather_inputs", ()):
-            # an activation kept as its shard, gathered again in backward (passes/activation_regather.py)
+            # an activation kept as its shard, gathered again in backward (passes/plan/activation_regather.py)
             edge = self.b.root.get_submodule(str(made.target))
             assert isinstance(edge, Reshard), edge
             edge.regather = self.regathered = True

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from passes.analyze import info
+from passes.analysis.analyze import info
 
 __all__ = ["BlockGroup", "Blocks", "find_blocks"]
 

@@ -1,6 +1,6 @@
 """Activation checkpointing as a decision of the intra-op solver: kept, selective or full.
 
-For each repeated block kind (:class:`passes.blocks.BlockGroup`) the solver chooses, once for
+For each repeated block kind (:class:`passes.capture.blocks.BlockGroup`) the solver chooses, once for
 all its layers, one of three ways to get what backward needs:
 
 * **kept**: the layer's ops keep their saved activations (no recomputation);
@@ -47,10 +47,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from passes.analyze import info, storage_owner
-from passes.cost_model import collective_time, dtype_bytes, local_bytes
+from passes.analysis.analyze import info, storage_owner
+from passes.plan.cost_model import collective_time, dtype_bytes, local_bytes
+from passes.plan.strategy_space import EdgeCost, StrategySpace, edge_collectives
 from passes.rules import op_name, rule_for, tensor_input_nodes
-from passes.strategy_space import EdgeCost, StrategySpace, edge_collectives
 
 __all__ = [
     "MODES",
@@ -197,7 +197,7 @@ class RecomputeChoice:
     """Block label -> per layer, its attention cores (lists of nodes): see :func:`block_cores`."""
 
     def rows(self) -> list:
-        """Link rows for :func:`passes.ilp_solver.solve_ilp`: (g_a, options_a, g_b, options_b)."""
+        """Link rows for :func:`passes.plan.ilp_solver.solve_ilp`: (g_a, options_a, g_b, options_b)."""
         full = [(a, np.flatnonzero(self.recomputed[a]), b, np.flatnonzero(self.recomputed[b])) for a, b in self.links]
         return full + [
             (a, np.flatnonzero(self.selective[a]), b, np.flatnonzero(self.selective[b]))

@@ -6,7 +6,7 @@ qualified names); every node carries ``meta["val"]`` (a FakeTensor: shape and dt
 ``meta["nn_module_stack"]``. Models built on the ``meta`` device capture without memory:
 example inputs are moved to ``meta`` too. A failure is re-raised as :class:`CaptureError`
 naming the construct that export could not handle and what to try. HuggingFace
-mixture-of-experts modules are captured as one op each (:mod:`passes.moe.experts_op`).
+mixture-of-experts modules are captured as one op each (:mod:`passes.capture.experts_op`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 import torch.fx.config  # noqa: F401  (fx.config.do_not_emit_stack_traces)
 
-from passes.moe.experts_op import experts_as_ops
+from passes.capture.experts_op import experts_as_ops
 
 __all__ = [
     "CaptureError",

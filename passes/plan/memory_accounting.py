@@ -1,7 +1,7 @@
 """Exact memory of a solved plan, per node: what each rank's lowered program keeps, by storage.
 
 Given every node's chosen placements, this follows what the runtime allocates and autograd
-keeps (:mod:`passes.saved_tensors` says what each op saves) and counts each storage once:
+keeps (:mod:`passes.analysis.saved_tensors` says what each op saves) and counts each storage once:
 
 * **A value's storage.** An op that is not a view allocates its output; a view (``split``,
   ``transpose``, ``getitem`` of a view, ...) shares its input's storage. Placeholders are state
@@ -25,7 +25,7 @@ keeps (:mod:`passes.saved_tensors` says what each op saves) and counts each stor
 * **ZeRO-3 parameters** (``regather``): the copy an edge gathers for a consumer that keeps it
   is freed after forward (a forward transient) and gathered again while the consumer's
   backward runs (a backward transient), outside recomputed layers.
-* **Activations gathered again** (``regather_activations``, :mod:`passes.activation_regather`):
+* **Activations gathered again** (``regather_activations``, :mod:`passes.plan.activation_regather`):
   the copy an edge gathers for a consumer that keeps it is a forward transient; the producer's
   shard is kept instead (a saved activation, once per storage); the copy is gathered again
   while the consumer's backward runs (a backward transient), outside recomputed layers.
@@ -33,7 +33,7 @@ keeps (:mod:`passes.saved_tensors` says what each op saves) and counts each stor
   ops use, plus the optimizer's shard with its gradient and state.
 * **Offloaded parameters** (``offload``): the compute copy and its gradient on the device; the
   tensor the optimizer steps, its gradient and its state in host memory (``offloaded``).
-* **Prefetched gathers** (:mod:`passes.prefetch_gathers`): a weight's gather started ahead of
+* **Prefetched gathers** (:mod:`passes.lower.prefetch_gathers`): a weight's gather started ahead of
   its use is a transient of every op it runs beside (forward, and ZeRO-3 regathers in backward).
 * **Recomputed layers** (activation checkpointing): what their ops keep is rebuilt while the
   layer's backward reruns it (a backward transient, on the layer's first node); the checkpoint
@@ -49,9 +49,10 @@ import operator
 
 import torch.fx as fx
 
-from passes.activation_regather import regathers_activation
-from passes.analyze import info
-from passes.cost_model import (
+from passes.analysis.analyze import info
+from passes.lower.prefetch_gathers import backward_windows, first_gather, forward_windows
+from passes.plan.activation_regather import regathers_activation
+from passes.plan.cost_model import (
     dtype_bytes,
     edge_allocates,
     grad_held_back,
@@ -59,9 +60,8 @@ from passes.cost_model import (
     local_bytes,
     param_state_parts,
 )
-from passes.prefetch_gathers import backward_windows, first_gather, forward_windows
+from passes.plan.strategy_space import regathers as strategy_regathers
 from passes.rules import op_view, rule_for, tensor_input_nodes
-from passes.strategy_space import regathers as strategy_regathers
 
 __all__ = ["memory_fields"]
 
@@ -87,11 +87,11 @@ def memory_fields(
     all-reduce gradients hold the sum over a step's microbatches (``held_gradients`` on the
     consumer: the gradient in the layout the consumer makes it, ``runtime.grad_sync.DeferredSyncs``;
     edges that reduce-scatter onto a weight stored sharded move it in every microbatch and hold
-    nothing more: :func:`passes.cost_model.grad_held_back`), and whose parameters with an edge not
+    nothing more: :func:`passes.plan.cost_model.grad_held_back`), and whose parameters with an edge not
     held back have their ``.grad`` from the first microbatch's backward on, while later
     microbatches run forward (``gradients_in_forward`` on the parameter).
     ``regather_activations``: the plan keeps activations gathered for a consumer that keeps them
-    as their shard (:mod:`passes.activation_regather`)."""
+    as their shard (:mod:`passes.plan.activation_regather`)."""
     recomputed = recomputed or {}
     walk = _StorageWalk(choices, tuple(mesh_shape), regather_activations)
     walk.keep_saved(graph, recomputed)
@@ -293,7 +293,7 @@ class _StorageWalk:
 
 
 def _prefetched(graph: fx.Graph, choices: dict, mesh, recomputed: dict, fields: dict) -> None:
-    """Add the weight gathers started ahead of their use (:mod:`passes.prefetch_gathers`) to the
+    """Add the weight gathers started ahead of their use (:mod:`passes.lower.prefetch_gathers`) to the
     transients of the ops they run beside: forward gathers of top-level edges, and ZeRO-3
     regathers in backward (their gathered buffer, alive from the start to the use)."""
     ops = [n for n in graph.nodes if n.op == "call_function" and info(n).kind == "op"]

@@ -4,7 +4,7 @@
 planning time for deep transformers. When a model's deepest ``nn.ModuleList`` holds identical
 layers (same class, same parameter names, shapes and dtypes, same submodule types), this pass
 exports the model with the list cut to its first two layers, checks that the two traced
-layers are the same program (:mod:`passes.blocks`), and builds the full graph by copying the
+layers are the same program (:mod:`passes.capture.blocks`), and builds the full graph by copying the
 second layer's nodes once per missing layer: its references to the previous layer point to the
 previous copy, its parameters to new placeholders for that layer, and the nodes after the
 layers read the last copy. Node names are then reassigned the way export names them (op name
@@ -22,7 +22,7 @@ import re
 import torch
 import torch.fx as fx
 
-from passes.capture import CapturedGraph, capture
+from passes.capture.capture import CapturedGraph, capture
 
 __all__ = ["repeated_layers", "capture_by_blocks", "capture_model"]
 
@@ -82,8 +82,8 @@ _SUFFIX = re.compile(r"_\d+$")
 def capture_by_blocks(model: torch.nn.Module, example_inputs, *, stack_traces: bool = False, autocast_dtype=None):
     """Capture through two layers and repeat them; None when the model has no such layers or
     the two traced layers differ (the caller then exports the whole model)."""
-    from passes.analyze import analyze
-    from passes.blocks import _signature
+    from passes.analysis.analyze import analyze
+    from passes.capture.blocks import _signature
 
     found = repeated_layers(model)
     if found is None:

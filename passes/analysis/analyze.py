@@ -5,7 +5,7 @@ the node's kind (parameter, buffer, input, op, output, or an ignored assertion),
 parameter / buffer / argument name, the innermost module path from ``nn_module_stack`` (so
 plans read in the user's terms), output shapes and dtype, forward FLOPs from the op's rule,
 whether a gradient flows through it, and what backward keeps: each op's saved inputs, outputs
-and buffers (:mod:`passes.saved_tensors`, found by running the op on fake tensors), and on each
+and buffers (:mod:`passes.analysis.saved_tensors`, found by running the op on fake tensors), and on each
 value whose storage some op keeps (following views to the value that owns the storage), ``saved``.
 """
 
@@ -16,10 +16,10 @@ import operator
 import torch
 import torch.fx as fx
 
-from passes.capture import CapturedGraph
-from passes.node_info import META_KEY, NodeInfo, info
+from passes.analysis.saved_tensors import saves_of
+from passes.capture.capture import CapturedGraph
+from passes.core.node_info import META_KEY, NodeInfo, info
 from passes.rules import IGNORED_OPS, op_view, rate_key, rule_for, tensor_input_nodes
-from passes.saved_tensors import saves_of
 
 __all__ = ["NodeInfo", "analyze", "info", "storage_owner"]
 

@@ -34,17 +34,17 @@ solver choosing the one the layer's roles use; under ``"auto"`` on a cube mesh t
 offered); the ops around the contractions (norms over the split hidden dim, attention with heads
 split, residual adds, embedding, loss) are left to the solver, which keeps the layout because any
 other costs more. The mode comes with the mesh in the plan's
-:class:`passes.rule_options.RuleOptions`, which the strategy space hands to :func:`allowed` and
+:class:`passes.core.rule_options.RuleOptions`, which the strategy space hands to :func:`allowed` and
 :func:`storage_options`. :func:`classify` names the role each axis plays in a chosen strategy
 (the plan summary's grid line). :func:`linear_comm_bytes` is the per-linear communication
-formula for each algorithm (bytes per device, payloads as :mod:`passes.cost_model` counts them).
+formula for each algorithm (bytes per device, payloads as :mod:`passes.plan.cost_model` counts them).
 """
 
 from __future__ import annotations
 
-from passes.analyze import info
-from passes.placements import InnerShard, R, Shard, is_partial, is_shard
-from passes.rule_options import TP_MODES, RuleOptions, check_choice
+from passes.analysis.analyze import info
+from passes.core.placements import InnerShard, R, Shard, is_partial, is_shard
+from passes.core.rule_options import TP_MODES, RuleOptions, check_choice
 from passes.rules import op_view, rule_for, tensor_input_nodes
 
 __all__ = [
@@ -245,7 +245,7 @@ def _is_norm(node) -> bool:
 def label_records(records, mesh_shape) -> None:
     """Set ``tensor_parallel`` (:func:`algorithm_of`) on every plan record with ``tp_roles``,
     reading the weight's stored placement from its placeholder's record (through views)."""
-    from passes.placements import parse_spec
+    from passes.core.placements import parse_spec
 
     by_name = {r["name"]: r for r in records}
     for rec in records:
@@ -345,7 +345,7 @@ def _param_weight_dims(param, aliases=()):
 def cube_storage(param, mesh_shape, aliases=()) -> list:
     """3D's storage of a weight contraction's 2-D weight on a ``c x c x c`` mesh: W/p a device,
     the ``c x c`` block a contraction uses (``n`` and ``k`` over axes 1, 2 in either order) cut
-    once more over axis 0 along ``k``, innermost (:class:`passes.placements.InnerShard`), so that
+    once more over axis 0 along ``k``, innermost (:class:`passes.core.placements.InnerShard`), so that
     gathering it for use is one contiguous all-gather along axis 0 and its gradient one
     reduce-scatter there: ``[Si(k), S(n), S(k)]`` and ``[Si(k), S(k), S(n)]``. Empty for any
     other parameter or mesh, or dims the grid does not divide. ``aliases``: as for
@@ -436,7 +436,7 @@ def _row_axis_sizes(mode: str, mesh: tuple) -> list:
 def linear_comm_bytes(mode: str, m: int, k: int, n: int, mesh_shape, elem: int = 4, *, input_grad: bool = True):
     """Bytes per device one linear ``Y[m, n] = X[m, k] W[k, n]`` communicates under ``mode``,
     as ``{phase: {kind: {axis: bytes}}}`` (payloads: an all-gather counts the gathered buffer,
-    a reduce-scatter its full input, an all-reduce its buffer; see :mod:`passes.cost_model`).
+    a reduce-scatter its full input, an all-reduce its buffer; see :mod:`passes.plan.cost_model`).
 
     X arrives and Y leaves in the algorithm's layout; W is stored as the algorithm stores it
     (3D: W/p, cut innermost over axis 0, :func:`cube_storage`), its gathered copy kept for
@@ -485,7 +485,7 @@ def grid_lines(records, data: dict) -> list:
     """Text for the plan summary (and ``dump``'s ``plan.txt``): the grid (which mesh axes are
     rows, columns, depth), the algorithm each weight contraction runs, and per contraction
     (repeated layers once) its per-axis roles and the blocks a device holds of X, W and Y."""
-    from passes.placements import local_shape, parse_spec
+    from passes.core.placements import local_shape, parse_spec
 
     rows = [r for r in records if r.get("tp_roles")]
     if not rows:

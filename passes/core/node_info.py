@@ -2,7 +2,7 @@
 
 A bottom-layer module (docs/ARCHITECTURE.md, "Layers"): it imports nothing of Partita's at run
 time, so the rules, the planners and the runtime read a node's shapes, kind and names from here
-while :mod:`passes.analyze`, which writes it, may import them all.
+while :mod:`passes.analysis.analyze`, which writes it, may import them all.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ does ``imbalance`` times the mean work, ``imbalance = max / mean`` of the pairs 
 experts a rank holds (:func:`passes.rules.experts.imbalance`). Routing depends on the weights
 and the data, not on shapes, so it is measured: the model runs forward once on the example
 batch (``torch.no_grad``) with a hook on each experts module the capture turned into
-``partita.moe_experts`` (:mod:`passes.moe.experts_op`), counting its ``top_k_index`` per
+``partita.moe_experts`` (:mod:`passes.capture.experts_op`), counting its ``top_k_index`` per
 expert, and each experts node of the graph gets its module's counts in
 ``node.meta["partita.routing"]``. The random number generators are restored afterwards, so the
 measurement draws nothing from the caller's streams (dropout masks). A model on ``meta`` has
@@ -18,9 +18,9 @@ import logging
 
 import torch
 
-from passes.analyze import module_path_of
-from passes.capture import _split_inputs, training_configs
-from passes.moe.experts_op import MOE_OP, why_not_op
+from passes.analysis.analyze import module_path_of
+from passes.capture.capture import _split_inputs, training_configs
+from passes.capture.experts_op import MOE_OP, why_not_op
 from passes.rules.experts import ROUTING_KEY
 
 logger = logging.getLogger(__name__)

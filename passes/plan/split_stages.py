@@ -1,7 +1,7 @@
 """Inter-op planning: cut a captured graph into pipeline stages at layer boundaries.
 
 Stages come from a dynamic program, not the ILP (decision 6 in docs/ARCHITECTURE.md). The
-units are the repeated blocks found by :mod:`passes.blocks` (transformer layers); everything
+units are the repeated blocks found by :mod:`passes.capture.blocks` (transformer layers); everything
 before the first block joins the first stage and everything after the last block joins the
 last stage. A dynamic program over contiguous runs of layers minimises the slowest stage
 (each layer priced by the cost model's compute time), which for a uniform transformer gives
@@ -23,10 +23,10 @@ from typing import cast
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from passes.analyze import info
-from passes.blocks import find_blocks
-from passes.capture import CapturedGraph
-from passes.strategy_space import STAGE_BOUNDARY
+from passes.analysis.analyze import info
+from passes.capture.blocks import find_blocks
+from passes.capture.capture import CapturedGraph
+from passes.plan.strategy_space import STAGE_BOUNDARY
 
 __all__ = ["StageGraph", "assign_stages", "balance_layers", "split_stages"]
 

@@ -20,12 +20,14 @@ from typing import NoReturn
 import numpy as np
 import torch.fx as fx
 
-from passes import multidim_tp
-from passes.activation_regather import regathers_activation
-from passes.analyze import info
-from passes.blocks import find_blocks
-from passes.capture import tied_placeholders
-from passes.cost_model import (
+from passes.analysis.analyze import info
+from passes.analysis.mutated_aliases import mutated_alias_pins
+from passes.capture.blocks import find_blocks
+from passes.capture.capture import tied_placeholders
+from passes.core.placements import format_spec, local_shape
+from passes.lower.prefetch_gathers import credit_prefetch
+from passes.plan.activation_regather import regathers_activation
+from passes.plan.cost_model import (
     collective_time,
     dtype_bytes,
     host_copy_time,
@@ -33,19 +35,15 @@ from passes.cost_model import (
     optimizer_step_time,
     own_collectives,
 )
-from passes.ilp_solver import NODE_LIMIT, min_memory, solve_ilp
-from passes.memory_accounting import memory_fields
-from passes.mutated_aliases import mutated_alias_pins
-from passes.placements import format_spec, local_shape
-from passes.prefetch_gathers import credit_prefetch
-from passes.recompute import (
+from passes.plan.ilp_solver import NODE_LIMIT, min_memory, solve_ilp
+from passes.plan.memory_accounting import memory_fields
+from passes.plan.recompute import (
     RecomputeChoice,
     add_recompute_options,
     check_recompute_mode,
     least_memory,
 )
-from passes.rules import REPLICATE_FALLBACK, op_name, tensor_input_nodes
-from passes.strategy_space import (
+from passes.plan.strategy_space import (
     build_space,
     edge_collectives,
     regathers,
@@ -53,6 +51,7 @@ from passes.strategy_space import (
     zero1_collectives,
     zero1_grad_spec,
 )
+from passes.rules import REPLICATE_FALLBACK, multidim_tp, op_name, tensor_input_nodes
 
 __all__ = ["InfeasibleBudgetError", "IntraOpResult", "plan_intra_op"]
 
@@ -202,7 +201,7 @@ def _edge_comm(node, choices, space, axis_names):
         )
         out += _collective_dicts(fwd, "fwd", k, mesh, space.cluster, axis_names)
         out += _collective_dicts(bwd, "bwd", k, mesh, space.cluster, axis_names)
-        if ui.kind == "op":  # an activation kept as its shard (passes/activation_regather.py)
+        if ui.kind == "op":  # an activation kept as its shard (passes/plan/activation_regather.py)
             again = space.regather_activations and regathers_activation(node, k, u, choices[u].out[0], dst, mesh)
         else:  # a ZeRO-3 parameter: its gathered copy is freed after forward
             again = choices[u].regather and regathers(node, k, choices[u].out[0], dst, mesh)
@@ -238,15 +237,15 @@ def plan_intra_op(
 ) -> IntraOpResult:
     """``recompute``: activation checkpointing of repeated blocks, ``"auto"`` (kept, selective or
     full, chosen by the solver when the budget needs it), ``"selective"``, ``"all"`` or ``"none"``
-    (:mod:`passes.recompute`). ``zero1``: offer ZeRO-1 weights (False for pipeline stages).
+    (:mod:`passes.plan.recompute`). ``zero1``: offer ZeRO-1 weights (False for pipeline stages).
     ``host_budget``: host-memory bytes per device for offloaded optimizer state (None: nothing is
     offloaded); offloading only adds time, so it is chosen when the device budget needs it.
     ``holds_gradient_sums``: a pipeline stage, which holds its parameter-gradient sums over the
-    microbatches of a step (counted in its memory: :func:`passes.memory_accounting.memory_fields`).
-    ``rule_options``: the algorithm modes forced on the rules (:class:`passes.rule_options.RuleOptions`
+    microbatches of a step (counted in its memory: :func:`passes.plan.memory_accounting.memory_fields`).
+    ``rule_options``: the algorithm modes forced on the rules (:class:`passes.core.rule_options.RuleOptions`
     for ``mesh_shape``); None: none.
     ``regather_activations``: activations gathered for an op that keeps them are kept as their
-    shard and gathered again in backward (:mod:`passes.activation_regather`; the records name
+    shard and gathered again in backward (:mod:`passes.plan.activation_regather`; the records name
     those inputs, ``regather_inputs``)."""
     log = log or (lambda msg: None)
     check_recompute_mode(recompute)
@@ -309,7 +308,7 @@ def plan_intra_op(
 
 def _decoded_records(cap, space, choice, axis_names, redo, regions, optimizer, activation_copies, holds_gradient_sums):
     """The plan's records under the solver's ``choice``, with each node's exact memory fields
-    (:func:`passes.memory_accounting.memory_fields`), its grid labels, and the prefetched gathers'
+    (:func:`passes.plan.memory_accounting.memory_fields`), its grid labels, and the prefetched gathers'
     credit: (records, seconds of gathers overlapped)."""
     graph, blocks = cap.graph, space.blocks
     choices = _choices(graph, space, blocks, choice)
@@ -329,7 +328,7 @@ def _decoded_records(cap, space, choice, axis_names, redo, regions, optimizer, a
     for rec in records:
         rec.update(exact.get(rec["name"], {}))
     multidim_tp.label_records(records, space.mesh_shape)
-    # weight gathers started ahead of their use (passes/prefetch_gathers.py), at the measured overlap
+    # weight gathers started ahead of their use (passes/lower/prefetch_gathers.py), at the measured overlap
     overlap = credit_prefetch(records, getattr(space.cluster, "prefetch_overlap", 1.0))
 
     return records, overlap
@@ -412,7 +411,7 @@ def _representative_pins(pins, blocks) -> dict:
 
 
 class _Solves:
-    """The ILP over ``space`` (:func:`passes.ilp_solver.solve_ilp`), with the options it may
+    """The ILP over ``space`` (:func:`passes.plan.ilp_solver.solve_ilp`), with the options it may
     leave out: ZeRO-3's regathering twins and ZeRO-1's shards (``twins``, ``shards``)."""
 
     def __init__(self, space, *, objective, zero, time_limit, host_budget):
@@ -696,7 +695,7 @@ def _fit_peak(result, budget, solve, peak_of, least_peak):
 
 def _tie_aliases(cap, blocks) -> None:
     """Tied weights are one tensor: its names (separate placeholders) share one decision."""
-    from passes.capture import tied_placeholders
+    from passes.capture.capture import tied_placeholders
 
     by_name = {n.name: n for n in cap.graph.nodes if n.op == "placeholder"}
     for names in tied_placeholders(cap):

@@ -2,10 +2,10 @@
 
 A user may force how some ops are parallelised (``tensor_parallel="2d"``, ``sequence_parallel=
 "ring"``, ``expert_parallel="on"``: :class:`partitioner.PlanOptions`). The rules that honour these
-modes (:mod:`passes.multidim_tp`, :mod:`passes.rules.attention`, :mod:`passes.rules.experts`) read
+modes (:mod:`passes.rules.multidim_tp`, :mod:`passes.rules.attention`, :mod:`passes.rules.experts`) read
 them from a :class:`RuleOptions` handed down with the graph, never from module state: the planner
 (:func:`partitioner.intra_op.plan_captured`) builds one per plan and gives it to
-:func:`passes.strategy_space.build_space`, which puts it on every :class:`passes.rules.base.OpView`
+:func:`passes.plan.strategy_space.build_space`, which puts it on every :class:`passes.rules.base.OpView`
 it makes (``op.options``). Two plans made at once, or one inside another (a pipeline stage planned
 while a search candidate is planned), each see their own modes.
 
@@ -47,7 +47,7 @@ class RuleOptions:
     mesh_shape: tuple = ()
     """The mesh the graph is planned on (devices per axis)."""
     tensor_parallel: str = "auto"
-    """Weight contractions: one of :data:`TP_MODES` (:mod:`passes.multidim_tp`)."""
+    """Weight contractions: one of :data:`TP_MODES` (:mod:`passes.rules.multidim_tp`)."""
     sequence_parallel: str = "auto"
     """Attention over a sequence split: one of :data:`SEQUENCE_PARALLEL_MODES`."""
     expert_parallel: str = "auto"

@@ -23,7 +23,7 @@ import logging
 import torch
 from torch import fx
 
-from passes.placements import replicated
+from passes.core.placements import replicated
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from passes.node_info import Saves
+from passes.core.node_info import Saves
 from passes.rules import op_view, rule_for, tensor_input_nodes
 
 __all__ = ["Saves", "saves_of"]

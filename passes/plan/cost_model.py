@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from passes.placements import (
+from passes.core.placements import (
     Partial,
     dual_spec,
     gradient_shrinks,
@@ -172,7 +172,7 @@ def optimizer_step_time(numel: float, elem: int, optimizer: str | None, cluster,
 def reshard(src, dst, shape, mesh_shape, elem: int) -> list:
     """The collectives that turn a tensor placed ``src`` into ``dst`` (both full specs).
 
-    Walks :func:`passes.placements.transition_steps`; local moves (``R->S`` slice,
+    Walks :func:`passes.core.placements.transition_steps`; local moves (``R->S`` slice,
     ``R->P``) cost nothing and are not listed.
     """
     if src == dst or src is None or dst is None:
@@ -403,7 +403,7 @@ def saved_bytes(node_info, out_specs, mesh_shape, inputs=(), share=None) -> floa
     the graph's size its largest input has here (``inputs``: (global shape, placement) pairs), or
     ``share`` where the op's rule says (:meth:`passes.rules.base.OpRule.buffer_share`).
     What consumers keep of their inputs through new edge buffers depends on both ends'
-    placements: :mod:`passes.memory_accounting` counts it once the plan is chosen."""
+    placements: :mod:`passes.plan.memory_accounting` counts it once the plan is chosen."""
     elem = dtype_bytes(node_info.dtype)
     outs = [(s, spec) for s, spec in zip(node_info.out_shapes, out_specs) if s is not None and spec is not None]
     total = sum(local_bytes(s, spec, mesh_shape, elem) for s, spec in outs) if node_info.saved else 0.0
@@ -450,7 +450,7 @@ def grad_held_back(src, grad, mesh_shape) -> bool:
     edge whose consumer makes it placed ``grad``, moving the sum over the step's microbatches
     once (:class:`runtime.pipeline.PipelineRunner`): when the backward communicates and does not
     shrink it (an all-reduce onto replicated storage). One that shrinks it (a reduce-scatter onto
-    a weight stored sharded, :func:`passes.placements.gradient_shrinks`, also when it all-reduces
+    a weight stored sharded, :func:`passes.core.placements.gradient_shrinks`, also when it all-reduces
     on another axis) runs in every microbatch, and the stage keeps only the piece, in ``.grad``."""
     if not grad_communicates(src, grad, mesh_shape):
         return False

@@ -15,9 +15,9 @@ Built from an analysed graph, a mesh and a cluster:
 3. **Costs** in seconds: per group and option, the compute of every member (forward and
    backward) plus the resharding inside the group; per pair of groups, a matrix over
    (producer output placement, consumer input placement) classes with the forward reshard and
-   its backward mirror (:mod:`passes.cost_model`). Memory per option: parameter state and
+   its backward mirror (:mod:`passes.plan.cost_model`). Memory per option: parameter state and
    saved activations.
-4. **Repeated blocks** are built once: only representatives (:mod:`passes.blocks`) get groups;
+4. **Repeated blocks** are built once: only representatives (:mod:`passes.capture.blocks`) get groups;
    every real node and edge adds its representative's cost, weighted by how often it occurs.
 """
 
@@ -33,11 +33,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch.fx as fx
 
-from passes import multidim_tp
-from passes.activation_regather import regathers_activation
-from passes.analyze import info
-from passes.blocks import Blocks
-from passes.cost_model import (
+from passes.analysis.analyze import info
+from passes.capture.blocks import Blocks
+from passes.core.placements import R, Shard, dual_spec, is_shard, replicated, spec_fits, zero1_grad_spec
+from passes.core.rule_options import RuleOptions
+from passes.plan.activation_regather import regathers_activation
+from passes.plan.cost_model import (
     allocation_time,
     backward_factor,
     collective_time,
@@ -54,9 +55,7 @@ from passes.cost_model import (
     reshard,
     saved_bytes,
 )
-from passes.placements import R, Shard, dual_spec, is_shard, replicated, spec_fits, zero1_grad_spec
-from passes.rule_options import RuleOptions
-from passes.rules import Strategy, expand_to_mesh, op_view, rule_for, tensor_input_nodes
+from passes.rules import Strategy, expand_to_mesh, multidim_tp, op_view, rule_for, tensor_input_nodes
 
 __all__ = [
     "zero1_collectives",
@@ -184,7 +183,7 @@ class StrategySpace:
     """The optimizer the plan is made for (``"adam"``, ``"sgd"``, None)."""
     regather_activations: bool = False
     """Activations gathered for an op that keeps them are kept as their shard and gathered again
-    in backward (:mod:`passes.activation_regather`)."""
+    in backward (:mod:`passes.plan.activation_regather`)."""
 
 
 def _options_for_placeholder(shape, mesh_shape) -> list:
@@ -292,10 +291,10 @@ class _Builder:
     # -- costs of one node ------------------------------------------------------------
     def edge_memory(self, u, src, dst, grad, consumer, k, regather=False) -> float:
         """Bytes of the buffer the edge ``u -> consumer`` (input ``k``) makes, when ``consumer``
-        keeps that input for backward (see :func:`passes.cost_model.edge_allocates`); none for a
+        keeps that input for backward (see :func:`passes.plan.cost_model.edge_allocates`); none for a
         ZeRO-3 parameter's gathered copy (freed after forward, gathered again for backward); for
         an activation gathered again in backward, the shard it keeps instead
-        (:mod:`passes.activation_regather`)."""
+        (:mod:`passes.plan.activation_regather`)."""
         saves = info(consumer).saves
         if saves is None or k not in saves.inputs or src is None or dst is None:
             return 0.0
@@ -653,7 +652,7 @@ def required_output_spec(graph: fx.Graph, index: int, placed):
     the plan puts them, as Megatron leaves vocab-parallel logits: gathering them every step would
     cost more than the rest of the step. A model with no scalar output has all its outputs
     replicated, except a pipeline stage (:data:`STAGE_BOUNDARY`): its outputs go to the next
-    stage as placed, partial sums reduced first (:func:`passes.placements.dual_spec`), so a rank
+    stage as placed, partial sums reduced first (:func:`passes.core.placements.dual_spec`), so a rank
     sends its own piece to the rank at the same sub-mesh coordinates of the next stage.
     """
     out = next(n for n in graph.nodes if n.op == "output")
@@ -697,7 +696,7 @@ def build_space(
     ``grad_reduce_bytes``: bytes per element of parameter gradient syncs (a reduce dtype).
     ``microbatches``: the microbatches of a step this graph runs (a pipeline stage): the parameter
     gradient syncs it holds back run once per step, so one microbatch is priced ``1 /
-    microbatches`` of them (:func:`passes.cost_model.grad_held_back`: the all-reduces; a
+    microbatches`` of them (:func:`passes.plan.cost_model.grad_held_back`: the all-reduces; a
     reduce-scatter onto a weight stored sharded runs in every microbatch, priced whole).
     ``zero``: how a parameter stored sharded and gathered for use treats its gathered copies:
     ``"auto"`` (the solver chooses per parameter: kept for backward, ZeRO-2, or freed after
@@ -705,10 +704,10 @@ def build_space(
     sharded, ZeRO-1), ``1``, ``2`` or ``3`` (only that). ``zero1``: offer ZeRO-1 at all (False
     for pipeline stages, whose runtime keeps no compute copies). ``offload``: offer each
     parameter option an offloaded twin (optimizer state and step in host memory).
-    ``rule_options``: the algorithm modes the rules honour (:class:`passes.rule_options.RuleOptions`,
+    ``rule_options``: the algorithm modes the rules honour (:class:`passes.core.rule_options.RuleOptions`,
     for this mesh); None: none forced, the solver chooses.
     ``regather_activations``: activations gathered for an op that keeps them are kept as their
-    shard and gathered again in backward (:mod:`passes.activation_regather`)."""
+    shard and gathered again in backward (:mod:`passes.plan.activation_regather`)."""
     check_zero(zero)
     if max_options == "auto":
         max_options = 24 if len(mesh_shape) >= 3 else None

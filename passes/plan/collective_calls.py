@@ -1,14 +1,14 @@
 """How many collective calls a plan's step issues, per phase, kind and mesh axis.
 
 A collective's latency terms (``collective_overhead_s`` and the ring steps' ``latency_s``,
-:func:`passes.cost_model.collective_time`) are paid once per call, so the estimate must know the
+:func:`passes.plan.cost_model.collective_time`) are paid once per call, so the estimate must know the
 calls the runtime makes, not only the bytes. A plan's records list every collective once per
 edge or op (``rec["comm"]``); most of them are one call each. The ones marked ``bucketed`` are
 sent in flat buffers together with others, as the runtime groups them:
 
 * **Gradient buckets** (:class:`runtime.grad_sync.GradientBuckets`): the backward reductions of a
   parameter used by exactly one op whose gradient needs only ``Partial -> Replicate`` /
-  ``Partial -> Shard`` moves (:func:`passes.lower_to_local._bucketable` decides it from the same
+  ``Partial -> Shard`` moves (:func:`passes.lower.lower_to_local._bucketable` decides it from the same
   placements). Such gradients join one bucket per reduction signature (the ``(axis, kind)``
   moves) in the order backward reaches them (here: reverse program order); a bucket is sent when
   it holds :data:`runtime.grad_sync.BUCKET_BYTES` or more, and the rest at the end of backward:
@@ -27,7 +27,7 @@ per-entry prices leave out (a bucketed entry's ``time_s`` is its bandwidth term 
 flat call, and once per bucketed entry the runtime sends on its own.
 
 :func:`arrival_wait_s` prices how far apart the ranks arrive at each call
-(:func:`passes.cost_model.arrival_wait`, by the compute since the rank's previous call). The
+(:func:`passes.plan.cost_model.arrival_wait`, by the compute since the rank's previous call). The
 step's calls in the order they run: forward, the records in program order, each record's
 forward entries (its input edges) before its forward compute; backward, in reverse, each
 record's regathers before its backward compute, a recomputed layer's rerun (its compute, then
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from passes.placements import dual_spec, is_partial, parse_spec, transition_steps
+from passes.core.placements import dual_spec, is_partial, parse_spec, transition_steps
 
 __all__ = ["group_calls", "collective_calls", "unpriced_latency_s", "arrival_wait_s"]
 
@@ -145,7 +145,7 @@ def unpriced_latency_s(
     """The latency terms the records' per-entry prices leave out: a bucketed entry's ``time_s``
     is its bandwidth term only, so each flat call pays its launch and ring steps here once, and so
     does each bucketed entry that the runtime reduces on its own edge (a tied weight's)."""
-    from passes.cost_model import _STEPS
+    from passes.plan.cost_model import _STEPS
 
     def fixed(kind, axis):
         a = list(axis_names).index(axis)
@@ -163,7 +163,7 @@ def unpriced_latency_s(
 
 def arrival_wait_s(records: list, mesh_shape, axis_names, cluster, *, bucket_grads: bool = True, grouped=None) -> float:
     """Seconds the step's collective calls wait for ranks arriving apart (see the module doc)."""
-    from passes.cost_model import arrival_wait
+    from passes.plan.cost_model import arrival_wait
 
     if not getattr(cluster, "arrival_wait", None):
         return 0.0

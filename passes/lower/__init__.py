@@ -1,0 +1,1 @@
+"""Lowering: a solved graph becomes one rank's program on local tensors."""

@@ -1,0 +1,1 @@
+"""Planning: prices, the strategy space, the ILP that chooses placements, stage splits."""

@@ -1,0 +1,1 @@
+"""Pipeline schedules as data: actions per stage, generated, lowered, checked, simulated."""
