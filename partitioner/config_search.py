@@ -1133,6 +1133,7 @@ class _PlanningLoop:
         self.tried: dict = {}  # (p, d, s, t, e) -> (what was planned for them, its memory bound if refused over budget)
         self.refused = 0  # plannings refused over budget count half toward max_plans (they stop early)
         self.limit: float = max_plans  # raised by one for each runner-up planned after the limit
+        self.forced: set = set()  # ids of candidates planned past the limit and the one-per-degrees rule
 
     def order(self, c: Candidate) -> tuple:
         state = self.bounds.state_per_device(c.config)
@@ -1151,6 +1152,7 @@ class _PlanningLoop:
                 if again is None:
                     break
                 self.limit = self.planner.plannings - self.refused / 2 + 1
+                self.forced.add(id(again))
                 self.queue.append(again)
             cand = self.queue.pop(0)
             if self.skipped(cand):
@@ -1169,7 +1171,7 @@ class _PlanningLoop:
             cand.reason = f"its time bound {_fmt_s(cand.time_lb)} exceeds the best step {_fmt_s(best.step_time_s)}"
             return True
         degrees = _degrees(cand.config)
-        if _cached(self.planner, cand.config):
+        if _cached(self.planner, cand.config) or id(cand) in self.forced:
             return False
         if self.planner.plannings - self.refused / 2 >= self.limit:
             cand.reason = f"{_LIMIT} ({self.max_plans} plannings); quick estimate {_fmt_s(cand.quick_s)}"
@@ -1182,7 +1184,7 @@ class _PlanningLoop:
             and _stage_rank(cand.config.zero) > _stage_rank(tried[degrees][2])
             and planner_zero(cand.config.zero) != planner_zero(tried[degrees][2])
         ):
-            cand.reason = f"these degrees were planned with {tried[degrees][0]}; quick estimate {_fmt_s(cand.quick_s)}"
+            cand.reason = f"{_SAME_DEGREES} {tried[degrees][0]}; quick estimate {_fmt_s(cand.quick_s)}"
             return True
         return False
 
@@ -1221,6 +1223,7 @@ class _PlanningLoop:
     def take(self, cand: Candidate, made: ShardingPlan) -> None:
         """Record ``cand``'s plan (under the configuration it ran as) and keep the fastest."""
         est = made.estimate()
+        self.replan_far_above(cand, est.step_time_s)
         if made.config is not None and made.config.zero != cand.config.zero:
             cand.reason = f"asked ZeRO-{cand.config.zero}; "
             if _stage_rank(made.config.zero) > _stage_rank(cand.config.zero):
@@ -1244,6 +1247,34 @@ class _PlanningLoop:
         )
         if self.best is None or est.step_time_s < self.best.step_time_s:
             self.best = cand
+
+    def replan_far_above(self, cand: Candidate, step_s: float) -> None:
+        """A plan ``_FAR_ABOVE`` times its quick estimate or more, at a ZeRO stage that keeps
+        gathered weights (0, 2: the solver may then use ``dp`` as a tensor axis to fit, sending
+        activations over it in every layer) is planned once more with ZeRO-3 (weights gathered
+        per layer and freed): its ZeRO-3 twin of the same degrees (the best by quick estimate)
+        goes to the front of the queue, past the limit and the one-planning-per-degrees rule."""
+        config = cand.config
+        if cand.quick_s <= 0 or step_s < _FAR_ABOVE * cand.quick_s or config.data * config.sequence == 1:
+            return
+        if planner_zero(config.zero) == planner_zero(3):
+            return
+        degrees = _degrees(config)
+        twins = [o for o in self.queue if _degrees(o.config) == degrees and o.config.zero == 3]
+        if not twins:
+            return
+        twin = min(twins, key=lambda o: o.quick_s)
+        self.queue.remove(twin)
+        self.queue.insert(0, twin)
+        self.forced.add(id(twin))
+        self.limit += 1
+        cand.reason += f"planned at {step_s / cand.quick_s:.1f}x its quick estimate, so planned again with ZeRO-3; "
+        logger.info(
+            "search: %s planned at %.1fx its quick estimate: %s planned next",
+            config.describe(),
+            step_s / cand.quick_s,
+            twin.config.describe(),
+        )
 
 
 def _degrees(c) -> tuple:
@@ -1278,49 +1309,82 @@ def _chosen(best: Candidate, cands: list, devices: int, batch: int, t0: float, p
 
 
 _LIMIT = "search limit"
+_SAME_DEGREES = "these degrees were planned with"
 _RUNNER_UPS = 2
 """Plannings past ``max_plans`` for candidates the limit left out that may beat the chosen plan."""
+_FAR_ABOVE = 3.0
+"""A plan this many times its quick estimate is planned again with ZeRO-3 (``replan_far_above``)."""
+
+
+def _ratios_by_degrees(cands: list) -> dict:
+    """Per set of degrees planned, the least ratio of a plan's estimated step to its quick
+    estimate (a set planned again with ZeRO-3 after a pathological plan counts its better one)."""
+    ratios: dict = {}
+    for c in cands:
+        if c.plan is not None and c.quick_s > 0:
+            key = _degrees(c.config)
+            ratios[key] = min(ratios.get(key, math.inf), c.step_time_s / c.quick_s)
+    return ratios
 
 
 def _planned_over_quick(cands: list) -> float:
-    """The median ratio of a planned candidate's estimated step to its quick estimate in this
-    search (1.0 before any): how far the quick estimates ran from the real plans here."""
-    ratios = [c.step_time_s / c.quick_s for c in cands if c.plan is not None and c.quick_s > 0]
+    """The median over the sets of degrees planned of :func:`_ratios_by_degrees` (1.0 before
+    any): how far the quick estimates ran from the real plans here."""
+    ratios = list(_ratios_by_degrees(cands).values())
     return statistics.median(ratios) if ratios else 1.0
 
 
+def _expected_ratio(c: Candidate, ratios: dict, median: float) -> tuple:
+    """(ratio, what it is) to scale ``c``'s quick estimate by: its own degrees' planned ratio
+    where they were planned (another schedule, microbatch count or ZeRO stage of the same
+    degrees), else the median of the search."""
+    own = ratios.get(_degrees(c.config))
+    if own is not None:
+        return own, "these degrees"
+    return median, "median"
+
+
+def _left_out(c: Candidate) -> bool:
+    """Left unplanned by the search limit or by the one-planning-per-degrees rule."""
+    return c.status == "not planned" and (c.reason.startswith(_LIMIT) or c.reason.startswith(_SAME_DEGREES))
+
+
 def _runner_up(cands: list, best, allowed: bool):
-    """The candidate the search limit left out whose quick estimate, scaled by
-    :func:`_planned_over_quick`, beats the best step found by most (planned next, past the
-    limit); None when none does, or when ``allowed`` is false (no runner-ups left to plan)."""
+    """The candidate left out (:func:`_left_out`) whose quick estimate, scaled by
+    :func:`_expected_ratio`, beats the best step found by most (planned next, past the limit);
+    None when none does, or when ``allowed`` is false (no runner-ups left to plan)."""
     if best is None or not allowed:
         return None
-    ratio = _planned_over_quick(cands)
-    left = [c for c in cands if c.status == "not planned" and c.reason.startswith(_LIMIT)]
-    left = [c for c in left if c.quick_s * ratio < best.step_time_s]
-    if not left:
+    ratios, median = _ratios_by_degrees(cands), _planned_over_quick(cands)
+    scored = [(c.quick_s * _expected_ratio(c, ratios, median)[0], c) for c in cands if _left_out(c)]
+    scored = [(e, c) for e, c in scored if e < best.step_time_s]
+    if not scored:
         return None
-    pick = min(left, key=lambda c: c.quick_s)
+    expected, pick = min(scored, key=lambda ec: ec[0])
+    ratio, what = _expected_ratio(pick, ratios, median)
     pick.reason = ""
     logger.info(
-        "search: %s: quick estimate %s x %.2f (the median planned / quick ratio here) beats the best step %s: "
+        "search: %s: quick estimate %s x %.2f (planned / quick ratio, %s) = %s beats the best step %s: "
         "planned past the limit",
         pick.config.describe(),
         _fmt_s(pick.quick_s),
         ratio,
+        what,
+        _fmt_s(expected),
         _fmt_s(best.step_time_s),
     )
     return pick
 
 
 def _explain_runner_ups(cands: list, best) -> None:
-    """Say, for each candidate left out by the search limit whose quick estimate is below the
-    chosen step, why it was not planned: the quick estimate scaled by the median ratio of a
-    planned step to its quick estimate in this search, against the step."""
-    ratio = _planned_over_quick(cands)
+    """Say, for each candidate left out (:func:`_left_out`) whose quick estimate is below the
+    chosen step, why it was not planned: the quick estimate scaled by :func:`_expected_ratio`,
+    against the step."""
+    ratios, median = _ratios_by_degrees(cands), _planned_over_quick(cands)
     for c in cands:
-        if c.status != "not planned" or not c.reason.startswith(_LIMIT) or c.quick_s >= best.step_time_s:
+        if not _left_out(c) or c.quick_s >= best.step_time_s:
             continue
+        ratio, what = _expected_ratio(c, ratios, median)
         expected = c.quick_s * ratio
         verdict = (
             f"not below the chosen step {_fmt_s(best.step_time_s)}"
@@ -1329,7 +1393,7 @@ def _explain_runner_ups(cands: list, best) -> None:
             "went to lower ones"
         )
         c.reason += (
-            f", below the chosen step; planned candidates here took {ratio:.2f}x their quick estimates (median), "
+            f", below the chosen step; planned candidates here took {ratio:.2f}x their quick estimates ({what}), "
             f"so expected {_fmt_s(expected)}: {verdict}"
         )
 

@@ -5,10 +5,13 @@ quick estimate beats the chosen plan: planned past the limit or explained (plann
 
 from partitioner import models
 from partitioner.config_search import (
+    _FAR_ABOVE,
     _RUNNER_UPS,
+    _SAME_DEGREES,
     Candidate,
     _explain_runner_ups,
     _planned_over_quick,
+    _PlanningLoop,
     _runner_up,
     search_config,
 )
@@ -54,6 +57,48 @@ def test_the_search_reports_its_counts_and_plans_or_explains_better_quick_estima
         if r["status"] == "not planned" and r["reason"].startswith("search limit") and r["quick_estimate_s"] < chosen
     ]
     for row in left:
-        assert "x their quick estimates (median), so expected" in row["reason"], row
+        assert "x their quick estimates (" in row["reason"] and "so expected" in row["reason"], row
     text = plan.explain()
     assert f"{search['priced']} configurations priced" in text and "set aside by their bounds" in text
+
+
+def _pipelined(zero, data=4, schedule="zb-h1", quick=10.0, step=None, reason=""):
+    config = ParallelConfig(
+        4, data, 16 // data, 8, schedule, 2 if schedule == "interleaved" else 1, "all", 64, zero=zero
+    )
+    c = Candidate(config, 0.0, 0.0, quick, reason=reason)
+    if step is not None:
+        c.status, c.step_time_s, c.plan = "planned", step, object()
+    return c
+
+
+def test_a_plan_far_above_its_quick_estimate_is_planned_again_with_zero_3_before_anything_else():
+    # ZeRO-0 / ZeRO-2 keep gathered weights: a stage solve that cannot fit them uses dp as a
+    # tensor axis (activations sent over dp in every layer); ZeRO-3 frees them after each layer
+    asked = _pipelined(0)
+    other = _pipelined(0, quick=9.0)
+    twin, twin_slower, elsewhere = _pipelined(3, quick=12.0), _pipelined(3, quick=13.0), _pipelined(3, data=2)
+    loop = _PlanningLoop(None, None, 80.0, [asked, other, twin, twin_slower, elsewhere], max_plans=5)
+    loop.queue = [other, elsewhere, twin_slower, twin]
+    loop.replan_far_above(asked, 2.9 * asked.quick_s)  # under _FAR_ABOVE: planned as it is
+    assert loop.queue[0] is other and not loop.forced
+    loop.replan_far_above(asked, _FAR_ABOVE * asked.quick_s)
+    assert loop.queue[0] is twin and id(twin) in loop.forced and loop.limit == 6
+    assert "planned again with ZeRO-3" in asked.reason
+
+
+def test_a_candidate_of_planned_degrees_is_expected_at_their_own_ratio_and_planned_when_it_beats_the_best():
+    # the interleaved schedule of degrees planned with ZB-H1: the one-planning-per-degrees rule left
+    # it out; its expected step is its quick estimate times the ratio those degrees were planned at
+    best = _pipelined(0, data=2, quick=10.0, step=20.0)  # 2.0x
+    planned = _pipelined(3, quick=10.0, step=22.0)  # these degrees: 2.2x, and planned again at 1.1x
+    again = _pipelined(3, quick=20.0, step=22.0)
+    interleaved = _pipelined(0, schedule="interleaved", quick=15.0, reason=f"{_SAME_DEGREES} 16 microbatches")
+    cands = [best, planned, again, interleaved]
+    assert _planned_over_quick(cands) == (2.0 + 1.1) / 2
+    assert _runner_up(cands, best, allowed=True) is interleaved  # 15 x 1.1 = 16.5 < 20
+    interleaved.reason = f"{_SAME_DEGREES} 16 microbatches"
+    best.step_time_s = 16.0
+    assert _runner_up(cands, best, allowed=True) is None
+    _explain_runner_ups(cands, best)
+    assert "1.10x their quick estimates (these degrees), so expected 16.500 s: not below" in interleaved.reason

@@ -27,6 +27,7 @@ from passes.capture.capture import tied_placeholders
 from passes.core.placements import format_spec, local_shape
 from passes.lower.prefetch_gathers import credit_prefetch
 from passes.plan.activation_regather import regathers_activation
+from passes.plan.bucket_overlap import credit_bucket_overlap
 from passes.plan.cost_model import (
     collective_time,
     dtype_bytes,
@@ -330,6 +331,8 @@ def _decoded_records(cap, space, choice, axis_names, redo, regions, optimizer, a
     multidim_tp.label_records(records, space.mesh_shape)
     # weight gathers started ahead of their use (passes/lower/prefetch_gathers.py), at the measured overlap
     overlap = credit_prefetch(records, getattr(space.cluster, "prefetch_overlap", 1.0))
+    if not holds_gradient_sums:  # buckets reduced beside backward (a pipeline stage holds its syncs)
+        credit_bucket_overlap(records, space.mesh_shape, axis_names)
 
     return records, overlap
 
