@@ -99,6 +99,7 @@ def plan_captured(
     microbatches=1,
     holds_gradient_sums=False,
     expert_axis=None,
+    max_options="auto",
     **option_kwargs,
 ) -> ShardingPlan:
     """:func:`plan` for a graph already captured and analysed (``passes.capture.capture`` +
@@ -113,7 +114,9 @@ def plan_captured(
     microbatch; reduce-scatters onto weights stored sharded run every microbatch).
     ``holds_gradient_sums``: a pipeline stage (it holds its gradient sums over the microbatches:
     counted in its memory). ``expert_axis``: the name of the one mesh axis every MoE layer's
-    experts split over (the configuration search's ``ep``; ``expert_parallel`` must be ``"on"``)."""
+    experts split over (the configuration search's ``ep``; ``expert_parallel`` must be ``"on"``).
+    ``max_options``: the cap on an op's options (:func:`passes.plan.strategy_space.build_space`;
+    the configuration search plans its candidates with a tighter one than ``"auto"``)."""
     opts = PlanOptions.build(options, **option_kwargs)
     precision = (
         Precision.build(opts.precision)
@@ -160,6 +163,7 @@ def plan_captured(
         microbatches=microbatches,
         holds_gradient_sums=holds_gradient_sums,
         rule_options=replace(opts.rule_options(mesh.shape), expert_axis=expert_index),
+        max_options=max_options,
     )
     try:
         result = solve()
