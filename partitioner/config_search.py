@@ -703,7 +703,7 @@ class _Planner:
         ZB-H1). Stages are planned once per class: the first stage, the middle stages by their
         layer count, the last stage (a middle class takes the placements the class before it
         sends). Returns (class graphs, class plans, class of each stage, layer runs, sends)."""
-        from partitioner.stage_boundaries import sent_placements, shared_weights
+        from partitioner.stage_boundaries import plan_stages_in_turn, shared_weights
 
         size = c.microbatch_size
         stages = c.pipeline * c.virtual_stages
@@ -737,15 +737,9 @@ class _Planner:
         # class is then planned sending what the middle one receives, and the later classes
         # receiving what the class before sends
         order = list(range(1, len(graphs) - 1)) + [0, len(graphs) - 1] if len(graphs) > 2 else [0, 1]
-        made_by: dict = {}
-        sent_as: dict = {}
-        for k in order:
-            g = graphs[k]
-            pins = {n: ["R"] * len(shape) for n in g.inputs if n in tied}
-            pins.update({a: sent_as[a] for a in g.activation_inputs if a in sent_as})
-            if k == 0 and len(graphs) > 2:
-                pins.update(_send_pins(g, graphs[1], made_by[1], len(shape)))
-            made_by[k] = self._plan(  # no ZeRO-1 weights: stage programs keep no compute copies
+
+        def plan_one(k, g, pins):
+            return self._plan(  # no ZeRO-1 weights: stage programs keep no compute copies
                 g.captured,
                 f"{self.name} stage class {g.index}",
                 shape,
@@ -761,7 +755,11 @@ class _Planner:
                 sequence_parallel=c.sequence_parallel,
                 config=c,
             )
-            sent_as.update(sent_placements(g, made_by[k], len(shape)))
+
+        def send_pins(k, made_by):  # the first class sends what the middle one takes
+            return _send_pins(graphs[0], graphs[1], made_by[1], len(shape)) if k == 0 and len(graphs) > 2 else {}
+
+        made_by, sent_as = plan_stages_in_turn(graphs, order, len(shape), tied, plan_one, send_pins)
         plans = [made_by[k] for k in range(len(graphs))]
         logger.info(
             "search: %s: %d stage classes cut in %.2f s, planned in %.2f s",

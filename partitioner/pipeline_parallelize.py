@@ -25,7 +25,7 @@ from partitioner.intra_op import plan_captured, resolve_pins
 from partitioner.options import PlanOptions
 from partitioner.pipeline_shapes import StageShapes, receive_buffers
 from partitioner.sharding_plan import ShardingPlan
-from partitioner.stage_boundaries import sent_placements, shared_weights
+from partitioner.stage_boundaries import plan_stages_in_turn, shared_weights
 from partitioner.weights import load_local_weights
 from passes.analysis.analyze import analyze, info
 from passes.capture.capture_blocks import capture_model
@@ -291,26 +291,23 @@ def _plan_stages(graphs, sub, tied, user_pins, schedule, config, *, model_name, 
         else ps.auto_stage_in_flight(config.degree, config.microbatches)
     )
 
+    def plan_one(k, g, stage_pins):
+        return plan_captured(
+            g.captured,
+            model_name=f"{model_name} stage {g.index}",
+            mesh_shape=sub.shape,
+            mesh_axis_names=sub.axis_names,
+            options=options.replace(pins=stage_pins),
+            activation_copies=copies[g.index],
+            zero1=False,
+            microbatches=config.microbatches,
+            holds_gradient_sums=True,
+        )
+
     def plan_all():
-        plans, sent_as = [], {}  # sent_as: activation -> the placement its producing stage sends it in
-        for g, chosen in zip(graphs, user_pins):
-            stage_pins = {name: ["R"] * len(sub.shape) for name in g.inputs if name in tied_names}
-            stage_pins.update(chosen)
-            stage_pins.update({name: sent_as[name] for name in g.activation_inputs})
-            made = plan_captured(
-                g.captured,
-                model_name=f"{model_name} stage {g.index}",
-                mesh_shape=sub.shape,
-                mesh_axis_names=sub.axis_names,
-                options=options.replace(pins=stage_pins),
-                activation_copies=copies[g.index],
-                zero1=False,
-                microbatches=config.microbatches,
-                holds_gradient_sums=True,
-            )
-            plans.append(made.to_json())
-            sent_as.update(sent_placements(g, made, len(sub.shape)))
-        return plans
+        order = range(len(graphs))
+        plans, _ = plan_stages_in_turn(graphs, order, len(sub.shape), tied_names, plan_one, lambda k, _: user_pins[k])
+        return [plans[k].to_json() for k in order]
 
     return [ShardingPlan.from_dict(json.loads(text)) for text in on_rank0(plan_all, "planning the stages")]
 
