@@ -53,9 +53,16 @@ Algorithm
    degrees ``(p, d, t)`` (the best-ranked microbatch count and recomputation for them; 1F1B
    and ZB-H1 come from the same plannings);
    the rest are listed as not planned, with their bounds. A candidate left out by that limit
-   whose quick estimate times the median ratio of a planned step to its quick estimate in
-   the search still beats the best step is planned past the limit (``_RUNNER_UPS`` at most);
-   the others whose quick estimate is below the chosen step say what that product is.
+   or by the one-planning-per-degrees rule whose quick estimate times the ratio of a planned
+   step to its quick estimate (its own degrees' where they were planned, else the median over
+   the planned degrees) still beats the best step is planned past the limit (``_RUNNER_UPS`` at
+   most); the others whose quick estimate is below the chosen step say what that product is.
+   A plan ``_FAR_ABOVE`` times its quick estimate or more at ZeRO-0 or 2 (a stage solve that
+   fits only by using ``dp`` as a tensor axis) has its degrees planned again at once with
+   ZeRO-3. The plannings on meshes of two or more axes keep an op's ``_SEARCH_MAX_OPTIONS``
+   lowest-compute options (the ILP grows with the square of the options on an edge). Stages
+   are planned in turn by :func:`partitioner.stage_boundaries.plan_stages_in_turn`, the loop
+   the pipeline builder uses too.
    Candidates likely to fit are planned first: a refusal over budget scales the activations
    in every bound by what that plan really needed, and a plan that fits only because the
    solver stored weights sharded beyond the asked ZeRO stage counts as a refusal of that
@@ -1257,7 +1264,8 @@ class _PlanningLoop:
         gathered weights (0, 2: the solver may then use ``dp`` as a tensor axis to fit, sending
         activations over it in every layer) is planned once more with ZeRO-3 (weights gathered
         per layer and freed): its ZeRO-3 twin of the same degrees (the best by quick estimate)
-        goes to the front of the queue, past the limit and the one-planning-per-degrees rule."""
+        goes to the front of the queue, past the limit and the one-planning-per-degrees rule,
+        when that quick estimate is below the best step found (else the reason says so)."""
         config = cand.config
         if cand.quick_s <= 0 or step_s < _FAR_ABOVE * cand.quick_s or config.data * config.sequence == 1:
             return
@@ -1268,6 +1276,13 @@ class _PlanningLoop:
         if not twins:
             return
         twin = min(twins, key=lambda o: o.quick_s)
+        best = self.best
+        if best is not None and twin.quick_s >= best.step_time_s:  # it cannot be expected to win
+            cand.reason += (
+                f"planned at {step_s / cand.quick_s:.1f}x its quick estimate; ZeRO-3's quick estimate "
+                f"{_fmt_s(twin.quick_s)} is not below the best step {_fmt_s(best.step_time_s)}; "
+            )
+            return
         self.queue.remove(twin)
         self.queue.insert(0, twin)
         self.forced.add(id(twin))
@@ -1320,13 +1335,19 @@ _FAR_ABOVE = 3.0
 """A plan this many times its quick estimate is planned again with ZeRO-3 (``replan_far_above``)."""
 
 
+def _ratio_key(c: Candidate) -> tuple:
+    """What a planned / quick ratio is kept by: the degrees and how the solver was asked for the
+    ZeRO stage (ZeRO-3's gathers per layer price nothing like ZeRO-0's kept weights)."""
+    return _degrees(c.config) + (planner_zero(c.config.zero),)
+
+
 def _ratios_by_degrees(cands: list) -> dict:
-    """Per set of degrees planned, the least ratio of a plan's estimated step to its quick
-    estimate (a set planned again with ZeRO-3 after a pathological plan counts its better one)."""
+    """Per set of degrees and solver ZeRO mode planned (:func:`_ratio_key`), the least ratio of a
+    plan's estimated step to its quick estimate."""
     ratios: dict = {}
     for c in cands:
         if c.plan is not None and c.quick_s > 0:
-            key = _degrees(c.config)
+            key = _ratio_key(c)
             ratios[key] = min(ratios.get(key, math.inf), c.step_time_s / c.quick_s)
     return ratios
 
@@ -1342,7 +1363,7 @@ def _expected_ratio(c: Candidate, ratios: dict, median: float) -> tuple:
     """(ratio, what it is) to scale ``c``'s quick estimate by: its own degrees' planned ratio
     where they were planned (another schedule, microbatch count or ZeRO stage of the same
     degrees), else the median of the search."""
-    own = ratios.get(_degrees(c.config))
+    own = ratios.get(_ratio_key(c))
     if own is not None:
         return own, "these degrees"
     return median, "median"

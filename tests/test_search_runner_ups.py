@@ -82,6 +82,10 @@ def test_a_plan_far_above_its_quick_estimate_is_planned_again_with_zero_3_before
     loop.queue = [other, elsewhere, twin_slower, twin]
     loop.replan_far_above(asked, 2.9 * asked.quick_s)  # under _FAR_ABOVE: planned as it is
     assert loop.queue[0] is other and not loop.forced
+    loop.best = _pipelined(0, data=2, quick=5.0, step=11.0)  # twin's quick 12 s cannot beat 11 s
+    loop.replan_far_above(asked, _FAR_ABOVE * asked.quick_s)
+    assert loop.queue[0] is other and not loop.forced and "is not below the best step 11.000 s" in asked.reason
+    loop.best.step_time_s, asked.reason = 20.0, ""
     loop.replan_far_above(asked, _FAR_ABOVE * asked.quick_s)
     assert loop.queue[0] is twin and id(twin) in loop.forced and loop.limit == 6
     assert "planned again with ZeRO-3" in asked.reason
@@ -90,15 +94,20 @@ def test_a_plan_far_above_its_quick_estimate_is_planned_again_with_zero_3_before
 def test_a_candidate_of_planned_degrees_is_expected_at_their_own_ratio_and_planned_when_it_beats_the_best():
     # the interleaved schedule of degrees planned with ZB-H1: the one-planning-per-degrees rule left
     # it out; its expected step is its quick estimate times the ratio those degrees were planned at
+    # with the same solver ZeRO mode (ZeRO-3 here), else the median
     best = _pipelined(0, data=2, quick=10.0, step=20.0)  # 2.0x
     planned = _pipelined(3, quick=10.0, step=22.0)  # these degrees: 2.2x, and planned again at 1.1x
     again = _pipelined(3, quick=20.0, step=22.0)
-    interleaved = _pipelined(0, schedule="interleaved", quick=15.0, reason=f"{_SAME_DEGREES} 16 microbatches")
-    cands = [best, planned, again, interleaved]
+    interleaved = _pipelined(3, schedule="interleaved", quick=15.0, reason=f"{_SAME_DEGREES} 16 microbatches")
+    kept_weights = _pipelined(0, schedule="interleaved", quick=14.0, reason=f"{_SAME_DEGREES} 16 microbatches")
+    cands = [best, planned, again, interleaved, kept_weights]
     assert _planned_over_quick(cands) == (2.0 + 1.1) / 2
-    assert _runner_up(cands, best, allowed=True) is interleaved  # 15 x 1.1 = 16.5 < 20
+    assert _runner_up(cands, best, allowed=True) is interleaved  # 15 x 1.1 = 16.5 < 20 (ZeRO-0: 14 x 1.55)
     interleaved.reason = f"{_SAME_DEGREES} 16 microbatches"
     best.step_time_s = 16.0
     assert _runner_up(cands, best, allowed=True) is None
     _explain_runner_ups(cands, best)
     assert "1.10x their quick estimates (these degrees), so expected 16.500 s: not below" in interleaved.reason
+    assert (
+        "1.35x their quick estimates (median), so expected 18.900 s: not below" in kept_weights.reason
+    )  # best now 1.6x
