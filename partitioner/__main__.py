@@ -405,7 +405,8 @@ def _cmd_report(args) -> int:
 
 
 def _cmd_calibrate(args) -> int:
-    from partitioner.calibrate import DEFAULT_SIZES, TINY_SIZES, calibrate
+    from partitioner.calibration.calibrate import calibrate
+    from partitioner.calibration.sizes import DEFAULT_SIZES, TINY_SIZES
     from partitioner.local_cluster import installed_cpu_path
 
     if args.ranks < 2:
