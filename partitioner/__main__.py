@@ -229,7 +229,8 @@ def _format_estimate(plan, *, wide: bool = False) -> str:
     import textwrap
 
     from partitioner.plan_table import WIDTH
-    from partitioner.sharding_plan import _fmt_bytes, _fmt_time
+    from partitioner.units import fmt_bytes as _fmt_bytes
+    from partitioner.units import fmt_time as _fmt_time
 
     est = plan.estimate()
     data = plan.data

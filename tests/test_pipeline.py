@@ -145,7 +145,7 @@ def pipeline_worker(rank, world, cfg):
 
     # 1. loss and every gradient after one pipelined forward + backward; the stages' collectives
     # are those their plans price: per microbatch, parameter gradients once per step
-    from partitioner.sharding_plan import per_step_comm
+    from partitioner.plan_estimate import per_step_comm
     from runtime.collectives import CommCounter
     with CommCounter() as counter:
         loss = runner.train_step(inputs)
