@@ -16,6 +16,7 @@ from partitioner.memory import memory_breakdown
 
 if TYPE_CHECKING:
     from partitioner.sharding_plan import ShardingPlan
+    from passes.core.plan_records import CollectiveRecord, NodeRecord
 
 __all__ = ["estimate_plan", "grad_sync_calls", "held_grad_sync", "per_step_comm", "plan_collective_calls"]
 
@@ -63,22 +64,22 @@ def _held_back(src: str, grad: str, mesh_shape: tuple) -> bool:
     return grad_held_back(parse_spec(src, len(mesh_shape)), parse_spec(grad, len(mesh_shape)), mesh_shape)
 
 
-def held_grad_sync(plan, record: dict, c: dict) -> bool:
+def held_grad_sync(plan: ShardingPlan, record: NodeRecord, c: CollectiveRecord) -> bool:
     """A collective of ``record``'s backward that moves a parameter's gradient (on the edge
     from the parameter; a ZeRO-3 regather is the weight, not its gradient) and that a
     pipeline stage holds back to once per step: an all-reduce onto replicated storage, not a
     reduce-scatter onto a weight stored sharded (:func:`passes.plan.cost_model.grad_held_back`;
     a plan saved without the consumers' gradient placements: every such collective)."""
-    k = c.get("input")
-    if c["phase"] != "bwd" or k is None or c.get("regather"):
+    k = c.input
+    if c.phase != "bwd" or k is None or c.regather:
         return False
-    source = plan.records_by_name.get(record["inputs"][k])
-    if source is None or source["kind"] != "param":
+    source = plan.node_by_name.get(record.inputs[k])
+    if source is None or source.kind != "param":
         return False
-    grads = record.get("grads")
-    if not grads or k >= len(grads) or grads[k] is None or not source.get("out"):
+    grads = record.grads
+    if not grads or k >= len(grads) or grads[k] is None or not source.out:
         return True
-    return _held_back(source["out"][0], grads[k], plan.mesh_shape)
+    return _held_back(source.out[0], grads[k], plan.mesh_shape)
 
 
 def _intra_op_estimate(plan) -> Estimate:
@@ -86,18 +87,18 @@ def _intra_op_estimate(plan) -> Estimate:
     comm = defaultdict(lambda: defaultdict(float))
     sync = defaultdict(lambda: defaultdict(float))
     phases = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
-    for r in plan.records:
-        compute += r.get("compute_s", 0.0)
-        comm_t += r.get("host_transfer_s", 0.0)  # offloaded optimizer state: host copies
-        weight += r.get("weight_grad_s", 0.0)
-        optimizer += r.get("optimizer_step_s", 0.0)
-        for c in r.get("comm", []):
-            comm_t += c["time_s"]
-            comm[c["kind"]][c["axis"]] += c["bytes"]
-            phases[c["phase"]][c["kind"]][c["axis"]] += c["bytes"]
+    for r in plan.node_records:
+        compute += r.compute_s
+        comm_t += r.host_transfer_s or 0.0  # offloaded optimizer state: host copies
+        weight += r.weight_grad_s or 0.0
+        optimizer += r.optimizer_step_s or 0.0
+        for c in r.comm:
+            comm_t += c.time_s
+            comm[c.kind][c.axis] += c.bytes
+            phases[c.phase][c.kind][c.axis] += c.bytes
             if held_grad_sync(plan, r, c):
-                sync_t += c["time_s"]
-                sync[c["kind"]][c["axis"]] += c["bytes"]
+                sync_t += c.time_s
+                sync[c.kind][c.axis] += c.bytes
     as_dict = lambda d: {k: dict(v) for k, v in d.items()}  # noqa: E731
     memory = memory_breakdown(plan.records)
     calls, flat, wait = _priced_calls(plan)
@@ -131,10 +132,10 @@ def grad_sync_calls(plan) -> dict:
     """``{kind: {axis: n}}``: the backward entries that move parameter gradients a pipeline
     stage holds back (:func:`held_grad_sync`), one call each (its syncs run per edge)."""
     out: dict = defaultdict(lambda: defaultdict(int))
-    for r in plan.records:
-        for c in r.get("comm", []):
+    for r in plan.node_records:
+        for c in r.comm:
             if held_grad_sync(plan, r, c):
-                out[c["kind"]][c["axis"]] += 1
+                out[c.kind][c.axis] += 1
     return {k: dict(v) for k, v in out.items()}
 
 
@@ -199,7 +200,8 @@ def _pipeline_estimate(plan) -> Estimate:
 
 def _with_throughput(plan, est: Estimate) -> Estimate:
     """Model FLOPs, TFLOP/s per device and MFU against the cluster's peak for the compute dtype."""
-    flops = float(plan.data.get("model_flops") or 0.0)
+    header = plan.header
+    flops = float(header.model_flops or 0.0)
     devices = 1
     for n in plan.mesh_shape:
         devices *= n
@@ -208,8 +210,8 @@ def _with_throughput(plan, est: Estimate) -> Estimate:
         est.model_flops = flops
         est.tflops_per_device = flops / devices / est.step_time_s / 1e12
         # the dtype the FLOPs are priced in (older plans: the precision's compute dtype)
-        compute = plan.data.get("flops_dtype") or (plan.data.get("precision") or {}).get("compute", "float32")
-        peaks = plan.data.get("cluster", {}).get("peak_flops", {})
+        compute = header.flops_dtype or (header.precision or {}).get("compute", "float32")
+        peaks = (header.cluster or {}).get("peak_flops", {})
         peak = peaks.get(compute) or peaks.get("float32") or 0.0
         est.mfu = est.tflops_per_device * 1e12 / peak if peak else 0.0
     return est

@@ -64,11 +64,8 @@ def explain(plan: ShardingPlan, target: str | None = None) -> str:
         return "\n".join(found)
     hits = [
         r
-        for r in plan.records
-        if r["name"] == target
-        or r.get("fqn") == target
-        or r["module"] == target
-        or r["module"].startswith(target + ".")
+        for r in plan.node_records
+        if r.name == target or r.fqn == target or r.module == target or r.module.startswith(target + ".")
     ]
     if not hits:
         raise KeyError(
@@ -79,13 +76,13 @@ def explain(plan: ShardingPlan, target: str | None = None) -> str:
     leader_of = {m: leader for leader, a in alts.items() for m in a["members"]}
     lines, seen = [], set()
     for r in hits:
-        leader = leader_of.get(r["rep"], None)
-        label = r["fqn"] if r["kind"] in ("param", "input") else r["name"]
+        leader = leader_of.get(r.rep, None)
+        label = r.fqn if r.kind in ("param", "input") else r.name
         if leader is None:
-            lines.append(f"{label} ({r['target']}): {r['out'][0] if r['out'] else '-'} — the only option")
+            lines.append(f"{label} ({r.target}): {r.output_placement or '-'} — the only option")
             continue
-        if leader != r["rep"]:
-            lines.append(f"{label} ({r['target']}): {r['out'][0] if r['out'] else '-'} — follows {leader}")
+        if leader != r.rep:
+            lines.append(f"{label} ({r.target}): {r.output_placement or '-'} — follows {leader}")
             continue
         if leader in seen:
             continue
@@ -93,7 +90,7 @@ def explain(plan: ShardingPlan, target: str | None = None) -> str:
         a = alts[leader]
         shared = f", decided once for {a['count']} identical nodes" if a["count"] > 1 else ""
         lines += textwrap.wrap(
-            f"{label} ({r['target']}, module {r['module'] or 'top'}){shared}: options by "
+            f"{label} ({r.target}, module {r.module or 'top'}){shared}: options by "
             f"cost given its neighbours' choices (time includes its compute and the "
             f"resharding on its edges):",
             120,
@@ -113,14 +110,14 @@ def explain(plan: ShardingPlan, target: str | None = None) -> str:
                 f"{_fmt_bytes(o['memory']):>10}{zero}"
             )
     for r in hits:
-        if r.get("optimizer_step_s"):  # priced in the estimate after solving (the solver does not weigh it)
-            where = "host" if r.get("offload") else "device"
+        if r.optimizer_step_s:  # priced in the estimate after solving (the solver does not weigh it)
+            where = "host" if r.offload else "device"
             lines.append(
-                f"{r['fqn']}: optimizer step {_fmt_time(r['optimizer_step_s'])} (at {where} memory bandwidth; "
+                f"{r.fqn}: optimizer step {_fmt_time(r.optimizer_step_s)} (at {where} memory bandwidth; "
                 f"in the estimate, not in the solver's choice)"
             )
-    cores = {r["block"] for r in hits if r.get("recompute") and ".attention" in (r.get("region") or "")}
-    redone = sorted({r["block"] for r in hits if r.get("recompute")} - cores)
+    cores = {r.block for r in hits if r.recompute and r.block and ".attention" in (r.region or "")}
+    redone = sorted({r.block for r in hits if r.recompute and r.block} - cores)
     if redone:
         lines.append(
             f"recomputed in backward (activation checkpointing, recompute="

@@ -13,6 +13,7 @@ per training step, keyed by collective kind and mesh axis name.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from partitioner.plan_explain import explain, explain_search
 from partitioner.plan_format import PLAN_FORMAT, PLAN_VERSION, PlanHeader, migrate
 from partitioner.units import fmt_bytes as _fmt_bytes
 from partitioner.units import fmt_time as _fmt_time
+from passes.core.plan_records import NodeRecord
 
 __all__ = ["ShardingPlan", "Estimate", "PlanDiff", "PlanMismatchError", "PLAN_FORMAT", "PLAN_VERSION"]
 
@@ -54,7 +56,19 @@ class ShardingPlan:
 
     @property
     def records(self) -> list:
+        """The records as the JSON holds them (dicts); :attr:`node_records` reads them typed."""
         return self.data["records"]
+
+    @functools.cached_property
+    def node_records(self) -> tuple[NodeRecord, ...]:
+        """One :class:`passes.core.plan_records.NodeRecord` per graph node, in graph order (read
+        once from :attr:`records`)."""
+        return tuple(NodeRecord.from_dict(r) for r in self.records)
+
+    @functools.cached_property
+    def node_by_name(self) -> dict[str, NodeRecord]:
+        """Node name -> its typed record."""
+        return {r.name: r for r in self.node_records}
 
     @property
     def header(self) -> PlanHeader:
