@@ -85,6 +85,9 @@ class CollectiveRecord:
     """True: a gather repeated in backward (a ZeRO-3 weight, or an activation kept as its shard)."""
     recompute: bool | None = None
     """True: a forward collective a recomputed layer runs again in backward."""
+    sync_s: float | None = None
+    """A bucketed gradient reduction's full price; its ``time_s`` is then the part backward's
+    compute does not hide (:mod:`passes.plan.bucket_overlap`)."""
     extra: dict = field(default_factory=dict, compare=False)
     """Keys no field names (written back unchanged)."""
 
