@@ -389,9 +389,16 @@ class SpaceBuilder:
         choices = [self.choice_for(node, s) for s in strategies]
         if self.max_options and len(choices) > self.max_options:
             # Keep the options that split the most work (stable: rules list R first, so ties
-            # keep the simpler ones). Only 3-D and larger meshes get here by default.
+            # keep the simpler ones), and the replicated one (a split may cost more in
+            # collectives than it saves). Only 3-D and larger meshes get here by default.
             order = sorted(range(len(choices)), key=lambda k: (choices[k].compute_s, choices[k].memory))
-            keep = sorted(set(order[: self.max_options]) | multidim_tp.grid_options(node, strategies, self.mesh))
+            keep = set(order[: self.max_options]) | multidim_tp.grid_options(node, strategies, self.mesh)
+            keep = sorted(keep | {k for k, st in enumerate(strategies) if _replicated(st)})
             self.pruned += len(choices) - len(keep)
             choices = [choices[k] for k in keep]
         return choices
+
+
+def _replicated(strategy: Strategy) -> bool:
+    """Every output and input of ``strategy`` replicated on every mesh axis."""
+    return all(spec is None or all(p == R for p in spec) for spec in (*strategy.out, *strategy.ins))
