@@ -1175,7 +1175,8 @@ class _PlanningLoop:
 
     def skipped(self, cand: Candidate) -> bool:
         """Whether ``cand`` is left unplanned (its reason set): its time bound is past the best
-        step, the planning limit is reached, or its degrees were planned already."""
+        step, or its quick estimate times the least planned / quick ratio seen (at most 1) is,
+        the planning limit is reached, or its degrees were planned already."""
         best = self.best
         if best is not None and cand.time_lb > best.step_time_s:
             cand.status = "pruned"
@@ -1184,6 +1185,14 @@ class _PlanningLoop:
         degrees = _degrees(cand.config)
         if _cached(self.planner, cand.config) or id(cand) in self.forced:
             return False
+        floor = min([1.0] + [c.step_time_s / c.quick_s for c in self.cands if c.plan is not None and c.quick_s > 0])
+        if best is not None and cand.quick_s * floor > best.step_time_s:
+            cand.status = "pruned"
+            cand.reason = (
+                f"its quick estimate {_fmt_s(cand.quick_s)} x {floor:.2f} (the least planned / quick ratio here, "
+                f"at most 1) exceeds the best step {_fmt_s(best.step_time_s)}"
+            )
+            return True
         if self.planner.plannings - self.refused / 2 >= self.limit:
             cand.reason = f"{_LIMIT} ({self.max_plans} plannings); quick estimate {_fmt_s(cand.quick_s)}"
             return True

@@ -111,3 +111,16 @@ def test_a_candidate_of_planned_degrees_is_expected_at_their_own_ratio_and_plann
     assert (
         "1.35x their quick estimates (median), so expected 18.900 s: not below" in kept_weights.reason
     )  # best now 1.6x
+
+
+def test_a_candidate_whose_quick_estimate_is_past_the_best_step_at_the_least_planned_ratio_is_pruned():
+    from types import SimpleNamespace
+
+    best = _pipelined(0, data=2, quick=10.0, step=12.0)  # 1.2x
+    quicker = _pipelined(3, data=2, quick=10.0, step=9.0)  # planned faster than its quick estimate: 0.9x
+    far, near = _pipelined(0, quick=14.0), _pipelined(3, quick=13.0)
+    loop = _PlanningLoop(SimpleNamespace(_stage_sets={}, plannings=0), None, 80.0, [best, quicker, far, near], 5)
+    loop.best = best
+    assert loop.skipped(far) and far.status == "pruned"  # 14 x 0.9 = 12.6 > 12
+    assert "x 0.90 (the least planned / quick ratio here, at most 1) exceeds the best step 12.000 s" in far.reason
+    assert not loop.skipped(near)  # 13 x 0.9 = 11.7: it may still win
