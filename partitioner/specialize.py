@@ -98,19 +98,19 @@ class Specializer:
         from partitioner.api import plan_captured
         from partitioner.sharding_plan import ShardingPlan
 
-        old = {r["name"]: r for r in self.plan.records}
+        old = self.plan.node_by_name
         shared = {}
         for node in cap.graph.nodes:
             record = old.get(node.name)
             if (
                 record
-                and record.get("decision") == "leader"
-                and len(record.get("out") or ()) == 1
-                and record["out"][0]
-                and record["target"] == (op_name(node.target) if node.op == "call_function" else node.op)
-                and [list(s) if s is not None else None for s in info(node).out_shapes] == record["shapes"]
+                and record.decision == "leader"
+                and len(record.out) == 1
+                and record.out[0]
+                and record.target == (op_name(node.target) if node.op == "call_function" else node.op)
+                and [list(s) if s is not None else None for s in info(node).out_shapes] == record.shapes
             ):
-                shared[node.name] = record["out"][0]
+                shared[node.name] = record.out[0]
         pins = {}
         for table in (cap.params, cap.buffers):
             for placeholder, fqn in table.items():
