@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers on local tensors: expert parallelism by all-to-all, dropless.
+"""Mixture-of-experts layers on local tensors: expert parallelism by all-to-all.
 
 One op computes a HuggingFace experts module (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H,
 I]``): for every token ``t`` and each of its ``k`` routed experts ``e = top_k_index[t, j]``,
@@ -36,6 +36,11 @@ three modes, chosen by the plan (:mod:`passes.rules.experts`):
   the pairs routed to its own experts and leaves zeros for the others, so the output is
   ``Partial`` on ``a`` (summed by the plan's reshard after the op), with no all-to-all.
 
+**Token dropping** (an expert capacity): :func:`drop_over_capacity` marks the pairs beyond their
+expert's capacity with the index ``E`` before the op (over the whole call's pairs, so every
+rank drops what one device drops); the op skips them in every mode (they sort last, are
+neither counted nor sent) and their rows of the result are zero. Without it nothing is dropped.
+
 The ops are ordinary autograd ops (index_select, linear, the activation, cat) around the
 all-to-alls, so backward needs no code of its own. What they keep for backward, per rank: the
 dispatched rows, the gate/up product, the activation and the product fed to ``down_proj``
@@ -46,6 +51,7 @@ dispatched rows, the gate/up product, the activation and the product fed to ``do
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 
 import torch
@@ -56,7 +62,7 @@ from runtime.collectives import MeshComm, record_collective
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ACTIVATIONS", "ExpertDispatch", "experts_forward"]
+__all__ = ["ACTIVATIONS", "ExpertDispatch", "drop_over_capacity", "expert_capacity", "experts_forward"]
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -116,20 +122,50 @@ def _exchange_counts(counts: torch.Tensor, comm: MeshComm, axis: int) -> torch.T
     return received.view(n, -1)
 
 
+def expert_capacity(tokens: int, k: int, experts: int, capacity_factor: float) -> int:
+    """Rows one expert computes at most in one call over ``tokens`` tokens routed to ``k`` of
+    ``experts`` experts each: ``ceil(capacity_factor * tokens * k / experts)`` (at least 1)."""
+    return max(1, math.ceil(capacity_factor * tokens * k / experts))
+
+
+def drop_over_capacity(top_k_index: torch.Tensor, experts: int, capacity_factor: float) -> torch.Tensor:
+    """``top_k_index [T, k]`` with the pairs beyond their expert's capacity
+    (:func:`expert_capacity`) replaced by ``experts`` (dropped: computed by no expert).
+
+    Priority is GShard's: every token's first choice before any second choice, and inside one
+    choice the tokens in order; so pair ``(t, j)`` is the ``p``-th pair of its expert in the
+    order ``(j, t)`` and kept when ``p < capacity``. Plain tensor ops over the whole call's
+    pairs: traced into the graph before the experts op, so a split run keeps exactly the pairs
+    one device keeps (the planner gathers the small index where the tokens are split)."""
+    tokens, k = top_k_index.shape
+    capacity = expert_capacity(tokens, k, experts, capacity_factor)
+    by_choice = top_k_index.t().reshape(-1)  # [k T]: first choices, then second choices, ...
+    hits = by_choice.unsqueeze(1) == torch.arange(experts, device=top_k_index.device)
+    place = (hits.cumsum(0) * hits).sum(1) - 1  # the pair's place among its expert's pairs
+    kept = (place < capacity).reshape(k, tokens).t()
+    return torch.where(kept, top_k_index, experts)
+
+
 def experts_forward(
     hidden, top_k_index, top_k_weights, gate_up, down, activation: str, *, comm=None, axis=None, mode="whole"
 ):
     """The experts op for one rank (module docstring): ``mode`` ``"whole"``, ``"all_to_all"``
-    (on mesh ``axis``) or ``"local"`` (this rank's experts of those split on ``axis``)."""
+    (on mesh ``axis``) or ``"local"`` (this rank's experts of those split on ``axis``). A pair
+    whose index is the expert count (:func:`drop_over_capacity`) is dropped: no expert computes
+    it and its row of the result is zero."""
     tokens, k = top_k_index.shape
     pairs = top_k_index.reshape(-1)
     order = torch.argsort(pairs, stable=True)
     sorted_experts = pairs.index_select(0, order)
     token_of = torch.div(order, k, rounding_mode="floor")
     held = gate_up.shape[0]
+    experts = held * (comm.shape[axis] if mode != "whole" else 1)
+    kept = int((sorted_experts < experts).sum())  # the dropped pairs sort last
+    if kept < pairs.numel():
+        sorted_experts, token_of = sorted_experts[:kept], token_of[:kept]
     if mode == "all_to_all":
         n = comm.shape[axis]
-        counts = torch.bincount(pairs, minlength=held * n)
+        counts = torch.bincount(sorted_experts, minlength=held * n)
         from_each = _exchange_counts(counts, comm, axis)
         send = counts.view(n, held).sum(1).tolist()
         recv = from_each.sum(1).tolist()
@@ -144,10 +180,12 @@ def experts_forward(
         rows = hidden.index_select(0, token_of[lo:hi])
         done = _expert_products(rows, sorted_experts[lo:hi] - first, gate_up, down, activation)
         width = (hidden.shape[1],)
-        results = torch.cat([done.new_zeros((lo,) + width), done, done.new_zeros((pairs.numel() - hi,) + width)])
+        results = torch.cat([done.new_zeros((lo,) + width), done, done.new_zeros((kept - hi,) + width)])
     else:
         rows = hidden.index_select(0, token_of)
         results = _expert_products(rows, sorted_experts, gate_up, down, activation)
+    if kept < pairs.numel():
+        results = torch.cat([results, results.new_zeros((pairs.numel() - kept, hidden.shape[1]))])
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     per_pair = results.index_select(0, inverse).view(tokens, k, -1)

@@ -29,6 +29,10 @@ import warnings
 import pytest
 import torch
 import transformers
+from moe_utils import build as _build
+from moe_utils import dispatch_pins as _dispatch_pins
+from moe_utils import routing as _routing
+from moe_utils import step_of as _step_of
 from parity_utils import Checks, adam_in_lockstep, call, check_grads_by_alias, loss_of, nested_approx_equal, run_checked
 
 import partitioner
@@ -41,11 +45,6 @@ from runtime.expert_dispatch import experts_forward
 
 TIMEOUT_S = 240
 STEPS = 2
-BATCH, SEQ = 4, 8
-
-
-def _build(family):
-    return hf_families.build(family, batch=BATCH, seq=SEQ)
 
 
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
@@ -139,21 +138,6 @@ def test_auto_splits_experts_when_replicated_experts_cannot_fit():
 
 
 # -- multi-process parity ----------------------------------------------------------------
-
-
-def _routing(ref, inputs) -> list:
-    """The router's top-k index of every MoE layer on ``inputs`` (one device), in layer order."""
-    seen = []
-    hooks = [
-        m.register_forward_pre_hook(lambda _m, args: seen.append(args[1].clone()))
-        for m in ref.modules()
-        if hasattr(m, "gate_up_proj")
-    ]
-    with torch.no_grad():
-        call(ref, inputs)
-    for h in hooks:
-        h.remove()
-    return seen
 
 
 def _token_block(spec, mesh, coords):
@@ -276,22 +260,8 @@ def _check_skewed_dispatch(rank, world, checks):
         checks.close(f"skewed dispatch: gradient of {name}", got, want[None] if name in ("gate_up", "down") else want)
 
 
-def _step_of(pm, inputs):
-    def step():
-        loss = loss_of(call(pm, inputs))
-        loss.backward()
-        return loss
-
-    return step
-
-
 def _experts_name(model) -> str:
     return next(n for n, _ in model.named_parameters() if n.endswith("experts.gate_up_proj"))
-
-
-def _dispatch_pins(ndim):
-    shard = ["S(0)"] * ndim
-    return {"input_ids": shard, "labels": shard, "model.layers.*.mlp.experts": shard}
 
 
 @pytest.mark.parametrize(
