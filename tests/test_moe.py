@@ -29,11 +29,11 @@ import warnings
 import pytest
 import torch
 import transformers
+from moe_utils import adam_steps_like_one_device, first_step_like_one_device
 from moe_utils import build as _build
 from moe_utils import dispatch_pins as _dispatch_pins
 from moe_utils import routing as _routing
-from moe_utils import step_of as _step_of
-from parity_utils import Checks, adam_in_lockstep, call, check_grads_by_alias, loss_of, nested_approx_equal, run_checked
+from parity_utils import Checks, call, check_grads_by_alias, loss_of, nested_approx_equal, run_checked
 
 import partitioner
 from partitioner import hf_families
@@ -220,10 +220,7 @@ def moe_worker(rank, world, cfg):
             estimated = {k: v for k, v in estimated.items() if k != "all_to_all"}
         for diff in nested_approx_equal(counted, estimated):
             checks.true(f"{family}: communication: {diff}", False)
-        adam_in_lockstep(pm.parameters(), ref, inputs, STEPS, _step_of(pm, inputs), checks)
-        state = pm.full_state_dict()
-        for name, p in ref.named_parameters():
-            checks.close(f"{family}: parameter {name} after {STEPS} AdamW steps", state[name], p.detach())
+        adam_steps_like_one_device(pm, ref, inputs, STEPS, checks)
         measured = partitioner.measure_memory(pm, inputs)
         results.setdefault("saved", {})[family] = (pm.plan.estimate().memory.saved, measured.saved_activations)
         if rank == 0:
@@ -325,23 +322,12 @@ def searched_worker(rank, world, cfg):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = partitioner.auto_parallelize(model, inputs, cluster="h100", memory_budget=budget)  # no mesh: searched
-    with CommCounter() as counter:
-        out = call(pm, inputs)
-        loss_of(out).backward()
-    ref_out = call(ref, inputs)
-    loss_of(ref_out).backward()
-    checks.close("loss", loss_of(out).detach(), loss_of(ref_out).detach())
-    checks.close("router aux loss", out.aux_loss.detach(), ref_out.aux_loss.detach())
-    check_grads_by_alias(pm.full_grads(), ref, checks)
-    counted, estimated = counter.as_dict(), pm.plan.estimate().comm_bytes
+    counted, estimated = first_step_like_one_device(pm, ref, inputs, checks), pm.plan.estimate().comm_bytes
     sent = dict(counted.get("all_to_all", {}))
     counted = {k: v for k, v in counted.items() if k != "all_to_all"}
     for diff in nested_approx_equal(counted, {k: v for k, v in estimated.items() if k != "all_to_all"}):
         checks.true(f"communication: {diff}", False)
-    adam_in_lockstep(pm.parameters(), ref, inputs, STEPS, _step_of(pm, inputs), checks)
-    state = pm.full_state_dict()
-    for name, p in ref.named_parameters():
-        checks.close(f"parameter {name} after {STEPS} AdamW steps", state[name], p.detach())
+    adam_steps_like_one_device(pm, ref, inputs, STEPS, checks)
     return {
         "rank": rank,
         "failures": checks.failures,

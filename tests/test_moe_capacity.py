@@ -11,7 +11,8 @@
   loss, the router's auxiliary loss, every gradient and the parameters after 2 AdamW steps equal
   one device's under :func:`partitioner.token_dropping` with the same factor; the bytes each
   rank's all-to-alls send equal the formula over the pairs kept, their mean the plan's estimate,
-  and every other collective its estimate.
+  and every other collective its estimate. In the same ranks, experts stored ZeRO-3 (gathered for
+  use, freed after forward) are gathered again once per weight in backward, as priced.
 """
 
 import copy
@@ -20,14 +21,13 @@ import warnings
 
 import pytest
 import torch
+from moe_utils import adam_steps_like_one_device, first_step_like_one_device
 from moe_utils import build as _build
 from moe_utils import dispatch_pins as _dispatch_pins
 from moe_utils import routing as _routing
-from moe_utils import step_of as _step_of
-from parity_utils import Checks, adam_in_lockstep, call, check_grads_by_alias, loss_of, nested_approx_equal, run_checked
+from parity_utils import Checks, nested_approx_equal, run_checked
 
 import partitioner
-from runtime.collectives import CommCounter
 from runtime.expert_dispatch import drop_over_capacity, experts_forward
 
 TIMEOUT_S = 240
@@ -132,22 +132,12 @@ def capacity_worker(rank, world, cfg):
             pins=dict(_dispatch_pins(1), histc=["P"]),
             recompute="none",
         )
-    with CommCounter() as counter:
-        out = call(pm, inputs)
-        loss_of(out).backward()
     experts, hidden = ref.config.num_local_experts, ref.config.hidden_size
     kept = _kept_index(copy.deepcopy(ref), inputs, FACTOR)
     with partitioner.token_dropping(ref, FACTOR):
-        ref_out = call(ref, inputs)
-        loss_of(ref_out).backward()
-        checks.close("loss", loss_of(out).detach(), loss_of(ref_out).detach())
-        checks.close("router aux loss", out.aux_loss.detach(), ref_out.aux_loss.detach())
-        check_grads_by_alias(pm.full_grads(), ref, checks)
-        adam_in_lockstep(pm.parameters(), ref, inputs, STEPS, _step_of(pm, inputs), checks)
-    state = pm.full_state_dict()
-    for name, p in ref.named_parameters():
-        checks.close(f"parameter {name} after {STEPS} AdamW steps", state[name], p.detach())
-    counted, estimated = counter.as_dict(), pm.plan.estimate().comm_bytes
+        counted = first_step_like_one_device(pm, ref, inputs, checks)
+        adam_steps_like_one_device(pm, ref, inputs, STEPS, checks)
+    estimated = pm.plan.estimate().comm_bytes
     mine, mean = _kept_bytes(kept, rank, world, hidden, experts)
     checks.true(
         f"all_to_all: counted {counted['all_to_all']['a0']}, formula {mine}", counted["all_to_all"]["a0"] == mine
@@ -158,8 +148,26 @@ def capacity_worker(rank, world, cfg):
     rest = {k: v for k, v in counted.items() if k != "all_to_all"}
     for diff in nested_approx_equal(rest, {k: v for k, v in estimated.items() if k != "all_to_all"}):
         checks.true(f"communication: {diff}", False)
+    _check_zero3_experts(world, checks)
     dropped = sum(int((index == experts).sum()) for index in kept)
     return {"rank": rank, "failures": checks.failures, "dropped": dropped, "summary": pm.plan.summary(wide=True)}
+
+
+def _check_zero3_experts(world, checks):
+    """Experts replicated for compute, stored ZeRO-3 (sharded, gathered for use, freed after
+    forward): backward gathers each expert weight again once, as the plan prices, not once per
+    expert (the op saves each stacked weight whole); loss and gradients as one device's."""
+    model, inputs = _build("mixtral")
+    ref = copy.deepcopy(model)
+    stored = {"model.layers.*.mlp.experts.gate_up_proj": ["S(0)"], "model.layers.*.mlp.experts.down_proj": ["S(0)"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = partitioner.auto_parallelize(
+            model, inputs, mesh=(world,), cluster="h100", expert_parallel="off", zero=3, pins=stored, recompute="none"
+        )
+    counted = first_step_like_one_device(pm, ref, inputs, checks)
+    for diff in nested_approx_equal(counted, pm.plan.estimate().comm_bytes):
+        checks.true(f"ZeRO-3 experts: communication: {diff}", False)
 
 
 def test_expert_capacity_on_4_ranks_matches_one_device_with_the_same_dropping():
