@@ -148,8 +148,10 @@ class _GroupedLinear(torch.autograd.Function):
         grad_rows = grad_weight = None
         if ctx.needs_input_grad[0]:
             grad_rows = torch.cat([g @ w.to(g.dtype) for g, _, w in pieces]).to(rows.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_weight = torch.stack([g.t() @ x.to(g.dtype) for g, x, _ in pieces]).to(weight.dtype)
+        if ctx.needs_input_grad[1]:  # written in place: no second weight-sized buffer
+            grad_weight = torch.empty_like(weight)
+            for e, (g, x, _) in enumerate(pieces):
+                grad_weight[e] = g.t() @ x.to(g.dtype)
         return grad_rows, grad_weight, None
 
 
