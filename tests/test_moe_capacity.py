@@ -16,6 +16,7 @@
 """
 
 import copy
+import json
 import math
 import warnings
 
@@ -91,6 +92,8 @@ def test_expert_capacity_is_validated_priced_and_refused_where_it_cannot_be_hono
     counts = len(routed) * 8 * 4  # E int64 counts per layer
     assert a2a[None] == 4 * sum(map(sum, routed)) * hidden * 4 / 4 + counts
     assert a2a[0.75] == 4 * kept * hidden * 4 / 4 + counts  # 4 all-to-alls of the kept rows, fp32, over 4 ranks
+    saved = partitioner.ShardingPlan.from_dict(json.loads(plans[0.75].to_json()))
+    assert saved.data["expert_capacity"] == 0.75  # a replay captures with the plan's own capacity
     line = next(x for x in plans[0.75].summary(wide=True).splitlines() if "capacity factor" in x)
     assert f"{kept} of {sum(map(sum, routed))} routed pairs kept" in line, line
 
