@@ -78,6 +78,7 @@ class Specializer:
                 dict(kwargs) if kwargs else tuple(args),
                 layers=self.layers,
                 autocast_dtype=self.plan.precision.autocast_dtype,
+                expert_capacity=self.plan.data.get("expert_capacity"),
             )
         analyze(cap)
         fuse_for(cap, self.plan.data.get("sequence_parallel") or "auto")
