@@ -392,8 +392,8 @@ class SpaceBuilder:
             # keep the simpler ones), and the replicated one (a split may cost more in
             # collectives than it saves). Only 3-D and larger meshes get here by default.
             order = sorted(range(len(choices)), key=lambda k: (choices[k].compute_s, choices[k].memory))
-            kept = set(order[: self.max_options]) | multidim_tp.grid_options(node, strategies, self.mesh)
-            keep = sorted(kept | {k for k, st in enumerate(strategies) if _replicated(st)})
+            kept_ks = set(order[: self.max_options]) | multidim_tp.grid_options(node, strategies, self.mesh)
+            keep = sorted(kept_ks | {k for k, st in enumerate(strategies) if _replicated(st)})
             self.pruned += len(choices) - len(keep)
             choices = [choices[k] for k in keep]
         return choices
