@@ -11,26 +11,22 @@ from passes.plan.bucket_overlap import credit_bucket_overlap
 MIB = 2**20
 
 
+def _record(name: str, kind: str, inputs: list, out: str, **more) -> dict:
+    """A plan record with the keys every record has (plain values where the test needs none)."""
+    base = dict(module="", target="", fqn=None, shapes=[], dtype="float32", rep=name, ins=[], local_shapes=[])
+    return {**base, "name": name, "kind": kind, "inputs": inputs, "out": [out], "memory": 0.0, **more}
+
+
 def _layer_records(n: int, grad_bytes: float, comm_s: float, backward_s: float) -> list:
     """``n`` matmuls in a chain on a 4-way ``dp`` mesh, each with a weight whose gradient is
     all-reduced in a bucket (``grad_bytes``, ``comm_s``) and ``backward_s`` of backward compute."""
-    records = [{"name": "x", "kind": "input", "inputs": [], "out": ["[S(0)]"], "comm": [], "compute_s": 0.0}]
+    records = [_record("x", "input", [], "[S(0)]", comm=[], compute_s=0.0)]
     previous = "x"
     for k in range(n):
-        records.append({"name": f"w{k}", "kind": "param", "inputs": [], "out": ["[R]"], "comm": [], "compute_s": 0.0})
+        records.append(_record(f"w{k}", "param", [], "[R]", comm=[], compute_s=0.0))
         sync = dict(kind="all_reduce", axis="dp", bytes=grad_bytes, phase="bwd", input=1, time_s=comm_s, bucketed=True)
-        records.append(
-            {
-                "name": f"mm{k}",
-                "kind": "op",
-                "inputs": [previous, f"w{k}"],
-                "out": ["[S(0)]"],
-                "grads": ["[S(0)]", "[P]"],
-                "comm": [sync],
-                "compute_s": 0.5 + backward_s,
-                "forward_s": 0.5,
-            }
-        )
+        more = dict(grads=["[S(0)]", "[P]"], comm=[sync], compute_s=0.5 + backward_s, forward_s=0.5)
+        records.append(_record(f"mm{k}", "op", [previous, f"w{k}"], "[S(0)]", **more))
         previous = f"mm{k}"
     return records
 

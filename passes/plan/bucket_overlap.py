@@ -59,24 +59,34 @@ def _full(entry: dict) -> float:
     return entry.setdefault("sync_s", entry["time_s"])
 
 
-def _bucket_of(covered_ids: set, rec: dict) -> list:
-    """``rec``'s backward entries sent in gradient buckets."""
-    comm = rec.get("comm", ())
-    return [c for c in comm if id(c) in covered_ids and c["phase"] == "bwd" and c.get("input") is not None]
+def _bucketed_positions(records: list, mesh_shape, axis_names) -> set:
+    """``(record index, entry index)`` of the backward entries sent in gradient buckets, as
+    :func:`passes.plan.collective_calls.group_calls` groups them (on the typed records)."""
+    from passes.core.plan_records import NodeRecord
+    from passes.plan.collective_calls import group_calls
+
+    typed = [NodeRecord.from_dict(r) for r in records]
+    _, covered = group_calls(typed, mesh_shape, axis_names)
+    return {
+        (i, j)
+        for i, t in enumerate(typed)
+        for j, c in enumerate(t.comm)
+        if id(c) in covered and c.phase == "bwd" and c.input is not None
+    }
 
 
 def credit_bucket_overlap(records: list, mesh_shape, axis_names) -> BucketOverlap:
     """Credit the bucketed gradient reductions of ``records`` (a plan without a pipeline) with the
     backward compute that runs beside them (the module docstring)."""
-    from passes.plan.collective_calls import group_calls
     from runtime.grad_sync import BUCKET_BYTES
 
-    _, covered = group_calls(records, mesh_shape, axis_names)
+    positions = _bucketed_positions(records, mesh_shape, axis_names)
     bucketed, link, synchronous, launched = [], _Link(), 0.0, 0
     open_bytes: dict = {}  # signature -> (bytes, seconds) of the bucket filling
-    for rec in reversed(records):
-        link.send_during(max(0.0, rec.get("compute_s", 0.0) - rec.get("forward_s", 0.0)))
-        mine = _bucket_of(covered, rec)
+    for i in reversed(range(len(records))):
+        rec = records[i]
+        link.send_during(max(0.0, (rec.get("compute_s") or 0.0) - (rec.get("forward_s") or 0.0)))
+        mine = [c for j, c in enumerate(rec.get("comm") or ()) if (i, j) in positions]
         by_edge: dict = {}
         for c in mine:
             by_edge.setdefault(c["input"], []).append(c)
