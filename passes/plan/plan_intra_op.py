@@ -24,6 +24,7 @@ from passes.analysis.analyze import info
 from passes.analysis.mutated_aliases import mutated_alias_pins
 from passes.capture.blocks import find_blocks
 from passes.capture.capture import tied_placeholders
+from passes.core.node_info import grad_flows
 from passes.core.placements import format_spec, local_shape
 from passes.lower.prefetch_gathers import credit_prefetch
 from passes.plan.activation_regather import regathers_activation
@@ -114,7 +115,13 @@ def _node_record(node, choice, space, axis_names, rep_node):
     rec["out"] = _fmt_specs(choice.out)
     rec["ins"] = _fmt_specs(choice.ins)
     if choice.strategy is not None:
-        rec["grads"] = _fmt_specs([choice.strategy.grad_spec(k) for k in range(len(choice.ins))])
+        inputs = tensor_input_nodes(node)
+        rec["grads"] = _fmt_specs(
+            [
+                choice.strategy.grad_spec(k) if k >= len(inputs) or grad_flows(inputs[k], node) else None
+                for k in range(len(choice.ins))
+            ]
+        )
     rec["local_shapes"] = [
         list(local_shape(s, sp, mesh)) if s is not None and sp is not None else None
         for s, sp in zip(i.out_shapes, choice.out)
@@ -184,7 +191,7 @@ def _edge_comm(node, choices, space, axis_names):
             if mine is None or mine.ins[k] is None:
                 continue
             dst = mine.ins[k]
-            grad = mine.strategy.grad_spec(k) if mine.strategy is not None else None
+            grad = mine.strategy.grad_spec(k) if mine.strategy is not None and grad_flows(u, node) else None
         ui = info(u)
         held = choices[u].stored is not None or choices[u].offload  # a compute copy: its gradient stays Partial
         fwd, bwd = edge_collectives(
