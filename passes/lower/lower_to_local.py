@@ -429,8 +429,8 @@ class _Lowering:
         local_shapes = self.local_shapes(node, outs)
         call = LowerCall(node, tuple(args), dict(kwargs), outs, ins, local_shapes, self.comm, b, rec.get("notes") or {})
         result = rule_for(node).lower(call)
-        if isinstance(result, fx.Node):
-            result.meta["partita.source"] = node.name
+        if isinstance(result, fx.Node):  # not over an input the op passed through (dropout at p=0)
+            result.meta.setdefault("partita.source", node.name)
         env[node] = result
         self.out_specs[node] = outs
 
