@@ -137,7 +137,7 @@ def _row(benchmark, run, samples, estimate, loads, cluster_file):
 
 
 def _calibrate(path, ranks, say):
-    from partitioner.calibrate import calibrate
+    from partitioner.calibration.calibrate import calibrate
 
     load = os.getloadavg()[0]
     start = time.perf_counter()

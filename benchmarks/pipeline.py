@@ -12,7 +12,7 @@ forward is tens of ms on one CPU core.
    step with the median idle is drawn. Formula: ``(p-1)/(m+p-1)`` for GPipe and 1F1B;
    ``((p-1)/v)/(m+(p-1)/v)`` for interleaved; for ZB-H1 the cost-model simulation
    (``simulated_timeline``). Bar: measured / formula <= 1.1, and ZB-H1 below 1F1B.
-   Beside them: the same schedule replayed (``passes.schedules.pipeline_schedules.simulate``) with the
+   Beside them: the same schedule replayed (``passes.schedules.simulate``) with the
    *measured* median F / B / I / W durations per stage, which separates what the schedule
    and the real stage times imply from what the runtime adds (waits on messages, overhead).
 2. **Against torch.distributed.pipelining.** The same GPT (same weights) is cut by hand at the
@@ -61,7 +61,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from passes.schedules.pipeline_schedules import SCHEDULES  # noqa: E402 - after the path is set
+from passes.schedules import SCHEDULES  # noqa: E402 - after the path is set
 
 P, M, V = 2, 8, 2
 # GPT: 8 layers; batch = M microbatches of MB sequences
@@ -167,7 +167,7 @@ def _record(stage, trace):
 
 def _per_stage_medians(timelines):
     """stage -> kind -> median seconds over every action of the given measured timelines."""
-    from passes.schedules.pipeline_schedules import parse_action
+    from passes.schedules import parse_action
     acc = {}
     for timeline in timelines:
         for rows in timeline.values():
@@ -180,7 +180,7 @@ def _per_stage_medians(timelines):
 def _replay(runner, means, comm_time=0.0):
     """The schedule replayed with the measured median durations per stage and kind (and
     ``comm_time`` seconds on every dependency between ranks)."""
-    from passes.schedules.pipeline_schedules import simulate
+    from passes.schedules import simulate
     S = runner.schedule.num_stages
     fwd = {s: means[s]["F"] for s in range(S)}
     if all("B" in means[s] for s in range(S)):
@@ -200,7 +200,7 @@ def _late_starts(timeline):
     the producer ended; what lies between ready and start is time spent waiting for a message
     that was already due (transfer, progress of the communication threads, the interpreter's
     own work). Ranks' clocks are aligned by the barrier before the step."""
-    from passes.schedules.pipeline_schedules import parse_action
+    from passes.schedules import parse_action
 
     def key(text):
         a = parse_action(text)
@@ -226,10 +226,10 @@ def _late_starts(timeline):
 def _replay_actual(schedule, timeline):
     """Idle fraction of the schedule replayed with this step's own duration for every action
     and instant messages: what the measured compute alone implies, variance included."""
-    from passes.schedules import pipeline_schedules as ps
+    from passes.schedules.execution import execute
     from runtime.pipeline_trace import idle_fraction
     took = {text: e - s for rows in timeline.values() for text, s, e in rows}
-    run = ps._execute(schedule, lambda a: took.get(str(a), 0.0) if a.is_compute else 0.0)
+    run = execute(schedule, lambda a: took.get(str(a), 0.0) if a.is_compute else 0.0)
     replay = {r: [(str(a), run.start[(r, i)], run.end[(r, i)]) for i, a in enumerate(acts) if a.is_compute]
               for r, acts in enumerate(schedule.actions)}
     return idle_fraction(replay)
@@ -312,7 +312,7 @@ def run_schedule(rank, world, schedule, steps, warmup, pin, cluster="cpu"):
 def summarize(r, schedule_text):
     """Idle fractions over the timed steps; the representative step (median idle) for pictures;
     median per-action durations and the replay of the schedule with them."""
-    from passes.schedules.pipeline_schedules import parse_schedule
+    from passes.schedules import parse_schedule
     from runtime.pipeline_trace import idle_fraction
 
     class _Runner:    # what _replay needs

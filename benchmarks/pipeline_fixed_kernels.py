@@ -15,9 +15,9 @@ reported, against the closed forms with m = 8 microbatches:
 * GPipe, 1F1B: ``(p-1)/(m+p-1)``; interleaved (v = 2): ``((p-1)/v)/(m+(p-1)/v)``;
 * ZB-H1 (F = I = W): ``(p-1)(F+I-W) / (m(F+I+W) + (p-1)(F+I-W))`` = ``(p-1)/(3m+p-1)``
 
-(each schedule's ``bubble`` in the registry ``passes.schedules.pipeline_schedules.SCHEDULES``).
+(each schedule's ``bubble`` in the registry ``passes.schedules.SCHEDULES``).
 
-Beside them, the same schedule simulated (``passes.schedules.pipeline_schedules.simulate``) with the
+Beside them, the same schedule simulated (``passes.schedules.simulate``) with the
 nominal durations (equal to the closed form: a check of both), and with the message latency
 measured in the same steps added to every dependency between ranks: what gloo on this machine
 adds to the formula. Latency of a message = the end of the action producing it on one rank to the
@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from passes.schedules.pipeline_schedules import SCHEDULES  # noqa: E402 - after the path is set
+from passes.schedules import SCHEDULES  # noqa: E402 - after the path is set
 
 M, V, WIDTH, MB = 8, 2, 64, 4
 
@@ -54,7 +54,7 @@ def stages_per_rank(schedule: str) -> int:
 def _message_latencies(traces: list) -> list:
     """Seconds from a producing compute action's end to the end of the receive that waited for
     it, for every receive that did wait (traces: one per rank, on one host clock)."""
-    from passes.schedules.pipeline_schedules import parse_action
+    from passes.schedules import parse_action
     ends = {}
     for trace in traces:
         for text, _, end in trace:
@@ -104,7 +104,7 @@ def run_fixed(rank, world, schedule, steps, warmup, layer_ms):
 
 
 def measure(schedules=tuple(SCHEDULES), ranks=(2, 4), steps=8, warmup=2, layer_ms=10.0, log=print) -> list:
-    from passes.schedules.pipeline_schedules import parse_schedule, simulate
+    from passes.schedules import parse_schedule, simulate
     from runtime.launch import run_on_ranks
 
     rows = []

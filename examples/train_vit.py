@@ -247,7 +247,7 @@ class Job:
 
 def _pipeline_estimate(runner) -> tuple:
     """(simulated step seconds, the largest stage's memory estimate, a description)."""
-    from passes.schedules import pipeline_schedules as ps
+    import passes.schedules as ps
 
     plans = runner.plan["stages"]
     estimates = [p.estimate() for p in plans]

@@ -229,7 +229,8 @@ def _format_estimate(plan, *, wide: bool = False) -> str:
     import textwrap
 
     from partitioner.plan_table import WIDTH
-    from partitioner.sharding_plan import _fmt_bytes, _fmt_time
+    from partitioner.units import fmt_bytes as _fmt_bytes
+    from partitioner.units import fmt_time as _fmt_time
 
     est = plan.estimate()
     data = plan.data
@@ -405,7 +406,8 @@ def _cmd_report(args) -> int:
 
 
 def _cmd_calibrate(args) -> int:
-    from partitioner.calibrate import DEFAULT_SIZES, TINY_SIZES, calibrate
+    from partitioner.calibration.calibrate import calibrate
+    from partitioner.calibration.sizes import DEFAULT_SIZES, TINY_SIZES
     from partitioner.local_cluster import installed_cpu_path
 
     if args.ranks < 2:

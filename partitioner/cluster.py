@@ -25,7 +25,7 @@ Presets (``h100``, ``h200``, ``a100``) use vendor figures for SXM parts with NVL
 8-GPU node and one InfiniBand NIC per GPU across nodes. ``cpu`` is this machine: the compute
 figures measured by the job's ranks, once per rank count, and cached
 (:mod:`partitioner.local_cluster`, which also resolves names: ``get_cluster``). ``partitioner
-calibrate`` (:mod:`partitioner.calibrate`) measures the same figures on more sizes into a cluster
+calibrate`` (:mod:`partitioner.calibration`) measures the same figures on more sizes into a cluster
 file; ``get_cluster(path)`` reads it (``--as-cpu`` also makes it ``cpu``). This module is data
 only: it imports nothing of Partita's.
 """

@@ -11,7 +11,7 @@ Algorithm
    ``p <= L`` (``d = 1 < t`` is left out: its one-axis stage mesh is ``(p, t, 1)``'s);
    without a pipeline (``p = 1``) one microbatch; with one, every number of microbatches
    ``m >= p`` that divides the global batch into microbatches ``d`` data-parallel
-   ranks can share, each schedule of ``passes.schedules.pipeline_schedules`` but GPipe (never faster than
+   ranks can share, each schedule of ``passes.schedules`` but GPipe (never faster than
    1F1B and heavier) - 1F1B, ZB-H1, and interleaved with 2 stages per rank where ``m`` is a
    multiple of ``p`` and ``L >= 2p`` - and recomputation ``none`` or ``all`` (without a
    pipeline the intra-op solver decides it, ``recompute="auto"``); with ``d > 1`` each with
@@ -84,6 +84,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+import passes.schedules as ps
 from partitioner import expert_degrees
 from partitioner.axis_uses import describe_config
 from partitioner.cluster import parse_bytes
@@ -100,7 +101,6 @@ from passes.capture.capture import describe_captured, graph_fingerprint
 from passes.capture.capture_blocks import capture_model
 from passes.plan.plan_intra_op import InfeasibleBudgetError
 from passes.plan.split_stages import stages_of_layers
-from passes.schedules import pipeline_schedules as ps
 
 __all__ = ["search_config", "plan_config", "ModelFacts", "enumerate_configs", "check_devices"]
 
@@ -542,7 +542,7 @@ class _Planner:
     def schedule(self, c: ParallelConfig) -> ps.Schedule:
         """``c``'s compute schedule, made once per (schedule, stages, microbatches, stages per
         rank): configurations that differ in their stage plans replay the same schedule, which
-        :func:`passes.schedules.pipeline_schedules.simulate` indexes and checks once."""
+        :func:`passes.schedules.simulate` indexes and checks once."""
         key = (c.schedule or "1f1b", c.pipeline, c.microbatches, c.virtual_stages)
         if key not in self._schedules:
             self._schedules[key] = ps.SCHEDULES[key[0]].make(*key[1:])

@@ -81,7 +81,7 @@ def comparison(demo_plan, *, n_layer, n_embd, n_head, batch, seq) -> str:
 
     import partitioner
     from partitioner.local_cluster import get_cluster
-    from partitioner.sharding_plan import _fmt_time
+    from partitioner.units import fmt_time as _fmt_time
 
     small = (n_layer, n_embd, n_head, batch, seq)
     large = (12, 2048, 16, 8, 1024)

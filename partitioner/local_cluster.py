@@ -8,7 +8,7 @@ describe, so it is measured.
 How ``"cpu"`` is measured
 -------------------------
 A job's step on a CPU is priced with the same cost model as everywhere else, so the figures it
-needs are those ``partitioner calibrate`` fits (:mod:`partitioner.calibrate`): matmul rates by
+needs are those ``partitioner calibrate`` fits (:mod:`partitioner.calibration`): matmul rates by
 shape, memory bandwidth, the per-op overhead of a lowered program, the rates of activations,
 norms and attention, the optimizer's step, and every collective the runtime issues, each timed
 **with all of the job's ranks working at once** (on a machine with fewer cores than ranks each
@@ -20,7 +20,7 @@ put the estimate 1.3-2.5x under the measured step.
    cache holds one cluster file per count: ``$XDG_CACHE_HOME/partita/cpu_cluster-<R>ranks.json``
    (``~/.cache`` by default). A file ``cpu_cluster.json`` there (``partitioner calibrate
    --as-cpu`` writes it) is what ``"cpu"`` means for every count: the full calibration wins.
-2. **Quick sizes.** The measurement runs :data:`partitioner.calibrate.QUICK_SIZES`, the full
+2. **Quick sizes.** The measurement runs :data:`partitioner.calibration.sizes.QUICK_SIZES`, the full
    calibration's code on fewer sizes and shorter loops (about half a minute for 2 ranks on a
    2-core machine, where the full one takes two or three); progress goes to the
    ``partitioner`` logger.
@@ -28,7 +28,7 @@ put the estimate 1.3-2.5x under the measured step.
    ``auto_parallelize`` on every rank) the job's own ranks measure over its process group: rank
    0 finds the cache, or every rank measures and rank 0 fits and writes it; rank 0's spec is
    broadcast, so all ranks plan from the same figures. Outside one (``plan()``, the CLI) ``R``
-   local gloo ranks are forked for the measurement (:func:`partitioner.calibrate.measure`),
+   local gloo ranks are forked for the measurement (:func:`partitioner.calibration.measure.measure`),
    ``R`` the plan's device count, at most :data:`MAX_FORKED_RANKS`.
 """
 
@@ -39,7 +39,10 @@ import logging
 import os
 from pathlib import Path
 
-from partitioner.calibrate import QUICK_SIZES, fit, measure, measure_in_group, write_cluster_file
+from partitioner.calibration.calibrate import write_cluster_file
+from partitioner.calibration.fit import fit
+from partitioner.calibration.measure import measure, measure_in_group
+from partitioner.calibration.sizes import QUICK_SIZES
 from partitioner.cluster import PRESETS, ClusterSpec, LinkSpec, load_cluster_file
 
 __all__ = ["get_cluster", "cpu_cluster", "job_cluster", "for_memory_budget", "installed_cpu_path", "MAX_FORKED_RANKS"]
@@ -137,7 +140,8 @@ def job_cluster(cluster) -> ClusterSpec:
 def _single_rank_cpu() -> ClusterSpec:
     """A one-rank job's CPU (no collectives to measure, none to price): the compute figures
     measured in this process, not cached."""
-    from partitioner.calibrate import compute_samples, fit_compute
+    from partitioner.calibration.fit import fit_compute
+    from partitioner.calibration.measure_compute import compute_samples
 
     sizes = dict(QUICK_SIZES, trials=1)
     compute = fit_compute(compute_samples(sizes))

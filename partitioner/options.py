@@ -30,7 +30,7 @@ from partitioner.cluster import PRESETS, parse_bytes
 from partitioner.precision import Precision
 from passes.core.rule_options import RuleOptions
 from passes.plan.recompute import check_recompute_mode
-from passes.plan.strategy_space import check_zero
+from passes.plan.zero_storage import check_zero
 
 __all__ = ["PlanOptions", "default_cluster", "OBJECTIVES", "OPTIMIZERS", "LAYER_MODES"]
 

@@ -38,7 +38,7 @@ class ParallelConfig:
     microbatches: int = 1
     """Microbatches per training step (1 without a pipeline)."""
     schedule: str | None = None
-    """Pipeline schedule name (``passes.schedules.pipeline_schedules.SCHEDULES``); None without a pipeline."""
+    """Pipeline schedule name (``passes.schedules.SCHEDULES``); None without a pipeline."""
     virtual_stages: int = 1
     """Stages per rank (``interleaved`` only)."""
     recompute: str = "none"

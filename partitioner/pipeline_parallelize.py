@@ -8,7 +8,7 @@ stage before sends them in: each rank sends only its own piece) and broadcasts t
 each rank lowers its own stages, slices their parameters, and builds the schedule (checked for
 deadlock before anything runs). Left open, the microbatches are the most (up to 4 per stage)
 that divide the batch, and the schedule is the one simulated fastest with the stage plans' cost
-estimates (``passes.schedules.pipeline_schedules.choose_schedule``).
+estimates (``passes.schedules.choose_schedule``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import passes.schedules as ps
 from partitioner.intra_op import plan_captured, resolve_pins
 from partitioner.options import PlanOptions
 from partitioner.pipeline_shapes import StageShapes, receive_buffers
@@ -33,7 +34,6 @@ from passes.capture.eager_attention import fuse_for
 from passes.lower.lower_to_local import lower_to_local
 from passes.plan.split_stages import assign_stages, split_stages
 from passes.rules import tensor_input_nodes
-from passes.schedules import pipeline_schedules as ps
 from runtime.collectives import MeshComm, on_rank0
 from runtime.pipeline import PipelineRunner, StageProgram
 from runtime.reshard import Reshard
@@ -48,7 +48,7 @@ class PipelineConfig:
     degree: int = 2
     """Pipeline stages on the first mesh axis (ranks along it)."""
     schedule: str | None = None
-    """A name in ``passes.schedules.pipeline_schedules.SCHEDULES`` (``gpipe``, ``1f1b``, ``interleaved``,
+    """A name in ``passes.schedules.SCHEDULES`` (``gpipe``, ``1f1b``, ``interleaved``,
     ``zb-h1``); None: chosen by simulation."""
     microbatches: int = 0
     """Microbatches per step; 0: chosen (the most, up to 4 per stage, that divide the batch)."""
@@ -80,7 +80,7 @@ class PipelineConfig:
     def resolve(self, batch: int) -> PipelineConfig:
         """Fill in the microbatches when not given: the largest of 4p, 2p, p that divides the
         batch (more microbatches, a smaller bubble). The schedule, when not given, is chosen
-        once the stages are planned (:func:`passes.schedules.pipeline_schedules.choose_schedule`)."""
+        once the stages are planned (:func:`passes.schedules.choose_schedule`)."""
         p = self.degree
         m = self.microbatches or next((k for k in (4 * p, 2 * p, p) if batch % k == 0), 0)
         if not m:

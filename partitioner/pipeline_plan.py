@@ -17,8 +17,8 @@ __all__ = ["runner_plan"]
 
 
 def _registry_name(schedule, microbatches: int, virtual: int) -> str:
-    """The :data:`passes.schedules.pipeline_schedules.SCHEDULES` key whose generator made ``schedule``."""
-    from passes.schedules import pipeline_schedules as ps
+    """The :data:`passes.schedules.SCHEDULES` key whose generator made ``schedule``."""
+    import passes.schedules as ps
 
     for key, kind in ps.SCHEDULES.items():
         if (virtual > 1) != kind.virtual:
@@ -30,7 +30,7 @@ def _registry_name(schedule, microbatches: int, virtual: int) -> str:
 
 def runner_plan(runner) -> ShardingPlan:
     """The pipelined plan ``runner`` (a :class:`runtime.pipeline.PipelineRunner`) runs."""
-    from passes.schedules import pipeline_schedules as ps
+    import passes.schedules as ps
 
     plans, schedule, m = runner.plan["stages"], runner.schedule, runner.microbatches
     virtual = schedule.num_stages // schedule.num_ranks

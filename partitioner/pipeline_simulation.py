@@ -2,9 +2,9 @@
 stage's forward, backward and weight-gradient (W) time from the stage's plan.
 
 ``stage_times(runner)`` reads the seconds per microbatch of each stage from its plan's estimate
-(:func:`passes.schedules.pipeline_schedules.stage_durations`) and each stage's once-per-step gradient
+(:func:`passes.schedules.stage_durations`) and each stage's once-per-step gradient
 reduction (``stage_syncs``); ``simulated_timeline(runner)`` replays the runner's schedule with
-them (:func:`passes.schedules.pipeline_schedules.simulate`): pipeline rank -> [(action, start s, end s)],
+them (:func:`passes.schedules.simulate`): pipeline rank -> [(action, start s, end s)],
 the same form as :func:`runtime.pipeline_trace.measured_timeline`, so the two can be compared
 (:func:`runtime.pipeline_trace.comparison_text`). It lives on the planner's side because it
 prices: ``runtime/`` never imports the cost model or the simulator.
@@ -12,14 +12,14 @@ prices: ``runtime/`` never imports the cost model or the simulator.
 
 from __future__ import annotations
 
-from passes.schedules.pipeline_schedules import simulate, stage_durations, stage_syncs
+from passes.schedules import simulate, stage_durations, stage_syncs
 
 __all__ = ["stage_times", "simulated_timeline"]
 
 
 def stage_times(runner) -> tuple:
     """(forward, backward, weight) seconds per microbatch for each stage, from its plan's estimate
-    (:func:`passes.schedules.pipeline_schedules.stage_durations`), and each stage's gradient reduction, once
+    (:func:`passes.schedules.stage_durations`), and each stage's gradient reduction, once
     per step (``stage_syncs``)."""
     estimates = [plan.estimate() for plan in runner.plan["stages"]]
     return (

@@ -7,12 +7,12 @@ back as the list of communication events the rank performs, in order:
 * a stage or model program's collectives: its ``Reshard`` modules' forward moves in program
   order, and their backward moves in reverse order (autograd's), each with its kind, mesh axis,
   the value's global shape and the node it belongs to;
-* with a pipeline, the rank's schedule (:mod:`passes.schedules.pipeline_schedules`) drives the order: a
+* with a pipeline, the rank's schedule (:mod:`passes.schedules`) drives the order: a
   forward action runs the stage's forward collectives, a backward action its backward ones (a
   zero-bubble ``I`` those of activations, ``W`` those of parameters), and ``SEND``/``RECV``
   become point-to-point events with the peer stage's rank at the same data/tensor coordinates.
 
-The check executes all ranks symbolically (as :func:`passes.schedules.pipeline_schedules.check_schedule`
+The check executes all ranks symbolically (as :func:`passes.schedules.check_schedule`
 does for one schedule): a send is buffered, a receive completes once its send is issued, and a
 collective completes when every rank of its process group (the ranks that differ only in that
 axis's coordinate) has reached one; they must all have reached the same one (kind, axis, shape),
@@ -142,8 +142,8 @@ def rank_events(plan, graphs, *, lower=None, every_rank: bool = True) -> tuple:
     (``tests/test_config_search.py`` checks both ways agree). ``lower(stage, rank)`` returns
     the lowered GraphModule in place of :func:`passes.lower.lower_to_local.lower_to_local` (to break
     one rank on purpose in tests)."""
+    import passes.schedules as ps
     from passes.lower.lower_to_local import lower_to_local
-    from passes.schedules import pipeline_schedules as ps
     from runtime.collectives import MeshComm
 
     pipe = plan.data.get("pipeline")

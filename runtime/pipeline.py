@@ -2,7 +2,7 @@
 
 Each rank owns one or more pipeline stages (:class:`StageProgram`: a lowered stage program with
 its local parameters). ``PipelineRunner.train_step(batch)`` cuts the batch into microbatches
-and walks the rank's actions from :mod:`passes.schedules.pipeline_schedules`:
+and walks the rank's actions from :mod:`passes.schedules`:
 
 * ``F``: run the stage on the microbatch's inputs (activations received from the previous
   stage become leaves that require grad) and keep what backward needs;

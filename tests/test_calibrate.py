@@ -18,7 +18,10 @@ import pytest
 
 import partitioner
 from partitioner.__main__ import main
-from partitioner.calibrate import COLLECTIVES, TINY_SIZES, collective_design, fit, rank_samples, write_cluster_file
+from partitioner.calibration.calibrate import write_cluster_file
+from partitioner.calibration.fit import collective_design, fit
+from partitioner.calibration.measure import rank_samples
+from partitioner.calibration.sizes import COLLECTIVES, TINY_SIZES
 from partitioner.cluster import ClusterSpec, LinkSpec
 from partitioner.local_cluster import get_cluster
 from partitioner.models import gpt_demo
@@ -331,7 +334,7 @@ def test_op_rates_fit_gives_back_their_samples():
 def test_a_grid_point_left_unmeasured_takes_its_nearest_neighbour():
     """A point whose samples were all fixed cost rates nothing; the grid keeps it with the rate of
     the measured point nearest in log coordinates, not a mean over far-away shapes."""
-    from partitioner.calibrate import op_rates
+    from partitioner.calibration.fit import op_rates
 
     def sample(q, d, rate, overhead_only=False):
         flops = 4 * q * q * d
@@ -409,7 +412,7 @@ def test_the_planner_reads_an_attention_rate_at_the_attention_shape():
 
 def test_op_samples_count_what_the_rules_count():
     """The measured ops carry the FLOPs their rules count and the passes the cost model charges."""
-    from partitioner.calibrate import op_samples
+    from partitioner.calibration.measure_compute import op_samples
 
     samples = op_samples(TINY_SIZES)
     by_op = {s["op"]: s for s in samples}
@@ -429,7 +432,7 @@ def test_op_samples_count_what_the_rules_count():
 def test_repeated_passes_merge_to_their_medians():
     """A pass spoilt by a slow spell of the machine does not move the calibration: every time is
     the median over the passes, sizes and names stay as measured, mismatched passes are refused."""
-    from partitioner.calibrate import median_samples
+    from partitioner.calibration.measure import median_samples
 
     def one_pass(scale):
         return {
@@ -455,7 +458,7 @@ def test_optimizer_steps_are_fitted_and_priced_per_tensor():
     """Optimizer steps timed on a machine with a known fixed cost per tensor and rate: the fit
     gives both back, and a plan prices each parameter's step with them (a fixed cost per tensor
     plus its bytes at the measured rate) where the roofline priced the bytes only."""
-    from partitioner.calibrate import optimizer_steps
+    from partitioner.calibration.fit import optimizer_steps
     from passes.plan.cost_model import optimizer_step_bytes, optimizer_step_time
 
     known = {"adam": {"tensor_s": 40e-6, "bandwidth": 10e9}, "sgd": {"tensor_s": 3e-6, "bandwidth": 40e9}}

@@ -185,7 +185,7 @@ def _captured_here(cases) -> list:
 
 def _run_case(case, checks, built=None) -> dict:
     import partitioner
-    from partitioner.sharding_plan import per_step_comm
+    from partitioner.plan_estimate import per_step_comm
 
     label = case["id"]
     model, inputs = built if built is not None else _build(case)

@@ -37,5 +37,5 @@ def test_the_logged_step_is_the_summary_and_the_estimate(caplog):
     logged = [float(m.group(1)) for r in caplog.records
               for m in [re.search(r"estimated step ([0-9.]+) ms", r.getMessage())] if m]
     assert logged == [pytest.approx(step_ms, abs=5e-4)], logged
-    from partitioner.sharding_plan import _fmt_time
+    from partitioner.units import fmt_time as _fmt_time
     assert f"estimate: step {_fmt_time(plan.estimate().step_time_s)} " in plan.summary()

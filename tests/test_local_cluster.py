@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from partitioner import calibrate, local_cluster
+from partitioner import local_cluster
+from partitioner.calibration import sizes as calibration_sizes
 from partitioner.cluster import ClusterSpec
 from runtime.launch import run_on_ranks
 
@@ -19,7 +20,7 @@ def empty_cache(tmp_path, monkeypatch):
     """A cache with no installed CPU cluster, and the quick measurement shrunk to TINY_SIZES
     (forked ranks inherit both)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(local_cluster, "QUICK_SIZES", calibrate.TINY_SIZES)
+    monkeypatch.setattr(local_cluster, "QUICK_SIZES", calibration_sizes.TINY_SIZES)
     return tmp_path / "partita"
 
 
@@ -39,7 +40,7 @@ def test_a_job_measures_cpu_with_its_own_ranks_once_and_every_rank_gets_rank_0s_
     assert ClusterSpec.from_dict(data["cluster"]).to_dict() == first0
     assert first0["name"] == "cpu" and first0["devices_per_node"] == 2
     kinds = {s["kind"] for s in data["samples"]["collectives"]}
-    assert kinds == set(calibrate.COLLECTIVES)  # links measured, not guessed
+    assert kinds == set(calibration_sizes.COLLECTIVES)  # links measured, not guessed
     assert first0["op_rates"]["float32"], "the ops no roofline reaches are rated"
 
 

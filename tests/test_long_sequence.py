@@ -98,8 +98,8 @@ def _pipeline_parity(cfg, rank, checks):
     checks.close(f"{cfg['id']}: loss", loss.detach(), ref_loss.detach())
     key_of = check_grads_by_alias(runner.full_grads(), ref, checks, one_name=True)
     # counted = the stage plan's estimate over the step: per microbatch, parameter gradients once
-    # (partitioner.sharding_plan.per_step_comm), per phase
-    from partitioner.sharding_plan import per_step_comm
+    # (partitioner.plan_estimate.per_step_comm), per phase
+    from partitioner.plan_estimate import per_step_comm
 
     (stage,) = runner.stages.values()
     est = stage.plan.estimate()

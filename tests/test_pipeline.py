@@ -128,13 +128,13 @@ def pipeline_worker(rank, world, cfg):
     result["layers"] = [list(run) for run in runner.plan["layers"]]
     if cfg["pipeline"].get("schedule") is None:   # what the stage estimates favour, recomputed here
         from partitioner.pipeline_simulation import stage_times
-        from passes.schedules.pipeline_schedules import choose_schedule
+        from passes.schedules import choose_schedule
         name, _ = choose_schedule(sched.num_ranks, sched.num_microbatches, *stage_times(runner))
         result["expected_schedule"] = name.replace("-", "_")
     result["sends"] = [list(g.sends) for g in runner.stage_graphs]
     result["carried"] = {name: list(shape) for name, (shape, _) in runner.carried_meta.items()}
     result["activation_copies"] = [plan.data["activation_copies"] for plan in runner.plan["stages"]]
-    from passes.schedules.pipeline_schedules import stage_in_flight
+    from passes.schedules import stage_in_flight
     result["in_flight"] = [stage_in_flight(sched)[s] for s in range(sched.num_stages)]
     if rank == 0:   # what the stage plans decided for parameters and inputs (FQN / argument name)
         placements = []
@@ -145,7 +145,7 @@ def pipeline_worker(rank, world, cfg):
 
     # 1. loss and every gradient after one pipelined forward + backward; the stages' collectives
     # are those their plans price: per microbatch, parameter gradients once per step
-    from partitioner.sharding_plan import per_step_comm
+    from partitioner.plan_estimate import per_step_comm
     from runtime.collectives import CommCounter
     with CommCounter() as counter:
         loss = runner.train_step(inputs)
@@ -476,7 +476,7 @@ def test_open_config_choices_are_logged(caplog, capsys):
     ``partitioner`` logger, and ``verbose=True`` shows them on stderr (built in this process as
     rank 0 of a 2-rank job on the fake process group: no forking)."""
     import partitioner
-    from passes.schedules.pipeline_schedules import SCHEDULES
+    from passes.schedules import SCHEDULES
     model, inputs = _build("gpt", 4)
     with fake_job(2), caplog.at_level(logging.INFO, logger="partitioner"):
         runner = partitioner.auto_parallelize(model, inputs, mesh=(2,), cluster="h100", pipeline={"degree": 2},

@@ -35,7 +35,7 @@ MLP_WEIGHTS = ("h.*.mlp.c_fc.weight", "h.*.mlp.c_proj.weight")
 
 
 def _held_worker(rank, world, configs):
-    from partitioner.sharding_plan import per_step_comm
+    from partitioner.plan_estimate import grad_sync_calls, per_step_comm, plan_collective_calls
     from passes.core.placements import is_shard
     from runtime.collectives import CommCounter
     from runtime.grad_sync import DeferredSyncs
@@ -71,8 +71,8 @@ def _held_worker(rank, world, configs):
         for diff in nested_approx_equal(counter.as_dict(), expected):
             checks.true(f"communication over the step: {diff}", False)
         # and the calls: per edge (a stage buckets nothing), the held-back ones once per step
-        calls = plan._calls(bucket_grads=False)
-        held_calls = plan._grad_sync_calls()
+        calls = plan_collective_calls(plan, bucket_grads=False)
+        held_calls = grad_sync_calls(plan)
         for phase, kinds in calls.items():
             want = per_step_comm(kinds, held_calls if phase == "bwd" else {}, pipeline["microbatches"])
             for diff in nested_approx_equal(counter.calls_phase_dict().get(phase, {}), want):

@@ -1,7 +1,7 @@
 """Pipeline schedules as data: text form, generators, lowering, the checker, the simulator."""
 import pytest
 
-from passes.schedules.pipeline_schedules import (
+from passes.schedules import (
     SCHEDULES,
     Action,
     ActionKind,
@@ -403,7 +403,7 @@ def test_schedule_shape_is_validated():
 def test_stage_durations_split_the_estimate():
     from types import SimpleNamespace as Est
 
-    from passes.schedules.pipeline_schedules import stage_durations, stage_syncs
+    from passes.schedules import stage_durations, stage_syncs
     estimates = [Est(step_time_s=3.0, weight_grad_s=0.9, grad_sync_s=0.0),
                  Est(step_time_s=6.5, weight_grad_s=1.5, grad_sync_s=0.5),
                  Est(step_time_s=6.0, weight_grad_s=9.0, grad_sync_s=0.0)]
@@ -434,7 +434,7 @@ def test_a_stage_gradient_sync_runs_once_after_its_ranks_last_action(make):
 
 
 def test_choose_schedule_known_answers():
-    from passes.schedules.pipeline_schedules import choose_schedule
+    from passes.schedules import choose_schedule
     # uniform stages, W half of B: zero-bubble fills the bubble with W, and wins
     name, steps = choose_schedule(4, 8, 1.0, 2.0, 1.0)
     assert name == "zb-h1" and steps["zb-h1"] < steps["1f1b"], steps
@@ -445,7 +445,7 @@ def test_choose_schedule_known_answers():
 
 
 def test_stage_in_flight_counts_activations_alive_per_stage():
-    from passes.schedules.pipeline_schedules import auto_stage_in_flight, stage_in_flight
+    from passes.schedules import auto_stage_in_flight, stage_in_flight
     assert stage_in_flight(one_f_one_b(4, 8)) == {0: 4, 1: 3, 2: 2, 3: 1}
     assert stage_in_flight(gpipe(4, 8)) == {s: 8 for s in range(4)}
     # zero-bubble keeps the graph from F until W: every stage holds p microbatches
@@ -491,7 +491,8 @@ def test_the_quick_validity_check_never_passes_what_the_full_check_refuses():
     repeated or moved to another rank."""
     import random
 
-    from passes.schedules.pipeline_schedules import _Index, _plainly_valid, _static_issues
+    from passes.schedules.checker import plainly_valid, static_issues
+    from passes.schedules.execution import ScheduleIndex
     rng = random.Random(0)
     seen = {True: 0, False: 0}
     for name in ("gpipe", "1f1b", "zb-h1", "interleaved"):
@@ -500,7 +501,7 @@ def test_the_quick_validity_check_never_passes_what_the_full_check_refuses():
                 schedule = SCHEDULES[name].make(p, m, 2 if name == "interleaved" else 1)
             except ValueError:
                 continue
-            assert _plainly_valid(schedule) and not _static_issues(schedule, _Index(schedule))
+            assert plainly_valid(schedule) and not static_issues(schedule, ScheduleIndex(schedule))
             for _ in range(15):
                 r, r2 = rng.randrange(p), rng.randrange(p)
                 acts, other = list(schedule.actions[r]), list(schedule.actions[r2])
@@ -516,7 +517,7 @@ def test_the_quick_validity_check_never_passes_what_the_full_check_refuses():
                 if how == 3 and r2 != r:
                     other.append(acts.pop(i))
                     broken = schedule.with_actions(r, acts).with_actions(r2, other)
-                valid = not _static_issues(broken, _Index(broken))
-                assert valid or not _plainly_valid(broken), (name, p, m, format_schedule(broken))
+                valid = not static_issues(broken, ScheduleIndex(broken))
+                assert valid or not plainly_valid(broken), (name, p, m, format_schedule(broken))
                 seen[valid] += 1
     assert seen[False] > 100  # the broken variants were mostly refused

@@ -4,7 +4,7 @@
 microbatches, stages per rank) with each stage's forward, backward and weight-gradient time per
 microbatch from its stage plan's estimate, the point-to-point time on every dependency that
 crosses ranks and each stage's once-per-step gradient reduction and optimizer step: the same
-:func:`passes.schedules.pipeline_schedules.simulate` call the configuration search priced the plan with,
+:func:`passes.schedules.simulate` call the configuration search priced the plan with,
 so the simulated step ends at the plan's ``step_time_s``. It also splits the busiest rank's
 step into compute, exposed communication (its collectives; the point-to-point waits are idle
 time), optimizer step and bubble (idle), which add up to the step.
@@ -39,7 +39,7 @@ def _takes_activations(pipe: dict) -> list:
 def simulate_plan(plan) -> dict | None:
     """``{"timeline": {rank: [(action, start s, end s)]}, "step_s", "stage_to_rank", "split"}``
     for a pipelined plan (None for a plan without a pipeline); see the module docstring."""
-    from passes.schedules import pipeline_schedules as ps
+    import passes.schedules as ps
 
     pipe = plan.data.get("pipeline")
     if not pipe:

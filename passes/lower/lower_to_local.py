@@ -51,9 +51,10 @@ from passes.core.placements import (
     parse_spec,
     rank_local_shape,
     transition_steps,
+    zero1_grad_spec,
 )
 from passes.lower.prefetch_gathers import prefetch_gathers
-from passes.plan.strategy_space import required_output_spec, zero1_grad_spec
+from passes.plan.output_placement import required_output_spec
 from passes.rules import op_view, rule_for, tensor_input_nodes
 from runtime.collectives import MeshComm
 from runtime.optimizer_shards import ZERO1_KEY

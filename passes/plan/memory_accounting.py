@@ -61,7 +61,7 @@ from passes.plan.cost_model import (
     local_bytes,
     param_state_parts,
 )
-from passes.plan.strategy_space import regathers as strategy_regathers
+from passes.plan.zero_storage import regathers as strategy_regathers
 from passes.rules import op_view, rule_for, tensor_input_nodes
 
 __all__ = ["memory_fields"]

@@ -25,7 +25,7 @@ from passes.analysis.mutated_aliases import mutated_alias_pins
 from passes.capture.blocks import find_blocks
 from passes.capture.capture import tied_placeholders
 from passes.core.node_info import grad_flows
-from passes.core.placements import format_spec, local_shape
+from passes.core.placements import format_spec, local_shape, zero1_grad_spec
 from passes.lower.prefetch_gathers import credit_prefetch
 from passes.plan.activation_regather import regathers_activation
 from passes.plan.cost_model import (
@@ -36,22 +36,18 @@ from passes.plan.cost_model import (
     optimizer_step_time,
     own_collectives,
 )
+from passes.plan.edge_costs import edge_collectives
 from passes.plan.ilp_solver import NODE_LIMIT, min_memory, solve_ilp
 from passes.plan.memory_accounting import memory_fields
+from passes.plan.output_placement import required_output_spec
 from passes.plan.recompute import (
     RecomputeChoice,
     add_recompute_options,
     check_recompute_mode,
     least_memory,
 )
-from passes.plan.strategy_space import (
-    build_space,
-    edge_collectives,
-    regathers,
-    required_output_spec,
-    zero1_collectives,
-    zero1_grad_spec,
-)
+from passes.plan.strategy_space import build_space
+from passes.plan.zero_storage import regathers, zero1_collectives
 from passes.rules import REPLICATE_FALLBACK, multidim_tp, op_name, tensor_input_nodes
 
 __all__ = ["InfeasibleBudgetError", "IntraOpResult", "plan_intra_op"]

@@ -49,7 +49,8 @@ import numpy as np
 
 from passes.analysis.analyze import info, storage_owner
 from passes.plan.cost_model import collective_time, dtype_bytes, local_bytes
-from passes.plan.strategy_space import EdgeCost, StrategySpace, edge_collectives
+from passes.plan.edge_costs import edge_collectives
+from passes.plan.space_types import EdgeCost, StrategySpace
 from passes.rules import op_name, rule_for, tensor_input_nodes
 
 __all__ = [

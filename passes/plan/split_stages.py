@@ -26,7 +26,7 @@ from torch.fx.passes.split_module import split_module
 from passes.analysis.analyze import info
 from passes.capture.blocks import find_blocks
 from passes.capture.capture import CapturedGraph
-from passes.plan.strategy_space import STAGE_BOUNDARY
+from passes.plan.output_placement import STAGE_BOUNDARY
 
 __all__ = ["StageGraph", "assign_stages", "balance_layers", "split_stages"]
 

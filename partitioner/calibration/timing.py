@@ -1,0 +1,58 @@
+"""Timing loops: seconds per call of a function (the mean over trials, the slowest rank), and
+seconds inside a call that follows a burst of work (a collective as a training step meets it)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+logger = logging.getLogger(__name__)
+
+
+def timed(fn, seconds: float, trials: int, sync=None) -> float:
+    """Seconds per call of ``fn``: the mean over ``trials`` loops of about ``seconds`` each (not
+    the best: on a shared machine the best loop is the moment the rank had a core to itself,
+    while a training step meets the average share). With ``sync`` (max over ranks, which also
+    lines the ranks up) every rank makes the same calls and each loop counts as long as its
+    slowest rank's."""
+    fn()
+    start = time.perf_counter()
+    for _ in range(3):
+        fn()
+    per = (time.perf_counter() - start) / 3
+    reps = max(1, min(10000, int(seconds / max(per, 1e-9))))
+    if sync is not None:
+        reps = int(sync(float(reps)))
+    total = 0.0
+    for _ in range(trials):
+        if sync is not None:
+            sync(0.0)
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        elapsed = (time.perf_counter() - start) / reps
+        total += sync(elapsed) if sync is not None else elapsed
+    return total / trials
+
+
+def timed_after(work, fn, seconds: float, trials: int, agree, mean) -> float:
+    """Seconds inside ``fn`` per call when each call follows ``work`` (see the module docstring):
+    the mean over ``trials`` and ranks; ``agree`` (max over ranks) fixes the call count."""
+    work()
+    fn()
+    start = time.perf_counter()
+    for _ in range(3):
+        work()
+        fn()
+    reps = int(agree(float(max(1, min(10000, int(seconds * 3 / max(time.perf_counter() - start, 1e-9)))))))
+    total = 0.0
+    for _ in range(trials):
+        agree(0.0)
+        inside = 0.0
+        for _ in range(reps):
+            work()
+            t0 = time.perf_counter()
+            fn()
+            inside += time.perf_counter() - t0
+        total += mean(max(inside / reps, 1e-7))
+    return total / trials
