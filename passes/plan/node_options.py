@@ -30,6 +30,7 @@ from passes.plan.cost_model import (
     param_state_bytes,
     param_state_parts,
     saved_bytes,
+    weight_pass_time,
 )
 from passes.plan.edge_costs import edge_collectives
 from passes.plan.space_types import NodeChoice
@@ -213,8 +214,8 @@ class SpaceBuilder:
         if i.requires_grad:
             grads_in = sum(1 for a in self.inputs_of(node) if info(a).requires_grad)
             bwd = backward_factor(rule.contraction, grads_in) * fwd + alloc_bwd
-            if rule.contraction and any(is_parameter(a) and info(a).requires_grad for a in self.inputs_of(node)):
-                weight = fwd
+            if any(is_parameter(a) and info(a).requires_grad for a in self.inputs_of(node)):
+                weight = weight_pass_time(rule.contraction, fwd, bwd, self.cluster)
         fwd += alloc_fwd
         extra_fwd = extra_bwd = 0.0
         own = own_collectives(strategy.axes, dtype_bytes(i.dtype), self.mesh, self.cluster, split, fwd, bwd)

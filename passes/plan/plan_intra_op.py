@@ -31,6 +31,7 @@ from passes.plan.activation_regather import regathers_activation
 from passes.plan.cost_model import (
     collective_time,
     dtype_bytes,
+    grad_accumulate_time,
     host_copy_time,
     local_bytes,
     optimizer_step_time,
@@ -144,8 +145,18 @@ def _node_record(node, choice, space, axis_names, rep_node):
         rec["optimizer_step_s"] = optimizer_step_time(
             numel, dtype_bytes(i.dtype), space.optimizer, cluster, offloaded=bool(choice.offload)
         )
-    if choice.weight_grad_s:
-        rec["weight_grad_s"] = float(choice.weight_grad_s)
+    weight_grad_s = float(choice.weight_grad_s)
+    if i.kind == "param" and i.requires_grad and node.users:
+        # summing the microbatches' gradients into .grad: backward work, done by the W pass
+        accumulate = grad_accumulate_time(
+            local_bytes(i.shape, choice.out[0], mesh, dtype_bytes(i.dtype)), space.microbatches, cluster
+        )
+        if accumulate:
+            rec["grad_accumulate_s"] = accumulate
+            rec["compute_s"] += accumulate
+            weight_grad_s += accumulate
+    if weight_grad_s:
+        rec["weight_grad_s"] = weight_grad_s
     rec["memory"] = float(choice.memory)
     roles = multidim_tp.classify(node, choice.strategy)
     if roles is not None:  # a weight contraction: its per-axis roles (the algorithm: label_records)
