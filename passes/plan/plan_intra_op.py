@@ -113,12 +113,12 @@ def _node_record(node, choice, space, axis_names, rep_node):
     rec["ins"] = _fmt_specs(choice.ins)
     if choice.strategy is not None:
         inputs = tensor_input_nodes(node)
-        rec["grads"] = _fmt_specs(
-            [
-                choice.strategy.grad_spec(k) if k >= len(inputs) or grad_flows(inputs[k], node) else None
-                for k in range(len(choice.ins))
-            ]
-        )
+        # None where the input needs a gradient this op does not pass back (it leads to no output)
+        stops = [
+            k < len(inputs) and info(inputs[k]).requires_grad and not grad_flows(inputs[k], node)
+            for k in range(len(choice.ins))
+        ]
+        rec["grads"] = _fmt_specs([None if stop else choice.strategy.grad_spec(k) for k, stop in enumerate(stops)])
     rec["local_shapes"] = [
         list(local_shape(s, sp, mesh)) if s is not None and sp is not None else None
         for s, sp in zip(i.out_shapes, choice.out)
