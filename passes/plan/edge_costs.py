@@ -110,9 +110,9 @@ def build_edges(graph, b: SpaceBuilder, groups, group_of) -> list:
             groups[gu].cost = groups[gu].cost + costs * occurrences
             continue
         gv = group_of[v]
-        flows = grad_flows(u, v)
+        stops = info(u).requires_grad and not grad_flows(u, v)  # v passes no gradient back
         dst = [
-            (opt[v].ins[k], opt[v].strategy.grad_spec(k) if opt[v].strategy is not None and flows else None)
+            (opt[v].ins[k], opt[v].strategy.grad_spec(k) if opt[v].strategy is not None and not stops else None)
             for opt in groups[gv].options
         ]
         if all(d[0] is None for d in dst):

@@ -275,7 +275,8 @@ class SpaceBuilder:
             for k, (g, want) in enumerate(zip(given, strategy.ins)):
                 if g is not None and want is not None:
                     u = self.inputs_of(node)[k]
-                    grad = strategy.grad_spec(k) if grad_flows(u, node) else None
+                    stops = info(u).requires_grad and not grad_flows(u, node)  # node passes none back
+                    grad = None if stops else strategy.grad_spec(k)
                     inbound += self.edge_time(g, want, grad, u)
                     act += self.edge_memory(u, g, want, grad, node, k)
                     forward_comm += self.edge_time(g, want, None, self.inputs_of(node)[k])
