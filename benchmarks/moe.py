@@ -1,7 +1,7 @@
 """Mixture of experts: the largest MoE that fits a per-rank memory cap, with and without expert
 parallelism, and measured steps on 4 gloo ranks.
 
-``python benchmarks/moe.py [capacity|steps|all]``:
+``python benchmarks/moe.py [capacity|steps|equal_memory|measured|all]``:
 
 1. ``capacity``: Mixtral-shaped models (2 layers, hidden 64, expert width 128, top-2, batch 8 x
    16 tokens, fp32 Adam) with 4, 8, ..., 256 experts, planned on 4 devices (mesh (4,),
@@ -16,8 +16,20 @@ parallelism, and measured steps on 4 gloo ranks.
    size the replicated plan fits, the step time of the solver's plan, forced expert parallelism
    and the replicated plan (the same budget): CPU times on a shared 2-core machine, noisy.
 
+3. ``equal_memory``: at each size both fit under the same budget, the estimated step with expert
+   parallelism (``"on"``) and without (``"off"``, ZeRO free to shard the experts), ``h100``
+   figures: what EP saves or costs at equal memory.
+4. ``measured``: on 4 gloo ranks, Partita with EP and without (same budget) and PyTorch FSDP2
+   (``fully_shard`` per decoder layer and the root) on the same model and global batch, then
+   each runner at its largest size: the peak bytes a rank allocates in one training step
+   (``torch.distributed._tools.mem_tracker.MemTracker``, the same tool for every runner:
+   parameters, gradients, optimizer state, activations, temporaries), the bytes Partita's
+   collectives send, and the median step in wall and CPU seconds (the machine is shared: the
+   timings are not a measurement of speed, memory and bytes are).
+
 ``steps`` alone uses the largest sizes the capacity part found (96 experts for ``"auto"``, 16
-for the replicated plan, 2026-12-02). Results: ``benchmarks/results/2026-12-02-moe.md``.
+for the replicated plan, 2026-12-02). Results: ``benchmarks/results/2026-12-02-moe.md``,
+``benchmarks/results/2026-12-03-moe.md`` (parts 3 and 4).
 """
 
 from __future__ import annotations
@@ -116,6 +128,26 @@ def capacity() -> dict:
     return largest
 
 
+def equal_memory() -> list:
+    """Estimated step with and without expert parallelism under the same per-rank budget, at each
+    size both fit (``h100`` figures, planned on ``meta``): the time EP saves or costs at equal memory."""
+    rows = []
+    print("| experts | EP est. step | EP est. peak | no-EP est. step | no-EP est. peak | no-EP / EP step |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for experts in (16, 32, 64):
+        ep, off = _plan(experts, "on"), _plan(experts, "off")
+        if ep is None or off is None:
+            continue
+        a, b = ep.estimate(), off.estimate()
+        rows.append((experts, a.step_time_s, b.step_time_s))
+        print(
+            f"| {experts} | {a.step_time_s * 1e6:.0f} us | {a.memory_bytes / MiB:.1f} MiB | "
+            f"{b.step_time_s * 1e6:.0f} us | {b.memory_bytes / MiB:.1f} MiB | {b.step_time_s / a.step_time_s:.2f} |",
+            flush=True,
+        )
+    return rows
+
+
 def _train_worker(rank, world, cfg):
     model, inputs = build(cfg["experts"])
     pm = partitioner.auto_parallelize(
@@ -153,8 +185,128 @@ def steps(largest: dict) -> None:
         print(f"| {mode} | {experts} | {r['mib']:.1f} MiB | {r['step_s']:.3f} | {[round(x, 3) for x in r['losses']]} |")
 
 
+# -- measured on 4 gloo ranks: EP vs no EP at equal memory, and FSDP2 -------------------------------
+
+
+def _fsdp2(model):
+    """PyTorch FSDP2: ``fully_shard`` on each decoder layer and the root (reshard after forward)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (4,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _measured_worker(rank, world, cfg):
+    """One runner on one model: the median step (wall and CPU s) of 3 after a warm-up, the peak
+    bytes this rank allocates in one more step (``MemTracker``: parameters, gradients, optimizer
+    state, activations and temporaries, the same tool for every runner), the bytes its collectives
+    send (Partita's counter) and the plan's estimate."""
+    import torch.distributed as dist
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from runtime.collectives import CommCounter
+
+    model, inputs = build(cfg["experts"])
+    if cfg["runner"] == "fsdp2":
+        net, batch, plan = _fsdp2(model), {k: v[rank * 2 : rank * 2 + 2] for k, v in inputs.items()}, None
+    else:
+        options = _options(cfg["runner"] if cfg["runner"] != "no-ep" else "off")
+        net = partitioner.auto_parallelize(
+            model, inputs, mesh=(4,), cluster="h100", memory_budget=BUDGET, recompute="none", **options
+        )
+        batch, plan = inputs, net.plan
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+
+    def step():
+        loss = net(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    losses = [step()]  # warm-up: the optimizer state exists from here on
+    wall, cpu = [], []
+    for _ in range(3):
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        losses.append(step())
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    tracker = MemTracker()
+    tracker.track_external(net, opt)
+    with tracker, CommCounter() as counter:
+        step()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    sent = sum(v for per_axis in counter.as_dict().values() for v in per_axis.values()) if plan is not None else None
+    return {
+        "wall_s": statistics.median(wall),
+        "cpu_s": statistics.median(cpu),
+        "peak": peak,
+        "sent": sent,
+        "losses": losses,
+        "est_peak": plan.estimate().memory_bytes if plan is not None else None,
+        "est_sent": plan.estimate().total_comm_bytes() if plan is not None else None,
+        "load": os.getloadavg()[0],
+    }
+
+
+RUNNERS = {
+    "on": "Partita, expert_parallel='on'",
+    "no-ep": "Partita, expert_parallel='off' (ZeRO free)",
+    "replicated": "Partita, experts replicated",
+    "fsdp2": "FSDP2 (fully_shard per layer)",
+}
+
+
+def measured(points) -> list:
+    """``points``: (runner, experts) pairs, each run on 4 forked gloo ranks; prints one row each
+    (the largest rank's peak, the slowest rank's step) and returns the rows."""
+    from runtime.launch import run_on_ranks
+
+    rows = []
+    print(
+        "| runner | experts | parameters | peak / rank (measured) | est. peak | sent / rank | s / step (wall, CPU) "
+        "| load |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for runner, experts in points:
+        out = run_on_ranks(_measured_worker, 4, {"runner": runner, "experts": experts}, timeout_s=900)
+        params = sum(p.numel() for p in build(experts, "meta")[0].parameters())
+        row = dict(
+            runner=runner,
+            experts=experts,
+            params=params,
+            peak=max(r["peak"] for r in out),
+            sent=None if out[0]["sent"] is None else max(r["sent"] for r in out),
+            wall_s=max(r["wall_s"] for r in out),
+            cpu_s=max(r["cpu_s"] for r in out),
+            est_peak=out[0]["est_peak"],
+            losses=out[0]["losses"],
+            load=out[0]["load"],
+        )
+        rows.append(row)
+        est = f"{row['est_peak'] / MiB:.1f} MiB" if row["est_peak"] else "-"
+        sent = f"{row['sent'] / MiB:.2f} MiB" if row["sent"] is not None else "not counted"
+        print(
+            f"| {RUNNERS[runner]} | {experts} | {params:,} | {row['peak'] / MiB:.1f} MiB | {est} | "
+            f"{sent} | {row['wall_s']:.3f}, {row['cpu_s']:.3f} | {row['load']:.1f} |",
+            flush=True,
+        )
+    return rows
+
+
 if __name__ == "__main__":
     part = sys.argv[1] if len(sys.argv) > 1 else "all"
     found = capacity() if part in ("capacity", "all") else {"auto": (96, 0), "replicated": (16, 0)}
     if part in ("steps", "all"):
         steps(found)
+    if part in ("equal_memory", "all"):
+        equal_memory()
+    if part in ("measured", "all"):
+        # equal memory (the same 24 MiB budget, both fit at 64 experts), then each runner's largest
+        measured(
+            [("on", 64), ("no-ep", 64), ("fsdp2", 64), ("on", 96), ("replicated", 16), ("fsdp2", 96), ("fsdp2", 128)]
+        )

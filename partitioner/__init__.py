@@ -46,6 +46,7 @@ _LAZY = {
     "measure_memory": "runtime.memory_probe",
     "MemoryMeasurement": "runtime.memory_probe",
     "MemoryBreakdown": "partitioner.memory",
+    "token_dropping": "partitioner.moe_capacity",
 }
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "measure_memory",
     "MemoryMeasurement",
     "MemoryBreakdown",
+    "token_dropping",
     "plan",
     "PlanOptions",
     "plan_captured",

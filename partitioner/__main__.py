@@ -338,6 +338,7 @@ def _cmd_plan(args) -> int:
             zero=args.zero if args.zero == "auto" else int(args.zero),
             tensor_parallel=args.tensor_parallel,
             expert_parallel=args.expert_parallel,
+            expert_capacity=args.expert_capacity,
             verbose=not args.quiet,
         )
     except (partitioner.CaptureError, partitioner.InfeasibleBudgetError) as exc:
@@ -595,6 +596,14 @@ def _add_planning_options(p) -> None:
         default="auto",
         help="mixture-of-experts layers: experts split over a mesh axis with all-to-all dispatch (on), "
         "never (off), or as the solver chooses (auto)",
+    )
+    p.add_argument(
+        "--expert-capacity",
+        type=float,
+        default=None,
+        metavar="FACTOR",
+        help="mixture-of-experts token dropping: each expert computes at most ceil(FACTOR x tokens x top-k / "
+        "experts) pairs per batch, the rest dropped (default: dropless)",
     )
     p.add_argument(
         "--optimizer",

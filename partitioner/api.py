@@ -52,6 +52,7 @@ def plan(
     zero="auto",
     tensor_parallel: str = "auto",
     expert_parallel: str = "auto",
+    expert_capacity: float | None = None,
     verbose: bool = False,
 ) -> ShardingPlan:
     """Choose data / tensor / sequence splits for every node of ``model`` on a device mesh.
@@ -76,10 +77,11 @@ def plan(
         verbose: show progress (capture, analysis, solve) on stderr for this call; the same
             records go to the ``partitioner`` logger at INFO in any case (see
             :mod:`partitioner.progress`).
-        cluster ... expert_parallel: the planning options, each documented on its field of
+        cluster ... expert_capacity: the planning options, each documented on its field of
             :class:`partitioner.PlanOptions` (cost model, memory and host-memory budgets, pins,
             objective, optimizer state, repeated blocks, solver time limit, capture depth,
-            precision, recomputation, sequence / tensor / expert parallel algorithms, ZeRO).
+            precision, recomputation, sequence / tensor / expert parallel algorithms, ZeRO, MoE
+            token dropping).
 
     Example::
 
@@ -108,6 +110,7 @@ def plan(
         layers=opts.layers,
         autocast_dtype=precision.autocast_dtype,
         sequence_parallel=opts.sequence_parallel,
+        expert_capacity=opts.expert_capacity,
         timings=timings,
     )
     return plan_captured(
@@ -133,6 +136,7 @@ def mesh_argument(mesh, mesh_shape):
 def _plan_for_devices(model, example_inputs, *, mesh_shape, devices, global_batch, options) -> ShardingPlan | None:
     """``plan(devices=N)``: the configuration search; None when a mesh given with it decides."""
     from partitioner.config_search import check_devices, search_config
+    from partitioner.moe_capacity import EXPERT_CAPACITY_SEARCH
 
     if devices is None:
         raise ValueError("global_batch= is for the configuration search: give devices=N with it")
@@ -145,4 +149,5 @@ def _plan_for_devices(model, example_inputs, *, mesh_shape, devices, global_batc
                 f"(devices= alone searches the configuration)"
             )
         return None
+    options.refuse("in the configuration search (devices= without mesh=)", {"expert_capacity": EXPERT_CAPACITY_SEARCH})
     return search_config(model, example_inputs, devices=devices, global_batch=global_batch, options=options)

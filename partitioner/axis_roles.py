@@ -36,18 +36,18 @@ def _matmul_role(placement: str, rank: int) -> str:
 
 def _intra_op_shares(plan) -> list:
     shares = [defaultdict(float) for _ in plan.axis_names]
-    for r in plan.records:
-        for axis_name, note in (r.get("notes") or {}).items():  # ring / Ulysses attention on an axis
+    for r in plan.node_records:
+        for axis_name, note in (r.notes or {}).items():  # ring / Ulysses attention on an axis
             if note in _SEQUENCE_ALGORITHMS and axis_name in plan.axis_names:
-                shares[plan.axis_names.index(axis_name)]["sequence"] += r.get("compute_s", 0.0) or 1e-12
-        if r["target"].startswith(_EXPERTS_OP) and r.get("out"):
+                shares[plan.axis_names.index(axis_name)]["sequence"] += r.compute_s or 1e-12
+        if r.target.startswith(_EXPERTS_OP) and r.out:
             _expert_shares(r, plan.axis_names, shares)
             continue
-        if not r["target"].startswith(_MATMULS) or not r.get("out") or not r.get("shapes"):
+        if not r.target.startswith(_MATMULS) or not r.out or not r.shapes:
             continue
-        rank = len(r["shapes"][0] or ())
-        weight = r.get("compute_s", 0.0) or 1e-12
-        for axis, p in enumerate(r["out"][0].strip("[]").split(", ")):
+        rank = len(r.shapes[0] or ())
+        weight = r.compute_s or 1e-12
+        for axis, p in enumerate(r.out[0].strip("[]").split(", ")):
             shares[axis][_matmul_role(p, rank)] += weight
     out = []
     for roles in shares:
@@ -58,9 +58,9 @@ def _intra_op_shares(plan) -> list:
 
 def _expert_shares(r, axis_names, shares) -> None:
     """An MoE layer's compute: *expert* on the axis splitting its experts, else by its tokens."""
-    weight = r.get("compute_s", 0.0) or 1e-12
-    notes = r.get("notes") or {}
-    for axis, p in enumerate(r["out"][0].strip("[]").split(", ")):
+    weight = r.compute_s or 1e-12
+    notes = r.notes or {}
+    for axis, p in enumerate(r.out[0].strip("[]").split(", ")):
         split = notes.get(axis_names[axis]) in _EXPERT_NOTES
         shares[axis]["expert" if split else "data" if p.startswith("S(0)") else "replicated"] += weight
 

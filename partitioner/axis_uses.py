@@ -37,10 +37,10 @@ USE_ORDER = ("data", "sequence", "tensor", "experts", "ZeRO", "split")
 def axis_uses(plan) -> tuple:
     """One label per axis of ``plan``'s (stage) mesh, e.g. ``("data", "replicated")``."""
     if plan.data.get("pipeline"):
-        per_stage = [_uses_of(p.records, p.mesh_shape, p.axis_names) for p in plan.stage_plans]
+        per_stage = [_uses_of(p.node_records, p.mesh_shape, p.axis_names) for p in plan.stage_plans]
         found = [set().union(*sets) for sets in zip(*per_stage)]
         return tuple(_label(f) for f in found)
-    return tuple(_label(f) for f in _uses_of(plan.records, plan.mesh_shape, plan.axis_names))
+    return tuple(_label(f) for f in _uses_of(plan.node_records, plan.mesh_shape, plan.axis_names))
 
 
 def describe_config(plan) -> str:
@@ -60,23 +60,23 @@ def _uses_of(records, mesh_shape, axis_names) -> list:
     gathered = _gathered_weight_axes(records, names)
     experts = _expert_weights(records)
     for r in records:
-        if r.get("tp_roles"):
+        if r.tp_roles:
             _contraction_uses(r, ndim, found)
-        for axis, note in (r.get("notes") or {}).items():
+        for axis, note in (r.notes or {}).items():
             if note in ("ring", "ulysses"):
                 found[_axis_index(axis, names)].add("sequence")
             elif note in ("experts", "experts_local"):
                 found[_axis_index(axis, names)].add("experts")
-        specs = [parse_spec(s, ndim) for s in [*(r.get("out") or ()), *(r.get("ins") or ())] if s]
+        specs = [parse_spec(s, ndim) for s in [*(r.out or ()), *(r.ins or ())] if s]
         for axis in range(ndim):
             if any(is_shard(s[axis]) or is_partial(s[axis]) for s in specs):
                 found[axis].add("split")
-        if r.get("kind") == "input" and r.get("out"):
-            for axis, p in enumerate(parse_spec(r["out"][0], ndim)):
+        if r.kind == "input" and r.out:
+            for axis, p in enumerate(parse_spec(r.out[0], ndim)):
                 if is_shard(p):
                     found[axis].add("data" if p.dim == 0 else "sequence")
-        elif r.get("kind") == "param" and r.get("out") and r["name"] not in experts:
-            _param_uses(r, parse_spec(r["out"][0], ndim), gathered.get(r["name"], set()), found)
+        elif r.kind == "param" and r.out and r.name not in experts:
+            _param_uses(r, parse_spec(r.out[0], ndim), gathered.get(r.name, set()), found)
     for axis, n in enumerate(mesh_shape):
         if n == 1:
             found[axis] = set()
@@ -88,8 +88,8 @@ def _uses_of(records, mesh_shape, axis_names) -> list:
 def _contraction_uses(r, ndim, found) -> None:
     """Roles ``N`` / ``K`` split the weight (tensor); ``M`` splits the rows: the batch when the
     output is split on its first dim there, else the tokens of a sequence."""
-    out = parse_spec(r["out"][0], ndim) if r.get("out") else None
-    for axis, role in enumerate(r["tp_roles"].split(",")):
+    out = parse_spec(r.out[0], ndim) if r.out else None
+    for axis, role in enumerate(r.tp_roles.split(",")):
         if role in ("N", "K"):
             found[axis].add("tensor")
         elif role == "M" and out is not None and is_shard(out[axis]):
@@ -97,7 +97,7 @@ def _contraction_uses(r, ndim, found) -> None:
 
 
 def _param_uses(r, used, gathered_axes, found) -> None:
-    stored = parse_spec(r["stored"], len(used)) if r.get("stored") else None
+    stored = parse_spec(r.stored, len(used)) if r.stored else None
     for axis, p in enumerate(used):
         if stored is not None and is_shard(stored[axis]) and not is_shard(p):
             found[axis].add("ZeRO")  # ZeRO-1: the optimizer's shard
@@ -107,26 +107,21 @@ def _param_uses(r, used, gathered_axes, found) -> None:
 
 def _expert_weights(records) -> set:
     """Names of the stacked expert weights (inputs 3 and 4 of each MoE layer's op)."""
-    return {
-        name
-        for r in records
-        if str(r.get("target", "")).startswith("partita.moe_experts")
-        for name in (r.get("inputs") or ())[3:5]
-    }
+    return {name for r in records if str(r.target).startswith("partita.moe_experts") for name in (r.inputs or ())[3:5]}
 
 
 def _gathered_weight_axes(records, names) -> dict:
     """Weight record name -> the axes its consumers all-gather it on in forward (ZeRO-2/3, 3D's
     W/p storage)."""
-    kinds = {r["name"]: r.get("kind") for r in records}
+    kinds = {r.name: r.kind for r in records}
     out: dict = {}
     for r in records:
-        inputs = r.get("inputs") or ()
-        for c in r.get("comm", ()):
-            k = c.get("input")
-            if c["kind"] == "all_gather" and c["phase"] == "fwd" and k is not None and k < len(inputs):
+        inputs = r.inputs or ()
+        for c in r.comm:
+            k = c.input
+            if c.kind == "all_gather" and c.phase == "fwd" and k is not None and k < len(inputs):
                 if kinds.get(inputs[k]) == "param":
-                    out.setdefault(inputs[k], set()).add(_axis_index(c["axis"], names))
+                    out.setdefault(inputs[k], set()).add(_axis_index(c.axis, names))
     return out
 
 

@@ -15,7 +15,7 @@ plans and then forks its ranks with ``runtime.launch.run_on_ranks``, each runnin
   the same mode, with the same parameter and buffer layout (names, shapes, dtypes, devices,
   ``requires_grad``), the same example inputs (the tree, each tensor's shape, dtype, strides,
   device and ``requires_grad``, each other value) and the same capture options (``layers``,
-  the autocast dtype, the sequence-parallel mode). The graph does not depend on weight values
+  the autocast dtype, the sequence-parallel mode, the expert capacity). The graph does not depend on weight values
   (export refuses control flow that reads them), so they may change in between.
 
 :func:`capture` runs the step with the options of a ``plan``/``auto_parallelize`` call, so that
@@ -77,16 +77,26 @@ def capture(model: torch.nn.Module, example_inputs, **options):
         layers=opts.layers,
         autocast_dtype=opts.precision_policy.autocast_dtype,
         sequence_parallel=opts.sequence_parallel,
+        expert_capacity=opts.expert_capacity,
     )
 
 
-def captured(model, example_inputs, *, layers, autocast_dtype, sequence_parallel, timings: dict | None = None):
+def captured(
+    model,
+    example_inputs,
+    *,
+    layers,
+    autocast_dtype,
+    sequence_parallel,
+    expert_capacity=None,
+    timings: dict | None = None,
+):
     """Export, analyse and fuse ``model`` (or reuse the capture kept for the same call, see the
     module). ``timings`` (if given) receives ``capture_s`` and ``analysis_s``."""
     sequence_parallel = sequence_parallel or "auto"
     key = None
     if _kept is not None:
-        key = (id(model), layers, autocast_dtype, sequence_parallel, _layout(model, example_inputs))
+        key = (id(model), layers, autocast_dtype, sequence_parallel, expert_capacity, _layout(model, example_inputs))
         kept = _kept.get(key)
         if kept is not None and kept[0]() is model:
             logger.info("capture: reusing the one kept for %s (keep_captures)", type(model).__name__)
@@ -95,7 +105,9 @@ def captured(model, example_inputs, *, layers, autocast_dtype, sequence_parallel
             return kept[1]
     t0 = time.perf_counter()
     logger.info("capturing %s with torch.export ...", type(model).__name__)
-    cap = capture_model(model, example_inputs, layers=layers, autocast_dtype=autocast_dtype)
+    cap = capture_model(
+        model, example_inputs, layers=layers, autocast_dtype=autocast_dtype, expert_capacity=expert_capacity
+    )
     t1 = time.perf_counter()
     logger.info("capture: %.2f s (%s)", t1 - t0, describe_captured(cap))
     analyze(cap)

@@ -122,6 +122,11 @@ def plan_captured(
     )
     if precision.autocast_dtype != cap.autocast_dtype:
         raise ValueError(f"the graph was captured under autocast {cap.autocast_dtype}, not for precision {precision}")
+    if cap.expert_capacity != opts.expert_capacity:
+        raise ValueError(
+            f"the graph was captured with expert_capacity={cap.expert_capacity!r}, not "
+            f"{opts.expert_capacity!r}: capture it with the capacity it is planned for"
+        )
     timings = dict(timings or {})
     t0 = timings.pop("start", time.perf_counter())
     mesh = MeshSpec.build(mesh_shape, mesh_axis_names)
@@ -210,6 +215,7 @@ def _plan_data(cap, model_name, mesh, spec, budget, precision, opts, activation_
         zero=opts.zero,
         tensor_parallel=opts.tensor_parallel,
         expert_parallel=opts.expert_parallel,
+        expert_capacity=opts.expert_capacity,
         routing=routing_of(cap.graph),
         host_memory_budget=opts.host_memory_budget,
         share_blocks=opts.share_blocks,

@@ -110,6 +110,12 @@ class PlanOptions:
     lets the solver split the stacked experts over a mesh axis (tokens dispatched to them and
     combined back by all-to-all) where that is faster or needed to fit; ``"on"`` splits every MoE
     layer's experts over one mesh axis; ``"off"`` never does (see ``docs/moe.md``)."""
+    expert_capacity: float | None = None
+    """Token dropping in mixture-of-experts layers: each expert computes at most
+    ``ceil(expert_capacity * T * k / E)`` of the ``T k`` (token, expert) pairs of a call (``T``
+    tokens, top-``k`` of ``E`` experts), first choices before second ones; the rest are dropped
+    (their rows of the layer's output are zero), exactly as on one device under
+    :func:`partitioner.token_dropping`. None: dropless (see ``docs/moe.md``, "Token dropping")."""
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -131,6 +137,14 @@ class PlanOptions:
                     parse_bytes(value)
                 except (ValueError, TypeError) as e:
                     raise ValueError(f"{name}: {e}") from None
+        if self.expert_capacity is not None and (
+            isinstance(self.expert_capacity, bool)
+            or not isinstance(self.expert_capacity, int | float)
+            or not self.expert_capacity > 0
+        ):
+            raise ValueError(
+                f"expert_capacity must be a positive number (a capacity factor) or None, got {self.expert_capacity!r}"
+            )
         check_recompute_mode(self.recompute)
         self.rule_options()  # sequence_parallel, tensor_parallel and expert_parallel: checked there
         check_zero(self.zero)
@@ -193,6 +207,7 @@ class PlanOptions:
             tensor_parallel=self.tensor_parallel,
             sequence_parallel=self.sequence_parallel,
             expert_parallel=self.expert_parallel,
+            expert_capacity=self.expert_capacity,
         )
 
     def cluster_for(self, device: torch.device | str | None = None):
@@ -213,6 +228,7 @@ class PlanOptions:
             zero=self.zero,
             tensor_parallel=self.tensor_parallel,
             expert_parallel=self.expert_parallel,
+            expert_capacity=self.expert_capacity,
         )
 
 

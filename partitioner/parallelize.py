@@ -26,6 +26,7 @@ from partitioner.axis_uses import describe_config
 from partitioner.captures import captured
 from partitioner.local_cluster import for_memory_budget, job_cluster
 from partitioner.mesh import MeshSpec
+from partitioner.moe_capacity import EXPERT_CAPACITY_PER_BATCH, EXPERT_CAPACITY_SEARCH
 from partitioner.options import PlanOptions
 from partitioner.precision import Precision
 from partitioner.progress import verbose_to_stderr
@@ -110,6 +111,7 @@ def auto_parallelize(
     zero="auto",
     tensor_parallel="auto",
     expert_parallel="auto",
+    expert_capacity=None,
     local_inputs=False,
     state_dict=None,
     checkpoint=None,
@@ -207,9 +209,12 @@ def _on_mesh(model, example_inputs, mesh, mesh_axis_names, plan, opts: PlanOptio
     # (below) then picks the program it runs (see partitioner/specialize.py)
     training = plan.data.get("training", model.training) if plan is not None else model.training
     if plan is not None:
-        opts = opts.replace(sequence_parallel=plan.data.get("sequence_parallel", "auto"))
+        opts = opts.replace(
+            sequence_parallel=plan.data.get("sequence_parallel", "auto"),
+            expert_capacity=plan.data.get("expert_capacity"),
+        )
     with in_mode(model, training):
-        cap = _capture(model, example_inputs, opts.layers, opts.precision_policy, opts.sequence_parallel)
+        cap = _capture(model, example_inputs, opts)
     plan = _plan_or_replay(cap, type(model).__name__, comm, plan, opts)
     logger.info("planned in %.2f s", time.perf_counter() - t0)
     module = _loaded(_build_module(cap, plan, comm, source, device, local_inputs), source, model)
@@ -240,6 +245,7 @@ _REPLAYED = (
     "zero",
     "tensor_parallel",
     "expert_parallel",
+    "expert_capacity",
     "share_blocks",
 )
 
@@ -298,6 +304,7 @@ def _pipelined(model, example_inputs, pipeline, *, mesh, mesh_axis_names, plan, 
         {
             "host_memory_budget": "pipeline stages keep their optimizer state on the device; leave it out "
             "or run without pipeline=",
+            "expert_capacity": EXPERT_CAPACITY_PER_BATCH,
         },
     )
     if options.recompute in ("all", "selective"):
@@ -342,6 +349,8 @@ def _searched_configuration(model, example_inputs, options: PlanOptions):
     that recompute are left out (the runtime's stages keep activations)."""
     from partitioner.config_search import planner_zero, search_config
 
+    options.refuse("in the configuration search (no mesh)", {"expert_capacity": EXPERT_CAPACITY_SEARCH})
+
     def search():
         return search_config(
             model, example_inputs, devices=dist.get_world_size(), options=options, pipeline_recompute=False
@@ -375,7 +384,7 @@ def _resolve_precision(precision, plan) -> Precision:
     return plan.precision
 
 
-def _capture(model, example_inputs, layers, precision, sequence_parallel="auto"):
+def _capture(model, example_inputs, opts: PlanOptions):
     """Capture: every rank exports the model (the graph is needed to lower) and analyses it;
     eager attention becomes one op where ring or Ulysses is forced (``passes.capture.eager_attention``).
     A capture kept by ``partitioner.captures.keep_captures`` (e.g. made by the parent that
@@ -383,9 +392,10 @@ def _capture(model, example_inputs, layers, precision, sequence_parallel="auto")
     return captured(
         model,
         example_inputs,
-        layers=layers,
-        autocast_dtype=precision.autocast_dtype,
-        sequence_parallel=sequence_parallel,
+        layers=opts.layers,
+        autocast_dtype=opts.precision_policy.autocast_dtype,
+        sequence_parallel=opts.sequence_parallel,
+        expert_capacity=opts.expert_capacity,
     )
 
 

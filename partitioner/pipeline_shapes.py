@@ -44,10 +44,9 @@ def receive_buffers(graphs, plans, sub) -> dict:
     """Activation -> (this rank's piece's shape, dtype): what its receive buffer holds."""
     carried = {}
     for g, plan in zip(graphs, plans):
-        records = {r["name"]: r for r in plan.records}
         for node in g.captured.graph.nodes:
             if node.op == "placeholder" and node.name in g.activation_inputs:
-                spec = parse_spec(records[node.name]["out"][0], len(sub.shape))
+                spec = parse_spec(plan.node_by_name[node.name].out[0], len(sub.shape))
                 shape = rank_local_shape(info(node).shape, spec, sub.shape, sub.coords)
                 carried[node.name] = (tuple(shape), info(node).dtype)
     return carried

@@ -72,13 +72,13 @@ class PlanDiff:
 def diff_plans(plan: ShardingPlan, other: ShardingPlan) -> PlanDiff:
     """Placements that differ between two plans (nodes matched by name), and both estimates."""
     changed, only_here = [], []
-    for r in plan.records:
-        o = other.records_by_name.get(r["name"])
+    for r in plan.node_records:
+        o = other.node_by_name.get(r.name)
         if o is None:
-            only_here.append(r["name"])
-        elif r["out"] != o["out"] or r["ins"] != o["ins"]:
-            changed.append((r["name"], r["module"], " ".join(r["out"]), " ".join(o["out"])))
-    only_there = [n for n in other.records_by_name if n not in plan.records_by_name]
+            only_here.append(r.name)
+        elif r.out != o.out or r.ins != o.ins:
+            changed.append((r.name, r.module, " ".join(r.out), " ".join(o.out)))
+    only_there = [n for n in other.node_by_name if n not in plan.node_by_name]
     return PlanDiff(
         changed,
         only_here,

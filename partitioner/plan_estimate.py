@@ -128,7 +128,7 @@ def _intra_op_estimate(plan) -> Estimate:
 def plan_collective_calls(plan, *, bucket_grads: bool) -> dict:
     from passes.plan.collective_calls import collective_calls
 
-    return collective_calls(plan.records, plan.mesh_shape, plan.axis_names, bucket_grads=bucket_grads)
+    return collective_calls(plan.node_records, plan.mesh_shape, plan.axis_names, bucket_grads=bucket_grads)
 
 
 def grad_sync_calls(plan) -> dict:
@@ -147,7 +147,7 @@ def _priced_calls(plan) -> tuple:
     :mod:`passes.plan.collective_calls` with the plan's cluster (no cluster saved: 0 s each)."""
     from passes.plan.collective_calls import arrival_wait_s, collective_calls, group_calls, unpriced_latency_s
 
-    args = (plan.records, plan.mesh_shape, plan.axis_names)
+    args = (plan.node_records, plan.mesh_shape, plan.axis_names)
     grouped = group_calls(*args)
     calls = collective_calls(*args, grouped=grouped)
     if not isinstance(plan.data.get("cluster"), dict):

@@ -75,6 +75,8 @@ class PlanHeader:
     """The 1D / 2D / 2.5D / 3D tensor-parallel option."""
     expert_parallel: str = "auto"
     """The mixture-of-experts option."""
+    expert_capacity: float | None = None
+    """The MoE token-dropping capacity factor (None: dropless)."""
     routing: dict | None = None
     """Per MoE layer, the router's expert loads measured on the example batch (None: no MoE)."""
     host_memory_budget: Any = None

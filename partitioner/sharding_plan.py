@@ -38,8 +38,7 @@ class ShardingPlan:
 
     def __init__(self, data: dict):
         self.data = data
-        self.records_by_name = {r["name"]: r for r in data["records"]}
-        """Node name -> its record."""
+        self._by_name = {r["name"]: r for r in data["records"]}
 
     # -- identity ------------------------------------------------------------------------
     @property
@@ -90,9 +89,9 @@ class ShardingPlan:
         return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(compute, compute)
 
     def record(self, name: str) -> dict:
-        if name not in self.records_by_name:
+        if name not in self._by_name:
             raise KeyError(f"no node named {name!r} in this plan")
-        return self.records_by_name[name]
+        return self._by_name[name]
 
     def placement_of(self, target: str) -> str | None:
         """Output placement of a parameter (FQN), input (argument name) or node (name), as text

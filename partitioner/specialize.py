@@ -78,6 +78,7 @@ class Specializer:
                 dict(kwargs) if kwargs else tuple(args),
                 layers=self.layers,
                 autocast_dtype=self.plan.precision.autocast_dtype,
+                expert_capacity=self.plan.data.get("expert_capacity"),
             )
         analyze(cap)
         fuse_for(cap, self.plan.data.get("sequence_parallel") or "auto")
@@ -98,19 +99,19 @@ class Specializer:
         from partitioner.api import plan_captured
         from partitioner.sharding_plan import ShardingPlan
 
-        old = {r["name"]: r for r in self.plan.records}
+        old = self.plan.node_by_name
         shared = {}
         for node in cap.graph.nodes:
             record = old.get(node.name)
             if (
                 record
-                and record.get("decision") == "leader"
-                and len(record.get("out") or ()) == 1
-                and record["out"][0]
-                and record["target"] == (op_name(node.target) if node.op == "call_function" else node.op)
-                and [list(s) if s is not None else None for s in info(node).out_shapes] == record["shapes"]
+                and record.decision == "leader"
+                and len(record.out) == 1
+                and record.out[0]
+                and record.target == (op_name(node.target) if node.op == "call_function" else node.op)
+                and [list(s) if s is not None else None for s in info(node).out_shapes] == record.shapes
             ):
-                shared[node.name] = record["out"][0]
+                shared[node.name] = record.out[0]
         pins = {}
         for table in (cap.params, cap.buffers):
             for placeholder, fqn in table.items():

@@ -19,13 +19,14 @@ __all__ = ["sent_placements", "shared_weights"]
 def sent_placements(graph, plan, ndim) -> dict:
     """Activation name (as later stages call it) -> the placement this stage sends it in: where
     its plan put the value, partial sums reduced (what lowering does at a stage boundary)."""
-    records = {r["name"]: r for r in plan.records}
+    records = plan.node_by_name
     returned = graph.captured.graph.find_nodes(op="output")[0].args[0]
     returned = returned if isinstance(returned, (list, tuple)) else [returned]
     out = {}
     for node, name in zip(returned, graph.outputs):
-        if name is not None and isinstance(node, fx.Node) and records.get(node.name, {}).get("out"):
-            out[name] = format_spec(dual_spec(parse_spec(records[node.name]["out"][0], ndim)))
+        record = records.get(node.name) if isinstance(node, fx.Node) else None
+        if name is not None and record is not None and record.out:
+            out[name] = format_spec(dual_spec(parse_spec(record.out[0], ndim)))
     return out
 
 

@@ -33,7 +33,7 @@ prefetch of them). The shard is what stays: hooks already active (a memory probe
 Only the outermost hooks see a save: inside a recomputed layer (activation checkpointing,
 which holds its own hooks) the rerun keeps its gathered copies until the layer's backward ends,
 and the plan prices no regather there. The plan offers ZeRO-3 only where autocast does not save
-a low-precision copy instead of the gathered weight (see :mod:`passes.plan.strategy_space`).
+a low-precision copy instead of the gathered weight (see :mod:`passes.plan.node_options`).
 """
 
 from __future__ import annotations

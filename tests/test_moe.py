@@ -29,7 +29,11 @@ import warnings
 import pytest
 import torch
 import transformers
-from parity_utils import Checks, adam_in_lockstep, call, check_grads_by_alias, loss_of, nested_approx_equal, run_checked
+from moe_utils import adam_steps_like_one_device, first_step_like_one_device
+from moe_utils import build as _build
+from moe_utils import dispatch_pins as _dispatch_pins
+from moe_utils import routing as _routing
+from parity_utils import Checks, call, check_grads_by_alias, loss_of, nested_approx_equal, run_checked
 
 import partitioner
 from partitioner import hf_families
@@ -41,11 +45,6 @@ from runtime.expert_dispatch import experts_forward
 
 TIMEOUT_S = 240
 STEPS = 2
-BATCH, SEQ = 4, 8
-
-
-def _build(family):
-    return hf_families.build(family, batch=BATCH, seq=SEQ)
 
 
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
@@ -141,21 +140,6 @@ def test_auto_splits_experts_when_replicated_experts_cannot_fit():
 # -- multi-process parity ----------------------------------------------------------------
 
 
-def _routing(ref, inputs) -> list:
-    """The router's top-k index of every MoE layer on ``inputs`` (one device), in layer order."""
-    seen = []
-    hooks = [
-        m.register_forward_pre_hook(lambda _m, args: seen.append(args[1].clone()))
-        for m in ref.modules()
-        if hasattr(m, "gate_up_proj")
-    ]
-    with torch.no_grad():
-        call(ref, inputs)
-    for h in hooks:
-        h.remove()
-    return seen
-
-
 def _token_block(spec, mesh, coords):
     """The block index of the tokens a rank holds (dim 0 cut outer axis first) and the count."""
     block, count = 0, 1
@@ -236,10 +220,7 @@ def moe_worker(rank, world, cfg):
             estimated = {k: v for k, v in estimated.items() if k != "all_to_all"}
         for diff in nested_approx_equal(counted, estimated):
             checks.true(f"{family}: communication: {diff}", False)
-        adam_in_lockstep(pm.parameters(), ref, inputs, STEPS, _step_of(pm, inputs), checks)
-        state = pm.full_state_dict()
-        for name, p in ref.named_parameters():
-            checks.close(f"{family}: parameter {name} after {STEPS} AdamW steps", state[name], p.detach())
+        adam_steps_like_one_device(pm, ref, inputs, STEPS, checks)
         measured = partitioner.measure_memory(pm, inputs)
         results.setdefault("saved", {})[family] = (pm.plan.estimate().memory.saved, measured.saved_activations)
         if rank == 0:
@@ -276,22 +257,8 @@ def _check_skewed_dispatch(rank, world, checks):
         checks.close(f"skewed dispatch: gradient of {name}", got, want[None] if name in ("gate_up", "down") else want)
 
 
-def _step_of(pm, inputs):
-    def step():
-        loss = loss_of(call(pm, inputs))
-        loss.backward()
-        return loss
-
-    return step
-
-
 def _experts_name(model) -> str:
     return next(n for n, _ in model.named_parameters() if n.endswith("experts.gate_up_proj"))
-
-
-def _dispatch_pins(ndim):
-    shard = ["S(0)"] * ndim
-    return {"input_ids": shard, "labels": shard, "model.layers.*.mlp.experts": shard}
 
 
 @pytest.mark.parametrize(
@@ -355,23 +322,12 @@ def searched_worker(rank, world, cfg):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = partitioner.auto_parallelize(model, inputs, cluster="h100", memory_budget=budget)  # no mesh: searched
-    with CommCounter() as counter:
-        out = call(pm, inputs)
-        loss_of(out).backward()
-    ref_out = call(ref, inputs)
-    loss_of(ref_out).backward()
-    checks.close("loss", loss_of(out).detach(), loss_of(ref_out).detach())
-    checks.close("router aux loss", out.aux_loss.detach(), ref_out.aux_loss.detach())
-    check_grads_by_alias(pm.full_grads(), ref, checks)
-    counted, estimated = counter.as_dict(), pm.plan.estimate().comm_bytes
+    counted, estimated = first_step_like_one_device(pm, ref, inputs, checks), pm.plan.estimate().comm_bytes
     sent = dict(counted.get("all_to_all", {}))
     counted = {k: v for k, v in counted.items() if k != "all_to_all"}
     for diff in nested_approx_equal(counted, {k: v for k, v in estimated.items() if k != "all_to_all"}):
         checks.true(f"communication: {diff}", False)
-    adam_in_lockstep(pm.parameters(), ref, inputs, STEPS, _step_of(pm, inputs), checks)
-    state = pm.full_state_dict()
-    for name, p in ref.named_parameters():
-        checks.close(f"parameter {name} after {STEPS} AdamW steps", state[name], p.detach())
+    adam_steps_like_one_device(pm, ref, inputs, STEPS, checks)
     return {
         "rank": rank,
         "failures": checks.failures,

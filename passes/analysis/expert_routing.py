@@ -7,21 +7,25 @@ and the data, not on shapes, so it is measured: the model runs forward once on t
 batch (``torch.no_grad``) with a hook on each experts module the capture turned into
 ``partita.moe_experts`` (:mod:`passes.capture.experts_op`), counting its ``top_k_index`` per
 expert, and each experts node of the graph gets its module's counts in
-``node.meta["partita.routing"]``. The random number generators are restored afterwards, so the
+``node.meta["partita.routing"]`` (and the pairs computed, capped at the expert capacity, in
+``node.meta["partita.kept"]``). The random number generators are restored afterwards, so the
 measurement draws nothing from the caller's streams (dropout masks). A model on ``meta`` has
 no values to route: nothing is measured and the imbalance is taken as 1.0 (the plan says so).
+A capture made with an expert capacity is measured with the same token dropping (so each layer's
+router sees the hidden states the run computes); the counts are the pairs routed, before dropping.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 
 from passes.analysis.analyze import module_path_of
 from passes.capture.capture import _split_inputs, training_configs
-from passes.capture.experts_op import MOE_OP, why_not_op
-from passes.rules.experts import ROUTING_KEY
+from passes.capture.experts_op import MOE_OP, experts_as_ops, why_not_op
+from passes.rules.experts import KEPT_KEY, ROUTING_KEY, measured_kept
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +61,10 @@ def measure_routing(model: torch.nn.Module, example_inputs, cap) -> dict:
     ]
     args, kwargs = _split_inputs(example_inputs)
     try:
-        with torch.no_grad(), training_configs(model), torch.random.fork_rng():
+        # under the capture's token dropping, so later layers see the hidden states the run computes
+        capacity = getattr(cap, "expert_capacity", None)
+        dropping = experts_as_ops(model, capacity) if capacity is not None else contextlib.nullcontext()
+        with torch.no_grad(), training_configs(model), torch.random.fork_rng(), dropping:
             model(*args, **kwargs)  # the caller's random streams (dropout) are left as they were
     finally:
         for h in hooks:
@@ -67,6 +74,7 @@ def measure_routing(model: torch.nn.Module, example_inputs, cap) -> dict:
         path = module_path_of(node)
         if path in loads:
             node.meta[ROUTING_KEY] = loads[path]
+            node.meta[KEPT_KEY] = measured_kept(loads[path], capacity)
             found[node.name] = loads[path]
     logger.info("routing measured on the example batch for %d of %d MoE layers", len(found), len(nodes))
     return found

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 import torch.fx.config  # noqa: F401  (fx.config.do_not_emit_stack_traces)
 
-from passes.capture.experts_op import experts_as_ops
+from passes.capture.experts_op import check_droppable, experts_as_ops
 
 __all__ = [
     "CaptureError",
@@ -60,6 +60,9 @@ class CapturedGraph:
     """The model's mode when captured (``aten.dropout`` and batch-norm ops bake it in)."""
     autocast_dtype: object = None
     """The ``torch.autocast`` dtype it was captured (and must run) under; None: none."""
+    expert_capacity: float | None = None
+    """The capacity factor its MoE layers drop tokens at (None: dropless; see
+    :func:`passes.capture.experts_op.experts_as_ops`)."""
 
     @property
     def graph(self) -> fx.Graph:
@@ -169,7 +172,7 @@ def _device_type(model: torch.nn.Module) -> str:
 
 
 def capture(
-    model: torch.nn.Module, example_inputs, *, stack_traces: bool = False, autocast_dtype=None
+    model: torch.nn.Module, example_inputs, *, stack_traces: bool = False, autocast_dtype=None, expert_capacity=None
 ) -> CapturedGraph:
     """Export ``model`` on ``example_inputs`` (a tuple of positional args or a dict of kwargs).
 
@@ -178,7 +181,8 @@ def capture(
     plans name nodes by module path instead. ``autocast_dtype`` (``torch.bfloat16`` or
     ``torch.float16``): capture under ``torch.autocast`` on the model's device type, so the
     graph's values carry the dtypes mixed precision computes in (the lowered program runs
-    under the same autocast); a model on ``meta`` is autocast as on the CPU.
+    under the same autocast); a model on ``meta`` is autocast as on the CPU. ``expert_capacity``:
+    the MoE layers drop the tokens beyond each expert's capacity at this factor.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -187,6 +191,7 @@ def capture(
         to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
         args = torch.utils._pytree.tree_map(to_meta, args)
         kwargs = torch.utils._pytree.tree_map(to_meta, kwargs)
+    check_droppable(model, expert_capacity)  # before export: its errors would read as a capture failure
     saved_flag = fx.config.do_not_emit_stack_traces
     fx.config.do_not_emit_stack_traces = not stack_traces
     # A failing export logs partial graphs from several torch loggers; our error says it once.
@@ -207,7 +212,7 @@ def capture(
                     args, kwargs = stack.enter_context(_on_fake_cpu(model, args, kwargs))
                     device_type = "cpu"
                 stack.enter_context(torch.autocast(device_type, dtype=autocast_dtype))
-            with training_configs(model), experts_as_ops(model):
+            with training_configs(model), experts_as_ops(model, expert_capacity):
                 exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # export raises many types; all become one clear error
         message = str(exc).strip()
@@ -242,6 +247,7 @@ def capture(
         input_names=input_names,
         training=model.training,
         autocast_dtype=autocast_dtype if autocast_dtype != torch.float32 else None,
+        expert_capacity=expert_capacity,
     )
 
 

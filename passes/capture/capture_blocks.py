@@ -28,16 +28,27 @@ __all__ = ["repeated_layers", "capture_by_blocks", "capture_model"]
 
 
 def capture_model(
-    model: torch.nn.Module, example_inputs, *, layers: str = "auto", min_layers: int = 8, autocast_dtype=None
+    model: torch.nn.Module,
+    example_inputs,
+    *,
+    layers: str = "auto",
+    min_layers: int = 8,
+    autocast_dtype=None,
+    expert_capacity=None,
 ):
     """Capture ``model``: ``layers="full"`` exports every layer; ``"blocks"`` exports two and
     repeats them (an error if the model has no identical layers); ``"auto"`` does that for
-    models with ``min_layers`` or more identical layers and exports small ones whole."""
+    models with ``min_layers`` or more identical layers and exports small ones whole.
+    ``autocast_dtype``, ``expert_capacity``: as :func:`passes.capture.capture.capture` takes them."""
     if layers not in ("auto", "full", "blocks"):
         raise ValueError(f"layers must be 'auto', 'full' or 'blocks', got {layers!r}")
     if layers != "full":
         found = repeated_layers(model, min_layers=3 if layers == "blocks" else min_layers)
-        cap = capture_by_blocks(model, example_inputs, autocast_dtype=autocast_dtype) if found is not None else None
+        cap = (
+            capture_by_blocks(model, example_inputs, autocast_dtype=autocast_dtype, expert_capacity=expert_capacity)
+            if found is not None
+            else None
+        )
         if cap is not None:
             return cap
         if layers == "blocks":
@@ -45,7 +56,7 @@ def capture_model(
                 f"{type(model).__name__} has no list of 3 or more identical layers whose traces "
                 f"agree; capture it with layers='full'"
             )
-    return capture(model, example_inputs, autocast_dtype=autocast_dtype)
+    return capture(model, example_inputs, autocast_dtype=autocast_dtype, expert_capacity=expert_capacity)
 
 
 def _layout(module: torch.nn.Module):
@@ -79,7 +90,9 @@ def _parent(model, path):
 _SUFFIX = re.compile(r"_\d+$")
 
 
-def capture_by_blocks(model: torch.nn.Module, example_inputs, *, stack_traces: bool = False, autocast_dtype=None):
+def capture_by_blocks(
+    model: torch.nn.Module, example_inputs, *, stack_traces: bool = False, autocast_dtype=None, expert_capacity=None
+):
     """Capture through two layers and repeat them; None when the model has no such layers or
     the two traced layers differ (the caller then exports the whole model)."""
     from passes.analysis.analyze import analyze
@@ -92,7 +105,13 @@ def capture_by_blocks(model: torch.nn.Module, example_inputs, *, stack_traces: b
     owner, attr = _parent(model, path)
     setattr(owner, attr, torch.nn.ModuleList(list(layers)[:2]))
     try:
-        short = capture(model, example_inputs, stack_traces=stack_traces, autocast_dtype=autocast_dtype)
+        short = capture(
+            model,
+            example_inputs,
+            stack_traces=stack_traces,
+            autocast_dtype=autocast_dtype,
+            expert_capacity=expert_capacity,
+        )
     finally:
         setattr(owner, attr, layers)
 
@@ -117,6 +136,7 @@ def capture_by_blocks(model: torch.nn.Module, example_inputs, *, stack_traces: b
         input_names=dict(short.input_names),
         training=short.training,
         autocast_dtype=short.autocast_dtype,
+        expert_capacity=short.expert_capacity,
     )
 
 

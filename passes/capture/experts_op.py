@@ -17,6 +17,11 @@ layer whose rule (:mod:`passes.rules.experts`) offers expert parallelism, and wh
 runs the all-to-all dispatch. The router (the top-k before it) and the combine's consumers stay
 ordinary ops, so a router's auxiliary loss is planned like any other computation.
 
+With an expert capacity (``expert_capacity=``), the module's forward first marks the pairs beyond
+each expert's capacity as dropped (:func:`runtime.expert_dispatch.drop_over_capacity`: plain ops
+over the whole batch's top-k index, so they are planned and split like any other op) and the op
+skips them.
+
 A module whose variant the op does not cover (biases, transposed or interleaved weights, a
 post-expert norm, a gating of its own, an activation not in
 :data:`runtime.expert_dispatch.ACTIVATIONS`) keeps its own forward and is planned op by op; the
@@ -30,11 +35,11 @@ import logging
 
 import torch
 
-from runtime.expert_dispatch import ACTIVATIONS, experts_forward
+from runtime.expert_dispatch import ACTIVATIONS, drop_over_capacity, experts_forward
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MOE_OP", "experts_as_ops", "experts_activation", "why_not_op"]
+__all__ = ["MOE_OP", "check_droppable", "experts_as_ops", "experts_activation", "why_not_op"]
 
 _ACTIVATION_CLASSES = {
     "SiLU": "silu",
@@ -113,8 +118,10 @@ def why_not_op(module: torch.nn.Module) -> str | None:
     return None
 
 
-def _op_forward(module: torch.nn.Module, activation: str):
+def _op_forward(module: torch.nn.Module, activation: str, capacity_factor: float | None):
     def forward(hidden_states, top_k_index, top_k_weights):
+        if capacity_factor is not None:
+            top_k_index = drop_over_capacity(top_k_index, module.gate_up_proj.shape[0], capacity_factor)
         return torch.ops.partita.moe_experts(
             hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj, activation
         )
@@ -126,10 +133,30 @@ def _looks_like_experts(module: torch.nn.Module) -> bool:
     return hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and hasattr(module, "num_experts")
 
 
+def check_droppable(model: torch.nn.Module, capacity_factor: float | None) -> None:
+    """With a capacity: raise naming the first experts module of ``model`` the op does not cover
+    (its tokens could not be dropped)."""
+    if capacity_factor is None:
+        return
+    for path, module in model.named_modules():
+        problem = why_not_op(module) if _looks_like_experts(module) else None
+        if problem is not None:
+            raise ValueError(
+                f"expert_capacity={capacity_factor!r}: experts module {path or type(module).__name__} is not one "
+                f"the experts op covers ({problem}), so its tokens cannot be dropped; leave expert_capacity out"
+            )
+
+
 @contextlib.contextmanager
-def experts_as_ops(model: torch.nn.Module):
+def experts_as_ops(model: torch.nn.Module, capacity_factor: float | None = None):
     """While inside, every HuggingFace experts module of ``model`` the op covers runs as
-    ``partita.moe_experts`` (module docstring); the model is left as it was afterwards."""
+    ``partita.moe_experts`` (module docstring); the model is left as it was afterwards.
+
+    ``capacity_factor``: drop the pairs beyond each expert's capacity first
+    (:func:`runtime.expert_dispatch.drop_over_capacity`); every experts module must then be one
+    the op covers (a ``ValueError`` names the one that is not). Outside an export this is also
+    how a model trains on one device with the same dropping (the reference of a split run)."""
+    check_droppable(model, capacity_factor)
     patched = []
     for path, module in model.named_modules():
         if not _looks_like_experts(module):
@@ -138,7 +165,7 @@ def experts_as_ops(model: torch.nn.Module):
         if problem is not None:
             logger.info("experts module %s is planned op by op: %s", path or type(module).__name__, problem)
             continue
-        module.forward = _op_forward(module, str(experts_activation(module)))
+        module.forward = _op_forward(module, str(experts_activation(module)), capacity_factor)
         patched.append(module)
     try:
         yield patched

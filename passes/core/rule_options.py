@@ -52,6 +52,9 @@ class RuleOptions:
     """Attention over a sequence split: one of :data:`SEQUENCE_PARALLEL_MODES`."""
     expert_parallel: str = "auto"
     """Mixture-of-experts layers: one of :data:`EXPERT_PARALLEL_MODES`."""
+    expert_capacity: float | None = None
+    """The capacity factor MoE layers drop tokens at (None: dropless): their compute,
+    all-to-all and buffers are priced at the pairs kept."""
     expert_axis: int | None = None
     """With ``expert_parallel="on"``: the one mesh axis every MoE layer's experts split over (the
     configuration search's ``ep``); None: any axis."""

@@ -3,8 +3,9 @@
 A collective's latency terms (``collective_overhead_s`` and the ring steps' ``latency_s``,
 :func:`passes.plan.cost_model.collective_time`) are paid once per call, so the estimate must know the
 calls the runtime makes, not only the bytes. A plan's records list every collective once per
-edge or op (``rec["comm"]``); most of them are one call each. The ones marked ``bucketed`` are
-sent in flat buffers together with others, as the runtime groups them:
+edge or op (:attr:`passes.core.plan_records.NodeRecord.comm`); most of them are one call each.
+The ones marked ``bucketed`` are sent in flat buffers together with others, as the runtime
+groups them:
 
 * **Gradient buckets** (:class:`runtime.grad_sync.GradientBuckets`): the backward reductions of a
   parameter used by exactly one op whose gradient needs only ``Partial -> Replicate`` /
@@ -39,8 +40,10 @@ the copies' refresh gathers at the start of forward.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 
 from passes.core.placements import dual_spec, is_partial, parse_spec, transition_steps
+from passes.core.plan_records import NodeRecord
 
 __all__ = ["group_calls", "collective_calls", "unpriced_latency_s", "arrival_wait_s"]
 
@@ -66,7 +69,7 @@ def _reductions_only(grad, src, mesh_shape) -> bool:
     return bool(moves) and all(is_partial(p) and not is_partial(q) for _, p, q in moves)
 
 
-def group_calls(records: list, mesh_shape, axis_names, bucket_grads: bool = True) -> tuple:
+def group_calls(records: Sequence[NodeRecord], mesh_shape, axis_names, bucket_grads: bool = True) -> tuple:
     """(the flat calls, ``(phase, kind, axis name, count)``; the ids of the entries they send):
     what the functions below take as ``grouped`` (computed once for several of them)."""
     from runtime.grad_sync import BUCKET_BYTES
@@ -80,39 +83,39 @@ def group_calls(records: list, mesh_shape, axis_names, bucket_grads: bool = True
             parsed[text] = parse_spec(text, ndim)
         return parsed[text]
 
-    by_name = {r["name"]: r for r in records}
+    by_name = {r.name: r for r in records}
     users: dict = defaultdict(set)
     for r in records:
-        for name in r.get("inputs", ()):
-            users[name].add(r["name"])
+        for name in r.inputs:
+            users[name].add(r.name)
     covered: set = set()
     buckets: dict = {}  # gradient signature -> gradient bytes, in backward order
     copy_reduce: set = set()  # compute copies' reduction signatures
     copy_gather: dict = {}  # gathered axes -> gathered bytes per weight, in program order
     for r in reversed(records):
-        own = [c for c in r.get("comm", ()) if c.get("bucketed") and c.get("input") is None]
+        own = [c for c in r.comm if c.bucketed and c.input is None]
         if own:  # a compute copy's reduction and gather (on the parameter's record)
             covered.update(id(c) for c in own)
-            red = tuple((c["axis"], c["kind"]) for c in own if c["phase"] == "bwd")
+            red = tuple((c.axis, c.kind) for c in own if c.phase == "bwd")
             if red:
                 copy_reduce.add(red)
-            gather = [c for c in own if c["phase"] == "fwd"]
+            gather = [c for c in own if c.phase == "fwd"]
             if gather:
-                copy_gather.setdefault(tuple(c["axis"] for c in gather), []).insert(0, gather[0]["bytes"])
+                copy_gather.setdefault(tuple(c.axis for c in gather), []).insert(0, gather[0].bytes)
         if not bucket_grads:
             continue
         edges: dict = defaultdict(list)
-        for c in r.get("comm", ()):
-            if c.get("bucketed") and c.get("input") is not None and c["phase"] == "bwd":
-                edges[c["input"]].append(c)
-        grads = r.get("grads") or []
+        for c in r.comm:
+            if c.bucketed and c.input is not None and c.phase == "bwd":
+                edges[c.input].append(c)
+        grads = r.grads or []
         for k, entries in edges.items():
-            param = by_name.get(r["inputs"][k])
-            if param is None or len(users[param["name"]]) != 1 or k >= len(grads) or grads[k] is None:
+            param = by_name.get(r.inputs[k])
+            if param is None or len(users[param.name]) != 1 or k >= len(grads) or grads[k] is None:
                 continue  # a tied weight: reduced per edge
-            if not _reductions_only(spec(grads[k]), spec(param["out"][0]), mesh_shape):
+            if not _reductions_only(spec(grads[k]), spec(param.out[0]), mesh_shape):
                 continue  # a local move besides the reductions: reduced per edge
-            buckets.setdefault(tuple((c["axis"], c["kind"]) for c in entries), []).append(entries[0]["bytes"])
+            buckets.setdefault(tuple((c.axis, c.kind) for c in entries), []).append(entries[0].bytes)
             covered.update(id(c) for c in entries)
     flat = []
     for sig, sizes in buckets.items():
@@ -126,21 +129,23 @@ def group_calls(records: list, mesh_shape, axis_names, bucket_grads: bool = True
     return flat, covered
 
 
-def collective_calls(records: list, mesh_shape, axis_names, *, bucket_grads: bool = True, grouped=None) -> dict:
+def collective_calls(
+    records: Sequence[NodeRecord], mesh_shape, axis_names, *, bucket_grads: bool = True, grouped=None
+) -> dict:
     """``{phase: {kind: {axis name: calls}}}`` of one step of a plan's ``records``."""
     calls: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(int)))
     flat, covered = grouped or group_calls(records, mesh_shape, axis_names, bucket_grads)
     for phase, kind, axis, n in flat:
         calls[phase][kind][axis] += n
     for r in records:
-        for c in r.get("comm", ()):
+        for c in r.comm:
             if id(c) not in covered:
-                calls[c["phase"]][c["kind"]][c["axis"]] += 1
+                calls[c.phase][c.kind][c.axis] += 1
     return {p: {k: dict(v) for k, v in kinds.items()} for p, kinds in calls.items()}
 
 
 def unpriced_latency_s(
-    records: list, mesh_shape, axis_names, cluster, *, bucket_grads: bool = True, grouped=None
+    records: Sequence[NodeRecord], mesh_shape, axis_names, cluster, *, bucket_grads: bool = True, grouped=None
 ) -> float:
     """The latency terms the records' per-entry prices leave out: a bucketed entry's ``time_s``
     is its bandwidth term only, so each flat call pays its launch and ring steps here once, and so
@@ -155,13 +160,15 @@ def unpriced_latency_s(
     flat, covered = grouped or group_calls(records, mesh_shape, axis_names, bucket_grads)
     total = sum(n * fixed(kind, axis) for _phase, kind, axis, n in flat)
     for r in records:
-        for c in r.get("comm", ()):
-            if c.get("bucketed") and id(c) not in covered:
-                total += fixed(c["kind"], c["axis"])
+        for c in r.comm:
+            if c.bucketed and id(c) not in covered:
+                total += fixed(c.kind, c.axis)
     return total
 
 
-def arrival_wait_s(records: list, mesh_shape, axis_names, cluster, *, bucket_grads: bool = True, grouped=None) -> float:
+def arrival_wait_s(
+    records: Sequence[NodeRecord], mesh_shape, axis_names, cluster, *, bucket_grads: bool = True, grouped=None
+) -> float:
     """Seconds the step's collective calls wait for ranks arriving apart (see the module doc)."""
     from passes.plan.cost_model import arrival_wait
 
@@ -178,22 +185,22 @@ def arrival_wait_s(records: list, mesh_shape, axis_names, cluster, *, bucket_gra
     for _ in range(sum(n for phase, _, _, n in flat if phase == "fwd")):
         call()
     for r in records:
-        for c in r.get("comm", ()):
-            if c["phase"] == "fwd" and not c.get("recompute") and id(c) not in covered:
+        for c in r.comm:
+            if c.phase == "fwd" and not c.recompute and id(c) not in covered:
                 call()
-        since += r.get("forward_s", 0.0)
+        since += r.forward_s or 0.0
     for r in reversed(records):
-        comm = [c for c in r.get("comm", ()) if id(c) not in covered]
+        comm = [c for c in r.comm if id(c) not in covered]
         for c in comm:
-            if c.get("regather"):
+            if c.regather:
                 call()
-        since += r.get("recompute_s", 0.0)
+        since += r.recompute_s or 0.0
         for c in comm:
-            if c.get("recompute"):
+            if c.recompute:
                 call()
-        since += r.get("compute_s", 0.0) - r.get("forward_s", 0.0) - r.get("recompute_s", 0.0)
+        since += r.compute_s - (r.forward_s or 0.0) - (r.recompute_s or 0.0)
         for c in comm:
-            if c["phase"] == "bwd" and not c.get("regather"):
+            if c.phase == "bwd" and not c.regather:
                 call()
     for _ in range(sum(n for phase, _, _, n in flat if phase == "bwd")):
         call()

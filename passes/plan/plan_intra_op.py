@@ -49,7 +49,7 @@ from passes.plan.recompute import (
 )
 from passes.plan.strategy_space import build_space
 from passes.plan.zero_storage import regathers, zero1_collectives
-from passes.rules import REPLICATE_FALLBACK, multidim_tp, op_name, tensor_input_nodes
+from passes.rules import REPLICATE_FALLBACK, multidim_tp, op_name, rule_for, tensor_input_nodes
 
 __all__ = ["InfeasibleBudgetError", "IntraOpResult", "plan_intra_op"]
 
@@ -168,8 +168,9 @@ def _node_record(node, choice, space, axis_names, rep_node):
             if a.note:
                 rec.setdefault("notes", {})[axis_names[ax]] = a.note
         backward_s = choice.compute_s - choice.forward_s
+        axes = strategy.axes if rep_node is node else rule_for(node).own_axes_of_instance(node, rep_node, strategy.axes)
         for c, phase, t in own_collectives(
-            strategy.axes, dtype_bytes(i.dtype), mesh, cluster, split, choice.forward_s, backward_s
+            axes, dtype_bytes(i.dtype), mesh, cluster, split, choice.forward_s, backward_s
         ):
             if (phase == "bwd" and not i.requires_grad) or mesh[c.axis] <= 1:
                 continue

@@ -251,6 +251,12 @@ class OpRule(abc.ABC):
         ``strategy`` (1.0: an even split; a mixture-of-experts layer's routed imbalance)."""
         return 1.0
 
+    def own_axes_of_instance(self, node: fx.Node, leader: fx.Node, axes: tuple) -> tuple:
+        """The per-axis candidates ``axes`` (chosen for ``leader``, the node of the first instance
+        of a repeated block) as ``node``, another instance of it, runs them: its collectives
+        inside the op may move other amounts (default: the same)."""
+        return axes
+
     def saves(self, op: OpView, grads):
         """What the op keeps for backward (a ``passes.analysis.saved_tensors.Saves``), for an op whose
         lowering runs other code than the op itself; None (the default): found by running the op."""
