@@ -31,8 +31,13 @@ class Estimate:
     comm_bytes_by_phase: dict = field(default_factory=dict)
     """``comm_bytes_by_phase[phase][kind][axis_name]`` with phase ``fwd`` / ``bwd``."""
     weight_grad_s: float = 0.0
-    """The part of ``compute_s`` spent on parameter gradients (contractions' weight products):
-    what a zero-bubble pipeline schedule defers to its W pass."""
+    """The part of ``compute_s`` a zero-bubble pipeline schedule defers to its W pass: what the
+    runtime's W pass runs (contractions' weight products, the weight gradients of other ops that
+    meet a parameter, such as norms and bias adds, and summing gradients over microbatches:
+    :func:`passes.plan.cost_model.weight_pass_time`, :func:`passes.plan.cost_model.grad_accumulate_time`)."""
+    forward_s: float = 0.0
+    """The part of ``step_time_s`` the forward runs: its compute and its collectives (0 in a plan
+    saved without per-node forward times)."""
     memory: MemoryBreakdown = field(default_factory=MemoryBreakdown)
     """Per device: parameters, gradients, optimizer state, inputs, saved activations, gathered
     buffers, offloaded bytes, and the forward and backward peaks."""

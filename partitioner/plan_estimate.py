@@ -83,7 +83,7 @@ def held_grad_sync(plan: ShardingPlan, record: NodeRecord, c: CollectiveRecord) 
 
 
 def _intra_op_estimate(plan) -> Estimate:
-    compute = comm_t = weight = sync_t = optimizer = 0.0
+    compute = comm_t = weight = sync_t = optimizer = forward = 0.0
     comm = defaultdict(lambda: defaultdict(float))
     sync = defaultdict(lambda: defaultdict(float))
     phases = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
@@ -92,8 +92,10 @@ def _intra_op_estimate(plan) -> Estimate:
         comm_t += r.host_transfer_s or 0.0  # offloaded optimizer state: host copies
         weight += r.weight_grad_s or 0.0
         optimizer += r.optimizer_step_s or 0.0
+        forward += r.forward_s or 0.0
         for c in r.comm:
             comm_t += c.time_s
+            forward += c.time_s if c.phase == "fwd" else 0.0
             comm[c.kind][c.axis] += c.bytes
             phases[c.phase][c.kind][c.axis] += c.bytes
             if held_grad_sync(plan, r, c):
@@ -116,6 +118,7 @@ def _intra_op_estimate(plan) -> Estimate:
         comm_bytes=as_dict(comm),
         comm_bytes_by_phase={p: as_dict(v) for p, v in phases.items()},
         weight_grad_s=weight,
+        forward_s=forward,
         memory=memory,
         grad_sync_s=sync_t,
         grad_sync_bytes=as_dict(sync),

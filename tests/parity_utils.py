@@ -114,6 +114,12 @@ def parity_case(model: str, mesh: tuple, plan: str, **extra):
     return pytest.param(cfg, id=f"{model}-{'x'.join(map(str, mesh))}-{label}")
 
 
+def slow_tier(case):
+    """``case`` (a ``pytest.param``) moved to the slow tier (``make test-slow``): the breadth of a
+    path the everyday tier already runs on another model or mesh."""
+    return pytest.param(*case.values, marks=[*case.marks, pytest.mark.slow], id=case.id)
+
+
 # -------------------------------------------------------------------------------------- pins
 
 

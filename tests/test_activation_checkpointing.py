@@ -27,6 +27,7 @@ from parity_utils import (
     parity_case,
     pins_for,
     run_checked,
+    slow_tier,
 )
 
 import partitioner
@@ -100,9 +101,9 @@ def _step(pm, inputs):
     return loss
 
 
-@pytest.mark.parametrize("cfg", [parity_case("gpt", (4,), "tp"), parity_case("gpt", (2, 2), "dp_tp"),
-                                 parity_case("llama", (4,), "tp"), parity_case("llama", (2, 2), "dp_tp"),
-                                 parity_case("vit", (2, 2), "dp_tp")])
+@pytest.mark.parametrize("cfg", [slow_tier(parity_case("gpt", (4,), "tp")), parity_case("gpt", (2, 2), "dp_tp"),
+                                 parity_case("llama", (4,), "tp"), slow_tier(parity_case("llama", (2, 2), "dp_tp")),
+                                 slow_tier(parity_case("vit", (2, 2), "dp_tp"))])
 def test_recomputed_layers_match_one_device(cfg):
     results = run_checked(recompute_worker, cfg, TIMEOUT_S)
     for r in results:

@@ -86,6 +86,7 @@ def test_the_configuration_is_named_by_what_each_axis_does_in_the_plan():
     assert plan.config.describe().startswith("pipeline 1 x data 2 x tensor 2 = 4 devices")
 
 
+@pytest.mark.slow  # every configuration of 4 devices planned under a budget (the ILPs of the search)
 def test_a_budget_under_half_the_state_forces_the_weights_apart():
     # no device can hold the replicated parameter state: every device's share of it must be
     # cut, by pipeline stages or by sharded weights, and the plan's peak must fit

@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
 
 
+@pytest.mark.slow  # a subprocess that imports everything and plans: the same path the parity tests run
 def test_gpu_check_runs_its_steps_on_cpu_and_reports_parity_speed_and_mfu():
     small = ["--device", "cpu", "--layers", "2", "--hidden", "128", "--vocab", "256", "--seq", "32",
              "--batch", "2", "--steps", "3"]

@@ -66,7 +66,7 @@ RUNS = [  # every config of tests/test_parity.py, grouped by mesh
                         ("vit", "free", None), ("mlp", "free", BUDGET)], id="2"),
     pytest.param((4,), [("gpt", "tp", None), ("vit", "tp", None), ("mlp", "tp", None), ("gpt2", "tp_sp", None),
                         ("gpt", "free", BUDGET), ("gpt2", "free", BUDGET), ("llama", "free", BUDGET),
-                        ("bert", "free", BUDGET)], id="4"),
+                        ("bert", "free", BUDGET)], id="4", marks=pytest.mark.slow),  # the budgeted ILPs again
     pytest.param((2, 2), [("gpt", "dp_tp", None), ("gpt", "tp_sp", None), ("bert", "dp_tp", None),
                           ("llama", "tp_sp", None), ("gpt2", "dp_tp", None), ("mlp", "dp", None),
                           ("gpt", "free", None), ("vit", "free", BUDGET)], id="2x2"),

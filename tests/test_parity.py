@@ -24,7 +24,7 @@ parameter bytes of Megatron TP. Dropout has its own test.
 
 import pytest
 import torch
-from parity_utils import MODELS, dropout_worker, glob_any, nested_approx_equal, parity_case, parity_worker, run_checked
+from parity_utils import MODELS, dropout_worker, glob_any, nested_approx_equal, parity_case, parity_worker, run_checked, slow_tier
 from support import is_replicated, placement_axes
 
 from runtime.launch import run_on_ranks
@@ -34,6 +34,9 @@ TIMEOUT_S = 240
 
 BUDGET = 0.75   # of the replicated fp32 Adam state (16 bytes per parameter)
 
+# Each HF model runs one case here; its other cases (slow_tier) repeat paths the hand-written
+# models cover on every mesh, and run in the slow tier (every case's memory runs in
+# tests/test_memory_estimate.py, and each family trains on (2, 2) in tests/test_hf_families.py).
 CONFIGS = [
     # hand-written MLP
     parity_case("mlp", (2,), "free", budget_fraction=BUDGET),
@@ -47,22 +50,22 @@ CONFIGS = [
     parity_case("gpt", (2, 2), "free"),
     parity_case("gpt", (4,), "free", budget_fraction=BUDGET),
     # HF GPT-2 (Conv1D weights, tied lm_head, fused QKV)
-    parity_case("gpt2", (2,), "tp"),
-    parity_case("gpt2", (2, 2), "dp_tp"),
+    slow_tier(parity_case("gpt2", (2,), "tp")),
+    slow_tier(parity_case("gpt2", (2, 2), "dp_tp")),
     parity_case("gpt2", (4,), "tp_sp"),
-    parity_case("gpt2", (4,), "free", budget_fraction=BUDGET),
+    slow_tier(parity_case("gpt2", (4,), "free", budget_fraction=BUDGET)),
     # HF BERT (attention mask input, tied decoder)
-    parity_case("bert", (2, 2), "dp_tp"),
+    slow_tier(parity_case("bert", (2, 2), "dp_tp")),
     parity_case("bert", (2,), "dp", check_local_inputs=True),
-    parity_case("bert", (4,), "free", budget_fraction=BUDGET),
+    slow_tier(parity_case("bert", (4,), "free", budget_fraction=BUDGET)),
     # HF LLaMA (RMSNorm, rotary embeddings, grouped-query attention)
-    parity_case("llama", (2, 2), "tp_sp"),
-    parity_case("llama", (2,), "tp"),
+    slow_tier(parity_case("llama", (2, 2), "tp_sp")),
+    slow_tier(parity_case("llama", (2,), "tp")),
     parity_case("llama", (4,), "free", budget_fraction=BUDGET),
     # HF ViT (patch convolution, classification head)
-    parity_case("vit", (4,), "tp"),
+    slow_tier(parity_case("vit", (4,), "tp")),
     parity_case("vit", (2, 2), "free", budget_fraction=BUDGET),
-    parity_case("vit", (2,), "free"),
+    slow_tier(parity_case("vit", (2,), "free")),
 ]
 
 

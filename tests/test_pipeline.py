@@ -44,7 +44,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from parity_utils import Checks, adam_in_lockstep, call, check_grads_by_alias, loss_of, nested_approx_equal, run_checked
+from parity_utils import Checks, adam_in_lockstep, call, check_grads_by_alias, loss_of, nested_approx_equal, run_checked, slow_tier
 
 from runtime.launch import run_on_ranks
 
@@ -196,6 +196,7 @@ def pipeline_case(model, mesh, schedule, microbatches, *, n_layer=4, virtual_sta
     return pytest.param(cfg, id=label)
 
 
+# slow_tier: cases that repeat a schedule or a layout another case runs (make test-slow)
 CONFIGS = [
     # hand-written GPT: every schedule on 2 stages, and 8 stages interleaved on 4 ranks
     pipeline_case("gpt", (2,), "gpipe", 4),
@@ -203,12 +204,12 @@ CONFIGS = [
     pipeline_case("gpt", (2,), "interleaved", 4, virtual_stages=2),
     pipeline_case("gpt", (2,), "zb-h1", 4),
     pipeline_case("gpt", (2,), "1f1b", 4, layers="blocks", note="captured-by-blocks"),
-    pipeline_case("gpt", (4,), "interleaved", 8, n_layer=8, virtual_stages=2),
+    slow_tier(pipeline_case("gpt", (4,), "interleaved", 8, n_layer=8, virtual_stages=2)),
     # HF GPT-2, eager attention: its causal mask is made before the layers and crosses stages
-    pipeline_case("gpt2", (2,), "zb-h1", 8),
-    pipeline_case("gpt2", (4,), "1f1b", 4),
+    slow_tier(pipeline_case("gpt2", (2,), "zb-h1", 8)),
+    slow_tier(pipeline_case("gpt2", (4,), "1f1b", 4)),
     pipeline_case("gpt2", (2, 2), "gpipe", 4, pins="dp"),
-    pipeline_case("gpt2", (2, 2), "zb-h1", 4, pins="dp", note="weight-pass-reduces-once"),
+    slow_tier(pipeline_case("gpt2", (2, 2), "zb-h1", 4, pins="dp", note="weight-pass-reduces-once")),
     pipeline_case("gpt", (2, 2), "zb-h1", 4, pins="dpact", note="weight-pass-reduces-once"),
     pipeline_case("gpt", (2, 2), "1f1b", 4, pins="dpact", note="batch-sharded-stage-boundary"),
     # HF LLaMA (rotary embeddings cross stages)

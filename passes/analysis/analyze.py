@@ -4,7 +4,8 @@ Writes ``node.meta["partita.info"]`` (a :class:`NodeInfo`) on every node of a ca
 the node's kind (parameter, buffer, input, op, output, or an ignored assertion), the
 parameter / buffer / argument name, the innermost module path from ``nn_module_stack`` (so
 plans read in the user's terms), output shapes and dtype, forward FLOPs from the op's rule,
-whether a gradient flows through it, and what backward keeps: each op's saved inputs, outputs
+whether a gradient flows through it (forward: an input needs one; backward: its value reaches an
+output, :mod:`passes.analysis.gradient_reach`), and what backward keeps: each op's saved inputs, outputs
 and buffers (:mod:`passes.analysis.saved_tensors`, found by running the op on fake tensors), and on each
 value whose storage some op keeps (following views to the value that owns the storage), ``saved``.
 """
@@ -16,6 +17,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from passes.analysis.gradient_reach import prune_unreached_gradients
 from passes.analysis.saved_tensors import saves_of
 from passes.capture.capture import CapturedGraph
 from passes.core.node_info import META_KEY, NodeInfo, info
@@ -78,11 +80,13 @@ def analyze(cap: CapturedGraph) -> None:
                 requires_grad=grads and floating,
                 rate_key=rate_key(node),
             )
+    prune_unreached_gradients(cap.graph)
     autocast = getattr(cap, "autocast_dtype", None)
     for node in cap.graph.nodes:
         i = info(node)
-        if node.op == "call_function" and i.kind == "op":
-            i.saves = saves_of(node, [info(a).requires_grad for a in tensor_input_nodes(node)], autocast)
+        if node.op == "call_function" and i.kind == "op":  # an op no gradient reaches keeps nothing
+            input_grads = [i.requires_grad and info(a).requires_grad for a in tensor_input_nodes(node)]
+            i.saves = saves_of(node, input_grads, autocast)
     for node in cap.graph.nodes:
         saves = info(node).saves
         if saves is None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-__all__ = ["META_KEY", "NodeInfo", "Saves", "info"]
+__all__ = ["META_KEY", "NodeInfo", "Saves", "info", "grad_flows"]
 
 META_KEY = "partita.info"
 
@@ -59,3 +59,13 @@ class NodeInfo:
 
 def info(node: fx.Node) -> NodeInfo:
     return node.meta[META_KEY]
+
+
+def grad_flows(producer: fx.Node, consumer: fx.Node) -> bool:
+    """Whether backward sends a gradient along the edge ``producer -> consumer``: the producer
+    needs one and the consumer passes one back (its own value leads to an output,
+    :mod:`passes.analysis.gradient_reach`). The graph's output node passes back whatever
+    reaches it."""
+    if not info(producer).requires_grad:
+        return False
+    return consumer.op == "output" or info(consumer).requires_grad

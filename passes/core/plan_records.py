@@ -139,7 +139,11 @@ class NodeRecord:
     forward_s: float | None = None
     """The forward part of ``compute_s``."""
     weight_grad_s: float | None = None
-    """The part of ``compute_s`` making parameter gradients (a zero-bubble W pass's)."""
+    """The part of ``compute_s`` a zero-bubble W pass runs (parameter gradients, and on a
+    parameter's record summing them over microbatches)."""
+    grad_accumulate_s: float | None = None
+    """A parameter in a pipeline stage: seconds per microbatch of summing its gradient into
+    ``.grad`` (part of ``compute_s`` and ``weight_grad_s``)."""
     regather: bool | None = None
     """ZeRO-3: the weight's gathered copies are freed after forward and gathered again."""
     stored: str | None = None

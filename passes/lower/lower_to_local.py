@@ -42,6 +42,7 @@ from torch.utils import _pytree as pytree
 
 from passes.analysis.analyze import info
 from passes.analysis.shape_check import uneven_dims
+from passes.core.node_info import grad_flows
 from passes.core.placements import (
     dual_spec,
     format_spec,
@@ -429,8 +430,8 @@ class _Lowering:
         local_shapes = self.local_shapes(node, outs)
         call = LowerCall(node, tuple(args), dict(kwargs), outs, ins, local_shapes, self.comm, b, rec.get("notes") or {})
         result = rule_for(node).lower(call)
-        if isinstance(result, fx.Node):
-            result.meta["partita.source"] = node.name
+        if isinstance(result, fx.Node):  # not over an input the op passed through (dropout at p=0)
+            result.meta.setdefault("partita.source", node.name)
         env[node] = result
         self.out_specs[node] = outs
 
@@ -441,7 +442,7 @@ class _Lowering:
         value = self.env[u]
         if dst is None or src is None:
             return value
-        grad = grad if info(u).requires_grad else None
+        grad = grad if grad_flows(u, node) else None
         _check_uneven_edge(node, u, src, dst, grad, self.b.uneven)
         strided, src_strided = _edge_strided(node, u, src, dst, self.chains, self.comm)
         made = self.b.reshard(

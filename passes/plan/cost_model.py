@@ -66,6 +66,8 @@ __all__ = [
     "grid_rates",
     "check_rate_grid",
     "backward_factor",
+    "weight_pass_time",
+    "grad_accumulate_time",
     "matmul_fraction",
     "allocation_time",
     "arrival_wait",
@@ -295,6 +297,31 @@ def backward_factor(contraction: bool, grads_in: int) -> int:
     """Backward's work as a multiple of forward's: a contraction makes one product per input that
     needs a gradient (two at most: ``x @ w`` gives ``dx`` and ``dw``), any other op one pass."""
     return min(2, grads_in) if contraction else 1
+
+
+def weight_pass_time(contraction: bool, forward_s: float, backward_s: float, cluster) -> float:
+    """Seconds a zero-bubble ``W`` pass spends on one op that meets a parameter needing a
+    gradient (:meth:`runtime.pipeline.StageProgram.weight_meeting_points`: the runtime calls
+    ``autograd.backward`` from the op's output to its parameters, once per such op): a
+    contraction's weight product (the forward's FLOPs, ``forward_s``), any other op's weight
+    gradients at the price of its backward (a norm's weight and bias gradients, an embedding's, a
+    bias add's: the pass re-reads the op's input and output gradient), plus the cluster's fixed
+    cost of one op for the call itself. Never more than the op's backward (``backward_s``): it is
+    the part of the backward the ``I`` pass leaves to ``W``."""
+    own = forward_s if contraction else backward_s
+    return min(own + cluster.op_overhead_s, backward_s)
+
+
+def grad_accumulate_time(grad_bytes: float, microbatches: int, cluster) -> float:
+    """Seconds per microbatch of adding a parameter's gradient of ``grad_bytes`` into its
+    ``.grad`` in a step of ``microbatches`` (autograd sums the second microbatch's gradient and
+    every later one into the first's: reads two, writes one, at the device's memory bandwidth,
+    one op each), averaged over the step's microbatches; 0 for one microbatch, whose gradient
+    is stored, not added."""
+    if microbatches <= 1 or grad_bytes <= 0:
+        return 0.0
+    add = 3.0 * grad_bytes / cluster.memory_bandwidth + cluster.op_overhead_s
+    return add * (microbatches - 1) / microbatches
 
 
 def matmul_fraction(cluster, dtype_name: str, intensity: float) -> float:

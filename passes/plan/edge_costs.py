@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from passes.analysis.analyze import info
+from passes.core.node_info import grad_flows
 from passes.core.placements import dual_spec, zero1_grad_spec
 from passes.plan.cost_model import (
     reshard,
@@ -109,8 +110,9 @@ def build_edges(graph, b: SpaceBuilder, groups, group_of) -> list:
             groups[gu].cost = groups[gu].cost + costs * occurrences
             continue
         gv = group_of[v]
+        stops = info(u).requires_grad and not grad_flows(u, v)  # v passes no gradient back
         dst = [
-            (opt[v].ins[k], opt[v].strategy.grad_spec(k) if opt[v].strategy is not None else None)
+            (opt[v].ins[k], opt[v].strategy.grad_spec(k) if opt[v].strategy is not None and not stops else None)
             for opt in groups[gv].options
         ]
         if all(d[0] is None for d in dst):

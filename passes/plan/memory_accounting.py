@@ -50,6 +50,7 @@ import operator
 import torch.fx as fx
 
 from passes.analysis.analyze import info
+from passes.core.node_info import grad_flows
 from passes.lower.prefetch_gathers import backward_windows, first_gather, forward_windows
 from passes.plan.activation_regather import regathers_activation
 from passes.plan.cost_model import (
@@ -140,7 +141,7 @@ class _StorageWalk:
             return None
         src, dst = self.out_spec(u), mine.ins[k]
         ui = info(u)
-        grad = mine.strategy.grad_spec(k) if ui.requires_grad else None
+        grad = mine.strategy.grad_spec(k) if grad_flows(u, c) else None
         if src is None or not edge_allocates(
             src, dst, grad, self.mesh, requires_grad=ui.requires_grad, from_param=ui.kind == "param"
         ):
@@ -276,7 +277,7 @@ class _StorageWalk:
                 continue
             for k, u in enumerate(tensor_input_nodes(n)):
                 ui = info(u)
-                if ui.kind != "param" or not ui.requires_grad or k >= len(mine.ins) or mine.ins[k] is None:
+                if ui.kind != "param" or not grad_flows(u, n) or k >= len(mine.ins) or mine.ins[k] is None:
                     continue
                 grad = mine.strategy.grad_spec(k)
                 if grad_held_back(self.out_spec(u), grad, mesh):

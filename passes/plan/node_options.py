@@ -11,6 +11,7 @@ import logging
 import torch.fx as fx
 
 from passes.analysis.analyze import info
+from passes.core.node_info import grad_flows
 from passes.core.placements import R, Shard, is_shard, spec_fits
 from passes.core.rule_options import RuleOptions
 from passes.plan.activation_regather import regathers_activation
@@ -29,6 +30,7 @@ from passes.plan.cost_model import (
     param_state_bytes,
     param_state_parts,
     saved_bytes,
+    weight_pass_time,
 )
 from passes.plan.edge_costs import edge_collectives
 from passes.plan.space_types import NodeChoice
@@ -212,8 +214,8 @@ class SpaceBuilder:
         if i.requires_grad:
             grads_in = sum(1 for a in self.inputs_of(node) if info(a).requires_grad)
             bwd = backward_factor(rule.contraction, grads_in) * fwd + alloc_bwd
-            if rule.contraction and any(is_parameter(a) and info(a).requires_grad for a in self.inputs_of(node)):
-                weight = fwd
+            if any(is_parameter(a) and info(a).requires_grad for a in self.inputs_of(node)):
+                weight = weight_pass_time(rule.contraction, fwd, bwd, self.cluster)
         fwd += alloc_fwd
         extra_fwd = extra_bwd = 0.0
         own = own_collectives(strategy.axes, dtype_bytes(i.dtype), self.mesh, self.cluster, split, fwd, bwd)
@@ -273,8 +275,10 @@ class SpaceBuilder:
             for k, (g, want) in enumerate(zip(given, strategy.ins)):
                 if g is not None and want is not None:
                     u = self.inputs_of(node)[k]
-                    inbound += self.edge_time(g, want, strategy.grad_spec(k), u)
-                    act += self.edge_memory(u, g, want, strategy.grad_spec(k), node, k)
+                    stops = info(u).requires_grad and not grad_flows(u, node)  # node passes none back
+                    grad = None if stops else strategy.grad_spec(k)
+                    inbound += self.edge_time(g, want, grad, u)
+                    act += self.edge_memory(u, g, want, grad, node, k)
                     forward_comm += self.edge_time(g, want, None, self.inputs_of(node)[k])
         return NodeChoice(
             strategy=strategy,

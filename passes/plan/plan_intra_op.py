@@ -24,6 +24,7 @@ from passes.analysis.analyze import info
 from passes.analysis.mutated_aliases import mutated_alias_pins
 from passes.capture.blocks import find_blocks
 from passes.capture.capture import tied_placeholders
+from passes.core.node_info import grad_flows
 from passes.core.placements import format_spec, local_shape, zero1_grad_spec
 from passes.lower.prefetch_gathers import credit_prefetch
 from passes.plan.activation_regather import regathers_activation
@@ -31,6 +32,7 @@ from passes.plan.bucket_overlap import credit_bucket_overlap
 from passes.plan.cost_model import (
     collective_time,
     dtype_bytes,
+    grad_accumulate_time,
     host_copy_time,
     local_bytes,
     optimizer_step_time,
@@ -111,7 +113,13 @@ def _node_record(node, choice, space, axis_names, rep_node):
     rec["out"] = _fmt_specs(choice.out)
     rec["ins"] = _fmt_specs(choice.ins)
     if choice.strategy is not None:
-        rec["grads"] = _fmt_specs([choice.strategy.grad_spec(k) for k in range(len(choice.ins))])
+        inputs = tensor_input_nodes(node)
+        # None where the input needs a gradient this op does not pass back (it leads to no output)
+        stops = [
+            k < len(inputs) and info(inputs[k]).requires_grad and not grad_flows(inputs[k], node)
+            for k in range(len(choice.ins))
+        ]
+        rec["grads"] = _fmt_specs([None if stop else choice.strategy.grad_spec(k) for k, stop in enumerate(stops)])
     rec["local_shapes"] = [
         list(local_shape(s, sp, mesh)) if s is not None and sp is not None else None
         for s, sp in zip(i.out_shapes, choice.out)
@@ -138,8 +146,18 @@ def _node_record(node, choice, space, axis_names, rep_node):
         rec["optimizer_step_s"] = optimizer_step_time(
             numel, dtype_bytes(i.dtype), space.optimizer, cluster, offloaded=bool(choice.offload)
         )
-    if choice.weight_grad_s:
-        rec["weight_grad_s"] = float(choice.weight_grad_s)
+    weight_grad_s = float(choice.weight_grad_s)
+    if i.kind == "param" and i.requires_grad and node.users:
+        # summing the microbatches' gradients into .grad: backward work, done by the W pass
+        accumulate = grad_accumulate_time(
+            local_bytes(i.shape, choice.out[0], mesh, dtype_bytes(i.dtype)), space.microbatches, cluster
+        )
+        if accumulate:
+            rec["grad_accumulate_s"] = accumulate
+            rec["compute_s"] += accumulate
+            weight_grad_s += accumulate
+    if weight_grad_s:
+        rec["weight_grad_s"] = weight_grad_s
     rec["memory"] = float(choice.memory)
     roles = multidim_tp.classify(node, choice.strategy)
     if roles is not None:  # a weight contraction: its per-axis roles (the algorithm: label_records)
@@ -182,7 +200,7 @@ def _edge_comm(node, choices, space, axis_names):
             if mine is None or mine.ins[k] is None:
                 continue
             dst = mine.ins[k]
-            grad = mine.strategy.grad_spec(k) if mine.strategy is not None else None
+            grad = mine.strategy.grad_spec(k) if mine.strategy is not None and grad_flows(u, node) else None
         ui = info(u)
         held = choices[u].stored is not None or choices[u].offload  # a compute copy: its gradient stays Partial
         fwd, bwd = edge_collectives(

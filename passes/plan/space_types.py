@@ -113,3 +113,6 @@ class StrategySpace:
     regather_activations: bool = False
     """Activations gathered for an op that keeps them are kept as their shard and gathered again
     in backward (:mod:`passes.plan.activation_regather`)."""
+    microbatches: int = 1
+    """The microbatches of a step the graph runs (a pipeline stage): parameter gradients are
+    summed over them (:func:`passes.plan.cost_model.grad_accumulate_time`)."""

@@ -121,6 +121,7 @@ def build_space(
         pruned=b.pruned,
         optimizer=optimizer,
         regather_activations=regather_activations,
+        microbatches=microbatches,
     )
 
 

@@ -16,19 +16,22 @@ def stage_durations(estimates: Sequence, takes_activations: Sequence[bool]) -> t
     """(forward, backward, weight) seconds per microbatch for each stage, as dicts by stage.
 
     ``estimates[s]`` is stage ``s``'s cost estimate for one microbatch (``step_time_s``:
-    forward + backward; ``weight_grad_s``: its parameter-gradient products; ``grad_sync_s``: the
-    parameter-gradient reductions it holds back and ``optimizer_s`` its optimizer step, which a
-    pipeline runs once per step, :func:`stage_syncs`). A
-    third of the rest is forward, two thirds backward. ``weight`` is what a zero-bubble W pass
-    runs: the parameter products, or the whole backward on a stage that takes no floating-point
-    activations (the first: its input-gradient pass has nothing to compute, so all of its
-    backward waits for W).
+    forward + backward; ``forward_s``: the forward's part; ``weight_grad_s``: what its W pass
+    runs; ``grad_sync_s``: the parameter-gradient reductions it holds back and ``optimizer_s`` its
+    optimizer step, which a pipeline runs once per step, :func:`stage_syncs`). The rest less the
+    forward is backward (a plan without forward times: a third forward, two thirds backward).
+    ``weight`` is what a zero-bubble W pass runs: the parameter gradients (weight products, the
+    weight and bias gradients of the other ops that meet a parameter, the sums over
+    microbatches), or the whole backward on a stage that takes no floating-point activations
+    (the first: its input-gradient pass has nothing to compute, so all of its backward waits for
+    W).
     """
     forward, backward, weight = {}, {}, {}
     for s, (est, takes) in enumerate(zip(estimates, takes_activations)):
         per_microbatch = est.step_time_s - est.grad_sync_s - getattr(est, "optimizer_s", 0.0)
-        forward[s] = per_microbatch / 3.0
-        backward[s] = 2.0 * per_microbatch / 3.0
+        priced_forward = getattr(est, "forward_s", 0.0)
+        forward[s] = priced_forward if 0.0 < priced_forward < per_microbatch else per_microbatch / 3.0
+        backward[s] = per_microbatch - forward[s]
         weight[s] = min(est.weight_grad_s, backward[s]) if takes else backward[s]
     return forward, backward, weight
 
