@@ -118,34 +118,15 @@ def plan_captured(
     ``max_options``: the cap on an op's options (:func:`passes.plan.strategy_space.build_space`;
     the configuration search plans its candidates with a tighter one than ``"auto"``)."""
     opts = PlanOptions.build(options, **option_kwargs)
-    precision = (
-        Precision.build(opts.precision)
-        if opts.precision is not None
-        else Precision(compute=cap.autocast_dtype or torch.float32)
-    )
-    if precision.autocast_dtype != cap.autocast_dtype:
-        raise ValueError(f"the graph was captured under autocast {cap.autocast_dtype}, not for precision {precision}")
-    if cap.expert_capacity != opts.expert_capacity:
-        raise ValueError(
-            f"the graph was captured with expert_capacity={cap.expert_capacity!r}, not "
-            f"{opts.expert_capacity!r}: capture it with the capacity it is planned for"
-        )
+    precision = _precision_of_capture(cap, opts)
     timings = dict(timings or {})
     t0 = timings.pop("start", time.perf_counter())
     mesh = MeshSpec.build(mesh_shape, mesh_axis_names)
     spec = get_cluster(opts.cluster_for())
     budget = parse_bytes(opts.memory_budget) if opts.memory_budget is not None else spec.memory_bytes
     t2 = time.perf_counter()
-    pinned = resolve_pins(cap, dict(opts.pins or {}), mesh.ndim)
-    # sequence parallel attention (ring / Ulysses): forced modes pin the attention ops not pinned
-    for node, forced in attention_rule.forced_pins(cap.graph, opts.sequence_parallel, mesh.shape).items():
-        pinned.setdefault(node, forced)
-    for node, forced in multidim_tp.forced_pins(cap.graph, opts.tensor_parallel, mesh.shape).items():
-        pinned.setdefault(node, forced)
     expert_index = None if expert_axis is None else mesh.axis_names.index(expert_axis)
-    experts_rule.check_forced(cap.graph, opts.expert_parallel, mesh.shape, expert_index)
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("%s: pins %s", model_name, {n.name: format_spec(s) for n, s in pinned.items()})
+    pinned = _all_pins(cap, opts, mesh, expert_index, model_name)
     solve = functools.partial(
         plan_intra_op,
         cap,
@@ -190,6 +171,38 @@ def plan_captured(
         made.estimate().step_time_s * 1e3,
     )
     return made
+
+
+def _precision_of_capture(cap, opts: PlanOptions) -> Precision:
+    """The plan's precision (default: the autocast dtype ``cap`` was captured under), refused
+    when the capture was made for another precision or another expert capacity."""
+    precision = (
+        Precision.build(opts.precision)
+        if opts.precision is not None
+        else Precision(compute=cap.autocast_dtype or torch.float32)
+    )
+    if precision.autocast_dtype != cap.autocast_dtype:
+        raise ValueError(f"the graph was captured under autocast {cap.autocast_dtype}, not for precision {precision}")
+    if cap.expert_capacity != opts.expert_capacity:
+        raise ValueError(
+            f"the graph was captured with expert_capacity={cap.expert_capacity!r}, not "
+            f"{opts.expert_capacity!r}: capture it with the capacity it is planned for"
+        )
+    return precision
+
+
+def _all_pins(cap, opts: PlanOptions, mesh, expert_index, model_name: str) -> dict:
+    """The user's pins, then what forced modes pin where the user did not: sequence-parallel
+    attention (ring / Ulysses) and the 2D/2.5D/3D grids; a forced expert mode is checked."""
+    pinned = resolve_pins(cap, dict(opts.pins or {}), mesh.ndim)
+    for node, forced in attention_rule.forced_pins(cap.graph, opts.sequence_parallel, mesh.shape).items():
+        pinned.setdefault(node, forced)
+    for node, forced in multidim_tp.forced_pins(cap.graph, opts.tensor_parallel, mesh.shape).items():
+        pinned.setdefault(node, forced)
+    experts_rule.check_forced(cap.graph, opts.expert_parallel, mesh.shape, expert_index)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s: pins %s", model_name, {n.name: format_spec(s) for n, s in pinned.items()})
+    return pinned
 
 
 def _plan_data(cap, model_name, mesh, spec, budget, precision, opts, activation_copies, pinned, result, stats) -> dict:
