@@ -60,7 +60,7 @@ def _action_kind(action) -> str:
 def _pipeline_prices(runner) -> dict:
     """``"<stage><kind>"`` -> seconds priced per action, and ``"step"``: the simulated makespan."""
     from partitioner.pipeline_simulation import stage_times
-    from passes.schedules.pipeline_schedules import simulate
+    from passes.schedules import simulate
 
     f, b, w, sync = stage_times(runner)
     kinds = {_action_kind(a) for acts in runner.schedule.actions for a in acts}
