@@ -16,8 +16,17 @@ The peak follows the step:
   all-reduced ones, there from the first microbatch's backward on) and the ``.grad`` of the
   parameters it reduces every microbatch or not at all (``gradients_in_forward``: there from
   the first backward too; a bound under GPipe, whose forwards all come first);
-* backward: parameters + gradients + optimizer state + inputs (+ held gradient sums) + everything kept (released as
-  backward proceeds; the start is the worst case) + the largest backward transient.
+* backward, in a pipeline stage: parameters + gradients + optimizer state + inputs + held
+  gradient sums + everything kept (released as backward proceeds; the start is the worst case)
+  + the largest backward transient;
+* backward, without a pipeline (the records carry ``gradients_alive``,
+  :mod:`passes.plan.bucket_memory`), walked op by op: at op ``t``, parameters + optimizer state +
+  inputs + what ops up to ``t`` keep (an op's saved tensors are freed once its backward ran) +
+  its backward transient + the parameter gradients alive then (``.grad`` made so far, gradients
+  waiting in the runtime's buckets, their flat buffers); at the end of backward (on the first
+  parameter's record, nothing kept) the gradients while the last buckets are sent. With
+  recomputed layers, whose rebuilt tensors are counted on the layer's first op only, the
+  pipeline's bound counts too.
 
 ``peak`` is the larger of the two. Plans saved before these fields existed report the sum of
 their records' ``memory`` as the peak, with no breakdown.
@@ -50,6 +59,9 @@ class MemoryBreakdown:
     """A pipeline stage's gradient sums held back over a step's microbatches, one per parameter
     edge that all-reduces (resident from the first backward to the stage's last: in both peaks;
     a weight stored sharded reduce-scatters in every microbatch and holds nothing here)."""
+    gradients_alive: float = 0.0
+    """Without a pipeline: the most parameter-gradient bytes alive at once in backward (``.grad``
+    made so far, gradients waiting in the runtime's buckets, their flat buffers)."""
     offloaded: float = 0.0
     """Bytes kept in host memory instead: offloaded weights' optimizer state, with the tensor the
     optimizer steps and its gradient (not part of the device's peak)."""
@@ -77,7 +89,8 @@ def memory_breakdown(records: list) -> MemoryBreakdown:
         total = sum(r.get("memory", 0.0) for r in records)  # a plan from before the breakdown
         return MemoryBreakdown(forward_peak=total, backward_peak=total)
     m = MemoryBreakdown()
-    kept = fwd_extra = bwd_extra = 0.0
+    kept = fwd_extra = bwd_extra = walked = 0.0
+    walks = any("gradients_alive" in r for r in records)
     for r in records:
         m.parameters += r.get("parameters", 0.0)
         m.gradients += r.get("gradients", 0.0)
@@ -91,7 +104,16 @@ def memory_breakdown(records: list) -> MemoryBreakdown:
         kept += r.get("saved_activations", 0.0) + r.get("gathered_buffers", 0.0)
         fwd_extra = max(fwd_extra, kept + r.get("transient_fwd", 0.0))
         bwd_extra = max(bwd_extra, r.get("transient_bwd", 0.0))
+        m.gradients_alive = max(m.gradients_alive, r.get("gradients_alive", 0.0))
+        if "gradients_alive" in r or "transient_bwd" in r:
+            walked = max(walked, kept + r.get("transient_bwd", 0.0) + r.get("gradients_alive", 0.0))
     resident = m.parameters + m.optimizer_state + m.inputs + m.held_gradients
     m.forward_peak = resident + m.gradients_in_forward + fwd_extra
-    m.backward_peak = resident + m.gradients + kept + bwd_extra
+    bound = resident + m.gradients + kept + bwd_extra
+    if not walks:
+        m.backward_peak = bound
+    elif any(r.get("recompute") for r in records):
+        m.backward_peak = max(bound, resident + walked)
+    else:
+        m.backward_peak = resident + walked
     return m

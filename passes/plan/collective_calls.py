@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from passes.core.placements import dual_spec, is_partial, parse_spec, transition_steps
+from passes.core.placements import parse_spec
 from passes.core.plan_records import NodeRecord
 
 __all__ = ["group_calls", "collective_calls", "unpriced_latency_s", "arrival_wait_s"]
@@ -65,8 +65,9 @@ def _flat_bucket_calls(members: list, limit: float, *, before: bool) -> int:
 def _reductions_only(grad, src, mesh_shape) -> bool:
     """The runtime's ``reduce_moves`` is not None: every move of the gradient on an axis of more
     than one device is ``Partial -> Replicate`` or ``Partial -> Shard``."""
-    moves = [(a, p, q) for a, p, q in transition_steps(tuple(grad), tuple(dual_spec(src))) if mesh_shape[a] > 1]
-    return bool(moves) and all(is_partial(p) and not is_partial(q) for _, p, q in moves)
+    from passes.plan.bucket_memory import reduction_signature
+
+    return reduction_signature(grad, src, mesh_shape) is not None
 
 
 def group_calls(records: Sequence[NodeRecord], mesh_shape, axis_names, bucket_grads: bool = True) -> tuple:
