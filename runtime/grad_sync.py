@@ -9,7 +9,11 @@ edge whose backward is only ``Partial -> Replicate`` or ``Partial -> Shard`` mov
 :class:`GradientBuckets` instead of reducing it alone.
 
 Buckets (one per reduction signature: the mesh axes and the kind of move on each) fill in the
-order backward produces gradients (the same on every rank); a full bucket is reduced with one
+order backward produces gradients (the same on every rank); the gradient of a ZeRO-3 weight (its
+edge regathers) is reduce-scattered at once, alone, as FSDP does: a bucket would hold it at the
+whole weight's size, ``n`` times its ``.grad``, until sent, and on a model smaller than a bucket
+that is every weight's whole gradient at the end of backward, the gradient memory ZeRO-3 is
+chosen to save; a full bucket is reduced with one
 flat collective per axis (:func:`flat_reduce`: gradients concatenated; for a reduce-scatter,
 each gradient's shard dim moved to the front and cut in the ranks' blocks, so rank ``r``'s
 blocks of every gradient lie together; each gradient is copied into the buffer and dropped)
@@ -173,6 +177,9 @@ class GradientBuckets:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._armed = True
         key, mine = edge.sync_moves
+        if edge.regather:  # ZeRO-3: its unreduced gradient, the whole weight's, is not held in a bucket
+            self._launch(key, [(param, grad, mine)])
+            return
         bucket = self._open.setdefault(key, [])
         bucket.append((param, grad, mine))
         if sum(g.numel() * g.element_size() for _, g, _ in bucket) >= self.bucket_bytes:

@@ -13,7 +13,8 @@ weight's, ``n`` times the ``.grad`` it becomes). Any other parameter's gradient 
 
 **The walk** (:func:`gradients_in_backward`), over the ops in reverse program order (backward's):
 
-* a bucketed gradient is held from its consumer's backward until its bucket is launched;
+* a bucketed gradient is held from its consumer's backward until its bucket is launched; a
+  ZeRO-3 weight's (``regather``) is launched at once in a bucket of its own, as the runtime does;
 * a bucket is launched during the backward of the op whose gradient brings it to
   :data:`runtime.grad_sync.BUCKET_BYTES` or more: its flat buffer is filled while its gradients
   are alive (+ the bucket's bytes), then they are dropped. An all-reduce's buffer becomes the
@@ -88,23 +89,27 @@ class _Gradients:
     def alive(self) -> float:
         return self.grads + self.in_flight + sum(b.whole for b in self.open.values())
 
-    def add(self, signature: tuple, whole: float, grad: float) -> float:
-        """Add a bucketed gradient (``whole`` bytes as made, ``grad`` its ``.grad``'s); the most
-        alive while this happens (a launch included)."""
-        bucket = self.open.setdefault(signature, _Bucket(any(k == "reduce_scatter" for _, k in signature)))
+    def add(self, signature: tuple, whole: float, grad: float, *, alone: bool = False) -> float:
+        """Add a bucketed gradient (``whole`` bytes as made, ``grad`` its ``.grad``'s; ``alone``:
+        launched at once in a bucket of its own); the most alive while this happens (a launch
+        included)."""
+        scatter = any(k == "reduce_scatter" for _, k in signature)
+        if alone:
+            return self.launch(signature, _Bucket(scatter, whole, grad))
+        bucket = self.open.setdefault(signature, _Bucket(scatter))
         bucket.whole += whole
         bucket.grad += grad
         if bucket.whole < self.limit:
             return self.alive()
         return self.launch(signature)
 
-    def launch(self, signature: tuple) -> float:
-        """Launch a bucket: the most alive while its flat buffer is filled."""
-        bucket = self.open[signature]
+    def launch(self, signature: tuple, alone: _Bucket | None = None) -> float:
+        """Launch the open bucket of ``signature`` (or ``alone``, a gradient's own): the most
+        alive while its flat buffer is filled beside its gradients."""
+        bucket = self.open.pop(signature) if alone is None else alone
         if bucket.scatter:
             self.in_flight = 0.0  # the one in flight is waited for first
-        most = self.alive() + bucket.whole
-        del self.open[signature]
+        most = self.alive() + 2 * bucket.whole
         self.grads += bucket.grad
         if bucket.scatter:
             self.in_flight = bucket.whole
@@ -120,26 +125,34 @@ def gradients_in_backward(graph: fx.Graph, choices: dict, mesh_shape, out_spec, 
     found = GradientsInBackward()
     state = _Gradients(BUCKET_BYTES)
     made: set = set()
+    pending = 0.0  # the launches after the op before: while the next op's backward starts
     ops = [n for n in graph.nodes if n.op == "call_function" and info(n).kind == "op"]
     for c in reversed(ops):
         mine = choices.get(c)
         if mine is None or mine.strategy is None:
             continue
-        most = 0.0
+        before, made_here, launches = state.alive(), 0.0, []
         for k, u in enumerate(tensor_input_nodes(c)):
             if info(u).kind != "param" or not grad_flows(u, c):
                 continue
             gradient = _bucketed_gradient(u, c, k, mine, choices, mesh_shape, out_spec)
             if gradient is not None:
-                signature, whole = gradient
-                most = max(most, state.add(signature, whole, grad_bytes(u)))
+                made_here += gradient[1]
+                launches.append((gradient, grad_bytes(u), bool(choices[u].regather)))
             elif u not in made:  # its .grad, from its first consumer's backward on
+                made_here += grad_bytes(u)
                 state.grads += grad_bytes(u)
             made.add(u)
-        found.during[c] = max(most, state.alive())
+        # its backward makes the gradients; the buckets take them after it, its saved tensors
+        # freed: a launch then is counted while the next op's backward starts
+        found.during[c] = max(pending, before + made_here)
+        pending, waiting = 0.0, sum(whole for (_, whole), _, _ in launches)
+        for (signature, whole), grad, alone in launches:  # ZeRO-3: reduce-scattered at once, alone
+            waiting -= whole
+            pending = max(pending, state.add(signature, whole, grad, alone=alone) + waiting)
     for signature in sorted(state.open):
-        found.at_end = max(found.at_end, state.launch(signature))
-    found.at_end = max(found.at_end, state.alive())
+        pending = max(pending, state.launch(signature))
+    found.at_end = max(pending, state.alive())
     logger.debug(
         "parameter gradients in backward: %.0f B alive at most, %.0f B at its end",
         max(found.during.values(), default=0.0),

@@ -21,7 +21,8 @@ groups them:
   grouped by gathered axes and cut into buffers of at most
   :data:`runtime.optimizer_shards.REFRESH_BUCKET_BYTES` (a larger weight alone).
 * Every other bucketed entry (a tied weight's edges, a gradient with a local move besides its
-  reductions) is reduced on its own edge: one call each.
+  reductions, a ZeRO-3 weight's gradient: launched alone) is reduced on its own edge: one call
+  each.
 
 :func:`collective_calls` gives the calls; :func:`unpriced_latency_s` the latency terms that the
 per-entry prices leave out (a bucketed entry's ``time_s`` is its bandwidth term only): once per
@@ -114,6 +115,8 @@ def group_calls(records: Sequence[NodeRecord], mesh_shape, axis_names, bucket_gr
             param = by_name.get(r.inputs[k])
             if param is None or len(users[param.name]) != 1 or k >= len(grads) or grads[k] is None:
                 continue  # a tied weight: reduced per edge
+            if param.regather:
+                continue  # ZeRO-3: reduce-scattered at once, on its own (runtime.grad_sync)
             if not _reductions_only(spec(grads[k]), spec(param.out[0]), mesh_shape):
                 continue  # a local move besides the reductions: reduced per edge
             buckets.setdefault(tuple((c.axis, c.kind) for c in entries), []).append(entries[0].bytes)
