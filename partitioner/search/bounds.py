@@ -37,7 +37,7 @@ def state_bytes_per_param(optimizer) -> int:
 
 
 class Bounds:
-    """Steps 3 and 4 of the module docstring for one model, cluster and batch."""
+    """Steps 3 and 4 of :mod:`partitioner.search` for one model, cluster and batch."""
 
     def __init__(self, facts: ModelFacts, spec, precision: Precision, optimizer, global_batch: int, host_budget=None):
         self.f, self.spec, self.batch = facts, spec, global_batch

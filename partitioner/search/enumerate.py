@@ -36,7 +36,7 @@ def enumerate_configs(
     optimizer="adam",
     seq_len=0,
 ):
-    """Every configuration step 2 of the module docstring lists (pipelined recomputation only
+    """Every configuration step 2 of :mod:`partitioner.search` lists (pipelined recomputation only
     where ``recompute`` allows it: ``"auto"`` tries ``none`` and ``all``), each with every ZeRO
     stage :func:`zero_stages` allows; for a long sequence (:func:`sequence_degrees`), also
     ``N = d * s`` without a pipeline or tensor axis, ring or Ulysses attention over ``sp``

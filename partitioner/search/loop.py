@@ -27,7 +27,7 @@ FAR_ABOVE = 3.0
 
 
 class PlanningLoop:
-    """Step 5 of the module docstring: plan the candidates in order, best first, until the limit.
+    """Step 5 of :mod:`partitioner.search`: plan the candidates in order, best first, until the limit.
 
     Planning order: the candidates likely to fit first, each group by the quick estimate. Likely
     to fit: the memory bound with its activations scaled by ``slack``, the largest ratio of a
