@@ -115,8 +115,8 @@ def search_config(
     pipeline_recompute: bool = True,
     **option_kwargs,
 ) -> ShardingPlan:
-    """The best configuration for ``devices`` devices and its plan (the steps of :mod:`partitioner.search`
-    steps). ``options``: the :class:`PlanOptions` (keywords of the same names override them):
+    """The best configuration for ``devices`` devices and its plan (the steps of
+    :mod:`partitioner.search`). ``options``: the :class:`PlanOptions` (keywords of the same names override them):
     every option is honoured (forced algorithms and ZeRO stages narrow the candidates) or
     refused with a ``ValueError``. ``pipelines=False`` leaves pipelines out;
     ``pipeline_recompute=False`` leaves out pipelined candidates that recompute (what
