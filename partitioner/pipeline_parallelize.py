@@ -299,7 +299,6 @@ def _plan_stages(graphs, sub, tied, user_pins, schedule, config, *, model_name, 
             mesh_axis_names=sub.axis_names,
             options=options.replace(pins=stage_pins),
             activation_copies=copies[g.index],
-            zero1=False,
             microbatches=config.microbatches,
             holds_gradient_sums=True,
         )
@@ -327,7 +326,7 @@ def _build_stages(graphs, plans, schedule, pp_coord, sub, source, cap, tied, dev
         weights, specs, strided = load_local_weights(
             g.captured, records, sub, source, device, exported=cap.exported, tied=[sorted(t) for t in tied]
         )
-        owned[s] = StageProgram(
+        owned[s] = stage = StageProgram(
             s,
             program,
             g.inputs,
@@ -341,6 +340,8 @@ def _build_stages(graphs, plans, schedule, pp_coord, sub, source, cap, tied, dev
             activations=g.activation_inputs,
             autocast_dtype=g.captured.autocast_dtype,
         )
+        if precision is not None:  # ZeRO-1 weights' reductions too
+            stage.optimizer_shards.reduce_dtype = precision.grad_reduce_dtype
     return owned
 
 

@@ -1,0 +1,145 @@
+"""ZeRO-1 inside pipeline stages, on real gloo ranks against one device.
+
+A ZeRO-1 weight in a stage is read as a whole compute copy; its gradient sums in the copy over
+the step's microbatches; once the rank has run every action, the sum is reduce-scattered into
+the optimizer's shard (the stage's parameter), the user's AdamW steps the shard, and the next
+``train_step`` all-gathers the copy before its first action (``runtime/pipeline.py``,
+``runtime/optimizer_shards.py``).
+
+On 2 stages x 2-way data parallelism (4 ranks), GPT with ``zero=1`` under ZB-H1 (so the weight
+pass reads the copies too), one forked run:
+
+* every stage has ZeRO-1 weights, and the pipelined plan's summary says so;
+* the loss and every gradient of the first step equal one device's, and so do the losses of
+  the next step and the parameters after 2 AdamW steps;
+* the communication counted over the second step (its forward gathers what the first AdamW
+  step changed) equals the stage plan's estimate per phase, kind and axis, bytes and calls:
+  per microbatch, except the held-back syncs and the ZeRO-1 reduce-scatter and all-gather, once
+  per step (``partitioner.plan_estimate.stage_step_comm``);
+* AdamW's state on each rank is the shard's (its moments have the shard's elements, half the
+  whole weight's for a ZeRO-1 weight) and its bytes equal the estimate's optimizer state;
+* the gradient bytes alive before the step's reductions (the copies' sums, and ``.grad`` made
+  per microbatch) equal the estimate's ``gradients_in_forward``, and the held sums its
+  ``held_gradients``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from parity_utils import ADAM_EPS, LR, Checks, call, check_grads_by_alias, loss_of, nested_approx_equal
+
+import partitioner
+from partitioner.models import gpt_demo
+from runtime.launch import run_on_ranks
+
+STEPS = 2
+MICROBATCHES = 4
+DATA_PARALLEL = {"idx": ["S(0)"], "targets": ["S(0)"], "h.?": ["S(0)"], "ln_f": ["S(0)"]}  # weights free: ZeRO-1
+
+
+def _grad_bytes(tensors) -> int:
+    return sum(t.grad.numel() * t.grad.element_size() for t in tensors if t.grad is not None)
+
+
+def _zero1_worker(rank, world, _cfg):
+    from partitioner.pipeline_plan import runner_plan
+    from partitioner.plan_estimate import stage_step_comm
+    from runtime.collectives import CommCounter
+    from runtime.grad_sync import DeferredSyncs
+
+    checks = Checks(rank)
+    model, inputs = gpt_demo(batch=8, seq=16, n_layer=2, n_embd=32, n_head=2, vocab_size=64)
+    ref = copy.deepcopy(model)
+    pipeline = {"degree": 2, "schedule": "zb-h1", "microbatches": MICROBATCHES}
+    runner = partitioner.auto_parallelize(
+        model, inputs, mesh=(2, 2), pins=DATA_PARALLEL, cluster="h100", zero=1, pipeline=pipeline
+    )
+    (key,) = runner.stages
+    stage = runner.stages[key]
+    plan = stage.plan
+    zero1 = {r["fqn"]: r for r in plan.records if r.get("stored")}
+    checks.true(f"stage {key} has no ZeRO-1 weight", bool(zero1))
+    checks.true("the summary does not say ZeRO-1", "ZeRO-1" in runner_plan(runner).summary())
+
+    # the gradient bytes alive when the step's reductions start
+    alive = []
+    flush = DeferredSyncs.flush
+
+    def measuring_flush(self, flush=flush):
+        held = sum(t.numel() * t.element_size() for t in self._held.values())
+        made = _grad_bytes(p for _, p in stage.named_fqn_parameters())
+        alive.append((held, made + _grad_bytes(stage.optimizer_shards.copies())))
+        flush(self)
+
+    DeferredSyncs.flush = measuring_flush
+    try:
+        loss = runner.train_step(inputs)
+    finally:
+        DeferredSyncs.flush = flush
+    ref_loss = loss_of(call(ref, inputs))
+    ref_loss.backward()
+    checks.close("loss", loss.detach(), ref_loss.detach())
+    key_of = check_grads_by_alias(runner.full_grads(), ref, checks, one_name=True)
+
+    opt = torch.optim.AdamW(runner.parameters(), lr=LR, eps=ADAM_EPS)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=ADAM_EPS)
+    counter = None
+    for step in range(STEPS):
+        if step > 0:
+            opt.zero_grad(set_to_none=True)
+            ref_opt.zero_grad(set_to_none=True)
+            with CommCounter() as counter:
+                step_loss = runner.train_step(inputs)
+            step_ref = loss_of(call(ref, inputs))
+            step_ref.backward()
+            checks.close(f"loss at step {step}", step_loss.detach(), step_ref.detach())
+        opt.step()
+        ref_opt.step()
+    state = runner.full_state_dict()
+    for name, p in ref.named_parameters():
+        if name in key_of:
+            checks.close(f"parameter {name} after {STEPS} AdamW steps", state[key_of[name]], p.detach())
+
+    est = plan.estimate()
+    want_bytes, want_calls = stage_step_comm(plan, MICROBATCHES)
+    for phase in ("fwd", "bwd"):
+        for diff in nested_approx_equal(counter.phase_dict().get(phase, {}), want_bytes.get(phase, {})):
+            checks.true(f"{phase} communication over the step: {diff}", False)
+        for diff in nested_approx_equal(counter.calls_phase_dict().get(phase, {}), want_calls.get(phase, {})):
+            checks.true(f"{phase} collective calls over the step: {diff}", False)
+
+    moments, shard_elements, whole_elements = 0, 0, 0
+    for fqn, p in stage.named_fqn_parameters():
+        s = opt.state[p]
+        moments += sum(s[k].numel() * s[k].element_size() for k in ("exp_avg", "exp_avg_sq"))
+        checks.true(f"{fqn}: AdamW's moments are not the shard's", s["exp_avg"].shape == p.shape)
+        if fqn in zero1:
+            shard_elements += p.numel()
+            whole_elements += torch.Size(zero1[fqn]["shapes"][0]).numel()
+    checks.true(
+        f"ZeRO-1 shards hold {shard_elements} of {whole_elements} elements, not half",
+        shard_elements > 0 and 2 * shard_elements == whole_elements,
+    )
+    checks.true(
+        f"optimizer state {moments} B != estimated {est.memory.optimizer_state:.0f} B",
+        moments == est.memory.optimizer_state,
+    )
+    held, made = alive[0]
+    checks.true(f"held sums {held} B != estimated {est.memory.held_gradients:.0f} B", held == est.memory.held_gradients)
+    checks.true(
+        f"gradients before the reductions {made} B != estimated {est.memory.gradients_in_forward:.0f} B",
+        made == est.memory.gradients_in_forward,
+    )
+    reduced = counter.grad_sync_dict().get("reduce_scatter", {})
+    return {"failures": checks.failures, "zero1": len(zero1), "reduce_scatter": reduced}
+
+
+def test_zero1_in_pipeline_stages_matches_one_device_and_its_estimate():
+    per_rank = run_on_ranks(_zero1_worker, 4, None, timeout_s=180)
+    failures = [f for r in per_rank for f in r["failures"]]
+    assert not failures, f"{len(failures)} mismatches, first ones:\n" + "\n".join(failures[:12])
+    for r in per_rank:
+        assert r["zero1"] > 0
+        assert sum(r["reduce_scatter"].values()) > 0  # the shards' gradients, reduce-scattered
