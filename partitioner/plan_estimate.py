@@ -152,8 +152,9 @@ def _intra_op_estimate(plan) -> Estimate:
                 sync[c.kind][c.axis] += c.bytes
     as_dict = lambda d: {k: dict(v) for k, v in d.items()}  # noqa: E731
     memory = memory_breakdown(plan.records)
-    calls, flat, wait = _priced_calls(plan)
+    calls, flat, wait, once = _priced_calls(plan)
     comm_t += flat + wait
+    sync_t += once  # the compute copies' flat calls: launched once per step
     return Estimate(
         step_time_s=compute + comm_t + optimizer,
         compute_s=compute,
@@ -192,22 +193,32 @@ def grad_sync_calls(plan) -> dict:
 
 
 def _priced_calls(plan) -> tuple:
-    """(calls per phase, kind and axis; the flat calls' latency terms; the arrival waits):
+    """(calls per phase, kind and axis; the flat calls' latency terms; the arrival waits; the part
+    of the latency terms that the compute copies' flat calls pay, once per step):
     :mod:`passes.plan.collective_calls` with the plan's cluster (no cluster saved: 0 s each)."""
-    from passes.plan.collective_calls import arrival_wait_s, collective_calls, group_calls, unpriced_latency_s
+    from passes.plan.collective_calls import (
+        arrival_wait_s,
+        call_latency_s,
+        collective_calls,
+        group_calls,
+        unpriced_latency_s,
+    )
 
     args = (plan.node_records, plan.mesh_shape, plan.axis_names)
     grouped = group_calls(*args)
     calls = collective_calls(*args, grouped=grouped)
     if not isinstance(plan.data.get("cluster"), dict):
-        return calls, 0.0, 0.0
+        return calls, 0.0, 0.0, 0.0
     from partitioner.local_cluster import get_cluster
 
     cluster = get_cluster(plan.data["cluster"])
+    copies, _ = group_calls(*args, bucket_grads=False)  # the compute copies' flat calls alone
+    once = sum(n * call_latency_s(kind, axis, *args[1:], cluster) for _, kind, axis, n in copies)
     return (
         calls,
         unpriced_latency_s(*args, cluster, grouped=grouped),
         arrival_wait_s(*args, cluster, grouped=grouped),
+        once,
     )
 
 

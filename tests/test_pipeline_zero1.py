@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from parity_utils import ADAM_EPS, LR, Checks, call, check_grads_by_alias, loss_of, nested_approx_equal
 
@@ -143,3 +144,69 @@ def test_zero1_in_pipeline_stages_matches_one_device_and_its_estimate():
     for r in per_rank:
         assert r["zero1"] > 0
         assert sum(r["reduce_scatter"].values()) > 0  # the shards' gradients, reduce-scattered
+
+
+def _stage_plan(microbatches: int, **options):
+    """GPT planned as one pipeline stage of ``microbatches`` on 4 data-parallel devices."""
+    from partitioner.intra_op import plan_captured
+    from passes.analysis.analyze import analyze
+    from passes.capture.capture import capture
+
+    model, inputs = gpt_demo(batch=8, seq=16, n_layer=2, n_embd=32, n_head=2, vocab_size=64)
+    cap = capture(model, inputs)
+    analyze(cap)
+    pins = {"idx": ["S(0)"], "targets": ["S(0)"], "h.?": ["S(0)"], "ln_f": ["S(0)"], "lm_head": ["S(0)"]}
+    return plan_captured(
+        cap,
+        model_name="gpt stage",
+        mesh_shape=(4,),
+        cluster="h100",
+        recompute="none",
+        pins=pins,
+        activation_copies=2,
+        microbatches=microbatches,
+        holds_gradient_sums=True,
+        **options,
+    )
+
+
+def test_a_stage_prices_zero1_once_per_step_and_chooses_it_when_the_budget_needs_it():
+    """Planning only: a stage's ZeRO-1 reduce-scatter and all-gather (and their flat calls'
+    latency) are once-per-step time (``grad_sync_s``, out of the forward), counted once over a
+    step whatever the microbatches; the copies' gradients are no held sums; the optimizer state
+    is the shards'. Under ``zero="auto"``, one byte more than the replicated plan needs keeps every
+    weight replicated (ZeRO-1 ties it in time), and the ZeRO-1 plan's peak makes weights ZeRO-1,
+    not ZeRO-2/3."""
+    from partitioner.plan_estimate import copy_collective, stage_step_comm
+    from partitioner.plan_table import weight_storage
+
+    m = 4
+    forced = _stage_plan(m, zero=1)
+    est = forced.estimate()
+    assert set(weight_storage(forced).values()) == {"zero1"}
+    own = [c for r in forced.node_records for c in r.comm if copy_collective(r, c)]
+    mine = {id(c) for c in own}
+    assert {(c.kind, c.phase) for c in own} == {("reduce_scatter", "bwd"), ("all_gather", "fwd")}
+    # their bandwidth terms and one launch of each flat call (one reduce-scatter, few gathers)
+    assert est.grad_sync_s > sum(c.time_s for c in own) > 0
+    forward = sum(r.forward_s or 0.0 for r in forced.node_records)
+    forward += sum(c.time_s for r in forced.node_records for c in r.comm if c.phase == "fwd" and id(c) not in mine)
+    assert est.forward_s == pytest.approx(forward)  # the gather runs once, before the step's forwards
+    nbytes = sum(c.bytes for c in own if c.kind == "all_gather")
+    per_step, _ = stage_step_comm(forced, m)
+    assert per_step["fwd"]["all_gather"] == {"a0": nbytes}  # once, not m times
+    assert per_step["bwd"]["reduce_scatter"] == {"a0": nbytes}
+    memory = est.memory
+    assert memory.held_gradients == 0 and memory.gradients_in_forward == nbytes  # the copies' sums
+    assert memory.optimizer_state == 2 * nbytes / 4  # Adam's two moments, a quarter of each weight
+
+    replicated = _stage_plan(m).estimate()
+    assert replicated.memory.held_gradients > 0 and replicated.memory.optimizer_state == 2 * nbytes
+    loose = _stage_plan(m, memory_budget=int(replicated.memory_bytes) + 1)
+    assert set(weight_storage(loose).values()) == {"replicated"}
+    # the forced plan's peak: weights turn ZeRO-1 (the replicated state does not fit), none is
+    # gathered for use in every microbatch (ZeRO-2/3)
+    tight = _stage_plan(m, memory_budget=int(est.memory_bytes))
+    stored = set(weight_storage(tight).values())
+    assert "zero1" in stored and not stored & {"zero2", "zero3"}, stored
+    assert tight.estimate().memory_bytes <= est.memory_bytes
