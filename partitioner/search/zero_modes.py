@@ -28,6 +28,12 @@ def planner_zero(stage):
     return {0: 2, 3: "auto"}.get(stage, stage)
 
 
+def frees_memory(asked, other) -> bool:
+    """Whether a plan at ZeRO stage ``asked`` that fit only far above its quick estimate is planned
+    again at ``other``: ZeRO-1 or 3, a higher stage the intra-op solver is asked differently."""
+    return other in (1, 3) and stage_rank(other) > stage_rank(asked) and planner_zero(other) != planner_zero(asked)
+
+
 def stage_rank(stage) -> int:
     return -1 if stage == "auto" else int(stage)
 
