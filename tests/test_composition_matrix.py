@@ -26,9 +26,9 @@ batch x sequence, so the sequence is split too. Grid and precision are crossed (
 ZeRO modes and the models each appear. The 2D cases of the first design run at batch 2 as well.
 
 Each case, on 4 forked gloo ranks (8 for the grids; all cases of a group in one rank group, so
-processes start once; the models of the cases without stages are built and captured in the
-parent before it forks, inside ``partitioner.captures.keep_captures``, so the ranks'
-``auto_parallelize`` reuses that capture instead of exporting the model on every rank):
+processes start once; the models of the cases are built and captured in the parent before it
+forks, a pipeline's cut into its stages, inside ``partitioner.captures.keep_captures``, so the
+ranks' ``auto_parallelize`` reuses that capture instead of exporting the model on every rank):
 parity against a deep copy on one device (fp32: ``assert_close`` defaults on the loss and every
 gradient; bf16: against the copy under ``torch.autocast`` in bf16, the tolerances of
 ``tests/test_mixed_precision.py``: loss rtol 4u, each gradient norm-wise within
@@ -47,6 +47,7 @@ from parity_utils import Checks, call, check_grads_by_alias, loss_of, nested_app
 
 from partitioner import hf_families
 from partitioner.captures import capture, keep_captures
+from partitioner.pipeline_parallelize import capture_pipeline
 from passes.core.placements import Shard, parse_spec
 from runtime.collectives import CommCounter
 from runtime.launch import run_on_ranks
@@ -167,15 +168,16 @@ def _build(case):
 
 def _captured_here(cases) -> list:
     """Per case, (model, inputs) built and captured in this process as its ``auto_parallelize``
-    call will capture them (call inside ``keep_captures``, then fork), or None: a pipeline
-    captures its stages itself, a refused case never captures."""
+    call will capture them (call inside ``keep_captures``, then fork; a pipeline: its stages),
+    or None: a refused case never captures."""
     built = []
     for case in cases:
-        if case["refused"] or case["algo"] == "pp":
+        if case["refused"]:
             built.append(None)
             continue
         model, inputs = _build(case)
-        capture(model, inputs, **{k: v for k, v in _options(case).items() if k != "mesh"})
+        options = {k: v for k, v in _options(case).items() if k != "mesh"}
+        (capture_pipeline if "pipeline" in options else capture)(model, inputs, **options)
         built.append((model, inputs))
     return built
 
