@@ -229,11 +229,11 @@ def capture_pipeline(model, example_inputs, pipeline, **options) -> tuple:
     """What ``auto_parallelize(model, example_inputs, pipeline=pipeline, **options)`` captures:
     (capture, stage graphs, layer runs), kept for that call inside
     :func:`partitioner.captures.keep_captures` (a parent captures once for its forked ranks)."""
-    options = PlanOptions.from_call(None, **options)
+    opts = PlanOptions.from_call(None, **options)
     config = PipelineConfig.build(pipeline).resolve(_batch_of(example_inputs))
     stages = _make_schedule(config, config.schedule).num_stages if config.schedule is not None else config.degree
     return _capture_stages(
-        model, example_inputs, config, stages, options.layers, options.precision_policy, options.sequence_parallel
+        model, example_inputs, config, stages, opts.layers, opts.precision_policy, opts.sequence_parallel
     )
 
 
