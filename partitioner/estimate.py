@@ -54,9 +54,11 @@ class Estimate:
     bubble_s: float = 0.0
     """Pipelines: the busiest rank's idle time in the simulated schedule (0 without a pipeline)."""
     grad_sync_s: float = 0.0
-    """The part of ``comm_s`` that moves parameter gradients a pipeline stage holds back and
-    reduces once per step, not once per microbatch: the all-reduces onto replicated storage (a
-    weight stored sharded reduce-scatters its gradient in every microbatch: not counted here)."""
+    """The part of ``comm_s`` a pipeline stage runs once per step, not once per microbatch: the
+    parameter-gradient all-reduces onto replicated storage it holds back, and the ZeRO-1 (or
+    offloaded) weights' reduction into the stepped shard and all-gather into the compute copy
+    (a weight stored sharded reduce-scatters its gradient in every microbatch: not counted here).
+    Not part of ``forward_s``."""
     grad_sync_bytes: dict = field(default_factory=dict)
     """``grad_sync_bytes[kind][axis_name]``: the part of ``comm_bytes`` those collectives send."""
     optimizer_s: float = 0.0

@@ -108,8 +108,8 @@ def plan_captured(
     ``activation_copies``: microbatches whose saved activations are alive at once (a pipeline
     stage under its schedule): the activation memory counts that many. ``options.precision``:
     recorded in the plan (default: the autocast dtype ``cap`` was captured under, fp32
-    reductions). ``zero1``: offer ZeRO-1 weights (pipeline stages do not: their
-    runtime keeps no compute copies). ``microbatches``: a pipeline stage's microbatches per step (its
+    reductions). ``zero1``: offer ZeRO-1 weights (the configuration search turns
+    them off where it prices a candidate without them). ``microbatches``: a pipeline stage's microbatches per step (its
     held-back parameter-gradient all-reduces, once per step, are weighed at their share per
     microbatch; reduce-scatters onto weights stored sharded run every microbatch).
     ``holds_gradient_sums``: a pipeline stage (it holds its gradient sums over the microbatches:

@@ -139,8 +139,9 @@ def auto_parallelize(
             the first mesh axis becomes pipeline stages; returns a runner whose
             ``train_step(batch)`` runs forward and backward over all microbatches. Stages keep
             their activations (``recompute="auto"`` chooses among keeping them; ``"all"`` and
-            ``"selective"`` are refused), store weights whole or ZeRO-2/3 (``zero=1`` is
-            refused) and take the global batch (``local_inputs=True`` is refused).
+            ``"selective"`` are refused), store weights whole, ZeRO-1 (optimizer state sharded
+            over the stage's data-parallel axes) or ZeRO-2/3 and take the global batch
+            (``local_inputs=True`` is refused).
         cluster: cost model; default: the devices this job runs on (``"cpu"``, measured, on
             CPUs; the GPU's preset on GPUs).
         local_inputs: each rank passes only its own piece of the batch (as with DDP).
@@ -312,12 +313,6 @@ def _pipelined(model, example_inputs, pipeline, *, mesh, mesh_axis_names, plan, 
             f"recompute={options.recompute!r} is not available {_PIPELINE_MODE} yet: pipeline stages keep their "
             "layers' activations (their schedule bounds how many microbatches are alive); use recompute='auto' "
             "or 'none' with a pipeline"
-        )
-    zero_modes = options.zero.values() if isinstance(options.zero, dict) else [options.zero]
-    if 1 in zero_modes:
-        raise ValueError(
-            f"zero=1 is not available {_PIPELINE_MODE}: ZeRO-1 keeps a whole compute copy of each weight beside "
-            "its optimizer shard, which pipeline stage programs do not; use zero=2 or 3 (weights stored sharded)"
         )
     if options.expert_parallel == "on":
         raise ValueError(

@@ -229,11 +229,11 @@ def capture_pipeline(model, example_inputs, pipeline, **options) -> tuple:
     """What ``auto_parallelize(model, example_inputs, pipeline=pipeline, **options)`` captures:
     (capture, stage graphs, layer runs), kept for that call inside
     :func:`partitioner.captures.keep_captures` (a parent captures once for its forked ranks)."""
-    options = PlanOptions.from_call(None, **options)
+    opts = PlanOptions.from_call(None, **options)
     config = PipelineConfig.build(pipeline).resolve(_batch_of(example_inputs))
     stages = _make_schedule(config, config.schedule).num_stages if config.schedule is not None else config.degree
     return _capture_stages(
-        model, example_inputs, config, stages, options.layers, options.precision_policy, options.sequence_parallel
+        model, example_inputs, config, stages, opts.layers, opts.precision_policy, opts.sequence_parallel
     )
 
 
@@ -318,7 +318,6 @@ def _plan_stages(graphs, sub, tied, user_pins, schedule, config, *, model_name, 
             mesh_axis_names=sub.axis_names,
             options=options.replace(pins=stage_pins),
             activation_copies=copies[g.index],
-            zero1=False,
             microbatches=config.microbatches,
             holds_gradient_sums=True,
         )
@@ -346,7 +345,7 @@ def _build_stages(graphs, plans, schedule, pp_coord, sub, source, cap, tied, dev
         weights, specs, strided = load_local_weights(
             g.captured, records, sub, source, device, exported=cap.exported, tied=[sorted(t) for t in tied]
         )
-        owned[s] = StageProgram(
+        owned[s] = stage = StageProgram(
             s,
             program,
             g.inputs,
@@ -360,6 +359,8 @@ def _build_stages(graphs, plans, schedule, pp_coord, sub, source, cap, tied, dev
             activations=g.activation_inputs,
             autocast_dtype=g.captured.autocast_dtype,
         )
+        if precision is not None:  # ZeRO-1 weights' reductions too
+            stage.optimizer_shards.reduce_dtype = precision.grad_reduce_dtype
     return owned
 
 

@@ -18,7 +18,16 @@ if TYPE_CHECKING:
     from partitioner.sharding_plan import ShardingPlan
     from passes.core.plan_records import CollectiveRecord, NodeRecord
 
-__all__ = ["estimate_plan", "grad_sync_calls", "held_grad_sync", "per_step_comm", "plan_collective_calls"]
+__all__ = [
+    "copy_collective",
+    "estimate_plan",
+    "grad_sync_calls",
+    "held_grad_sync",
+    "once_per_step",
+    "per_step_comm",
+    "plan_collective_calls",
+    "stage_step_comm",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +91,45 @@ def held_grad_sync(plan: ShardingPlan, record: NodeRecord, c: CollectiveRecord) 
     return _held_back(source.out[0], grads[k], plan.mesh_shape)
 
 
+def copy_collective(record: NodeRecord, c: CollectiveRecord) -> bool:
+    """A compute copy's own collective, once per step (on a ZeRO-1 or offloaded parameter's record:
+    its gradient's reduction into the stepped tensor and, ZeRO-1, that shard's all-gather into the
+    copy, :func:`passes.plan.zero_storage.zero1_collectives`)."""
+    return record.kind == "param" and c.input is None and bool(c.bucketed)
+
+
+def once_per_step(plan: ShardingPlan, record: NodeRecord, c: CollectiveRecord) -> bool:
+    """A collective a pipeline stage runs once per step, not once per microbatch: a held-back
+    gradient sync (:func:`held_grad_sync`) or a compute copy's (:func:`copy_collective`)."""
+    return copy_collective(record, c) or held_grad_sync(plan, record, c)
+
+
+def stage_step_comm(plan: ShardingPlan, m: int) -> tuple:
+    """A pipeline stage's ``({phase: {kind: {axis: bytes}}}, {phase: {kind: {axis: calls}}})`` over
+    a step of ``m`` microbatches (:class:`runtime.pipeline.PipelineRunner`): every collective once
+    per microbatch, except those it runs once per step (:func:`once_per_step`). Its calls: per
+    edge (a stage buckets nothing), the compute copies' in flat buffers
+    (:func:`passes.plan.collective_calls.group_calls`)."""
+    from passes.plan.collective_calls import group_calls
+
+    est = plan.estimate()
+    once: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
+    once_calls: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(int)))
+    for r in plan.node_records:
+        for c in r.comm:
+            if once_per_step(plan, r, c):
+                once[c.phase][c.kind][c.axis] += c.bytes
+                if not copy_collective(r, c):  # a held sync: one call per edge
+                    once_calls[c.phase][c.kind][c.axis] += 1
+    flat, _ = group_calls(plan.node_records, plan.mesh_shape, plan.axis_names, bucket_grads=False)
+    for phase, kind, axis, n in flat:  # the copies' flat calls (no gradient buckets in a stage)
+        once_calls[phase][kind][axis] += n
+    calls = plan_collective_calls(plan, bucket_grads=False)
+    step_bytes = {ph: per_step_comm(kinds, once.get(ph, {}), m) for ph, kinds in est.comm_bytes_by_phase.items()}
+    step_calls = {ph: per_step_comm(kinds, once_calls.get(ph, {}), m) for ph, kinds in calls.items()}
+    return step_bytes, step_calls
+
+
 def _intra_op_estimate(plan) -> Estimate:
     compute = comm_t = weight = sync_t = optimizer = forward = 0.0
     comm = defaultdict(lambda: defaultdict(float))
@@ -95,16 +143,18 @@ def _intra_op_estimate(plan) -> Estimate:
         forward += r.forward_s or 0.0
         for c in r.comm:
             comm_t += c.time_s
-            forward += c.time_s if c.phase == "fwd" else 0.0
+            # a compute copy's gather runs once per step, before the forward (with the syncs below)
+            forward += c.time_s if c.phase == "fwd" and not copy_collective(r, c) else 0.0
             comm[c.kind][c.axis] += c.bytes
             phases[c.phase][c.kind][c.axis] += c.bytes
-            if held_grad_sync(plan, r, c):
+            if once_per_step(plan, r, c):
                 sync_t += c.time_s
                 sync[c.kind][c.axis] += c.bytes
     as_dict = lambda d: {k: dict(v) for k, v in d.items()}  # noqa: E731
     memory = memory_breakdown(plan.records)
-    calls, flat, wait = _priced_calls(plan)
+    calls, flat, wait, once = _priced_calls(plan)
     comm_t += flat + wait
+    sync_t += once  # the compute copies' flat calls: launched once per step
     return Estimate(
         step_time_s=compute + comm_t + optimizer,
         compute_s=compute,
@@ -143,22 +193,32 @@ def grad_sync_calls(plan) -> dict:
 
 
 def _priced_calls(plan) -> tuple:
-    """(calls per phase, kind and axis; the flat calls' latency terms; the arrival waits):
+    """(calls per phase, kind and axis; the flat calls' latency terms; the arrival waits; the part
+    of the latency terms that the compute copies' flat calls pay, once per step):
     :mod:`passes.plan.collective_calls` with the plan's cluster (no cluster saved: 0 s each)."""
-    from passes.plan.collective_calls import arrival_wait_s, collective_calls, group_calls, unpriced_latency_s
+    from passes.plan.collective_calls import (
+        arrival_wait_s,
+        call_latency_s,
+        collective_calls,
+        group_calls,
+        unpriced_latency_s,
+    )
 
     args = (plan.node_records, plan.mesh_shape, plan.axis_names)
     grouped = group_calls(*args)
     calls = collective_calls(*args, grouped=grouped)
     if not isinstance(plan.data.get("cluster"), dict):
-        return calls, 0.0, 0.0
+        return calls, 0.0, 0.0, 0.0
     from partitioner.local_cluster import get_cluster
 
     cluster = get_cluster(plan.data["cluster"])
+    copies, _ = group_calls(*args, bucket_grads=False)  # the compute copies' flat calls alone
+    once = sum(n * call_latency_s(kind, axis, *args[1:], cluster) for _, kind, axis, n in copies)
     return (
         calls,
         unpriced_latency_s(*args, cluster, grouped=grouped),
         arrival_wait_s(*args, cluster, grouped=grouped),
+        once,
     )
 
 
@@ -174,15 +234,8 @@ def _pipeline_estimate(plan) -> Estimate:
     busiest = stages[pipe.get("busiest_stage", 0)]
     comm = per_step_comm(busiest.comm_bytes, busiest.grad_sync_bytes, m)
     comm["send_recv"] = {"pp": float(pipe["p2p_bytes"])}
-    phases = {
-        ph: per_step_comm(kinds, busiest.grad_sync_bytes if ph == "bwd" else {}, m)
-        for ph, kinds in busiest.comm_bytes_by_phase.items()
-    }
-    stage = plan.stage_plans[pipe.get("busiest_stage", 0)]
-    stage_calls = plan_collective_calls(stage, bucket_grads=False)  # a stage's syncs: per edge, once per step
     # (the stages' point-to-point sends, priced in p2p_time_s, are not collectives: not counted)
-    sync_calls = grad_sync_calls(stage)
-    calls = {ph: per_step_comm(kinds, sync_calls if ph == "bwd" else {}, m) for ph, kinds in stage_calls.items()}
+    phases, calls = stage_step_comm(plan.stage_plans[pipe.get("busiest_stage", 0)], m)
     return Estimate(
         step_time_s=pipe["step_time_s"],
         compute_s=busiest.compute_s * m,

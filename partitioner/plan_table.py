@@ -410,9 +410,10 @@ def weight_storage(plan) -> dict:
     return out
 
 
-def _storage_lines(plan, width, wide) -> list:
-    """``weights: 12 replicated (data parallel), 4 ZeRO-3 (...)``, when some weight is gathered for use."""
-    kinds = Counter(weight_storage(plan).values())
+def _storage_lines(plan, width, wide, kinds=None) -> list:
+    """``weights: 12 replicated (data parallel), 4 ZeRO-3 (...)``, when some weight is gathered for use
+    or ZeRO-1 (``kinds``: the counts to print, by default ``plan``'s)."""
+    kinds = kinds if kinds is not None else Counter(weight_storage(plan).values())
     if not kinds["zero1"] and not kinds["zero2"] and not kinds["zero3"] and not kinds["cube"]:
         return []
     said = {
@@ -451,6 +452,8 @@ def pipeline_table(plan, *, width: int = WIDTH) -> str:
         f"{_fmt_bytes(plan.data['budget']) if plan.data.get('budget') else 'none'}, precision {plan.precision_name}"
     )
     lines = textwrap.wrap(title, width, subsequent_indent="  ") + config_lines(plan, width)
+    stored = sum((Counter(weight_storage(stage).values()) for stage in plan.stage_plans), Counter())
+    lines += _storage_lines(plan, width, False, stored)  # over the stages (e.g. ZeRO-1 inside them)
     lines.append(
         f"schedule {pipe['schedule']}: {pipe['microbatches']} microbatches, simulated step "
         f"{_fmt_time(pipe['step_time_s'])}, bubble {100 * pipe['bubble_fraction']:.1f}% of rank-time, "

@@ -169,6 +169,12 @@ class OptimizerShards:
         return joined
 
     # -- reduce: compute copies' gradients -> shards' gradients ---------------------------------
+    def flush(self) -> None:
+        """Reduce the copies' gradients into the shards now, outside backward: for a caller whose
+        step is several backward calls made while ``deferred`` defers (a pipeline stage's ``B`` /
+        ``W`` actions, :class:`runtime.pipeline.PipelineRunner`)."""
+        self._reduce()
+
     def _arm(self, _copy) -> None:
         if not self._armed:
             torch.autograd.Variable._execution_engine.queue_callback(self._reduce)

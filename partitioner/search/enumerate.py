@@ -47,7 +47,7 @@ def enumerate_configs(
         if global_batch % d:
             continue
         for algo in ("ring", "ulysses"):
-            for z in zero_stages(d * s, 1, optimizer):
+            for z in zero_stages(d * s, optimizer):
                 out.append(
                     ParallelConfig(
                         1, d, 1, 1, None, 1, recompute, global_batch, zero=z, sequence=s, sequence_parallel=algo
@@ -65,7 +65,7 @@ def enumerate_configs(
                 continue  # the same one-axis stage mesh as (p, t, 1): the solver places it alike
             if p == 1:
                 if global_batch % d == 0:
-                    for z in zero_stages(d, 1, optimizer):
+                    for z in zero_stages(d, optimizer):
                         out.append(ParallelConfig(1, d, t, 1, None, 1, recompute, global_batch, zero=z))
                 continue
             if not pipelines or p > layers:
@@ -80,6 +80,6 @@ def enumerate_configs(
                     for rc in pipe_rc:
                         if rc == "all" and layers // (p * v) < 2:
                             continue  # a stage of one layer has no repeated block to recompute
-                        for z in zero_stages(d, p, optimizer):
+                        for z in zero_stages(d, optimizer):
                             out.append(ParallelConfig(p, d, t, m, name, v, rc, global_batch, zero=z))
     return out

@@ -90,7 +90,7 @@ def stage_plans(planner: Planner, c: ParallelConfig):
     order = list(range(1, len(graphs) - 1)) + [0, len(graphs) - 1] if len(graphs) > 2 else [0, 1]
 
     def plan_one(k, g, pins):
-        return planner.plan_graph(  # no ZeRO-1 weights: stage programs keep no compute copies
+        return planner.plan_graph(
             g.captured,
             f"{planner.name} stage class {g.index}",
             shape,
@@ -99,7 +99,6 @@ def stage_plans(planner: Planner, c: ParallelConfig):
             copies=class_copies[k],
             recompute=c.recompute,
             budget=budget,
-            zero1=False,
             microbatches=c.microbatches,
             holds_gradient_sums=True,
             zero=planner_zero(c.zero),

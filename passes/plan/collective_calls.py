@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from passes.core.placements import dual_spec, is_partial, parse_spec, transition_steps
 from passes.core.plan_records import NodeRecord
 
-__all__ = ["group_calls", "collective_calls", "unpriced_latency_s", "arrival_wait_s"]
+__all__ = ["group_calls", "collective_calls", "call_latency_s", "unpriced_latency_s", "arrival_wait_s"]
 
 
 def _flat_bucket_calls(members: list, limit: float, *, before: bool) -> int:
@@ -144,25 +144,27 @@ def collective_calls(
     return {p: {k: dict(v) for k, v in kinds.items()} for p, kinds in calls.items()}
 
 
+def call_latency_s(kind: str, axis: str, mesh_shape, axis_names, cluster) -> float:
+    """One call's latency terms: its launch and its ring steps on the axis's link."""
+    from passes.plan.cost_model import _STEPS
+
+    a = list(axis_names).index(axis)
+    link = cluster.link_for_axis(mesh_shape, a)
+    return cluster.collective_overhead_s + _STEPS[kind](mesh_shape[a]) * link.latency_s
+
+
 def unpriced_latency_s(
     records: Sequence[NodeRecord], mesh_shape, axis_names, cluster, *, bucket_grads: bool = True, grouped=None
 ) -> float:
     """The latency terms the records' per-entry prices leave out: a bucketed entry's ``time_s``
     is its bandwidth term only, so each flat call pays its launch and ring steps here once, and so
     does each bucketed entry that the runtime reduces on its own edge (a tied weight's)."""
-    from passes.plan.cost_model import _STEPS
-
-    def fixed(kind, axis):
-        a = list(axis_names).index(axis)
-        link = cluster.link_for_axis(mesh_shape, a)
-        return cluster.collective_overhead_s + _STEPS[kind](mesh_shape[a]) * link.latency_s
-
     flat, covered = grouped or group_calls(records, mesh_shape, axis_names, bucket_grads)
-    total = sum(n * fixed(kind, axis) for _phase, kind, axis, n in flat)
+    total = sum(n * call_latency_s(kind, axis, mesh_shape, axis_names, cluster) for _phase, kind, axis, n in flat)
     for r in records:
         for c in r.comm:
             if c.bucketed and id(c) not in covered:
-                total += fixed(c.kind, c.axis)
+                total += call_latency_s(c.kind, c.axis, mesh_shape, axis_names, cluster)
     return total
 
 

@@ -253,7 +253,7 @@ def plan_intra_op(
 ) -> IntraOpResult:
     """``recompute``: activation checkpointing of repeated blocks, ``"auto"`` (kept, selective or
     full, chosen by the solver when the budget needs it), ``"selective"``, ``"all"`` or ``"none"``
-    (:mod:`passes.plan.recompute`). ``zero1``: offer ZeRO-1 weights (False for pipeline stages).
+    (:mod:`passes.plan.recompute`). ``zero1``: offer ZeRO-1 weights.
     ``host_budget``: host-memory bytes per device for offloaded optimizer state (None: nothing is
     offloaded); offloading only adds time, so it is chosen when the device budget needs it.
     ``holds_gradient_sums``: a pipeline stage, which holds its parameter-gradient sums over the
