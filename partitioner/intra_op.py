@@ -195,7 +195,9 @@ def _all_pins(cap, opts: PlanOptions, mesh, expert_index, model_name: str) -> di
     """The user's pins, then what forced modes pin where the user did not: sequence-parallel
     attention (ring / Ulysses) and the 2D/2.5D/3D grids; a forced expert mode is checked."""
     pinned = resolve_pins(cap, dict(opts.pins or {}), mesh.ndim)
-    for node, forced in attention_rule.forced_pins(cap.graph, opts.sequence_parallel, mesh.shape).items():
+    for node, forced in attention_rule.forced_pins(
+        cap.graph, opts.sequence_parallel, mesh.shape, mesh.axis_names
+    ).items():
         pinned.setdefault(node, forced)
     for node, forced in multidim_tp.forced_pins(cap.graph, opts.tensor_parallel, mesh.shape).items():
         pinned.setdefault(node, forced)

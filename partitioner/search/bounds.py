@@ -147,7 +147,7 @@ class Bounds:
             # (q, k, v, output forward; dO, dq, dk, dv and the row sums backward); a rerun adds
             # the forward's share again (all of it counted, none hidden behind compute)
             link = spec.link_for_axis(shape, 1)
-            local = f.boundary_per_sample * mb / data
+            local = f.boundary_per_sample * mb / (data * c.tensor)  # ring beside tp: its heads only
             n = c.sequence
             if c.sequence_parallel == "ring":
                 hops = 3 * (n - 1)
@@ -190,6 +190,6 @@ class Bounds:
         per_micro += expert_degrees.dispatch_seconds(f.experts, c, spec, mb)
         if c.pipeline > 1:  # an activation forward and its gradient back, per microbatch
             link = spec.link_for_axis(shape, 0)
-            per_micro += 2 * (f.boundary_per_sample * mb / (c.data * c.tensor) / link.bandwidth + link.latency_s)
+            per_micro += 2 * (f.boundary_per_sample * mb / (data * c.tensor) / link.bandwidth + link.latency_s)
         compute = self.time(c) * (1.0 - self._bubble(c)) / c.microbatches
         return (compute + per_micro) * c.microbatches / (1.0 - self._bubble(c)) + once

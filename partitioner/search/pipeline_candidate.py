@@ -53,7 +53,8 @@ def stage_plans(planner: Planner, c: ParallelConfig):
     """Stage plans for ``c``'s microbatch, degrees and recomputation (shared by 1F1B and
     ZB-H1). Stages are planned once per class: the first stage, the middle stages by their
     layer count, the last stage (a middle class takes the placements the class before it
-    sends). Returns (class graphs, class plans, class of each stage, layer runs, sends)."""
+    sends). Returns (class graphs, class plans, class of each stage, layer runs, sends, class
+    estimates)."""
     from partitioner.stage_boundaries import plan_stages_in_turn, shared_weights
 
     size = c.microbatch_size
@@ -122,7 +123,7 @@ def stage_plans(planner: Planner, c: ParallelConfig):
     for n in lengths:
         runs.append(list(range(k, k + n)))
         k += n
-    result = (graphs, plans, stage_map, runs, sent_as)
+    result = (graphs, plans, stage_map, runs, sent_as, [p.estimate() for p in plans])  # priced once per class
     planner.stage_sets[key] = result
     return result
 
@@ -154,8 +155,7 @@ def boundary_messages(planner: Planner, c, graphs, sent_as) -> tuple:
 
 
 def plan_pipeline(planner: Planner, c: ParallelConfig) -> ShardingPlan:
-    graphs, plans, stage_map, runs, sent_as = stage_plans(planner, c)
-    class_ests = [p.estimate() for p in plans]  # once per stage class, not per stage
+    graphs, plans, stage_map, runs, sent_as, class_ests = stage_plans(planner, c)
     ests = [class_ests[r] for r in stage_map]
     takes = [graphs[r].takes_activations for r in stage_map]
     forward, backward, weight = ps.stage_durations(ests, takes)
