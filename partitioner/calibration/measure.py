@@ -40,7 +40,7 @@ def rank_samples(rank: int, world: int, sizes: dict, progress: bool = False) -> 
             print(f"[partita calibrate] {message}", file=sys.stderr, flush=True)
 
     seconds, trials = sizes["seconds"], sizes["trials"]
-    out = compute_samples(sizes, slowest, say)
+    out = _compute_on_own_cores(rank, world, sizes, say)
     out["collectives"] = []
     a = torch.randn(96, 96)
     start = time.perf_counter()
@@ -83,6 +83,41 @@ def rank_samples(rank: int, world: int, sizes: dict, progress: bool = False) -> 
         f"all-gather of {o['payload']} bytes started before {o['compute_s'] * 1e3:.2f} ms of matmuls: "
         f"{o['both_s'] * 1e3:.2f} ms together, {o['gather_s'] * 1e3:.2f} ms alone"
     )
+    return out
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity; the CPU count where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _compute_on_own_cores(rank: int, world: int, sizes: dict, say) -> dict:
+    """The compute samples of a rank with a core to itself: timed on the first ``cores`` ranks at
+    once (``cores``: rank 0's :func:`host_cores`), the others waiting, so the figures do not
+    depend on how the scheduler shares cores between more ranks than it has (ranks that outnumber
+    the cores are priced by :mod:`partitioner.core_sharing`). Rank 0's view; ``out["cores"]``."""
+    import torch
+    import torch.distributed as dist
+
+    box = [host_cores()]
+    dist.broadcast_object_list(box, src=0)
+    cores = box[0]
+    timing = list(range(min(cores, world)))
+    group = dist.new_group(timing) if len(timing) < world else None  # every rank makes the group
+
+    def slowest(value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return float(t.item())
+
+    if len(timing) < world:
+        say(f"{world} ranks on {cores} cores: compute timed on {len(timing)} ranks at once")
+    out = compute_samples(sizes, slowest, say) if rank in timing else {}
+    dist.barrier()
+    out["cores"] = cores
     return out
 
 
