@@ -59,6 +59,7 @@ def _action_kind(action) -> str:
 
 def _pipeline_prices(runner) -> dict:
     """``"<stage><kind>"`` -> seconds priced per action, and ``"step"``: the simulated makespan."""
+    from partitioner.core_sharing import stage_plans_cores
     from partitioner.pipeline_simulation import stage_times
     from passes.schedules import simulate
 
@@ -74,7 +75,8 @@ def _pipeline_prices(runner) -> dict:
     stages = [plan.estimate() for plan in runner.plan["stages"]]
     mine = sorted(int(s) for s in runner.stages)
     prices[_optimizer_key(mine)] = sum(stages[s].optimizer_s for s in mine)
-    prices["step"] = simulate(runner.schedule, f, b, w, sync_time=sync).makespan
+    cores = stage_plans_cores(runner.plan["stages"], runner.schedule.num_ranks)
+    prices["step"] = simulate(runner.schedule, f, b, w, sync_time=sync, cores=cores).makespan
     return prices
 
 
