@@ -45,7 +45,8 @@ from pathlib import Path
 
 from partitioner.calibration.calibrate import write_cluster_file
 from partitioner.calibration.fit import fit
-from partitioner.calibration.measure import host_cores, measure, measure_in_group
+from partitioner.calibration.measure import measure, measure_in_group
+from partitioner.calibration.measure_compute import host_cores
 from partitioner.calibration.sizes import QUICK_SIZES
 from partitioner.cluster import PRESETS, ClusterSpec, LinkSpec, load_cluster_file
 

@@ -12,7 +12,7 @@ import pytest
 
 from partitioner import local_cluster
 from partitioner.calibration import sizes as calibration_sizes
-from partitioner.calibration.measure import host_cores
+from partitioner.calibration.measure_compute import host_cores
 from partitioner.cluster import ClusterSpec
 from runtime.launch import run_on_ranks
 

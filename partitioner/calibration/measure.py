@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from partitioner.calibration.measure_collectives import arrival_samples, collective_call, overlap_sample
-from partitioner.calibration.measure_compute import compute_samples, fresh_rank
+from partitioner.calibration.measure_compute import compute_samples, fresh_rank, on_own_cores
 from partitioner.calibration.sizes import COLLECTIVES, DEFAULT_SIZES
 from partitioner.calibration.timing import timed_after
 
@@ -86,39 +86,13 @@ def rank_samples(rank: int, world: int, sizes: dict, progress: bool = False) -> 
     return out
 
 
-def host_cores() -> int:
-    """The cores this process may run on (its affinity; the CPU count where that is unknown)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def _compute_on_own_cores(rank: int, world: int, sizes: dict, say) -> dict:
-    """The compute samples of a rank with a core to itself: timed on the first ``cores`` ranks at
-    once (``cores``: rank 0's :func:`host_cores`), the others waiting, so the figures do not
-    depend on how the scheduler shares cores between more ranks than it has (ranks that outnumber
-    the cores are priced by :mod:`partitioner.core_sharing`). Rank 0's view; ``out["cores"]``."""
-    import torch
-    import torch.distributed as dist
-
-    box = [host_cores()]
-    dist.broadcast_object_list(box, src=0)
-    cores = box[0]
-    timing = list(range(min(cores, world)))
-    group = dist.new_group(timing) if len(timing) < world else None  # every rank makes the group
-
-    def slowest(value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return float(t.item())
-
-    if len(timing) < world:
-        say(f"{world} ranks on {cores} cores: compute timed on {len(timing)} ranks at once")
-    out = compute_samples(sizes, slowest, say) if rank in timing else {}
-    dist.barrier()
-    out["cores"] = cores
-    return out
+    """The compute samples of a rank with a core to itself (:func:`on_own_cores`): rank 0's view,
+    with ``out["cores"]``, the cores the ranks share."""
+    cores, out = on_own_cores(rank, world, lambda slowest: compute_samples(sizes, slowest, say))
+    if world > cores:
+        say(f"{world} ranks on {cores} cores: compute timed on {cores} ranks at once")
+    return {**(out or {}), "cores": cores}
 
 
 def measure(
