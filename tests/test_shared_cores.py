@@ -117,3 +117,27 @@ def test_every_pair_of_options_of_a_tiny_schedule_is_consistent():
         free = simulate(schedule, 1.0, 2.0, weight_time=1.0).makespan
         limited = simulate(schedule, 1.0, 2.0, weight_time=1.0, cores=cores).makespan
         assert free - 1e-9 <= limited <= p * m * 3.0 + 1e-9
+
+
+def test_the_search_prices_every_candidate_on_the_shared_cores():
+    # GPT on 4 ranks of the 2-core host: a pipeline's step is simulated with two stages computing
+    # at once (the report's timeline of the chosen plan says the same step), never below its
+    # work over the two cores; data parallel 4 computes at half a core per rank
+    import partitioner
+    from partitioner.models import gpt_demo
+    from partitioner.report.timeline import simulate_plan
+    from passes.schedules import stage_durations, stage_syncs
+
+    model, inputs = gpt_demo(8, 32, n_layer=4, n_embd=64, n_head=4, vocab_size=128)
+    host = dataclasses.replace(HOST, memory_bytes=8 << 30)
+    searched = partitioner.plan(model, inputs, devices=4, cluster=host)
+    pipe = searched.data.get("pipeline")
+    if pipe:
+        assert simulate_plan(searched)["step_s"] == pytest.approx(pipe["step_time_s"])
+        estimates = [stage.estimate() for stage in searched.stage_plans]
+        f, b, _ = stage_durations(estimates, pipe["takes_activations"])
+        work = sum(pipe["microbatches"] * (f[s] + b[s]) + t for s, t in stage_syncs(estimates).items())
+        assert pipe["step_time_s"] >= work / 2 - 1e-12
+    intra_op = partitioner.plan(model, inputs, mesh_shape=(4,), cluster=host)  # how the search plans a candidate
+    assert intra_op.data["cluster"]["core_share"] == 0.5  # priced at half a core per rank
+    assert pipe or searched.data["cluster"]["core_share"] == 0.5
