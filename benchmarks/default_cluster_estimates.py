@@ -174,6 +174,8 @@ def job_rank(rank, world, width, batch, steps, commands, replies):
 
             ready["schedule"] = format_schedule(pm.schedule)
             ready["cores"] = stage_plans_cores(pm.plan["stages"], pm.schedule.num_ranks)
+        else:
+            ready["core_share"] = pm.plan.data["cluster"].get("core_share", 1.0)
         replies.put(("ready", ready))
     while commands[rank].get() == "run":
         cpu.clear()
@@ -243,12 +245,17 @@ class Job:
 def cpu_replay(ready: dict, actions: dict) -> float | None:
     """A pipeline's schedule simulated as the estimate is (at most the host's cores computing at
     once), with each action's measured CPU seconds in place of its price and each rank's measured
-    optimizer step as its tail: the step a quiet machine would take if the actions cost what they
-    cost in CPU time. On a loaded machine it tells a wrong timeline model from wrong prices."""
+    optimizer step as its tail; an intra-op plan's forward, backward and optimizer CPU seconds
+    over the ranks' share of a core, plus its priced communication: the step a quiet machine
+    would take if the work cost what it cost in CPU time. On a loaded machine it tells a wrong
+    timeline model from wrong prices."""
     from passes.schedules import parse_schedule, simulate
 
     if "schedule" not in ready:
-        return None
+        parts = [actions.get(k, {}).get("cpu_s") for k in ("forward", "backward", "optimizer")]
+        if None in parts:
+            return None
+        return sum(parts) / ready.get("core_share", 1.0) + ready["prices"]["communication"]
     schedule = parse_schedule(ready["schedule"])
     cpu = {key: a["cpu_s"] for key, a in actions.items()}
     stages = range(schedule.num_stages)
