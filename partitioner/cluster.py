@@ -195,7 +195,13 @@ class ClusterSpec:
         return self.intra_node if span <= self.devices_per_node else self.inter_node
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The spec as JSON data; the host's cores only where recorded (a file or plan written
+        before they were reads back as the same spec, and writes the same JSON)."""
+        data = dataclasses.asdict(self)
+        for name, default in _UNSET_UNLESS_GIVEN.items():
+            if data[name] == default:
+                del data[name]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> ClusterSpec:
@@ -214,6 +220,10 @@ class ClusterSpec:
                 if isinstance(rate, dict):
                     check_rate_grid(rate, f"op_rates[{dtype!r}][{op!r}]")
         return cls(**data)
+
+
+_UNSET_UNLESS_GIVEN = {"cores_per_node": None, "core_share": 1.0}
+"""Fields :meth:`ClusterSpec.to_dict` leaves out at their defaults."""
 
 
 def _gpu(name, fp32, bf16, hbm_bw, mem_gib, nvlink, ib, pcie, notes, host_bw=614e9 / 8):
