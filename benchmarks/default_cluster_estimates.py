@@ -21,13 +21,16 @@ How it measures
 4. **The estimate** is the plan's: ``plan.estimate().step_time_s`` (optimizer step included) for an
    intra-op plan; for a pipeline, its schedule simulated with the stage plans' estimates
    (:func:`partitioner.pipeline_simulation.stage_times`), the gradient reductions and optimizer
-   step included (the simulation's makespan).
+   step included (the simulation's makespan), at most the host's cores computing at once where
+   the ranks outnumber them (:mod:`partitioner.core_sharing`).
 5. **CPU time per action** (``time.thread_time()`` on the rank's main thread, one torch thread
    per rank), beside the seconds the plan prices for it: per stage ``F``, ``I``, ``W`` (or ``B``)
    for a pipeline, forward / backward / optimizer for an intra-op plan. On a busy machine the
    wall-clock step is not comparable to the estimate; a thread's CPU time is much less distorted
    (what another process does is not counted), although cores shared with other work still run it
-   slower (caches, SMT siblings).
+   slower (caches, SMT siblings). For a pipeline the schedule is also replayed as the estimate
+   simulates it with those CPU times in place of the prices (:func:`cpu_replay`): the step a quiet
+   machine would take if every action cost its CPU time.
 
 Usage: ``PYTHONPATH=. python benchmarks/default_cluster_estimates.py [--rounds 5] [--steps 4]
 [--out FILE.json]`` (about 3-5 minutes on the 2-core machine when nothing else runs).
@@ -59,6 +62,7 @@ def _action_kind(action) -> str:
 
 def _pipeline_prices(runner) -> dict:
     """``"<stage><kind>"`` -> seconds priced per action, and ``"step"``: the simulated makespan."""
+    from partitioner.core_sharing import stage_plans_cores
     from partitioner.pipeline_simulation import stage_times
     from passes.schedules import simulate
 
@@ -74,7 +78,8 @@ def _pipeline_prices(runner) -> dict:
     stages = [plan.estimate() for plan in runner.plan["stages"]]
     mine = sorted(int(s) for s in runner.stages)
     prices[_optimizer_key(mine)] = sum(stages[s].optimizer_s for s in mine)
-    prices["step"] = simulate(runner.schedule, f, b, w, sync_time=sync).makespan
+    cores = stage_plans_cores(runner.plan["stages"], runner.schedule.num_ranks)
+    prices["step"] = simulate(runner.schedule, f, b, w, sync_time=sync, cores=cores).makespan
     return prices
 
 
@@ -162,7 +167,16 @@ def job_rank(rank, world, width, batch, steps, commands, replies):
         _step(pm, opt, ids, targets, cpu)
     if rank == 0:
         label = f"pipeline {pm.schedule.name}" if pipelined and hasattr(pm.schedule, "name") else type(pm).__name__
-        replies.put(("ready", {"planned_s": planned_s, "kind": label, "prices": prices}))
+        ready = {"planned_s": planned_s, "kind": label, "prices": prices}
+        if pipelined:  # for the replay of the schedule with the measured CPU times (:func:`cpu_replay`)
+            from partitioner.core_sharing import stage_plans_cores
+            from passes.schedules import format_schedule
+
+            ready["schedule"] = format_schedule(pm.schedule)
+            ready["cores"] = stage_plans_cores(pm.plan["stages"], pm.schedule.num_ranks)
+        else:
+            ready["core_share"] = pm.plan.data["cluster"].get("core_share", 1.0)
+        replies.put(("ready", ready))
     while commands[rank].get() == "run":
         cpu.clear()
         times = [_slowest(_step(pm, opt, ids, targets, cpu)) for _ in range(steps)]
@@ -228,6 +242,30 @@ class Job:
         self.thread.join(timeout=120)
 
 
+def cpu_replay(ready: dict, actions: dict) -> float | None:
+    """A pipeline's schedule simulated as the estimate is (at most the host's cores computing at
+    once), with each action's measured CPU seconds in place of its price and each rank's measured
+    optimizer step as its tail; an intra-op plan's forward, backward and optimizer CPU seconds
+    over the ranks' share of a core, plus its priced communication: the step a quiet machine
+    would take if the work cost what it cost in CPU time. On a loaded machine it tells a wrong
+    timeline model from wrong prices."""
+    from passes.schedules import parse_schedule, simulate
+
+    if "schedule" not in ready:
+        parts = [actions.get(k, {}).get("cpu_s") for k in ("forward", "backward", "optimizer")]
+        if None in parts:
+            return None
+        return sum(parts) / ready.get("core_share", 1.0) + ready["prices"]["communication"]
+    schedule = parse_schedule(ready["schedule"])
+    cpu = {key: a["cpu_s"] for key, a in actions.items()}
+    stages = range(schedule.num_stages)
+    forward = {s: cpu.get(f"{s}F", 0.0) for s in stages}
+    weight = {s: cpu.get(f"{s}W", 0.0) for s in stages}
+    backward = {s: cpu.get(f"{s}B", cpu.get(f"{s}I", 0.0) + weight[s]) for s in stages}
+    tail = {s: cpu.get(_optimizer_key([s]), 0.0) for s in stages}
+    return simulate(schedule, forward, backward, weight, sync_time=tail, cores=ready.get("cores")).makespan
+
+
 def row(job: Job) -> dict:
     """The job's table row: estimate, the median over rounds of each round's median step, the
     rounds' min and max, and per action the median CPU seconds (slowest rank) beside its price."""
@@ -254,6 +292,7 @@ def row(job: Job) -> dict:
         "ratio": measured / estimate,
         "in_band": BAND[0] <= measured / estimate <= BAND[1],
         "actions": actions,
+        "cpu_replay_s": cpu_replay(job.ready, actions),
         "planned_s": job.ready["planned_s"],
     }
 
@@ -270,6 +309,15 @@ def table(rows: list) -> str:
             f"{min(r['rounds_s']):.3f}-{max(r['rounds_s']):.3f} | {r['ratio']:.2f} | "
             f"{'yes' if r['in_band'] else 'no'} |"
         )
+    lines += [
+        "",
+        "| run | estimated s | schedule replayed with CPU s per action | replay / estimated |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        if r.get("cpu_replay_s"):
+            replay = r["cpu_replay_s"]
+            lines.append(f"| {r['run']} | {r['estimate_s']:.3f} | {replay:.3f} | {replay / r['estimate_s']:.2f} |")
     lines += ["", "| run | action | CPU s (median) | priced s | CPU / priced |", "|---|---|---:|---:|---:|"]
     for r in rows:
         for key, a in r["actions"].items():

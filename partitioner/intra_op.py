@@ -20,6 +20,7 @@ from dataclasses import replace
 import torch
 
 from partitioner.cluster import parse_bytes
+from partitioner.core_sharing import shared_cluster
 from partitioner.local_cluster import get_cluster
 from partitioner.mesh import MeshSpec
 from partitioner.options import PlanOptions
@@ -122,7 +123,7 @@ def plan_captured(
     timings = dict(timings or {})
     t0 = timings.pop("start", time.perf_counter())
     mesh = MeshSpec.build(mesh_shape, mesh_axis_names)
-    spec = get_cluster(opts.cluster_for())
+    spec = shared_cluster(get_cluster(opts.cluster_for()), mesh.size)  # ranks outnumbering the cores
     budget = parse_bytes(opts.memory_budget) if opts.memory_budget is not None else spec.memory_bytes
     t2 = time.perf_counter()
     expert_index = None if expert_axis is None else mesh.axis_names.index(expert_axis)

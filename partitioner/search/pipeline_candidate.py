@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import passes.schedules as ps
+from partitioner.core_sharing import stage_plans_cores
 from partitioner.mesh import MeshSpec
 from partitioner.parallel_config import ParallelConfig
 from partitioner.search.facts import bytes_of
@@ -161,7 +162,8 @@ def plan_pipeline(planner: Planner, c: ParallelConfig) -> ShardingPlan:
     forward, backward, weight = ps.stage_durations(ests, takes)
     _, p2p_s, p2p_bytes = boundary_messages(planner, c, graphs, sent_as)
     sched = planner.schedule(c)
-    sim = ps.simulate(sched, forward, backward, weight, comm_time=p2p_s, sync_time=ps.stage_syncs(ests))
+    cores = stage_plans_cores(plans, c.pipeline)  # ranks outnumbering a CPU host's cores take turns
+    sim = ps.simulate(sched, forward, backward, weight, comm_time=p2p_s, sync_time=ps.stage_syncs(ests), cores=cores)
     per_rank_memory = [0.0] * c.pipeline
     for s, est in enumerate(ests):
         per_rank_memory[sched.stage_to_rank[s]] += est.memory_bytes

@@ -22,6 +22,10 @@ groups them:
   :data:`runtime.optimizer_shards.REFRESH_BUCKET_BYTES` (a larger weight alone).
 * Every other bucketed entry (a tied weight's edges, a gradient with a local move besides its
   reductions) is reduced on its own edge: one call each.
+* A ring attention's ``send_recv`` entry (forward k/v, backward k/v and their gradients) is
+  ``p - 1`` hops on an axis of ``p`` ranks, each hop a transfer per tensor of the pair
+  (:data:`passes.rules.attention.RING_TRANSFERS_PER_HOP`): ``2 (p - 1)`` calls. Every other
+  unbucketed entry is one call.
 
 :func:`collective_calls` gives the calls; :func:`unpriced_latency_s` the latency terms that the
 per-entry prices leave out (a bucketed entry's ``time_s`` is its bandwidth term only): once per
@@ -44,6 +48,7 @@ from collections.abc import Sequence
 
 from passes.core.placements import dual_spec, is_partial, parse_spec, transition_steps
 from passes.core.plan_records import NodeRecord
+from passes.rules.attention import RING_TRANSFERS_PER_HOP
 
 __all__ = ["group_calls", "collective_calls", "call_latency_s", "unpriced_latency_s", "arrival_wait_s"]
 
@@ -129,6 +134,13 @@ def group_calls(records: Sequence[NodeRecord], mesh_shape, axis_names, bucket_gr
     return flat, covered
 
 
+def _entry_calls(c, mesh_shape, axis_names) -> int:
+    """Calls the runtime makes for one entry sent on its own (see the module docstring)."""
+    if c.kind != "send_recv":
+        return 1
+    return RING_TRANSFERS_PER_HOP * (mesh_shape[list(axis_names).index(c.axis)] - 1)
+
+
 def collective_calls(
     records: Sequence[NodeRecord], mesh_shape, axis_names, *, bucket_grads: bool = True, grouped=None
 ) -> dict:
@@ -140,7 +152,7 @@ def collective_calls(
     for r in records:
         for c in r.comm:
             if id(c) not in covered:
-                calls[c.phase][c.kind][c.axis] += 1
+                calls[c.phase][c.kind][c.axis] += _entry_calls(c, mesh_shape, axis_names)
     return {p: {k: dict(v) for k, v in kinds.items()} for p, kinds in calls.items()}
 
 
