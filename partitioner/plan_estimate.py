@@ -12,7 +12,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING
 
 from partitioner.estimate import Estimate
-from partitioner.memory import memory_breakdown
+from passes.plan.memory_peak import memory_breakdown
 
 if TYPE_CHECKING:
     from partitioner.sharding_plan import ShardingPlan

@@ -13,7 +13,8 @@ import rule_for`` to the package ``passes.rules``). The checks:
   ``partitioner/`` only the bottom layer both share (``SHARED_BOTTOM``: placements, node info, rule options,
   plan records, bucket sizes),
   never the cost model, the strategy space, the solver, the schedule simulator, the configuration
-  search or graph analysis; and the bottom layer imports only itself.
+  search or graph analysis; and the bottom layer imports only itself;
+* ``passes/`` (the compiler) never imports ``partitioner/`` (the API above it).
 """
 
 import ast
@@ -204,3 +205,18 @@ def test_the_bottom_layer_imports_only_itself():
     graph = import_graph()
     bad = [f"{m} (line {line}) imports {t}" for m in SHARED_BOTTOM for t, line in graph[m].items() if t not in SHARED_BOTTOM]
     assert not bad, "the bottom layer imports nothing above it:\n" + "\n".join(bad)
+
+
+def test_passes_never_import_partitioner():
+    graph = import_graph()
+    bad = [
+        f"{module} (line {line}) imports {target}"
+        for module, edges in graph.items()
+        if module.split(".")[0] == "passes"
+        for target, line in edges.items()
+        if target.split(".")[0] == "partitioner"
+    ]
+    assert not bad, (
+        "passes/ is the compiler under the API: it imports passes/, runtime/ and the bottom layer, never "
+        "partitioner/ (move what it needs down into passes/):\n"
+    ) + "\n".join(bad)

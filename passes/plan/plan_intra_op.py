@@ -41,6 +41,7 @@ from passes.plan.cost_model import (
 from passes.plan.edge_costs import edge_collectives
 from passes.plan.ilp_solver import NODE_LIMIT, min_memory, solve_ilp
 from passes.plan.memory_accounting import memory_fields
+from passes.plan.memory_peak import memory_breakdown
 from passes.plan.output_placement import required_output_spec
 from passes.plan.recompute import (
     RecomputeChoice,
@@ -628,8 +629,6 @@ def _infeasible(budget, mesh_shape, least_kept, least, recompute, blocks) -> str
 
 def _peak_of(space, cap, optimizer, activation_copies, redo, holds_gradient_sums=False):
     """choice -> (the plan's peak per device, the part of it no ILP row sees: transients)."""
-    from partitioner.memory import memory_breakdown
-
     graph, represent = cap.graph, space.blocks.represent
     tied = tied_placeholders(cap)
 
