@@ -187,15 +187,20 @@ def test_no_import_circle():
     assert not gone, f"these circles are broken now; take them out of KNOWN_CIRCLES: {gone}"
 
 
-def test_runtime_imports_only_runtime_and_the_bottom_layer():
-    graph = import_graph()
-    bad = [
+def forbidden_imports(package: str, allowed) -> list:
+    """``module (line n) imports target`` for each import of a module of ``package`` that
+    ``allowed(target)`` refuses."""
+    return [
         f"{module} (line {line}) imports {target}"
-        for module, edges in graph.items()
-        if module.split(".")[0] == "runtime"
+        for module, edges in import_graph().items()
+        if module.split(".")[0] == package
         for target, line in edges.items()
-        if target.split(".")[0] != "runtime" and target not in SHARED_BOTTOM
+        if not allowed(target)
     ]
+
+
+def test_runtime_imports_only_runtime_and_the_bottom_layer():
+    bad = forbidden_imports("runtime", lambda target: target.split(".")[0] == "runtime" or target in SHARED_BOTTOM)
     assert not bad, (
         "runtime/ runs plans and never makes one: it imports only runtime/ and " + ", ".join(SHARED_BOTTOM) + ":\n"
     ) + "\n".join(bad)
@@ -208,14 +213,7 @@ def test_the_bottom_layer_imports_only_itself():
 
 
 def test_passes_never_import_partitioner():
-    graph = import_graph()
-    bad = [
-        f"{module} (line {line}) imports {target}"
-        for module, edges in graph.items()
-        if module.split(".")[0] == "passes"
-        for target, line in edges.items()
-        if target.split(".")[0] == "partitioner"
-    ]
+    bad = forbidden_imports("passes", lambda target: target.split(".")[0] != "partitioner")
     assert not bad, (
         "passes/ is the compiler under the API: it imports passes/, runtime/ and the bottom layer, never "
         "partitioner/ (move what it needs down into passes/):\n"
