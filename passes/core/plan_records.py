@@ -88,6 +88,11 @@ class CollectiveRecord:
     sync_s: float | None = None
     """A bucketed gradient reduction's full price; its ``time_s`` is then the part backward's
     compute does not hide (:mod:`passes.plan.bucket_overlap`)."""
+    held: bool | None = None
+    """True: a parameter gradient's reduction a pipeline stage holds back over the step's
+    microbatches and sends once per step (an all-reduce onto replicated storage, not a
+    reduce-scatter onto a weight stored sharded: :func:`passes.plan.cost_model.grad_held_back`),
+    marked by the planner so the estimate adds it up without deciding it again."""
     extra: dict = field(default_factory=dict, compare=False)
     """Keys no field names (written back unchanged)."""
 

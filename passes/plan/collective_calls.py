@@ -27,6 +27,10 @@ groups them:
 per-entry prices leave out (a bucketed entry's ``time_s`` is its bandwidth term only): once per
 flat call, and once per bucketed entry the runtime sends on its own.
 
+:func:`step_latencies` gives both, for the plan to record: the planner prices them once, when it
+writes the records (``PlanHeader.flat_latency_s`` / ``arrival_wait_s``), and the estimate adds
+them up.
+
 :func:`arrival_wait_s` prices how far apart the ranks arrive at each call
 (:func:`passes.plan.cost_model.arrival_wait`, by the compute since the rank's previous call). The
 step's calls in the order they run: forward, the records in program order, each record's
@@ -46,7 +50,7 @@ from passes.core import bucket_sizes
 from passes.core.placements import dual_spec, is_partial, parse_spec, transition_steps
 from passes.core.plan_records import NodeRecord
 
-__all__ = ["group_calls", "collective_calls", "unpriced_latency_s", "arrival_wait_s"]
+__all__ = ["group_calls", "collective_calls", "unpriced_latency_s", "arrival_wait_s", "step_latencies"]
 
 
 def _flat_bucket_calls(members: list, limit: float, *, before: bool) -> int:
@@ -203,3 +207,13 @@ def arrival_wait_s(
     for _ in range(sum(n for phase, _, _, n in flat if phase == "bwd")):
         call()
     return total
+
+
+def step_latencies(records: Sequence[NodeRecord], mesh_shape, axis_names, cluster) -> tuple[float, float]:
+    """(:func:`unpriced_latency_s`, :func:`arrival_wait_s`) of a plan's ``records`` on ``cluster``,
+    the calls grouped once: what the planner records in the plan's header."""
+    grouped = group_calls(records, mesh_shape, axis_names)
+    return (
+        unpriced_latency_s(records, mesh_shape, axis_names, cluster, grouped=grouped),
+        arrival_wait_s(records, mesh_shape, axis_names, cluster, grouped=grouped),
+    )
