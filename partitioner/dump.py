@@ -159,7 +159,7 @@ def dump(model_or_plan, directory, *, model=None, example_inputs=None, ranks=Non
     for n in plan.mesh_shape:
         size *= n
     ranks = list(ranks) if ranks is not None else (list(range(size)) if size <= 8 else [0, size - 1])
-    records = {r["name"]: r for r in plan.records}
+    records = plan.node_by_name
     for rank in ranks:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not on mesh {plan.mesh_shape} ({size} ranks)")

@@ -444,7 +444,7 @@ def _loaded(parallel, source: WeightSource, model):
 
 def _build_module(cap, plan, comm, source, device, local_inputs) -> ParallelModule:
     """Lower the plan for this rank, load its weights, and wrap both as a ParallelModule."""
-    records = {r["name"]: r for r in plan.records}
+    records = plan.node_by_name
     program = lower_to_local(cap.graph, records, comm, device=device, bucket_grads=True)
     weights, by_placeholder, strided = load_local_weights(
         cap, records, comm, source, device, exported=cap.exported, tied=tied_placeholders(cap)

@@ -80,7 +80,7 @@ def _intra_op_estimate(plan) -> Estimate:
                 sync_t += c.time_s
                 sync[c.kind][c.axis] += c.bytes
     as_dict = lambda d: {k: dict(v) for k, v in d.items()}  # noqa: E731
-    memory = memory_breakdown(plan.records)
+    memory = memory_breakdown(plan.node_records)
     calls = plan_collective_calls(plan, bucket_grads=True)
     header = plan.header
     flat, wait = header.flat_latency_s or 0.0, header.arrival_wait_s or 0.0  # priced by the planner

@@ -19,10 +19,11 @@ records and the partitioner code that reads them both import it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["CollectiveRecord", "NodeRecord"]
+__all__ = ["CollectiveRecord", "NodeRecord", "typed_by_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -209,3 +210,9 @@ class NodeRecord:
     def output_placement(self) -> str | None:
         """The first output's placement as text (None: no tensor output)."""
         return self.out[0] if self.out else None
+
+
+def typed_by_name(records: Mapping[str, NodeRecord | dict]) -> dict[str, NodeRecord]:
+    """``records`` (node name -> its record, as the plan's JSON holds it or already typed), typed:
+    what a reader that takes either form (lowering) works on."""
+    return {name: r if isinstance(r, NodeRecord) else NodeRecord.from_dict(r) for name, r in records.items()}

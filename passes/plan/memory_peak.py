@@ -29,10 +29,14 @@ The planner reads it inside its solve loop (the exact peak of a candidate choice
 
 from __future__ import annotations
 
+import functools
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 
-__all__ = ["MemoryBreakdown", "memory_breakdown"]
+from passes.core.plan_records import NodeRecord
+
+__all__ = ["MemoryBreakdown", "NodeMemory", "memory_breakdown"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,26 +82,59 @@ class MemoryBreakdown:
         return max(self.forward_peak, self.backward_peak)
 
 
-def memory_breakdown(records: list) -> MemoryBreakdown:
-    """The breakdown and peaks of a plan's records (in graph order)."""
-    if not any("parameters" in r or "saved_activations" in r or "input_bytes" in r for r in records):
-        total = sum(r.get("memory", 0.0) for r in records)  # a plan from before the breakdown
+@dataclass(frozen=True)
+class NodeMemory:
+    """One node's memory fields, bytes per device (:func:`passes.plan.memory_accounting.memory_fields`
+    writes them; the :class:`passes.core.plan_records.NodeRecord` field of each name documents it),
+    0 where the record has none."""
+
+    parameters: float = 0.0
+    gradients: float = 0.0
+    optimizer_state: float = 0.0
+    offloaded: float = 0.0
+    held_gradients: float = 0.0
+    gradients_in_forward: float = 0.0
+    input_bytes: float = 0.0
+    saved_activations: float = 0.0
+    gathered_buffers: float = 0.0
+    transient_fwd: float = 0.0
+    transient_bwd: float = 0.0
+    memory: float = 0.0
+    itemised: bool = False
+    """The record has the breakdown (a plan saved before it has only ``memory``)."""
+
+    @classmethod
+    def of(cls, record: NodeRecord | Mapping) -> NodeMemory:
+        """The fields of a typed record, or of a mapping of them (the solver's loop: a candidate's
+        fields, :mod:`passes.plan.plan_intra_op`)."""
+        read = functools.partial(getattr, record) if isinstance(record, NodeRecord) else record.get
+        values = {f.name: read(f.name) or 0.0 for f in fields(cls) if f.name != "itemised"}
+        itemised = any(read(name) is not None for name in ("parameters", "saved_activations", "input_bytes"))
+        return cls(**values, itemised=itemised)
+
+
+def memory_breakdown(records: Sequence[NodeRecord | Mapping]) -> MemoryBreakdown:
+    """The breakdown and peaks of a plan's records (in graph order; typed, or mappings of their
+    memory fields)."""
+    nodes = [NodeMemory.of(r) for r in records]
+    if not any(n.itemised for n in nodes):
+        total = sum(n.memory for n in nodes)  # a plan from before the breakdown
         return MemoryBreakdown(forward_peak=total, backward_peak=total)
     m = MemoryBreakdown()
     kept = fwd_extra = bwd_extra = 0.0
-    for r in records:
-        m.parameters += r.get("parameters", 0.0)
-        m.gradients += r.get("gradients", 0.0)
-        m.optimizer_state += r.get("optimizer_state", 0.0)
-        m.offloaded += r.get("offloaded", 0.0)
-        m.held_gradients += r.get("held_gradients", 0.0)
-        m.gradients_in_forward += r.get("gradients_in_forward", 0.0)
-        m.inputs += r.get("input_bytes", 0.0)
-        m.saved_activations += r.get("saved_activations", 0.0)
-        m.gathered_buffers += r.get("gathered_buffers", 0.0)
-        kept += r.get("saved_activations", 0.0) + r.get("gathered_buffers", 0.0)
-        fwd_extra = max(fwd_extra, kept + r.get("transient_fwd", 0.0))
-        bwd_extra = max(bwd_extra, r.get("transient_bwd", 0.0))
+    for n in nodes:
+        m.parameters += n.parameters
+        m.gradients += n.gradients
+        m.optimizer_state += n.optimizer_state
+        m.offloaded += n.offloaded
+        m.held_gradients += n.held_gradients
+        m.gradients_in_forward += n.gradients_in_forward
+        m.inputs += n.input_bytes
+        m.saved_activations += n.saved_activations
+        m.gathered_buffers += n.gathered_buffers
+        kept += n.saved_activations + n.gathered_buffers
+        fwd_extra = max(fwd_extra, kept + n.transient_fwd)
+        bwd_extra = max(bwd_extra, n.transient_bwd)
     resident = m.parameters + m.optimizer_state + m.inputs + m.held_gradients
     m.forward_peak = resident + m.gradients_in_forward + fwd_extra
     m.backward_peak = resident + m.gradients + kept + bwd_extra
