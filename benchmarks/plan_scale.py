@@ -8,7 +8,7 @@ Two parts, each case in a fresh interpreter (``--case NAME`` runs one and prints
    (bar <= 30 s) and 1T-parameter shapes on 3,072 A100s (bar <= 60 s). Imports are timed apart.
 2. **Realism**: for published runs (model shapes, devices, global batch, degrees, achieved
    throughput), the estimate of the published configuration
-   (:func:`partitioner.config_search.plan_config`) and of the solver's own choice, beside the
+   (:func:`partitioner.search.plan_config`) and of the solver's own choice, beside the
    measurement. Published throughputs count FLOPs Megatron's way (``96 B s l h^2 (1 + s/6h +
    V/16lh)``: four passes, recomputation included), so the measured step time is that count over
    the published TFLOP/s times the GPUs; MFU columns use model FLOPs (three passes) for all.
@@ -227,8 +227,8 @@ def time_case(name: str) -> dict:
 
 def realism_case(name: str) -> dict:
     import partitioner
-    from partitioner.config_search import plan_config
     from partitioner.parallel_config import ParallelConfig
+    from partitioner.search import plan_config
 
     p = POINTS[name]
     t0 = time.perf_counter()
@@ -268,8 +268,8 @@ def simulation_case(name: str) -> dict:
     """A 4,096-rank plan (8 pipeline stages x 64 data x 8 tensor) of a 16-layer GPT on meta:
     every rank lowered and its collectives and schedule checked (:mod:`partitioner.simulate_ranks`)."""
     from partitioner import models
-    from partitioner.config_search import plan_config
     from partitioner.parallel_config import ParallelConfig
+    from partitioner.search import plan_config
     from partitioner.simulate_ranks import plan_graphs, simulate_ranks
 
     t0 = time.perf_counter()

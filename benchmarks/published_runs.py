@@ -3,7 +3,7 @@
 For each published run (model shapes, devices, global batch, the configuration it ran and its
 achieved throughput; the source named per row in ``RUNS``), in a fresh interpreter:
 
-1. **The published configuration**, planned as given (:func:`partitioner.config_search.plan_config`
+1. **The published configuration**, planned as given (:func:`partitioner.search.plan_config`
    with its pipeline, data, tensor and sequence degrees, microbatches, schedule and
    recomputation): its estimated step, component by component (compute, exposed communication,
    pipeline bubble, gradient reduction, optimizer step), against the published step time.
@@ -383,7 +383,7 @@ def run_case(name: str, *, search: bool = True, published: bool = True) -> dict:
     import torch
 
     import partitioner
-    from partitioner.config_search import plan_config
+    from partitioner.search import plan_config
 
     torch.set_num_threads(1)
     run = RUNS[name]

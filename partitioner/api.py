@@ -71,7 +71,7 @@ def plan(
         mesh_axis_names: names for the axes (default ``a0, a1, ...``).
         devices: plan for this many devices with no mesh given: the whole configuration
             (pipeline x data x tensor degrees, microbatches, schedule, recomputation) is searched
-            (:mod:`partitioner.config_search`); ``plan.config`` holds it, ``plan.explain()`` the
+            (:mod:`partitioner.search`); ``plan.config`` holds it, ``plan.explain()`` the
             runner-ups. With ``mesh`` too, the two must agree (the mesh is then used).
         global_batch: samples per step for the search (default: the example inputs' batch).
         verbose: show progress (capture, analysis, solve) on stderr for this call; the same
@@ -130,13 +130,13 @@ def mesh_argument(mesh, mesh_shape):
     return mesh if mesh is not None else mesh_shape
 
 
-# -- the whole configuration for N devices (partitioner/config_search.py) ------------------------
+# -- the whole configuration for N devices (partitioner/search/) --------------------------------
 
 
 def _plan_for_devices(model, example_inputs, *, mesh_shape, devices, global_batch, options) -> ShardingPlan | None:
     """``plan(devices=N)``: the configuration search; None when a mesh given with it decides."""
-    from partitioner.config_search import check_devices, search_config
     from partitioner.moe_capacity import EXPERT_CAPACITY_SEARCH
+    from partitioner.search import check_devices, search_config
 
     if devices is None:
         raise ValueError("global_batch= is for the configuration search: give devices=N with it")

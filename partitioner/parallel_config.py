@@ -4,7 +4,7 @@ Degrees (pipeline x data x sequence x tensor, and the expert degree: the data ra
 the experts), the mesh they make (axis names ``pp``, ``dp``, ``ep``, ``sp``, ``tp``; an axis of
 size 1 is left out), the microbatches per step, the pipeline schedule,
 activation checkpointing, the ZeRO stage on the data-parallel axes and the sequence-parallel
-attention. :mod:`partitioner.config_search` chooses one; a :class:`ShardingPlan` made by the
+attention. :mod:`partitioner.search` chooses one; a :class:`ShardingPlan` made by the
 search carries it (``plan.config``) and shows it in its summary. Plain data, no torch import:
 JSON in, JSON out.
 

@@ -131,7 +131,7 @@ def auto_parallelize(
         example_inputs: a tuple of positional args or a dict of kwargs, as for :func:`partitioner.plan`.
         mesh: a shape like ``(2, 2)``, a ``DeviceMesh``, or None: the whole configuration for the
             job's world size is searched (pipeline x data x tensor degrees, microbatches,
-            schedule; :mod:`partitioner.config_search`) and run. ``mesh=(world_size,)`` gives
+            schedule; :mod:`partitioner.search`) and run. ``mesh=(world_size,)`` gives
             all ranks one axis.
         plan: a ShardingPlan to replay instead of planning (its fingerprint must match); the
             planning options it was made with come with it (one given that differs is refused).
@@ -347,7 +347,7 @@ def _searched_configuration(model, example_inputs, options: PlanOptions):
     options to build it with). A pipelined choice is built by the pipeline builder (which plans
     its stages again, on rank 0, with the ZeRO stage the search chose); pipelined candidates
     that recompute are left out (the runtime's stages keep activations)."""
-    from partitioner.config_search import planner_zero, search_config
+    from partitioner.search import planner_zero, search_config
 
     options.refuse("in the configuration search (no mesh)", {"expert_capacity": EXPERT_CAPACITY_SEARCH})
 

@@ -426,7 +426,7 @@ def _storage_lines(plan, width, wide) -> list:
     return [text] if wide else textwrap.wrap(text, width, subsequent_indent="  ")
 
 
-# -- the whole configuration (partitioner.config_search) ---------------------------------------
+# -- the whole configuration (partitioner.search) ----------------------------------------------
 
 
 def config_lines(plan, width: int = WIDTH) -> list:

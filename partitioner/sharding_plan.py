@@ -115,7 +115,7 @@ class ShardingPlan:
         """What the plan predicts for one step per device (:func:`partitioner.plan_estimate.estimate_plan`)."""
         return estimate_plan(self)
 
-    # -- the whole configuration (partitioner.config_search) -----------------------------------
+    # -- the whole configuration (partitioner.search) ------------------------------------------
     @property
     def config(self):
         """The :class:`partitioner.parallel_config.ParallelConfig` this plan was made for (degrees,

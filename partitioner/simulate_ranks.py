@@ -311,12 +311,13 @@ def plan_graphs(plan, model, example_inputs) -> list:
     """The analysed graphs ``plan`` was made for: the model captured at the plan's batch, or for
     a pipelined plan from the configuration search its stage classes (the model cut to their
     layers, captured at the microbatch, split)."""
-    from partitioner.config_search import ModelFacts, _batch_of, _Planner
     from partitioner.local_cluster import get_cluster
     from partitioner.options import PlanOptions
+    from partitioner.search.facts import ModelFacts, batch_of
+    from partitioner.search.planner import Planner
 
-    batch = _batch_of(example_inputs)
-    planner = _Planner(
+    batch = batch_of(example_inputs)
+    planner = Planner(
         model,
         example_inputs,
         batch,
@@ -333,7 +334,7 @@ def plan_graphs(plan, model, example_inputs) -> list:
     for s, k in enumerate(pipe["stage_map"]):
         counts[k] = len(pipe["layers"][s])
     config = plan.config
-    _, graphs = planner._class_split(config.microbatch_size, tuple(counts))
+    _, graphs = planner.class_split(config.microbatch_size, tuple(counts))
     return [g.captured for g in graphs]
 
 

@@ -2,7 +2,7 @@
 weights several stages use, and the one loop that plans stages in turn across their boundaries.
 
 Both the pipeline builder (:mod:`partitioner.pipeline_parallelize`, every stage in order) and the
-configuration search (:mod:`partitioner.config_search`, which plans a pipelined candidate's stage
+configuration search (:mod:`partitioner.search`, which plans a pipelined candidate's stage
 classes: the middle ones first, then the first and the last) plan stages with
 :func:`plan_stages_in_turn`, so they live here, below both.
 """

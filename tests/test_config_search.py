@@ -1,4 +1,4 @@
-"""The whole configuration for N devices (``plan(..., devices=N)``, partitioner/config_search.py):
+"""The whole configuration for N devices (``plan(..., devices=N)``, partitioner/search/):
 known answers, the chosen configuration as a value, pipelined plans as one ShardingPlan, bad
 input, and ``auto_parallelize`` without ``mesh=`` on 4 gloo ranks against one process."""
 
@@ -11,8 +11,8 @@ from parity_utils import Checks, adam_in_lockstep, check_grads_by_alias, nested_
 import partitioner
 from partitioner import models
 from partitioner.axis_uses import axis_uses, describe_config
-from partitioner.config_search import enumerate_configs, plan_config, search_config, zero_stage_of
 from partitioner.parallel_config import ParallelConfig
+from partitioner.search import enumerate_configs, plan_config, search_config, zero_stage_of
 from passes.plan.plan_intra_op import InfeasibleBudgetError
 
 

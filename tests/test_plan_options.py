@@ -89,7 +89,7 @@ def test_the_search_honours_its_options_or_refuses_them():
         partitioner.plan(model, inputs, tensor_parallel="2d", **kw)
     # a forced ZeRO mode and the other options reach the plan the search makes: it is the plan
     # of the chosen mesh with the same options (a budget that makes the solver shard weights)
-    from partitioner.config_search import search_config
+    from partitioner.search import search_config
     opts = dict(cluster="h100", zero=3, share_blocks=False, time_limit=30.0, memory_budget=1_450_000)
     searched = search_config(model, inputs, devices=4, pipelines=False, **opts)
     assert searched.data["zero"] == 3 and searched.data["share_blocks"] is False

@@ -1,21 +1,14 @@
-"""The configuration search's bookkeeping (partitioner/config_search.py): how many configurations
+"""The configuration search's bookkeeping (partitioner/search/): how many configurations
 it priced, set aside by their bounds and planned, and runner-ups the planning limit left out whose
 quick estimate beats the chosen plan: planned past the limit or explained (planning-only, the
 ``h100`` preset)."""
 
 from partitioner import models
-from partitioner.config_search import (
-    _FAR_ABOVE,
-    _RUNNER_UPS,
-    _SAME_DEGREES,
-    Candidate,
-    _explain_runner_ups,
-    _planned_over_quick,
-    _PlanningLoop,
-    _runner_up,
-    search_config,
-)
 from partitioner.parallel_config import ParallelConfig
+from partitioner.search import search_config
+from partitioner.search.candidate import SAME_DEGREES, Candidate
+from partitioner.search.loop import FAR_ABOVE, PlanningLoop
+from partitioner.search.runner_ups import RUNNER_UPS, explain_runner_ups, planned_over_quick, runner_up
 
 
 def _cand(data, quick, step=None, reason="search limit (5 plannings)"):
@@ -31,12 +24,12 @@ def test_runner_ups_are_ranked_by_their_quick_estimate_scaled_by_the_median_plan
     near = _cand(4, 1.2)  # 1.2 * 1.75 = 2.1 >= 1.5: not worth planning
     close = _cand(8, 0.8)  # 0.8 * 1.75 = 1.4 < 1.5: planned next
     cands = [best, other, near, close]
-    assert _planned_over_quick(cands) == 1.75
-    assert _runner_up(cands, best, allowed=True) is close and close.reason == ""
-    assert _runner_up(cands, best, allowed=False) is None
+    assert planned_over_quick(cands) == 1.75
+    assert runner_up(cands, best, allowed=True) is close and close.reason == ""
+    assert runner_up(cands, best, allowed=False) is None
     close.status, close.reason = "planned", ""
-    assert _runner_up(cands, best, allowed=True) is None
-    _explain_runner_ups(cands, best)
+    assert runner_up(cands, best, allowed=True) is None
+    explain_runner_ups(cands, best)
     assert "1.75x their quick estimates (median), so expected 2.100 s: not below the chosen step 1.500 s" in near.reason
 
 
@@ -49,7 +42,7 @@ def test_the_search_reports_its_counts_and_plans_or_explains_better_quick_estima
         1 for r in search["rows"] if r["reason"].startswith("needs at least")
     )
     assert search["bounded"] >= bounded - 3  # the table keeps the 3 least of those over their bound
-    assert 1 <= search["plannings"] <= 1 + _RUNNER_UPS
+    assert 1 <= search["plannings"] <= 1 + RUNNER_UPS
     chosen = plan.estimate().step_time_s
     left = [
         r
@@ -78,15 +71,15 @@ def test_a_plan_far_above_its_quick_estimate_is_planned_again_with_zero_3_before
     asked = _pipelined(0)
     other = _pipelined(0, quick=9.0)
     twin, twin_slower, elsewhere = _pipelined(3, quick=12.0), _pipelined(3, quick=13.0), _pipelined(3, data=2)
-    loop = _PlanningLoop(None, None, 80.0, [asked, other, twin, twin_slower, elsewhere], max_plans=5)
+    loop = PlanningLoop(None, None, 80.0, [asked, other, twin, twin_slower, elsewhere], max_plans=5)
     loop.queue = [other, elsewhere, twin_slower, twin]
-    loop.replan_far_above(asked, 2.9 * asked.quick_s)  # under _FAR_ABOVE: planned as it is
+    loop.replan_far_above(asked, 2.9 * asked.quick_s)  # under FAR_ABOVE: planned as it is
     assert loop.queue[0] is other and not loop.forced
     loop.best = _pipelined(0, data=2, quick=5.0, step=11.0)  # twin's quick 12 s cannot beat 11 s
-    loop.replan_far_above(asked, _FAR_ABOVE * asked.quick_s)
+    loop.replan_far_above(asked, FAR_ABOVE * asked.quick_s)
     assert loop.queue[0] is other and not loop.forced and "is not below the best step 11.000 s" in asked.reason
     loop.best.step_time_s, asked.reason = 20.0, ""
-    loop.replan_far_above(asked, _FAR_ABOVE * asked.quick_s)
+    loop.replan_far_above(asked, FAR_ABOVE * asked.quick_s)
     assert loop.queue[0] is twin and id(twin) in loop.forced and loop.limit == 6
     assert "planned again with ZeRO-3" in asked.reason
 
@@ -98,15 +91,15 @@ def test_a_candidate_of_planned_degrees_is_expected_at_their_own_ratio_and_plann
     best = _pipelined(0, data=2, quick=10.0, step=20.0)  # 2.0x
     planned = _pipelined(3, quick=10.0, step=22.0)  # these degrees: 2.2x, and planned again at 1.1x
     again = _pipelined(3, quick=20.0, step=22.0)
-    interleaved = _pipelined(3, schedule="interleaved", quick=15.0, reason=f"{_SAME_DEGREES} 16 microbatches")
-    kept_weights = _pipelined(0, schedule="interleaved", quick=14.0, reason=f"{_SAME_DEGREES} 16 microbatches")
+    interleaved = _pipelined(3, schedule="interleaved", quick=15.0, reason=f"{SAME_DEGREES} 16 microbatches")
+    kept_weights = _pipelined(0, schedule="interleaved", quick=14.0, reason=f"{SAME_DEGREES} 16 microbatches")
     cands = [best, planned, again, interleaved, kept_weights]
-    assert _planned_over_quick(cands) == (2.0 + 1.1) / 2
-    assert _runner_up(cands, best, allowed=True) is interleaved  # 15 x 1.1 = 16.5 < 20 (ZeRO-0: 14 x 1.55)
-    interleaved.reason = f"{_SAME_DEGREES} 16 microbatches"
+    assert planned_over_quick(cands) == (2.0 + 1.1) / 2
+    assert runner_up(cands, best, allowed=True) is interleaved  # 15 x 1.1 = 16.5 < 20 (ZeRO-0: 14 x 1.55)
+    interleaved.reason = f"{SAME_DEGREES} 16 microbatches"
     best.step_time_s = 16.0
-    assert _runner_up(cands, best, allowed=True) is None
-    _explain_runner_ups(cands, best)
+    assert runner_up(cands, best, allowed=True) is None
+    explain_runner_ups(cands, best)
     assert "1.10x their quick estimates (these degrees), so expected 16.500 s: not below" in interleaved.reason
     assert (
         "1.35x their quick estimates (median), so expected 18.900 s: not below" in kept_weights.reason
@@ -119,7 +112,7 @@ def test_a_candidate_whose_quick_estimate_is_past_the_best_step_at_the_least_pla
     best = _pipelined(0, data=2, quick=10.0, step=12.0)  # 1.2x
     quicker = _pipelined(3, data=2, quick=10.0, step=9.0)  # planned faster than its quick estimate: 0.9x
     far, near = _pipelined(0, quick=14.0), _pipelined(3, quick=13.0)
-    loop = _PlanningLoop(SimpleNamespace(_stage_sets={}, plannings=0), None, 80.0, [best, quicker, far, near], 5)
+    loop = PlanningLoop(SimpleNamespace(stage_sets={}, plannings=0), None, 80.0, [best, quicker, far, near], 5)
     loop.best = best
     assert loop.skipped(far) and far.status == "pruned"  # 14 x 0.9 = 12.6 > 12
     assert "x 0.90 (the least planned / quick ratio here, at most 1) exceeds the best step 12.000 s" in far.reason

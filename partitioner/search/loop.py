@@ -1,0 +1,230 @@
+"""Step 5 of :mod:`partitioner.search`, the loop: plan the candidates in order (the usual recipe
+first, then those likely to fit by the quick estimate), one planning per set of degrees, pruning by
+the time bound and the least planned / quick ratio, stopping at ``max_plans``; refusals over budget
+teach the memory bounds a slack, and a plan far above its quick estimate at ZeRO-0 or 2 has its
+degrees planned again with ZeRO-3."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from partitioner.parallel_config import ParallelConfig
+from partitioner.search.bounds import Bounds
+from partitioner.search.candidate import LIMIT, SAME_DEGREES, Candidate, degrees_of, fmt_gib, fmt_s
+from partitioner.search.pipeline_candidate import stage_set_key
+from partitioner.search.planner import Planner
+from partitioner.search.runner_ups import RUNNER_UPS, runner_up
+from partitioner.search.zero_modes import planner_zero, stage_rank
+from partitioner.sharding_plan import ShardingPlan
+from passes.plan.plan_intra_op import InfeasibleBudgetError
+
+logger = logging.getLogger(__name__)
+
+
+FAR_ABOVE = 3.0
+"""A plan this many times its quick estimate is planned again with ZeRO-3 (``replan_far_above``)."""
+
+
+class PlanningLoop:
+    """Step 5 of :mod:`partitioner.search`: plan the candidates in order, best first, until the limit.
+
+    Planning order: the candidates likely to fit first, each group by the quick estimate. Likely
+    to fit: the memory bound with its activations scaled by ``slack``, the largest ratio of a
+    refused plan's least memory to its bound seen so far (the bound leaves out buffers, copies
+    and transients the solver counts), starting at 1."""
+
+    def __init__(self, planner: Planner, bounds: Bounds, budget: float, cands: list, max_plans: int):
+        self.planner, self.bounds, self.budget, self.cands, self.max_plans = planner, bounds, budget, cands, max_plans
+        self.best: Candidate | None = None
+        self.least_seen: tuple | None = None  # (memory bound, why) of the least refused over budget
+        self.slack = 1.0
+        self.queue: list = []
+        self.tried: dict = {}  # (p, d, s, t, e) -> (what was planned for them, its memory bound if refused over budget)
+        self.refused = 0  # plannings refused over budget count half toward max_plans (they stop early)
+        self.limit: float = max_plans  # raised by one for each runner-up planned after the limit
+        self.forced: set = set()  # ids of candidates planned past the limit and the one-per-degrees rule
+
+    def order(self, c: Candidate) -> tuple:
+        state = self.bounds.state_per_device(c.config)
+        return (state + self.slack * (c.memory_lb - state) > self.budget, c.quick_s, c.time_lb)
+
+    def run(self, alive: list, devices_per_node: int) -> Candidate | None:
+        """The fastest candidate planned (None: none fits)."""
+        self.queue = sorted(alive, key=self.order)
+        seed = rule_of_thumb(self.queue, devices_per_node, self.bounds, self.budget)
+        if seed is not None:  # planned first: the best plan is never worse than the usual recipe
+            self.queue.remove(seed)
+            self.queue.insert(0, seed)
+        while True:
+            if not self.queue:
+                again = runner_up(self.cands, self.best, self.limit - self.max_plans < RUNNER_UPS)
+                if again is None:
+                    break
+                self.limit = self.planner.plannings - self.refused / 2 + 1
+                self.forced.add(id(again))
+                self.queue.append(again)
+            cand = self.queue.pop(0)
+            if self.skipped(cand):
+                continue
+            made = self.plan(cand)
+            if made is not None:
+                self.take(cand, made)
+        return self.best
+
+    def skipped(self, cand: Candidate) -> bool:
+        """Whether ``cand`` is left unplanned (its reason set): its time bound is past the best
+        step, or its quick estimate times the least planned / quick ratio seen (at most 1) is,
+        the planning limit is reached, or its degrees were planned already."""
+        best = self.best
+        if best is not None and cand.time_lb > best.step_time_s:
+            cand.status = "pruned"
+            cand.reason = f"its time bound {fmt_s(cand.time_lb)} exceeds the best step {fmt_s(best.step_time_s)}"
+            return True
+        degrees = degrees_of(cand.config)
+        if stage_set_cached(self.planner, cand.config) or id(cand) in self.forced:
+            return False
+        floor = min([1.0] + [c.step_time_s / c.quick_s for c in self.cands if c.plan is not None and c.quick_s > 0])
+        if best is not None and cand.quick_s * floor > best.step_time_s:
+            cand.status = "pruned"
+            cand.reason = (
+                f"its quick estimate {fmt_s(cand.quick_s)} x {floor:.2f} (the least planned / quick ratio here, "
+                f"at most 1) exceeds the best step {fmt_s(best.step_time_s)}"
+            )
+            return True
+        if self.planner.plannings - self.refused / 2 >= self.limit:
+            cand.reason = f"{LIMIT} ({self.max_plans} plannings); quick estimate {fmt_s(cand.quick_s)}"
+            return True
+        # one planning per set of degrees, and one more after a refusal over budget: a higher
+        # ZeRO stage that the solver is asked differently (or the other sequence algorithm)
+        tried = self.tried
+        if degrees in tried and not (
+            tried[degrees][1]
+            and stage_rank(cand.config.zero) > stage_rank(tried[degrees][2])
+            and planner_zero(cand.config.zero) != planner_zero(tried[degrees][2])
+        ):
+            cand.reason = f"{SAME_DEGREES} {tried[degrees][0]}; quick estimate {fmt_s(cand.quick_s)}"
+            return True
+        return False
+
+    def plan(self, cand: Candidate) -> ShardingPlan | None:
+        """``cand``'s plan; None when it is refused (over budget: the slack learns from it; or an
+        algorithm that cannot run there)."""
+        degrees = degrees_of(cand.config)
+        retry = degrees in self.tried
+        self.tried[degrees] = (
+            f"{cand.config.microbatches} microbatches, recompute {cand.config.recompute}, ZeRO {cand.config.zero}",
+            False,
+            cand.config.zero,
+        )
+        try:
+            return self.planner.plan(cand.config)
+        except InfeasibleBudgetError as exc:
+            self.refused += 1
+            cand.status = "over budget"
+            cand.reason = str(exc).split(". ")[0]
+            if self.least_seen is None or cand.memory_lb < self.least_seen[0]:
+                self.least_seen = (cand.memory_lb, cand.reason)
+            needed = re.search(r"\((\d+) bytes\)", str(exc))
+            state = self.bounds.state_per_device(cand.config)
+            self.tried[degrees] = (self.tried[degrees][0], not retry, cand.config.zero)
+            if needed and cand.memory_lb > state:
+                self.slack = max(self.slack, (float(needed.group(1)) - state) / (cand.memory_lb - state))
+                self.queue.sort(key=self.order)
+            return None
+        except ValueError as exc:  # a forced ring / Ulysses that cannot run here (heads, masks)
+            if cand.config.sequence == 1:
+                raise
+            self.tried[degrees] = (self.tried[degrees][0], True, -1)  # the other algorithm may
+            cand.status, cand.reason = "cannot run", str(exc).split(". ")[0]
+            return None
+
+    def take(self, cand: Candidate, made: ShardingPlan) -> None:
+        """Record ``cand``'s plan (under the configuration it ran as) and keep the fastest."""
+        est = made.estimate()
+        self.replan_far_above(cand, est.step_time_s)
+        if made.config is not None and made.config.zero != cand.config.zero:
+            cand.reason = f"asked ZeRO-{cand.config.zero}; "
+            if stage_rank(made.config.zero) > stage_rank(cand.config.zero):
+                # the solver had to store weights sharded to fit: the asked stage did not, so its
+                # bound was optimistic at least by budget / bound (a refusal, softly)
+                state = self.bounds.state_per_device(cand.config)
+                if cand.memory_lb > state:
+                    self.slack = max(self.slack, 1.001 * (self.budget - state) / (cand.memory_lb - state))
+                    self.queue.sort(key=self.order)
+            cand.config = made.config
+        if any(o.plan is not None and o.config == made.config for o in self.cands):
+            cand.reason += "the plan of an earlier candidate (the same stage plans)"
+            return
+        cand.status, cand.plan = "planned", made
+        cand.step_time_s, cand.memory_bytes = est.step_time_s, est.memory_bytes
+        logger.info(
+            "search: %s -> step %s, %s per device",
+            cand.config.describe(),
+            fmt_s(est.step_time_s),
+            fmt_gib(est.memory_bytes),
+        )
+        if self.best is None or est.step_time_s < self.best.step_time_s:
+            self.best = cand
+
+    def replan_far_above(self, cand: Candidate, step_s: float) -> None:
+        """A plan ``FAR_ABOVE`` times its quick estimate or more, at a ZeRO stage that keeps
+        gathered weights (0, 2: the solver may then use ``dp`` as a tensor axis to fit, sending
+        activations over it in every layer) is planned once more with ZeRO-3 (weights gathered
+        per layer and freed): its ZeRO-3 twin of the same degrees (the best by quick estimate)
+        goes to the front of the queue, past the limit and the one-planning-per-degrees rule,
+        when that quick estimate is below the best step found (else the reason says so)."""
+        config = cand.config
+        if cand.quick_s <= 0 or step_s < FAR_ABOVE * cand.quick_s or config.data * config.sequence == 1:
+            return
+        if planner_zero(config.zero) == planner_zero(3):
+            return
+        degrees = degrees_of(config)
+        twins = [o for o in self.queue if degrees_of(o.config) == degrees and o.config.zero == 3]
+        if not twins:
+            return
+        twin = min(twins, key=lambda o: o.quick_s)
+        best = self.best
+        if best is not None and twin.quick_s >= best.step_time_s:  # it cannot be expected to win
+            cand.reason += (
+                f"planned at {step_s / cand.quick_s:.1f}x its quick estimate; ZeRO-3's quick estimate "
+                f"{fmt_s(twin.quick_s)} is not below the best step {fmt_s(best.step_time_s)}; "
+            )
+            return
+        self.queue.remove(twin)
+        self.queue.insert(0, twin)
+        self.forced.add(id(twin))
+        self.limit += 1
+        cand.reason += f"planned at {step_s / cand.quick_s:.1f}x its quick estimate, so planned again with ZeRO-3; "
+        logger.info(
+            "search: %s planned at %.1fx its quick estimate: %s planned next",
+            config.describe(),
+            step_s / cand.quick_s,
+            twin.config.describe(),
+        )
+
+
+def rule_of_thumb(cands: list, devices_per_node: int, bounds: Bounds, budget: float) -> Candidate | None:
+    """The usual recipe (Megatron's): tensor parallel across the node, the fewest pipeline stages
+    whose memory bound fits, one sample per microbatch per data-parallel rank, 1F1B, and
+    recomputation in a pipeline; None when no candidate is of that form."""
+    fits = [
+        c
+        for c in cands
+        if c.memory_lb <= budget
+        and c.config.tensor == max(x.config.tensor for x in cands)
+        and c.config.tensor <= devices_per_node
+        and (
+            c.config.pipeline == 1
+            or (
+                c.config.schedule == "1f1b"
+                and c.config.recompute == "all"
+                and c.config.microbatch_size == c.config.data
+            )
+        )
+    ]
+    return min(fits, key=lambda c: (c.config.pipeline, c.quick_s), default=None)
+
+
+def stage_set_cached(planner: Planner, c: ParallelConfig) -> bool:
+    return c.pipeline > 1 and stage_set_key(c) in planner.stage_sets

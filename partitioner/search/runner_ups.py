@@ -1,0 +1,107 @@
+"""Runner-ups of the configuration search: the candidates the planning limit (or the
+one-planning-per-degrees rule) left out whose quick estimate, scaled by the ratio of a planned step
+to its quick estimate (their own degrees' where planned, else the median), beats the best step are
+planned past the limit (:data:`RUNNER_UPS` at most); the others below the chosen step say why."""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+
+from partitioner.search.candidate import LIMIT, SAME_DEGREES, Candidate, degrees_of, fmt_s
+from partitioner.search.zero_modes import planner_zero
+
+logger = logging.getLogger(__name__)
+
+
+RUNNER_UPS = 2
+"""Plannings past ``max_plans`` for candidates the limit left out that may beat the chosen plan."""
+
+
+def ratio_key(c: Candidate) -> tuple:
+    """What a planned / quick ratio is kept by: the degrees and how the solver was asked for the
+    ZeRO stage (ZeRO-3's gathers per layer price nothing like ZeRO-0's kept weights)."""
+    return degrees_of(c.config) + (planner_zero(c.config.zero),)
+
+
+def ratios_by_degrees(cands: list) -> dict:
+    """Per set of degrees and solver ZeRO mode planned (:func:`ratio_key`), the least ratio of a
+    plan's estimated step to its quick estimate."""
+    ratios: dict = {}
+    for c in cands:
+        if c.plan is not None and c.quick_s > 0:
+            key = ratio_key(c)
+            ratios[key] = min(ratios.get(key, math.inf), c.step_time_s / c.quick_s)
+    return ratios
+
+
+def planned_over_quick(cands: list) -> float:
+    """The median over the sets of degrees planned of :func:`ratios_by_degrees` (1.0 before
+    any): how far the quick estimates ran from the real plans here."""
+    ratios = list(ratios_by_degrees(cands).values())
+    return statistics.median(ratios) if ratios else 1.0
+
+
+def expected_ratio(c: Candidate, ratios: dict, median: float) -> tuple:
+    """(ratio, what it is) to scale ``c``'s quick estimate by: its own degrees' planned ratio
+    where they were planned (another schedule, microbatch count or ZeRO stage of the same
+    degrees), else the median of the search."""
+    own = ratios.get(ratio_key(c))
+    if own is not None:
+        return own, "these degrees"
+    return median, "median"
+
+
+def left_out(c: Candidate) -> bool:
+    """Left unplanned by the search limit or by the one-planning-per-degrees rule."""
+    return c.status == "not planned" and (c.reason.startswith(LIMIT) or c.reason.startswith(SAME_DEGREES))
+
+
+def runner_up(cands: list, best, allowed: bool):
+    """The candidate left out (:func:`left_out`) whose quick estimate, scaled by
+    :func:`expected_ratio`, beats the best step found by most (planned next, past the limit);
+    None when none does, or when ``allowed`` is false (no runner-ups left to plan)."""
+    if best is None or not allowed:
+        return None
+    ratios, median = ratios_by_degrees(cands), planned_over_quick(cands)
+    scored = [(c.quick_s * expected_ratio(c, ratios, median)[0], c) for c in cands if left_out(c)]
+    scored = [(e, c) for e, c in scored if e < best.step_time_s]
+    if not scored:
+        return None
+    expected, pick = min(scored, key=lambda ec: ec[0])
+    ratio, what = expected_ratio(pick, ratios, median)
+    pick.reason = ""
+    logger.info(
+        "search: %s: quick estimate %s x %.2f (planned / quick ratio, %s) = %s beats the best step %s: "
+        "planned past the limit",
+        pick.config.describe(),
+        fmt_s(pick.quick_s),
+        ratio,
+        what,
+        fmt_s(expected),
+        fmt_s(best.step_time_s),
+    )
+    return pick
+
+
+def explain_runner_ups(cands: list, best) -> None:
+    """Say, for each candidate left out (:func:`left_out`) whose quick estimate is below the
+    chosen step, why it was not planned: the quick estimate scaled by :func:`expected_ratio`,
+    against the step."""
+    ratios, median = ratios_by_degrees(cands), planned_over_quick(cands)
+    for c in cands:
+        if not left_out(c) or c.quick_s >= best.step_time_s:
+            continue
+        ratio, what = expected_ratio(c, ratios, median)
+        expected = c.quick_s * ratio
+        verdict = (
+            f"not below the chosen step {fmt_s(best.step_time_s)}"
+            if expected >= best.step_time_s
+            else f"below the chosen step {fmt_s(best.step_time_s)}, but the {RUNNER_UPS} plannings past the limit "
+            "went to lower ones"
+        )
+        c.reason += (
+            f", below the chosen step; planned candidates here took {ratio:.2f}x their quick estimates ({what}), "
+            f"so expected {fmt_s(expected)}: {verdict}"
+        )
