@@ -33,6 +33,8 @@ from parity_utils import (
     train_like_one_device,
 )
 
+from runtime.collectives import on_rank0
+
 TIMEOUT_S = 240
 STEPS = 3
 SHORT = 0.3  # of the free plan's optimizer state: the device budget is that much below its peak
@@ -99,7 +101,8 @@ def _offloaded_parity(name, mesh, kind, zero, short, checks):
     label = f"{name} {mesh} zero={zero}"
     model, inputs = build(name)
     ref = copy.deepcopy(model)
-    kw, budget = _budgets(model, inputs, mesh, kind, zero, short, name)
+    # the free plan that sets the budget is the same on every rank: rank 0 makes it
+    kw, budget = on_rank0(lambda: _budgets(model, inputs, mesh, kind, zero, short, name), "the offload budget")
     pm = partitioner.auto_parallelize(model, inputs, mesh=mesh, cluster="h100", recompute="none", zero=zero,
                                       pins=kw["pins"], memory_budget=budget, host_memory_budget="64MiB")
     host = pm.offloaded()
