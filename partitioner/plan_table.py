@@ -475,7 +475,7 @@ def _grid_lines(plan, width, wide) -> list:
     """The tensor-parallel grid and each weight contraction's roles and blocks (2D / 2.5D / 3D)."""
     from passes.rules.multidim_tp import grid_lines
 
-    lines = grid_lines(plan.records, plan.data)
+    lines = grid_lines(plan.node_records, plan.data)
     if wide:
         return lines
     return [w for line in lines for w in textwrap.wrap(line, width, subsequent_indent="    ")]
@@ -497,5 +497,5 @@ def _experts_lines(plan, width, wide) -> list:
     """Which mesh axis carries the experts of the MoE layers, and the routed imbalance there."""
     from passes.rules.experts import experts_lines
 
-    lines = experts_lines(plan.records, plan.data)
+    lines = experts_lines(plan.node_records, plan.data)
     return lines if wide else [w for line in lines for w in textwrap.wrap(line, width, subsequent_indent="  ")]
