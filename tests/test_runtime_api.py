@@ -165,10 +165,11 @@ def test_dump_from_a_plan_alone_for_a_large_mesh(tmp_path):
         partitioner.dump(plan, tmp_path, model=model, example_inputs=inputs, ranks=[256])
 
 
-def test_a_searched_pipeline_saves_loads_and_dumps_each_stage_for_its_ranks(tmp_path):
+def test_a_searched_pipeline_saves_loads_and_dumps_each_stage_for_its_ranks(tmp_path, fake_process_group):
     """A pipelined plan (the search's choice) round-trips through save / load as a ShardingPlan
     does, and dump lowers each stage's plan, on the model cut as the search cut it, for every rank
-    that runs the stage: ``stage_<s>/rank_<r>.py`` (global ranks, the pipeline coordinate first)."""
+    that runs the stage: ``stage_<s>/rank_<r>.py`` (global ranks, the pipeline coordinate first).
+    ``auto_parallelize`` does not replay it: refused, saying how to build it."""
     import passes.schedules as ps
     from partitioner.demo_clusters import meta_gpt
     from tests.report_plans import searched_pipeline
@@ -187,6 +188,9 @@ def test_a_searched_pipeline_saves_loads_and_dumps_each_stage_for_its_ranks(tmp_
     stage_mesh = plan.stage_plans[0].mesh_shape
     last = (tmp_path / "dump" / f"stage_1/rank_{schedule.stage_to_rank[1] * sub + 1}.py").read_text()
     assert f"on mesh {stage_mesh}" in last and "def forward" in last
+    fake_process_group(math.prod(plan.mesh_shape))
+    with pytest.raises(ValueError, match=r"plan= is a pipelined plan .*does not replay: leave plan= out .*pipeline="):
+        partitioner.auto_parallelize(model, inputs, plan=plan)
 
 
 def _pipeline_dump_job(rank, world, out):
