@@ -51,6 +51,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_common import markdown_table  # noqa: E402
+
 BAND = (0.8, 1.25)
 JOBS = ((2, 512, 8), (4, 256, 8))
 """``(ranks, width, batch)`` of the GPT jobs (seq 128, 4 layers, 8 heads, vocabulary 1024)."""
@@ -297,34 +299,45 @@ def row(job: Job) -> dict:
     }
 
 
+def _ratio(cpu_s: float, priced_s: float) -> str:
+    return f"{cpu_s / priced_s:.2f}" if priced_s else "-"
+
+
 def table(rows: list) -> str:
-    lines = [
-        "| run | what ran | estimated s | measured s (median of rounds) | min-max over rounds | measured / estimated "
-        "| in 0.8-1.25 |",
-        "|---|---|---:|---:|---|---:|---|",
+    steps = [
+        [
+            r["run"],
+            r["kind"],
+            f"{r['estimate_s']:.3f}",
+            f"{r['measured_s']:.3f}",
+            f"{min(r['rounds_s']):.3f}-{max(r['rounds_s']):.3f}",
+            f"{r['ratio']:.2f}",
+            "yes" if r["in_band"] else "no",
+        ]
+        for r in rows
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['run']} | {r['kind']} | {r['estimate_s']:.3f} | {r['measured_s']:.3f} | "
-            f"{min(r['rounds_s']):.3f}-{max(r['rounds_s']):.3f} | {r['ratio']:.2f} | "
-            f"{'yes' if r['in_band'] else 'no'} |"
-        )
-    lines += [
-        "",
-        "| run | estimated s | schedule replayed with CPU s per action | replay / estimated |",
-        "|---|---:|---:|---:|",
+    actions = [
+        [r["run"], key, f"{a['cpu_s']:.4f}", f"{a['priced_s']:.4f}", _ratio(a["cpu_s"], a["priced_s"])]
+        for r in rows
+        for key, a in r["actions"].items()
     ]
-    for r in rows:
-        if r.get("cpu_replay_s"):
-            replay = r["cpu_replay_s"]
-            lines.append(f"| {r['run']} | {r['estimate_s']:.3f} | {replay:.3f} | {replay / r['estimate_s']:.2f} |")
-    lines += ["", "| run | action | CPU s (median) | priced s | CPU / priced |", "|---|---|---:|---:|---:|"]
-    for r in rows:
-        for key, a in r["actions"].items():
-            priced = a["priced_s"]
-            ratio = f"{a['cpu_s'] / priced:.2f}" if priced else "-"
-            lines.append(f"| {r['run']} | {key} | {a['cpu_s']:.4f} | {priced:.4f} | {ratio} |")
-    return "\n".join(lines)
+    replays = [
+        [r["run"], f"{r['estimate_s']:.3f}", f"{r['cpu_replay_s']:.3f}", f"{r['cpu_replay_s'] / r['estimate_s']:.2f}"]
+        for r in rows
+        if r.get("cpu_replay_s")
+    ]
+    step_columns = [("run", "l"), ("what ran", "l"), ("estimated s", "r"), ("measured s (median of rounds)", "r"),
+                    ("min-max over rounds", "l"), ("measured / estimated", "r"), ("in 0.8-1.25", "l")]
+    replay_columns = [("run", "l"), ("estimated s", "r"), ("schedule replayed with CPU s per action", "r"),
+                      ("replay / estimated", "r")]
+    action_columns = [("run", "l"), ("action", "l"), ("CPU s (median)", "r"), ("priced s", "r"), ("CPU / priced", "r")]
+    return "\n".join(
+        markdown_table(step_columns, steps)
+        + [""]
+        + markdown_table(replay_columns, replays)
+        + [""]
+        + markdown_table(action_columns, actions)
+    )
 
 
 def main(argv=None):

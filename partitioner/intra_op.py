@@ -210,8 +210,8 @@ def _all_pins(cap, opts: PlanOptions, mesh, expert_index, model_name: str) -> di
 
 def _plan_data(cap, model_name, mesh, spec, budget, precision, opts, activation_copies, pinned, result, stats) -> dict:
     """The plan's JSON value: its typed header (:class:`partitioner.plan_format.PlanHeader`: what it
-    was made for, under which options, the model's FLOPs) and the solver's records, alternatives,
-    blocks and stats."""
+    was made for, under which options, the model's FLOPs, the step's latencies the planner priced)
+    and the solver's records, alternatives, blocks and stats."""
     inputs = {
         info(n).name: list(info(n).shape or ())
         for n in cap.graph.nodes
@@ -242,6 +242,8 @@ def _plan_data(cap, model_name, mesh, spec, budget, precision, opts, activation_
         pins={n.name: format_spec(s) for n, s in pinned.items()},
         model_flops=training_flops(cap),
         flops_dtype=flops_dtype(cap),
+        flat_latency_s=result.flat_latency_s,
+        arrival_wait_s=result.arrival_wait_s,
     )
     data = header.to_dict()
     data.update(records=result.records, alternatives=result.alternatives, blocks=result.blocks, stats=stats)

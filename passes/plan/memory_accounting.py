@@ -41,7 +41,7 @@ keeps (:mod:`passes.analysis.saved_tensors` says what each op saves) and counts 
   layer's backward reruns it (a backward transient, on the layer's first node); the checkpoint
   keeps the values entering the layer.
 
-:func:`memory_fields` returns, per node name, the fields :mod:`partitioner.memory` turns into
+:func:`memory_fields` returns, per node name, the fields :mod:`passes.plan.memory_peak` turns into
 the plan's breakdown and peaks.
 """
 
