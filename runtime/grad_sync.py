@@ -49,6 +49,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from passes.core import bucket_sizes
 from passes.core.placements import is_partial, is_shard
 from runtime.collectives import (
     MeshComm,
@@ -57,11 +58,7 @@ from runtime.collectives import (
     record_collective,
 )
 
-__all__ = ["GradientBuckets", "DeferredSyncs", "flat_reduce", "reduce_moves", "BUCKET_BYTES"]
-
-BUCKET_BYTES = 25 * 2**20
-"""A bucket is reduced once it holds this many gradient bytes (``passes.plan.collective_calls`` counts
-the calls with it)."""
+__all__ = ["GradientBuckets", "DeferredSyncs", "flat_reduce", "reduce_moves"]
 
 
 def flat_reduce(grads: list, key: tuple, parts: list, comm: MeshComm, *, async_last: bool = False):
@@ -165,7 +162,7 @@ def reduce_moves(steps, comm: MeshComm, strided: dict) -> tuple | None:
 class GradientBuckets:
     def __init__(self, comm: MeshComm, bucket_bytes: int | None = None):
         self.comm = comm
-        self.bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+        self.bucket_bytes = bucket_sizes.BUCKET_BYTES if bucket_bytes is None else bucket_bytes
         self._open: dict = {}  # reduction signature -> list of (param, grad, per-gradient moves)
         self._launched: list = []  # (entries, work or None, finish)
         self._armed = False

@@ -2,7 +2,7 @@
 first, then those likely to fit by the quick estimate), one planning per set of degrees, pruning by
 the time bound and the least planned / quick ratio, stopping at ``max_plans``; refusals over budget
 teach the memory bounds a slack, and a plan far above its quick estimate at ZeRO-0 or 2 has its
-degrees planned again with ZeRO-3."""
+degrees planned again with ZeRO-1 (from ZeRO-0) or ZeRO-3."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from partitioner.search.candidate import LIMIT, SAME_DEGREES, Candidate, degrees
 from partitioner.search.pipeline_candidate import stage_set_key
 from partitioner.search.planner import Planner
 from partitioner.search.runner_ups import RUNNER_UPS, runner_up
-from partitioner.search.zero_modes import planner_zero, stage_rank
+from partitioner.search.zero_modes import frees_memory, planner_zero, stage_rank
 from partitioner.sharding_plan import ShardingPlan
 from passes.plan.plan_intra_op import InfeasibleBudgetError
 
@@ -30,15 +30,18 @@ class PlanningLoop:
     """Step 5 of :mod:`partitioner.search`: plan the candidates in order, best first, until the limit.
 
     Planning order: the candidates likely to fit first, each group by the quick estimate. Likely
-    to fit: the memory bound with its activations scaled by ``slack``, the largest ratio of a
-    refused plan's least memory to its bound seen so far (the bound leaves out buffers, copies
-    and transients the solver counts), starting at 1."""
+    to fit: the memory bound with its activations scaled by the slack of its kind, the largest
+    ratio of a refused plan's least memory to its bound seen so far among candidates of that kind
+    (the bound leaves out buffers, copies and transients the solver counts), starting at 1. The
+    kinds are whole-model plans and pipelines (:func:`slack_kind`): a whole-model plan's
+    transients (the loss over a data rank's whole batch) say nothing of a stage's over one
+    microbatch, so a refusal of one kind never reorders the other."""
 
     def __init__(self, planner: Planner, bounds: Bounds, budget: float, cands: list, max_plans: int):
         self.planner, self.bounds, self.budget, self.cands, self.max_plans = planner, bounds, budget, cands, max_plans
         self.best: Candidate | None = None
         self.least_seen: tuple | None = None  # (memory bound, why) of the least refused over budget
-        self.slack = 1.0
+        self.slack: dict = {}  # slack_kind -> the slack learned for that kind (1.0 until a refusal)
         self.queue: list = []
         self.tried: dict = {}  # (p, d, s, t, e) -> (what was planned for them, its memory bound if refused over budget)
         self.refused = 0  # plannings refused over budget count half toward max_plans (they stop early)
@@ -47,7 +50,14 @@ class PlanningLoop:
 
     def order(self, c: Candidate) -> tuple:
         state = self.bounds.state_per_device(c.config)
-        return (state + self.slack * (c.memory_lb - state) > self.budget, c.quick_s, c.time_lb)
+        slack = self.slack.get(slack_kind(c.config), 1.0)
+        return (state + slack * (c.memory_lb - state) > self.budget, c.quick_s, c.time_lb)
+
+    def learn_slack(self, c: ParallelConfig, ratio: float) -> None:
+        """Raise the slack of ``c``'s kind to ``ratio`` (if higher) and reorder the queue."""
+        kind = slack_kind(c)
+        self.slack[kind] = max(self.slack.get(kind, 1.0), ratio)
+        self.queue.sort(key=self.order)
 
     def run(self, alive: list, devices_per_node: int) -> Candidate | None:
         """The fastest candidate planned (None: none fits)."""
@@ -129,8 +139,7 @@ class PlanningLoop:
             state = self.bounds.state_per_device(cand.config)
             self.tried[degrees] = (self.tried[degrees][0], not retry, cand.config.zero)
             if needed and cand.memory_lb > state:
-                self.slack = max(self.slack, (float(needed.group(1)) - state) / (cand.memory_lb - state))
-                self.queue.sort(key=self.order)
+                self.learn_slack(cand.config, (float(needed.group(1)) - state) / (cand.memory_lb - state))
             return None
         except ValueError as exc:  # a forced ring / Ulysses that cannot run here (heads, masks)
             if cand.config.sequence == 1:
@@ -150,8 +159,7 @@ class PlanningLoop:
                 # bound was optimistic at least by budget / bound (a refusal, softly)
                 state = self.bounds.state_per_device(cand.config)
                 if cand.memory_lb > state:
-                    self.slack = max(self.slack, 1.001 * (self.budget - state) / (cand.memory_lb - state))
-                    self.queue.sort(key=self.order)
+                    self.learn_slack(cand.config, 1.001 * (self.budget - state) / (cand.memory_lb - state))
             cand.config = made.config
         if any(o.plan is not None and o.config == made.config for o in self.cands):
             cand.reason += "the plan of an earlier candidate (the same stage plans)"
@@ -170,24 +178,26 @@ class PlanningLoop:
     def replan_far_above(self, cand: Candidate, step_s: float) -> None:
         """A plan ``FAR_ABOVE`` times its quick estimate or more, at a ZeRO stage that keeps
         gathered weights (0, 2: the solver may then use ``dp`` as a tensor axis to fit, sending
-        activations over it in every layer) is planned once more with ZeRO-3 (weights gathered
-        per layer and freed): its ZeRO-3 twin of the same degrees (the best by quick estimate)
-        goes to the front of the queue, past the limit and the one-planning-per-degrees rule,
-        when that quick estimate is below the best step found (else the reason says so)."""
+        activations over it in every layer) is planned once more with a stage that frees memory
+        and the solver is asked differently: ZeRO-1 (from ZeRO-0: weights whole, the optimizer
+        state sharded, as large pipelined runs train) or ZeRO-3 (weights gathered per layer and
+        freed): that twin of the same degrees (the best by quick estimate) goes to the front of
+        the queue, past the limit and the one-planning-per-degrees rule, when that quick
+        estimate is below the best step found (else the reason says so)."""
         config = cand.config
         if cand.quick_s <= 0 or step_s < FAR_ABOVE * cand.quick_s or config.data * config.sequence == 1:
             return
         if planner_zero(config.zero) == planner_zero(3):
             return
         degrees = degrees_of(config)
-        twins = [o for o in self.queue if degrees_of(o.config) == degrees and o.config.zero == 3]
+        twins = [o for o in self.queue if degrees_of(o.config) == degrees and frees_memory(config.zero, o.config.zero)]
         if not twins:
             return
         twin = min(twins, key=lambda o: o.quick_s)
         best = self.best
         if best is not None and twin.quick_s >= best.step_time_s:  # it cannot be expected to win
             cand.reason += (
-                f"planned at {step_s / cand.quick_s:.1f}x its quick estimate; ZeRO-3's quick estimate "
+                f"planned at {step_s / cand.quick_s:.1f}x its quick estimate; ZeRO-{twin.config.zero}'s quick estimate "
                 f"{fmt_s(twin.quick_s)} is not below the best step {fmt_s(best.step_time_s)}; "
             )
             return
@@ -195,13 +205,19 @@ class PlanningLoop:
         self.queue.insert(0, twin)
         self.forced.add(id(twin))
         self.limit += 1
-        cand.reason += f"planned at {step_s / cand.quick_s:.1f}x its quick estimate, so planned again with ZeRO-3; "
+        again = f"ZeRO-{twin.config.zero}"
+        cand.reason += f"planned at {step_s / cand.quick_s:.1f}x its quick estimate, so planned again with {again}; "
         logger.info(
             "search: %s planned at %.1fx its quick estimate: %s planned next",
             config.describe(),
             step_s / cand.quick_s,
             twin.config.describe(),
         )
+
+
+def slack_kind(c: ParallelConfig) -> str:
+    """Which memory-bound slack ``c`` learns from and is ordered by: ``"pipeline"`` or ``"whole"``."""
+    return "pipeline" if c.pipeline > 1 else "whole"
 
 
 def rule_of_thumb(cands: list, devices_per_node: int, bounds: Bounds, budget: float) -> Candidate | None:

@@ -30,7 +30,9 @@ keeps (:mod:`passes.analysis.saved_tensors` says what each op saves) and counts 
   shard is kept instead (a saved activation, once per storage); the copy is gathered again
   while the consumer's backward runs (a backward transient), outside recomputed layers.
 * **ZeRO-1 parameters** (``stored``): the compute copy and its gradient at the placement the
-  ops use, plus the optimizer's shard with its gradient and state.
+  ops use, plus the optimizer's shard with its gradient and state. In a pipeline stage the copy's
+  gradient is the step's sum over microbatches (nothing held beside it), alive from the first
+  microbatch's backward on; the shard's gradient is made after the last.
 * **Offloaded parameters** (``offload``): the compute copy and its gradient on the device; the
   tensor the optimizer steps, its gradient and its state in host memory (``offloaded``).
 * **Prefetched gathers** (:mod:`passes.lower.prefetch_gathers`): a weight's gather started ahead of
@@ -44,7 +46,7 @@ keeps (:mod:`passes.analysis.saved_tensors` says what each op saves) and counts 
   layer's backward reruns it (a backward transient, on the layer's first node); the checkpoint
   keeps the values entering the layer.
 
-:func:`memory_fields` returns, per node name, the fields :mod:`partitioner.memory` turns into
+:func:`memory_fields` returns, per node name, the fields :mod:`passes.plan.memory_peak` turns into
 the plan's breakdown and peaks.
 """
 
@@ -109,6 +111,8 @@ def memory_fields(
     if holds_gradient_sums:
         walk.held_gradients(graph, fields, tied)
     _prefetched(graph, choices, walk.mesh, recomputed, fields)
+    for node in recomputed:  # the breakdown keeps the bound beside the walk (partitioner.memory)
+        fields.setdefault(node.name, {})["recompute"] = True
     for layer, storages in walk.layer_kept.items():  # alive while the layer's backward reruns it
         rebuilt = sum(nbytes for key, (nbytes, _) in storages.items() if key not in walk.kept)
         f = fields.setdefault(walk.first_of[layer].name, {})
@@ -302,6 +306,7 @@ class _StorageWalk:
         mesh = self.mesh
         first = {name: names[0] for names in tied for name in names}
         early = set()  # parameters (first tied name) with an edge not held back: .grad made per microbatch
+        copies = {}  # compute copies (ZeRO-1): the step's gradient sum, in the copy from the first backward on
         for n in graph.nodes:
             mine = self.choices.get(n)
             if mine is None or mine.strategy is None:
@@ -311,7 +316,10 @@ class _StorageWalk:
                 if ui.kind != "param" or not grad_flows(u, n) or k >= len(mine.ins) or mine.ins[k] is None:
                     continue
                 grad = mine.strategy.grad_spec(k)
-                if grad_held_back(self.out_spec(u), grad, mesh):
+                placed = self.choices.get(u)
+                if placed is not None and (placed.stored is not None or placed.offload):
+                    copies[first.get(u.name, u.name)] = self.value_bytes(u)
+                elif grad_held_back(self.out_spec(u), grad, mesh):
                     f = fields.setdefault(n.name, {})
                     f["held_gradients"] = f.get("held_gradients", 0.0) + local_bytes(
                         ui.shape or (), grad, mesh, dtype_bytes(ui.dtype)
@@ -322,6 +330,8 @@ class _StorageWalk:
             f = fields.get(name, {})
             if f.get("gradients"):
                 f["gradients_in_forward"] = f["gradients"]
+        for name, nbytes in copies.items():  # the shard's .grad is made after the step's last backward
+            fields.setdefault(name, {})["gradients_in_forward"] = nbytes
 
 
 def _prefetched(graph: fx.Graph, choices: dict, mesh, recomputed: dict, fields: dict) -> None:
