@@ -9,7 +9,9 @@ weight stored sharded): :func:`reduction_signature`, the same test lowering make
 calls with. Its gradient is handed to the bucket of its signature at the consumer's gradient
 placement, the bytes the consumer's backward makes (for a weight stored sharded: the whole
 weight's, ``n`` times the ``.grad`` it becomes). Any other parameter's gradient is its ``.grad``
-(the plan's ``gradients`` for it) from the backward of its first consumer in backward order.
+(the plan's ``gradients`` for it) from the backward of its first consumer in backward order, and
+during each consumer's backward also the gradient as the consumer makes it (a weight stored
+sharded: whole), which its edge moves into the ``.grad``.
 
 **The walk** (:func:`gradients_in_backward`), over the ops in reverse program order (backward's):
 
@@ -138,9 +140,10 @@ def gradients_in_backward(graph: fx.Graph, choices: dict, mesh_shape, out_spec, 
             if gradient is not None:
                 made_here += gradient[1]
                 launches.append((gradient, grad_bytes(u), bool(choices[u].regather)))
-            elif u not in made:  # its .grad, from its first consumer's backward on
-                made_here += grad_bytes(u)
-                state.grads += grad_bytes(u)
+            else:  # as the consumer makes it (moved on its edge into the .grad), then its .grad
+                made_here += _made_bytes(u, c, k, mine, mesh_shape)
+                if u not in made:
+                    state.grads += grad_bytes(u)
             made.add(u)
         # its backward makes the gradients; the buckets take them after it, its saved tensors
         # freed: a launch then is counted while the next op's backward starts
@@ -158,6 +161,14 @@ def gradients_in_backward(graph: fx.Graph, choices: dict, mesh_shape, out_spec, 
         found.at_end,
     )
     return found
+
+
+def _made_bytes(u, c, k, mine, mesh_shape) -> float:
+    """Bytes of parameter ``u``'s gradient as ``c``'s backward makes it (its gradient placement)."""
+    grad = mine.strategy.grad_spec(k) if k < len(mine.ins) and mine.ins[k] is not None else None
+    if grad is None:
+        return 0.0
+    return local_bytes(info(u).shape or (), grad, mesh_shape, dtype_bytes(info(u).dtype))
 
 
 def _bucketed_gradient(u, c, k, mine, choices, mesh_shape, out_spec) -> tuple | None:
