@@ -195,6 +195,9 @@ class NodeRecord:
     gathered_buffers: float | None = None
     transient_fwd: float | None = None
     transient_bwd: float | None = None
+    gradients_alive: float | None = None
+    """Without a pipeline: the parameter-gradient bytes alive while the op's backward runs (on
+    the first parameter: at the end of backward), :mod:`passes.plan.bucket_memory`."""
     extra: dict = field(default_factory=dict, compare=False)
     """Keys no field names (written back unchanged)."""
 

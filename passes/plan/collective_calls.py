@@ -21,7 +21,8 @@ groups them:
   grouped by gathered axes and cut into buffers of at most
   :data:`passes.core.bucket_sizes.REFRESH_BUCKET_BYTES` (a larger weight alone).
 * Every other bucketed entry (a tied weight's edges, a gradient with a local move besides its
-  reductions) is reduced on its own edge: one call each.
+  reductions, a ZeRO-3 weight's gradient: launched alone) is reduced on its own edge: one call
+  each.
 * A ring attention's ``send_recv`` entry (forward k/v, backward k/v and their gradients) is
   ``p - 1`` hops on an axis of ``p`` ranks, each hop a transfer per tensor of the pair
   (:data:`passes.rules.attention.RING_TRANSFERS_PER_HOP`): ``2 (p - 1)`` calls. Every other
@@ -51,7 +52,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from passes.core import bucket_sizes
-from passes.core.placements import dual_spec, is_partial, parse_spec, transition_steps
+from passes.core.placements import parse_spec
 from passes.core.plan_records import NodeRecord
 from passes.rules.attention import RING_TRANSFERS_PER_HOP
 
@@ -82,8 +83,9 @@ def _flat_bucket_calls(members: list, limit: float, *, before: bool) -> int:
 def _reductions_only(grad, src, mesh_shape) -> bool:
     """The runtime's ``reduce_moves`` is not None: every move of the gradient on an axis of more
     than one device is ``Partial -> Replicate`` or ``Partial -> Shard``."""
-    moves = [(a, p, q) for a, p, q in transition_steps(tuple(grad), tuple(dual_spec(src))) if mesh_shape[a] > 1]
-    return bool(moves) and all(is_partial(p) and not is_partial(q) for _, p, q in moves)
+    from passes.plan.bucket_memory import reduction_signature
+
+    return reduction_signature(grad, src, mesh_shape) is not None
 
 
 def group_calls(records: Sequence[NodeRecord], mesh_shape, axis_names, bucket_grads: bool = True) -> tuple:
@@ -127,6 +129,8 @@ def group_calls(records: Sequence[NodeRecord], mesh_shape, axis_names, bucket_gr
             param = by_name.get(r.inputs[k])
             if param is None or len(users[param.name]) != 1 or k >= len(grads) or grads[k] is None:
                 continue  # a tied weight: reduced per edge
+            if param.regather:
+                continue  # ZeRO-3: reduce-scattered at once, on its own (runtime.grad_sync)
             if not _reductions_only(spec(grads[k]), spec(param.out[0]), mesh_shape):
                 continue  # a local move besides the reductions: reduced per edge
             buckets.setdefault(tuple((c.axis, c.kind) for c in entries), []).append(entries[0].bytes)

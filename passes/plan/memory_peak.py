@@ -16,8 +16,17 @@ The peak follows the step:
   all-reduced ones, there from the first microbatch's backward on) and the ``.grad`` of the
   parameters it reduces every microbatch or not at all (``gradients_in_forward``: there from
   the first backward too; a bound under GPipe, whose forwards all come first);
-* backward: parameters + gradients + optimizer state + inputs (+ held gradient sums) + everything kept (released as
-  backward proceeds; the start is the worst case) + the largest backward transient.
+* backward, in a pipeline stage: parameters + gradients + optimizer state + inputs + held
+  gradient sums + everything kept (released as backward proceeds; the start is the worst case)
+  + the largest backward transient;
+* backward, without a pipeline (the records carry ``gradients_alive``,
+  :mod:`passes.plan.bucket_memory`), walked op by op: at op ``t``, parameters + optimizer state +
+  inputs + what ops up to ``t`` keep (an op's saved tensors are freed once its backward ran) +
+  its backward transient + the parameter gradients alive then (``.grad`` made so far, gradients
+  waiting in the runtime's buckets, their flat buffers); at the end of backward (on the first
+  parameter's record, nothing kept) the gradients while the last buckets are sent. With
+  recomputed layers, whose rebuilt tensors are counted on the layer's first op only, the
+  pipeline's bound counts too.
 
 ``peak`` is the larger of the two. Plans saved before these fields existed report the sum of
 their records' ``memory`` as the peak, with no breakdown.
@@ -61,6 +70,9 @@ class MemoryBreakdown:
     """A pipeline stage's gradient sums held back over a step's microbatches, one per parameter
     edge that all-reduces (resident from the first backward to the stage's last: in both peaks;
     a weight stored sharded reduce-scatters in every microbatch and holds nothing here)."""
+    gradients_alive: float = 0.0
+    """Without a pipeline: the most parameter-gradient bytes alive at once in backward (``.grad``
+    made so far, gradients waiting in the runtime's buckets, their flat buffers)."""
     offloaded: float = 0.0
     """Bytes kept in host memory instead: offloaded weights' optimizer state, with the tensor the
     optimizer steps and its gradient (not part of the device's peak)."""
@@ -99,18 +111,29 @@ class NodeMemory:
     gathered_buffers: float = 0.0
     transient_fwd: float = 0.0
     transient_bwd: float = 0.0
+    gradients_alive: float = 0.0
     memory: float = 0.0
     itemised: bool = False
     """The record has the breakdown (a plan saved before it has only ``memory``)."""
+    alive_known: bool = False
+    """The record has ``gradients_alive`` (a plan walked through backward as the buckets hold it)."""
+    in_backward: bool = False
+    """The record has ``gradients_alive`` or ``transient_bwd``: a step of the backward walk."""
+    recompute: bool = False
 
     @classmethod
     def of(cls, record: NodeRecord | Mapping) -> NodeMemory:
         """The fields of a typed record, or of a mapping of them (the solver's loop: a candidate's
         fields, :mod:`passes.plan.plan_intra_op`)."""
         read = functools.partial(getattr, record) if isinstance(record, NodeRecord) else record.get
-        values = {f.name: read(f.name) or 0.0 for f in fields(cls) if f.name != "itemised"}
+        flags = ("itemised", "alive_known", "in_backward", "recompute")
+        values = {f.name: read(f.name) or 0.0 for f in fields(cls) if f.name not in flags}
         itemised = any(read(name) is not None for name in ("parameters", "saved_activations", "input_bytes"))
-        return cls(**values, itemised=itemised)
+        alive = read("gradients_alive") is not None
+        in_backward = alive or read("transient_bwd") is not None
+        return cls(
+            **values, itemised=itemised, alive_known=alive, in_backward=in_backward, recompute=bool(read("recompute"))
+        )
 
 
 def memory_breakdown(records: Sequence[NodeRecord | Mapping]) -> MemoryBreakdown:
@@ -121,7 +144,7 @@ def memory_breakdown(records: Sequence[NodeRecord | Mapping]) -> MemoryBreakdown
         total = sum(n.memory for n in nodes)  # a plan from before the breakdown
         return MemoryBreakdown(forward_peak=total, backward_peak=total)
     m = MemoryBreakdown()
-    kept = fwd_extra = bwd_extra = 0.0
+    kept = fwd_extra = bwd_extra = walked = 0.0
     for n in nodes:
         m.parameters += n.parameters
         m.gradients += n.gradients
@@ -135,7 +158,16 @@ def memory_breakdown(records: Sequence[NodeRecord | Mapping]) -> MemoryBreakdown
         kept += n.saved_activations + n.gathered_buffers
         fwd_extra = max(fwd_extra, kept + n.transient_fwd)
         bwd_extra = max(bwd_extra, n.transient_bwd)
+        m.gradients_alive = max(m.gradients_alive, n.gradients_alive)
+        if n.in_backward:
+            walked = max(walked, kept + n.transient_bwd + n.gradients_alive)
     resident = m.parameters + m.optimizer_state + m.inputs + m.held_gradients
     m.forward_peak = resident + m.gradients_in_forward + fwd_extra
-    m.backward_peak = resident + m.gradients + kept + bwd_extra
+    bound = resident + m.gradients + kept + bwd_extra
+    if not any(n.alive_known for n in nodes):
+        m.backward_peak = bound
+    elif any(n.recompute for n in nodes):
+        m.backward_peak = max(bound, resident + walked)
+    else:
+        m.backward_peak = resident + walked
     return m
