@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from passes.analysis.analyze import info
+from passes.core import bucket_sizes
 from passes.core.node_info import grad_flows
 from passes.core.placements import dual_spec, is_partial, is_shard, transition_steps
 from passes.plan.cost_model import dtype_bytes, local_bytes
@@ -120,10 +121,8 @@ def gradients_in_backward(graph: fx.Graph, choices: dict, mesh_shape, out_spec, 
     """The parameter gradient bytes alive in the backward of a plan without a pipeline
     (``choices``: node -> NodeChoice; ``out_spec(node)``: its placement; ``grad_bytes(param)``:
     the plan's ``gradients`` for it)."""
-    from runtime.grad_sync import BUCKET_BYTES
-
     found = GradientsInBackward()
-    state = _Gradients(BUCKET_BYTES)
+    state = _Gradients(bucket_sizes.BUCKET_BYTES)
     made: set = set()
     pending = 0.0  # the launches after the op before: while the next op's backward starts
     ops = [n for n in graph.nodes if n.op == "call_function" and info(n).kind == "op"]
