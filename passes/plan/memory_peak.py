@@ -42,7 +42,6 @@ import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
 
 from passes.core.plan_records import NodeRecord
 
@@ -112,24 +111,29 @@ class NodeMemory:
     gathered_buffers: float = 0.0
     transient_fwd: float = 0.0
     transient_bwd: float = 0.0
-    gradients_alive: float | None = None
-    """None: not walked (a pipeline stage's record, or a node without the field)."""
-    recompute: bool = False
-    """A node of a layer recomputed in backward (its rebuilt tensors are on the layer's first op)."""
+    gradients_alive: float = 0.0
     memory: float = 0.0
     itemised: bool = False
     """The record has the breakdown (a plan saved before it has only ``memory``)."""
+    alive_known: bool = False
+    """The record has ``gradients_alive`` (a plan walked through backward as the buckets hold it)."""
+    in_backward: bool = False
+    """The record has ``gradients_alive`` or ``transient_bwd``: a step of the backward walk."""
+    recompute: bool = False
 
     @classmethod
     def of(cls, record: NodeRecord | Mapping) -> NodeMemory:
         """The fields of a typed record, or of a mapping of them (the solver's loop: a candidate's
         fields, :mod:`passes.plan.plan_intra_op`)."""
         read = functools.partial(getattr, record) if isinstance(record, NodeRecord) else record.get
-        exact = ("itemised", "gradients_alive", "recompute")
-        values: dict[str, Any] = {f.name: read(f.name) or 0.0 for f in fields(cls) if f.name not in exact}
-        values.update(gradients_alive=read("gradients_alive"), recompute=bool(read("recompute")))
-        values["itemised"] = any(read(name) is not None for name in ("parameters", "saved_activations", "input_bytes"))
-        return cls(**values)
+        flags = ("itemised", "alive_known", "in_backward", "recompute")
+        values = {f.name: read(f.name) or 0.0 for f in fields(cls) if f.name not in flags}
+        itemised = any(read(name) is not None for name in ("parameters", "saved_activations", "input_bytes"))
+        alive = read("gradients_alive") is not None
+        in_backward = alive or read("transient_bwd") is not None
+        return cls(
+            **values, itemised=itemised, alive_known=alive, in_backward=in_backward, recompute=bool(read("recompute"))
+        )
 
 
 def memory_breakdown(records: Sequence[NodeRecord | Mapping]) -> MemoryBreakdown:
@@ -154,14 +158,14 @@ def memory_breakdown(records: Sequence[NodeRecord | Mapping]) -> MemoryBreakdown
         kept += n.saved_activations + n.gathered_buffers
         fwd_extra = max(fwd_extra, kept + n.transient_fwd)
         bwd_extra = max(bwd_extra, n.transient_bwd)
-        if n.gradients_alive is not None or n.transient_bwd:
-            m.gradients_alive = max(m.gradients_alive, n.gradients_alive or 0.0)
-            walked = max(walked, kept + n.transient_bwd + (n.gradients_alive or 0.0))
+        m.gradients_alive = max(m.gradients_alive, n.gradients_alive)
+        if n.in_backward:
+            walked = max(walked, kept + n.transient_bwd + n.gradients_alive)
     resident = m.parameters + m.optimizer_state + m.inputs + m.held_gradients
     m.forward_peak = resident + m.gradients_in_forward + fwd_extra
     bound = resident + m.gradients + kept + bwd_extra
-    if not any(n.gradients_alive is not None for n in nodes):
-        m.backward_peak = bound  # a pipeline stage
+    if not any(n.alive_known for n in nodes):
+        m.backward_peak = bound
     elif any(n.recompute for n in nodes):
         m.backward_peak = max(bound, resident + walked)
     else:
