@@ -16,7 +16,7 @@ weight's, ``n`` times the ``.grad`` it becomes). Any other parameter's gradient 
 * a bucketed gradient is held from its consumer's backward until its bucket is launched; a
   ZeRO-3 weight's (``regather``) is launched at once in a bucket of its own, as the runtime does;
 * a bucket is launched during the backward of the op whose gradient brings it to
-  :data:`runtime.grad_sync.BUCKET_BYTES` or more: its flat buffer is filled while its gradients
+  :data:`passes.core.bucket_sizes.BUCKET_BYTES` or more: its flat buffer is filled while its gradients
   are alive (+ the bucket's bytes), then they are dropped. An all-reduce's buffer becomes the
   ``.grad``; a reduce-scatter's output does (``1/n`` of it), and its input is held by its work
   until the next reduce-scatter bucket is launched (the runtime waits for the one in flight
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from passes.analysis.analyze import info
+from passes.core import bucket_sizes
 from passes.core.node_info import grad_flows
 from passes.core.placements import dual_spec, is_partial, is_shard, transition_steps
 from passes.plan.cost_model import dtype_bytes, local_bytes
@@ -120,10 +121,8 @@ def gradients_in_backward(graph: fx.Graph, choices: dict, mesh_shape, out_spec, 
     """The parameter gradient bytes alive in the backward of a plan without a pipeline
     (``choices``: node -> NodeChoice; ``out_spec(node)``: its placement; ``grad_bytes(param)``:
     the plan's ``gradients`` for it)."""
-    from runtime.grad_sync import BUCKET_BYTES
-
     found = GradientsInBackward()
-    state = _Gradients(BUCKET_BYTES)
+    state = _Gradients(bucket_sizes.BUCKET_BYTES)
     made: set = set()
     pending = 0.0  # the launches after the op before: while the next op's backward starts
     ops = [n for n in graph.nodes if n.op == "call_function" and info(n).kind == "op"]
