@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from partitioner.memory import MemoryBreakdown
 from partitioner.units import fmt_bytes as _fmt_bytes
 from partitioner.units import fmt_time as _fmt_time
+from passes.plan.memory_peak import MemoryBreakdown
 
 __all__ = ["Estimate"]
 
@@ -25,7 +25,7 @@ class Estimate:
     comm_s: float
     memory_bytes: float
     """Peak per device over the step (``memory.peak``): state, inputs, what backward keeps and
-    the largest transient, in the order the step runs (:mod:`partitioner.memory`)."""
+    the largest transient, in the order the step runs (:mod:`passes.plan.memory_peak`)."""
     comm_bytes: dict
     """``comm_bytes[kind][axis_name]``: payload bytes per device per step (forward + backward)."""
     comm_bytes_by_phase: dict = field(default_factory=dict)

@@ -20,6 +20,7 @@ from dataclasses import replace
 import torch
 
 from partitioner.cluster import parse_bytes
+from partitioner.core_sharing import shared_cluster
 from partitioner.local_cluster import get_cluster
 from partitioner.mesh import MeshSpec
 from partitioner.options import PlanOptions
@@ -122,7 +123,7 @@ def plan_captured(
     timings = dict(timings or {})
     t0 = timings.pop("start", time.perf_counter())
     mesh = MeshSpec.build(mesh_shape, mesh_axis_names)
-    spec = get_cluster(opts.cluster_for())
+    spec = shared_cluster(get_cluster(opts.cluster_for()), mesh.size)  # ranks outnumbering the cores
     budget = parse_bytes(opts.memory_budget) if opts.memory_budget is not None else spec.memory_bytes
     t2 = time.perf_counter()
     expert_index = None if expert_axis is None else mesh.axis_names.index(expert_axis)
@@ -195,7 +196,9 @@ def _all_pins(cap, opts: PlanOptions, mesh, expert_index, model_name: str) -> di
     """The user's pins, then what forced modes pin where the user did not: sequence-parallel
     attention (ring / Ulysses) and the 2D/2.5D/3D grids; a forced expert mode is checked."""
     pinned = resolve_pins(cap, dict(opts.pins or {}), mesh.ndim)
-    for node, forced in attention_rule.forced_pins(cap.graph, opts.sequence_parallel, mesh.shape).items():
+    for node, forced in attention_rule.forced_pins(
+        cap.graph, opts.sequence_parallel, mesh.shape, mesh.axis_names
+    ).items():
         pinned.setdefault(node, forced)
     for node, forced in multidim_tp.forced_pins(cap.graph, opts.tensor_parallel, mesh.shape).items():
         pinned.setdefault(node, forced)
@@ -207,8 +210,8 @@ def _all_pins(cap, opts: PlanOptions, mesh, expert_index, model_name: str) -> di
 
 def _plan_data(cap, model_name, mesh, spec, budget, precision, opts, activation_copies, pinned, result, stats) -> dict:
     """The plan's JSON value: its typed header (:class:`partitioner.plan_format.PlanHeader`: what it
-    was made for, under which options, the model's FLOPs) and the solver's records, alternatives,
-    blocks and stats."""
+    was made for, under which options, the model's FLOPs, the step's latencies the planner priced)
+    and the solver's records, alternatives, blocks and stats."""
     inputs = {
         info(n).name: list(info(n).shape or ())
         for n in cap.graph.nodes
@@ -239,6 +242,8 @@ def _plan_data(cap, model_name, mesh, spec, budget, precision, opts, activation_
         pins={n.name: format_spec(s) for n, s in pinned.items()},
         model_flops=training_flops(cap),
         flops_dtype=flops_dtype(cap),
+        flat_latency_s=result.flat_latency_s,
+        arrival_wait_s=result.arrival_wait_s,
     )
     data = header.to_dict()
     data.update(records=result.records, alternatives=result.alternatives, blocks=result.blocks, stats=stats)

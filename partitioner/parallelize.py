@@ -253,7 +253,16 @@ _REPLAYED = (
 
 def _check_replay_options(opts: PlanOptions, plan: ShardingPlan) -> None:
     """A replayed plan brings the choices it was made with: a planning option given that
-    differs from the plan's is refused (it would not be honoured), naming both."""
+    differs from the plan's is refused (it would not be honoured), naming both. A pipelined plan
+    is not replayed (the pipeline builder plans its stages): refused, saying how to build it."""
+    if plan.stage_plans:
+        pipe = plan.data["pipeline"]
+        build = {k: pipe[k] for k in ("degree", "schedule", "microbatches")}
+        raise ValueError(
+            f"plan= is a pipelined plan ({pipe['degree']} stages on mesh {plan.mesh_shape}), which "
+            f"auto_parallelize does not replay: leave plan= out and build it with mesh={plan.mesh_shape}, "
+            f"pipeline={build} (its stages are planned again), or without mesh= to search again"
+        )
     for name, value in opts.changed().items():
         if name in ("cluster", "layers", "precision", "memory_budget"):
             continue  # the cluster and budget re-plan other modes; layers captures; precision is checked
@@ -439,7 +448,7 @@ def _loaded(parallel, source: WeightSource, model):
 
 def _build_module(cap, plan, comm, source, device, local_inputs) -> ParallelModule:
     """Lower the plan for this rank, load its weights, and wrap both as a ParallelModule."""
-    records = {r["name"]: r for r in plan.records}
+    records = plan.node_by_name
     program = lower_to_local(cap.graph, records, comm, device=device, bucket_grads=True)
     weights, by_placeholder, strided = load_local_weights(
         cap, records, comm, source, device, exported=cap.exported, tied=tied_placeholders(cap)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import passes.schedules as ps
 from partitioner.captures import kept
+from partitioner.core_sharing import stage_plans_cores
 from partitioner.intra_op import plan_captured, resolve_pins
 from partitioner.options import PlanOptions
 from partitioner.pipeline_shapes import StageShapes, receive_buffers
@@ -107,7 +108,13 @@ def _choose(config: PipelineConfig, plans, graphs):
         "pipeline: stage seconds per microbatch: forward %s, backward %s, weight %s", forward, backward, weight
     )
     name, steps = ps.choose_schedule(
-        config.degree, config.microbatches, forward, backward, weight, ps.stage_syncs(estimates)
+        config.degree,
+        config.microbatches,
+        forward,
+        backward,
+        weight,
+        ps.stage_syncs(estimates),
+        cores=stage_plans_cores(plans, config.degree),
     )
     logger.info(
         "pipeline: schedule %s chosen (simulated step with the stage estimates: %s)",

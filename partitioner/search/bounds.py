@@ -12,6 +12,7 @@ import math
 import passes.schedules as ps
 from partitioner import expert_degrees
 from partitioner.cluster import parse_bytes
+from partitioner.core_sharing import core_share
 from partitioner.parallel_config import ParallelConfig
 from partitioner.precision import Precision
 from partitioner.search.facts import ModelFacts
@@ -125,8 +126,9 @@ class Bounds:
 
     def time(self, c: ParallelConfig) -> float:
         passes = 4 if c.recompute == "all" else 3
-        compute = self.f.fwd_flops_per_sample * self.batch * passes / (c.devices * self.peak)
-        return compute / (1.0 - self._bubble(c))
+        share = core_share(self.spec, c.devices)  # ranks outnumbering a CPU host's cores share them
+        compute = self.f.fwd_flops_per_sample * self.batch * passes / (c.devices * share * self.peak)
+        return compute if share < 1.0 else compute / (1.0 - self._bubble(c))  # shared: no core idles
 
     def quick(self, c: ParallelConfig) -> float:
         f, spec = self.f, self.spec
@@ -147,7 +149,7 @@ class Bounds:
             # (q, k, v, output forward; dO, dq, dk, dv and the row sums backward); a rerun adds
             # the forward's share again (all of it counted, none hidden behind compute)
             link = spec.link_for_axis(shape, 1)
-            local = f.boundary_per_sample * mb / data
+            local = f.boundary_per_sample * mb / (data * c.tensor)  # ring beside tp: its heads only
             n = c.sequence
             if c.sequence_parallel == "ring":
                 hops = 3 * (n - 1)
@@ -190,6 +192,6 @@ class Bounds:
         per_micro += expert_degrees.dispatch_seconds(f.experts, c, spec, mb)
         if c.pipeline > 1:  # an activation forward and its gradient back, per microbatch
             link = spec.link_for_axis(shape, 0)
-            per_micro += 2 * (f.boundary_per_sample * mb / (c.data * c.tensor) / link.bandwidth + link.latency_s)
+            per_micro += 2 * (f.boundary_per_sample * mb / (data * c.tensor) / link.bandwidth + link.latency_s)
         compute = self.time(c) * (1.0 - self._bubble(c)) / c.microbatches
         return (compute + per_micro) * c.microbatches / (1.0 - self._bubble(c)) + once

@@ -30,15 +30,18 @@ class PlanningLoop:
     """Step 5 of :mod:`partitioner.search`: plan the candidates in order, best first, until the limit.
 
     Planning order: the candidates likely to fit first, each group by the quick estimate. Likely
-    to fit: the memory bound with its activations scaled by ``slack``, the largest ratio of a
-    refused plan's least memory to its bound seen so far (the bound leaves out buffers, copies
-    and transients the solver counts), starting at 1."""
+    to fit: the memory bound with its activations scaled by the slack of its kind, the largest
+    ratio of a refused plan's least memory to its bound seen so far among candidates of that kind
+    (the bound leaves out buffers, copies and transients the solver counts), starting at 1. The
+    kinds are whole-model plans and pipelines (:func:`slack_kind`): a whole-model plan's
+    transients (the loss over a data rank's whole batch) say nothing of a stage's over one
+    microbatch, so a refusal of one kind never reorders the other."""
 
     def __init__(self, planner: Planner, bounds: Bounds, budget: float, cands: list, max_plans: int):
         self.planner, self.bounds, self.budget, self.cands, self.max_plans = planner, bounds, budget, cands, max_plans
         self.best: Candidate | None = None
         self.least_seen: tuple | None = None  # (memory bound, why) of the least refused over budget
-        self.slack = 1.0
+        self.slack: dict = {}  # slack_kind -> the slack learned for that kind (1.0 until a refusal)
         self.queue: list = []
         self.tried: dict = {}  # (p, d, s, t, e) -> (what was planned for them, its memory bound if refused over budget)
         self.refused = 0  # plannings refused over budget count half toward max_plans (they stop early)
@@ -47,7 +50,14 @@ class PlanningLoop:
 
     def order(self, c: Candidate) -> tuple:
         state = self.bounds.state_per_device(c.config)
-        return (state + self.slack * (c.memory_lb - state) > self.budget, c.quick_s, c.time_lb)
+        slack = self.slack.get(slack_kind(c.config), 1.0)
+        return (state + slack * (c.memory_lb - state) > self.budget, c.quick_s, c.time_lb)
+
+    def learn_slack(self, c: ParallelConfig, ratio: float) -> None:
+        """Raise the slack of ``c``'s kind to ``ratio`` (if higher) and reorder the queue."""
+        kind = slack_kind(c)
+        self.slack[kind] = max(self.slack.get(kind, 1.0), ratio)
+        self.queue.sort(key=self.order)
 
     def run(self, alive: list, devices_per_node: int) -> Candidate | None:
         """The fastest candidate planned (None: none fits)."""
@@ -129,8 +139,7 @@ class PlanningLoop:
             state = self.bounds.state_per_device(cand.config)
             self.tried[degrees] = (self.tried[degrees][0], not retry, cand.config.zero)
             if needed and cand.memory_lb > state:
-                self.slack = max(self.slack, (float(needed.group(1)) - state) / (cand.memory_lb - state))
-                self.queue.sort(key=self.order)
+                self.learn_slack(cand.config, (float(needed.group(1)) - state) / (cand.memory_lb - state))
             return None
         except ValueError as exc:  # a forced ring / Ulysses that cannot run here (heads, masks)
             if cand.config.sequence == 1:
@@ -150,8 +159,7 @@ class PlanningLoop:
                 # bound was optimistic at least by budget / bound (a refusal, softly)
                 state = self.bounds.state_per_device(cand.config)
                 if cand.memory_lb > state:
-                    self.slack = max(self.slack, 1.001 * (self.budget - state) / (cand.memory_lb - state))
-                    self.queue.sort(key=self.order)
+                    self.learn_slack(cand.config, 1.001 * (self.budget - state) / (cand.memory_lb - state))
             cand.config = made.config
         if any(o.plan is not None and o.config == made.config for o in self.cands):
             cand.reason += "the plan of an earlier candidate (the same stage plans)"
@@ -205,6 +213,11 @@ class PlanningLoop:
             step_s / cand.quick_s,
             twin.config.describe(),
         )
+
+
+def slack_kind(c: ParallelConfig) -> str:
+    """Which memory-bound slack ``c`` learns from and is ordered by: ``"pipeline"`` or ``"whole"``."""
+    return "pipeline" if c.pipeline > 1 else "whole"
 
 
 def rule_of_thumb(cands: list, devices_per_node: int, bounds: Bounds, budget: float) -> Candidate | None:

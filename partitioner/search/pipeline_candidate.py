@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import passes.schedules as ps
+from partitioner.core_sharing import stage_plans_cores
 from partitioner.mesh import MeshSpec
 from partitioner.parallel_config import ParallelConfig
 from partitioner.search.facts import bytes_of
@@ -53,7 +54,8 @@ def stage_plans(planner: Planner, c: ParallelConfig):
     """Stage plans for ``c``'s microbatch, degrees and recomputation (shared by 1F1B and
     ZB-H1). Stages are planned once per class: the first stage, the middle stages by their
     layer count, the last stage (a middle class takes the placements the class before it
-    sends). Returns (class graphs, class plans, class of each stage, layer runs, sends)."""
+    sends). Returns (class graphs, class plans, class of each stage, layer runs, sends, class
+    estimates)."""
     from partitioner.stage_boundaries import plan_stages_in_turn, shared_weights
 
     size = c.microbatch_size
@@ -122,7 +124,7 @@ def stage_plans(planner: Planner, c: ParallelConfig):
     for n in lengths:
         runs.append(list(range(k, k + n)))
         k += n
-    result = (graphs, plans, stage_map, runs, sent_as)
+    result = (graphs, plans, stage_map, runs, sent_as, [p.estimate() for p in plans])  # priced once per class
     planner.stage_sets[key] = result
     return result
 
@@ -154,14 +156,14 @@ def boundary_messages(planner: Planner, c, graphs, sent_as) -> tuple:
 
 
 def plan_pipeline(planner: Planner, c: ParallelConfig) -> ShardingPlan:
-    graphs, plans, stage_map, runs, sent_as = stage_plans(planner, c)
-    class_ests = [p.estimate() for p in plans]  # once per stage class, not per stage
+    graphs, plans, stage_map, runs, sent_as, class_ests = stage_plans(planner, c)
     ests = [class_ests[r] for r in stage_map]
     takes = [graphs[r].takes_activations for r in stage_map]
     forward, backward, weight = ps.stage_durations(ests, takes)
     _, p2p_s, p2p_bytes = boundary_messages(planner, c, graphs, sent_as)
     sched = planner.schedule(c)
-    sim = ps.simulate(sched, forward, backward, weight, comm_time=p2p_s, sync_time=ps.stage_syncs(ests))
+    cores = stage_plans_cores(plans, c.pipeline)  # ranks outnumbering a CPU host's cores take turns
+    sim = ps.simulate(sched, forward, backward, weight, comm_time=p2p_s, sync_time=ps.stage_syncs(ests), cores=cores)
     per_rank_memory = [0.0] * c.pipeline
     for s, est in enumerate(ests):
         per_rank_memory[sched.stage_to_rank[s]] += est.memory_bytes

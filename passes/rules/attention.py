@@ -32,9 +32,10 @@ first turns it into this op.
 Which of the sequence algorithms are offered is a planning setting
 (``op.options.sequence_parallel``, from ``partitioner.plan(..., sequence_parallel=...)``): ``"auto"``
 offers all (the solver chooses by cost and memory), ``"ring"`` / ``"ulysses"`` only that one
-(and :func:`forced_pins` pins every attention output to it on the last mesh axis, data
-parallel on the others), ``"none"`` neither. Ring or Ulysses on one axis combines only with
-replicated or batch-sharded attention on the other axes.
+(and :func:`forced_pins` pins every attention output to it on the ``sp`` axis, else the last,
+ring's heads split on ``tp``, data parallel on the others), ``"none"`` neither. Ring or Ulysses
+on one axis combines with replicated or batch-sharded attention on the other axes, ring also with
+head-sharded attention.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ from passes.core.rule_options import SEQUENCE_PARALLEL_MODES
 from passes.rules.base import AxisStrategy, OpRule, OpView, register, tensor_input_nodes
 
 aten = torch.ops.aten
+RING_TRANSFERS_PER_HOP = 2
+"""Transfers per hop of one ring ``send_recv`` entry: the pair it prices (k and v, or their
+gradients' accumulators) travels as two tensors, each its own send and receive
+(``runtime.ring_attention._Ring.start``); an entry is ``p - 1`` hops, so ``2 (p - 1)`` calls."""
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["AttentionRule", "forced_pins", "SEQUENCE_PARALLEL_MODES", "SEQUENCE_ALGORITHMS"]
@@ -109,10 +115,12 @@ def _ulysses_problem(op: OpView, sizes) -> str | None:
     return None
 
 
-def forced_pins(graph, mode: str, mesh_shape) -> dict:
+def forced_pins(graph, mode: str, mesh_shape, axis_names=None) -> dict:
     """For ``mode`` ``"ring"`` / ``"ulysses"``: pin every attention node's output sequence-sharded
-    on the last mesh axis (which the rule then serves only with that algorithm) and batch-sharded
-    on the others (replicated where the batch does not divide). Raises naming the node when the
+    on the sequence axis (the axis named ``sp`` in ``axis_names``, else the last mesh axis; the
+    rule then serves it only with that algorithm), for ring head-sharded on an axis named ``tp``
+    where both head counts divide by it (context parallelism beside Megatron's heads), and batch-sharded on
+    the others (replicated where the batch does not divide). Raises naming the node when the
     algorithm cannot run it. Cross-attention (keys of another length than the queries) is not
     pinned: the solver plans it with the rule's other candidates (replicated, batch or head
     split), priced like any op, and the log names it."""
@@ -121,6 +129,8 @@ def forced_pins(graph, mode: str, mesh_shape) -> dict:
     if mode not in SEQUENCE_ALGORITHMS:
         return {}
     mesh = tuple(mesh_shape)
+    names = tuple(axis_names) if axis_names is not None else ()
+    seq_axis = names.index("sp") if "sp" in names else len(mesh) - 1
     pins = {}
     for node in graph.nodes:
         if node.op != "call_function" or node.target is not aten.scaled_dot_product_attention.default:
@@ -136,20 +146,31 @@ def forced_pins(graph, mode: str, mesh_shape) -> dict:
                 mode,
             )
             continue
-        problem = (_ring_problem if mode == "ring" else _ulysses_problem)(op, [mesh[-1]] if mesh[-1] > 1 else [])
-        if problem:
-            other = "ulysses" if mode == "ring" else "ring"
-            other = "'auto'" if _common_problem(op) else f"{other!r} or 'auto'"
-            raise ValueError(
-                f"sequence_parallel={mode!r}: attention node {node.name} "
-                f"({node.meta.get('partita.info').module_path if node.meta.get('partita.info') else 'top level'}) "
-                f"cannot run as {mode} on mesh axis {len(mesh) - 1} ({mesh[-1]} ranks): {problem}; "
-                f"try sequence_parallel={other}, or another mesh"
-            )
-        batch = op.in_shapes[0][0]
-        spec = tuple(Shard(0) if batch % n == 0 and n > 1 else R for n in mesh[:-1]) + (Shard(2),)
-        pins[node] = spec
+        pins[node] = _forced_spec(op, node, mode, mesh, names, seq_axis)
     return pins
+
+
+def _forced_spec(op: OpView, node, mode: str, mesh: tuple, names: tuple, seq_axis: int) -> tuple:
+    """:func:`forced_pins`'s placement of one attention output (raises when ``mode`` cannot run it)."""
+    q, k = op.in_shapes[0], op.in_shapes[1]
+    heads_on = [a for a, n in enumerate(mesh) if a < len(names) and names[a] == "tp" and n > 1 and mode == "ring"]
+    heads_on = [a for a in heads_on if q[1] % mesh[a] == 0 and k[1] % mesh[a] == 0]
+    problem = (_ring_problem if mode == "ring" else _ulysses_problem)(
+        op, [mesh[seq_axis]] if mesh[seq_axis] > 1 else []
+    )
+    if problem:
+        other = "ulysses" if mode == "ring" else "ring"
+        other = "'auto'" if _common_problem(op) else f"{other!r} or 'auto'"
+        raise ValueError(
+            f"sequence_parallel={mode!r}: attention node {node.name} "
+            f"({node.meta.get('partita.info').module_path if node.meta.get('partita.info') else 'top level'}) "
+            f"cannot run as {mode} on mesh axis {seq_axis} ({mesh[seq_axis]} ranks): {problem}; "
+            f"try sequence_parallel={other}, or another mesh"
+        )
+    return tuple(
+        Shard(2) if a == seq_axis else Shard(1) if a in heads_on else Shard(0) if q[0] % n == 0 and n > 1 else R
+        for a, n in enumerate(mesh)
+    )
 
 
 def _row_sums(op: OpView, rows: int) -> float:
@@ -217,13 +238,15 @@ class AttentionRule(OpRule):
         return strategies
 
     def combination_ok(self, axes, op) -> bool:
-        """Ring or Ulysses on one axis: the others replicated or batch-sharded only."""
+        """Ring or Ulysses on one axis: the others replicated or batch-sharded; beside ring also
+        head-sharded (context parallelism with tensor parallelism: each rank runs the ring on its
+        heads; Ulysses turns the sequence split into a head split, which would nest in another)."""
         algo = [a for a in axes if a.note in SEQUENCE_ALGORITHMS]
         if not algo:
             return True
+        beside = (R, Shard(0), Shard(1)) if algo[0].note == "ring" else (R, Shard(0))
         others = [a for a in axes if a.note not in SEQUENCE_ALGORITHMS]
-        ok = all(isinstance(a.out[0], R.__class__) or a.out[0] == Shard(0) for a in others)
-        return len(algo) == 1 and ok
+        return len(algo) == 1 and all(a.out[0] in beside for a in others)
 
     def lower(self, call):
         """Ring or Ulysses (by the record's note) as their modules; with attention dropout, a
