@@ -52,3 +52,11 @@ def revision() -> str:
     except OSError:
         return "unknown revision"
     return f"commit {head or '?'}" + (" with uncommitted changes in passes/ or partitioner/" if dirty else "")
+
+
+def markdown_table(columns: list, rows: list) -> list:
+    """The lines of a markdown table: ``columns`` as ``(title, align)`` pairs (``"l"`` left,
+    ``"r"`` right), then one line per row of cells (a row may have fewer cells: an error line)."""
+    line = lambda cells: "| " + " | ".join(str(c) for c in cells) + " |"  # noqa: E731
+    rule = "|" + "|".join("---:" if align == "r" else "---" for _, align in columns) + "|"
+    return [line(title for title, _ in columns), rule] + [line(cells) for cells in rows]

@@ -21,13 +21,16 @@ How it measures
 4. **The estimate** is the plan's: ``plan.estimate().step_time_s`` (optimizer step included) for an
    intra-op plan; for a pipeline, its schedule simulated with the stage plans' estimates
    (:func:`partitioner.pipeline_simulation.stage_times`), the gradient reductions and optimizer
-   step included (the simulation's makespan).
+   step included (the simulation's makespan), at most the host's cores computing at once where
+   the ranks outnumber them (:mod:`partitioner.core_sharing`).
 5. **CPU time per action** (``time.thread_time()`` on the rank's main thread, one torch thread
    per rank), beside the seconds the plan prices for it: per stage ``F``, ``I``, ``W`` (or ``B``)
    for a pipeline, forward / backward / optimizer for an intra-op plan. On a busy machine the
    wall-clock step is not comparable to the estimate; a thread's CPU time is much less distorted
    (what another process does is not counted), although cores shared with other work still run it
-   slower (caches, SMT siblings).
+   slower (caches, SMT siblings). For a pipeline the schedule is also replayed as the estimate
+   simulates it with those CPU times in place of the prices (:func:`cpu_replay`): the step a quiet
+   machine would take if every action cost its CPU time.
 
 Usage: ``PYTHONPATH=. python benchmarks/default_cluster_estimates.py [--rounds 5] [--steps 4]
 [--out FILE.json]`` (about 3-5 minutes on the 2-core machine when nothing else runs).
@@ -48,6 +51,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_common import markdown_table  # noqa: E402
+
 BAND = (0.8, 1.25)
 JOBS = ((2, 512, 8), (4, 256, 8))
 """``(ranks, width, batch)`` of the GPT jobs (seq 128, 4 layers, 8 heads, vocabulary 1024)."""
@@ -59,6 +64,7 @@ def _action_kind(action) -> str:
 
 def _pipeline_prices(runner) -> dict:
     """``"<stage><kind>"`` -> seconds priced per action, and ``"step"``: the simulated makespan."""
+    from partitioner.core_sharing import stage_plans_cores
     from partitioner.pipeline_simulation import stage_times
     from passes.schedules import simulate
 
@@ -74,7 +80,8 @@ def _pipeline_prices(runner) -> dict:
     stages = [plan.estimate() for plan in runner.plan["stages"]]
     mine = sorted(int(s) for s in runner.stages)
     prices[_optimizer_key(mine)] = sum(stages[s].optimizer_s for s in mine)
-    prices["step"] = simulate(runner.schedule, f, b, w, sync_time=sync).makespan
+    cores = stage_plans_cores(runner.plan["stages"], runner.schedule.num_ranks)
+    prices["step"] = simulate(runner.schedule, f, b, w, sync_time=sync, cores=cores).makespan
     return prices
 
 
@@ -162,7 +169,16 @@ def job_rank(rank, world, width, batch, steps, commands, replies):
         _step(pm, opt, ids, targets, cpu)
     if rank == 0:
         label = f"pipeline {pm.schedule.name}" if pipelined and hasattr(pm.schedule, "name") else type(pm).__name__
-        replies.put(("ready", {"planned_s": planned_s, "kind": label, "prices": prices}))
+        ready = {"planned_s": planned_s, "kind": label, "prices": prices}
+        if pipelined:  # for the replay of the schedule with the measured CPU times (:func:`cpu_replay`)
+            from partitioner.core_sharing import stage_plans_cores
+            from passes.schedules import format_schedule
+
+            ready["schedule"] = format_schedule(pm.schedule)
+            ready["cores"] = stage_plans_cores(pm.plan["stages"], pm.schedule.num_ranks)
+        else:
+            ready["core_share"] = pm.plan.data["cluster"].get("core_share", 1.0)
+        replies.put(("ready", ready))
     while commands[rank].get() == "run":
         cpu.clear()
         times = [_slowest(_step(pm, opt, ids, targets, cpu)) for _ in range(steps)]
@@ -228,6 +244,30 @@ class Job:
         self.thread.join(timeout=120)
 
 
+def cpu_replay(ready: dict, actions: dict) -> float | None:
+    """A pipeline's schedule simulated as the estimate is (at most the host's cores computing at
+    once), with each action's measured CPU seconds in place of its price and each rank's measured
+    optimizer step as its tail; an intra-op plan's forward, backward and optimizer CPU seconds
+    over the ranks' share of a core, plus its priced communication: the step a quiet machine
+    would take if the work cost what it cost in CPU time. On a loaded machine it tells a wrong
+    timeline model from wrong prices."""
+    from passes.schedules import parse_schedule, simulate
+
+    if "schedule" not in ready:
+        parts = [actions.get(k, {}).get("cpu_s") for k in ("forward", "backward", "optimizer")]
+        if None in parts:
+            return None
+        return sum(parts) / ready.get("core_share", 1.0) + ready["prices"]["communication"]
+    schedule = parse_schedule(ready["schedule"])
+    cpu = {key: a["cpu_s"] for key, a in actions.items()}
+    stages = range(schedule.num_stages)
+    forward = {s: cpu.get(f"{s}F", 0.0) for s in stages}
+    weight = {s: cpu.get(f"{s}W", 0.0) for s in stages}
+    backward = {s: cpu.get(f"{s}B", cpu.get(f"{s}I", 0.0) + weight[s]) for s in stages}
+    tail = {s: cpu.get(_optimizer_key([s]), 0.0) for s in stages}
+    return simulate(schedule, forward, backward, weight, sync_time=tail, cores=ready.get("cores")).makespan
+
+
 def row(job: Job) -> dict:
     """The job's table row: estimate, the median over rounds of each round's median step, the
     rounds' min and max, and per action the median CPU seconds (slowest rank) beside its price."""
@@ -254,29 +294,50 @@ def row(job: Job) -> dict:
         "ratio": measured / estimate,
         "in_band": BAND[0] <= measured / estimate <= BAND[1],
         "actions": actions,
+        "cpu_replay_s": cpu_replay(job.ready, actions),
         "planned_s": job.ready["planned_s"],
     }
 
 
+def _ratio(cpu_s: float, priced_s: float) -> str:
+    return f"{cpu_s / priced_s:.2f}" if priced_s else "-"
+
+
 def table(rows: list) -> str:
-    lines = [
-        "| run | what ran | estimated s | measured s (median of rounds) | min-max over rounds | measured / estimated "
-        "| in 0.8-1.25 |",
-        "|---|---|---:|---:|---|---:|---|",
+    steps = [
+        [
+            r["run"],
+            r["kind"],
+            f"{r['estimate_s']:.3f}",
+            f"{r['measured_s']:.3f}",
+            f"{min(r['rounds_s']):.3f}-{max(r['rounds_s']):.3f}",
+            f"{r['ratio']:.2f}",
+            "yes" if r["in_band"] else "no",
+        ]
+        for r in rows
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['run']} | {r['kind']} | {r['estimate_s']:.3f} | {r['measured_s']:.3f} | "
-            f"{min(r['rounds_s']):.3f}-{max(r['rounds_s']):.3f} | {r['ratio']:.2f} | "
-            f"{'yes' if r['in_band'] else 'no'} |"
-        )
-    lines += ["", "| run | action | CPU s (median) | priced s | CPU / priced |", "|---|---|---:|---:|---:|"]
-    for r in rows:
-        for key, a in r["actions"].items():
-            priced = a["priced_s"]
-            ratio = f"{a['cpu_s'] / priced:.2f}" if priced else "-"
-            lines.append(f"| {r['run']} | {key} | {a['cpu_s']:.4f} | {priced:.4f} | {ratio} |")
-    return "\n".join(lines)
+    actions = [
+        [r["run"], key, f"{a['cpu_s']:.4f}", f"{a['priced_s']:.4f}", _ratio(a["cpu_s"], a["priced_s"])]
+        for r in rows
+        for key, a in r["actions"].items()
+    ]
+    replays = [
+        [r["run"], f"{r['estimate_s']:.3f}", f"{r['cpu_replay_s']:.3f}", f"{r['cpu_replay_s'] / r['estimate_s']:.2f}"]
+        for r in rows
+        if r.get("cpu_replay_s")
+    ]
+    step_columns = [("run", "l"), ("what ran", "l"), ("estimated s", "r"), ("measured s (median of rounds)", "r"),
+                    ("min-max over rounds", "l"), ("measured / estimated", "r"), ("in 0.8-1.25", "l")]
+    replay_columns = [("run", "l"), ("estimated s", "r"), ("schedule replayed with CPU s per action", "r"),
+                      ("replay / estimated", "r")]
+    action_columns = [("run", "l"), ("action", "l"), ("CPU s (median)", "r"), ("priced s", "r"), ("CPU / priced", "r")]
+    return "\n".join(
+        markdown_table(step_columns, steps)
+        + [""]
+        + markdown_table(replay_columns, replays)
+        + [""]
+        + markdown_table(action_columns, actions)
+    )
 
 
 def main(argv=None):

@@ -43,6 +43,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_common import markdown_table  # noqa: E402
 from plan_scale import megatron_flops  # noqa: E402
 
 GPT_VOCAB = 51200
@@ -440,15 +441,25 @@ def _parts(e: dict) -> str:
     )
 
 
+COLUMNS = [
+    ("run", "l"),
+    ("GPUs", "r"),
+    ("published step (s)", "r"),
+    ("published config: estimate (s), ratio, components (s)", "l"),
+    ("planned in (s)", "r"),
+    ("search: chosen", "l"),
+    ("estimate (s)", "r"),
+    ("ratio", "r"),
+    ("search wall / CPU (s)", "r"),
+    ("priced / bounded out / planned", "l"),
+]
+
+
 def markdown(results: list) -> str:
-    lines = [
-        "| run | GPUs | published step (s) | published config: estimate (s), ratio, components (s) | planned in (s) |"
-        " search: chosen | estimate (s) | ratio | search wall / CPU (s) | priced / bounded out / planned |",
-        "|---|---:|---:|---|---:|---|---:|---:|---:|---|",
-    ]
+    rows = []
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['run']} | error: {r['error'][-300:]!r} |")
+            rows.append([r["run"], f"error: {r['error'][-300:]!r}"])
             continue
         meas = r["published_step_s"]
         pub = r.get("published_config", {})
@@ -462,18 +473,18 @@ def markdown(results: list) -> str:
         if s:
             counts = s["table"]["counts"]
             priced = sum(counts.values())
-            search = (
-                f"{_cfg(s['config'])} | {s['step_s']:.2f} | **{s['step_s'] / meas:.2f}** | "
-                f"{s['seconds']:.1f} / {s['cpu_s']:.1f} | {priced} / {counts.get('over budget', 0)} / "
-                f"{s['table']['plannings']}"
-            )
+            search = [
+                _cfg(s["config"]),
+                f"{s['step_s']:.2f}",
+                f"**{s['step_s'] / meas:.2f}**",
+                f"{s['seconds']:.1f} / {s['cpu_s']:.1f}",
+                f"{priced} / {counts.get('over budget', 0)} / {s['table']['plannings']}",
+            ]
         else:
-            search = "- | - | - | - | -"
-        lines.append(
-            f"| {r['run']} ({r['params'] / 1e9:.1f} B) | {r['published']['devices']} | {meas:.2f} | {pub_text} | "
-            f"{pub.get('seconds', 0):.1f} | {search} |"
-        )
-    return "\n".join(lines) + "\n"
+            search = ["-"] * 5
+        published = [f"{r['run']} ({r['params'] / 1e9:.1f} B)", r["published"]["devices"], f"{meas:.2f}", pub_text]
+        rows.append(published + [f"{pub.get('seconds', 0):.1f}"] + search)
+    return "\n".join(markdown_table(COLUMNS, rows)) + "\n"
 
 
 def main():

@@ -26,6 +26,11 @@ a later call with those options on the same model reuses it::
         run_on_ranks(worker, 4, model, inputs)                # each rank: auto_parallelize(model, inputs,
                                                               #   mesh=(2, 2), precision="bf16") reuses it
 
+A pipelined call (``pipeline=``) captures one microbatch and cuts it into stages; inside the
+block that capture and its stage graphs are kept the same way (:func:`kept`, keyed also by the
+number of stages), and :func:`partitioner.pipeline_parallelize.capture_pipeline` makes them in the
+parent.
+
 Outside the block nothing is kept: every call captures afresh, as it always did.
 """
 
@@ -46,7 +51,7 @@ from passes.capture.capture import describe_captured
 from passes.capture.capture_blocks import capture_model
 from passes.capture.eager_attention import fuse_for
 
-__all__ = ["capture", "captured", "keep_captures"]
+__all__ = ["capture", "captured", "keep_captures", "kept"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +74,8 @@ def keep_captures():
 
 def capture(model: torch.nn.Module, example_inputs, **options):
     """The capture a ``plan``/``auto_parallelize`` call with these keyword ``options`` makes of
-    ``model`` (in its current mode), kept for that call inside :func:`keep_captures`."""
+    ``model`` (in its current mode), kept for that call inside :func:`keep_captures` (a pipelined
+    call's: :func:`partitioner.pipeline_parallelize.capture_pipeline`)."""
     opts = PlanOptions.from_call(None, **options)
     return captured(
         model,
@@ -94,15 +100,36 @@ def captured(
     """Export, analyse and fuse ``model`` (or reuse the capture kept for the same call, see the
     module). ``timings`` (if given) receives ``capture_s`` and ``analysis_s``."""
     sequence_parallel = sequence_parallel or "auto"
-    key = None
-    if _kept is not None:
-        key = (id(model), layers, autocast_dtype, sequence_parallel, expert_capacity, _layout(model, example_inputs))
-        kept = _kept.get(key)
-        if kept is not None and kept[0]() is model:
-            logger.info("capture: reusing the one kept for %s (keep_captures)", type(model).__name__)
-            if timings is not None:
-                timings.update(capture_s=0.0, analysis_s=0.0)
-            return kept[1]
+    made = []
+
+    def make():
+        made.append(True)
+        return _capture(model, example_inputs, layers, autocast_dtype, sequence_parallel, expert_capacity, timings)
+
+    cap = kept(model, example_inputs, ("whole", layers, autocast_dtype, sequence_parallel, expert_capacity), make)
+    if not made and timings is not None:
+        timings.update(capture_s=0.0, analysis_s=0.0)
+    return cap
+
+
+def kept(model, example_inputs, what: tuple, make):
+    """``make()``, or inside :func:`keep_captures` what an earlier ``make`` returned for the same
+    model object, the same parameter/buffer/input layout and the same ``what`` (the options the
+    result depends on)."""
+    if _kept is None:
+        return make()
+    key = (id(model), what, _layout(model, example_inputs))
+    hit = _kept.get(key)
+    if hit is not None and hit[0]() is model:
+        logger.info("capture: reusing the one kept for %s (keep_captures)", type(model).__name__)
+        return hit[1]
+    value = make()
+    _kept[key] = (weakref.ref(model), value)
+    return value
+
+
+def _capture(model, example_inputs, layers, autocast_dtype, sequence_parallel, expert_capacity, timings):
+    """Export, analyse, measure routing and fuse: one capture, timed into ``timings``."""
     t0 = time.perf_counter()
     logger.info("capturing %s with torch.export ...", type(model).__name__)
     cap = capture_model(
@@ -117,8 +144,6 @@ def captured(
     logger.info("analysis: %.2f s", t2 - t1)
     if timings is not None:
         timings.update(capture_s=t1 - t0, analysis_s=t2 - t1)
-    if key is not None and _kept is not None:
-        _kept[key] = (weakref.ref(model), cap)
     return cap
 
 

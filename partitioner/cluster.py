@@ -170,6 +170,15 @@ class ClusterSpec:
     """Host memory bytes per second available to one device (its share of the host's DRAM
     bandwidth), at which an offloaded optimizer's step runs; None: ``memory_bandwidth`` (a CPU)."""
 
+    cores_per_node: int | None = None
+    """The cores one node's ranks compute on, where its ranks can outnumber them (a CPU host: a rank
+    computes on one core, one torch thread); None: every device computes on its own (the GPU
+    presets, cluster files written before it was recorded). The compute figures are a rank's with
+    a core to itself; :mod:`partitioner.core_sharing` prices ranks that share cores."""
+    core_share: float = 1.0
+    """The share of a core each rank's compute figures assume: 1.0 as measured; less in the spec a
+    plan whose ranks outnumber the cores is priced with (:func:`partitioner.core_sharing.shared_cluster`)."""
+
     def host(self) -> LinkSpec:
         """:attr:`host_link`, or this device's memory when there is none (see there)."""
         return self.host_link or LinkSpec(bandwidth=self.memory_bandwidth, latency_s=0.0)
@@ -186,7 +195,13 @@ class ClusterSpec:
         return self.intra_node if span <= self.devices_per_node else self.inter_node
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The spec as JSON data; the host's cores only where recorded (a file or plan written
+        before they were reads back as the same spec, and writes the same JSON)."""
+        data = dataclasses.asdict(self)
+        for name, default in _UNSET_UNLESS_GIVEN.items():
+            if data[name] == default:
+                del data[name]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> ClusterSpec:
@@ -205,6 +220,10 @@ class ClusterSpec:
                 if isinstance(rate, dict):
                     check_rate_grid(rate, f"op_rates[{dtype!r}][{op!r}]")
         return cls(**data)
+
+
+_UNSET_UNLESS_GIVEN = {"cores_per_node": None, "core_share": 1.0}
+"""Fields :meth:`ClusterSpec.to_dict` leaves out at their defaults."""
 
 
 def _gpu(name, fp32, bf16, hbm_bw, mem_gib, nvlink, ib, pcie, notes, host_bw=614e9 / 8):

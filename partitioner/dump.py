@@ -13,7 +13,8 @@ needed). Files:
   coloured by their placement and every edge that communicates drawn red and labelled with
   its collectives; repeated layers drawn once, mask/index rows left out
   (:mod:`partitioner.plan_dot`);
-* ``rank_<r>.py`` per rank.
+* ``rank_<r>.py`` per rank; for a pipelined plan (the configuration search's), ``stage_<s>/rank_<r>.py``
+  per stage and rank that runs it, the model cut into the plan's stages as the search cut it.
 
 For a pipeline runner: per stage its plan files under ``stage_<s>/`` and each rank's programs
 there; ``schedule.txt`` (the schedule and its grid); after a ``train_step``, the last step's
@@ -155,17 +156,66 @@ def dump(model_or_plan, directory, *, model=None, example_inputs=None, ranks=Non
     analyze(cap)
     fuse_for(cap, plan.data.get("sequence_parallel") or "auto")
     plan.check_fingerprint(graph_fingerprint(cap), f"{type(model).__name__} on these inputs")
-    size = 1
-    for n in plan.mesh_shape:
-        size *= n
-    ranks = list(ranks) if ranks is not None else (list(range(size)) if size <= 8 else [0, size - 1])
-    records = {r["name"]: r for r in plan.records}
+    ranks = _ranks_to_lower(plan, ranks)
+    if plan.stage_plans:
+        return written + _dump_stage_programs(plan, model, example_inputs, out, ranks)
+    records = plan.node_by_name
     for rank in ranks:
-        if not 0 <= rank < size:
-            raise ValueError(f"rank {rank} is not on mesh {plan.mesh_shape} ({size} ranks)")
         comm = MeshComm.for_codegen(plan.mesh_shape, plan.axis_names, rank)
         program = lower_to_local(cap.graph, records, comm)
         path = out / f"rank_{rank}.py"
         path.write_text(_program_text(program, rank, comm.coords, plan))
         written.append(path)
+    return written
+
+
+def _ranks_to_lower(plan: ShardingPlan, ranks) -> list:
+    """``ranks`` checked against the plan's mesh; by default every rank of a mesh of up to 8
+    devices, else the first and the last."""
+    size = 1
+    for n in plan.mesh_shape:
+        size *= n
+    ranks = list(ranks) if ranks is not None else (list(range(size)) if size <= 8 else [0, size - 1])
+    for rank in ranks:
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is not on mesh {plan.mesh_shape} ({size} ranks)")
+    return ranks
+
+
+def _dump_stage_programs(plan: ShardingPlan, model, example_inputs, out: Path, ranks: list) -> list:
+    """A pipelined plan's programs: the model cut into the plan's stages as the configuration
+    search cut it (:func:`partitioner.simulate_ranks.plan_graphs`), and each stage's plan lowered
+    for each of ``ranks`` (global ranks: ``pp`` coordinate first) that runs the stage, as
+    ``stage_<s>/rank_<r>.py``."""
+    import passes.schedules as ps
+    from partitioner.simulate_ranks import plan_graphs
+    from passes.capture.capture import graph_fingerprint
+    from passes.lower.lower_to_local import lower_to_local
+    from runtime.collectives import MeshComm
+
+    if plan.config is None:
+        raise ValueError(
+            "dump lowers a pipelined plan's stages as the configuration search cut them; this plan was "
+            "made by a pipeline runner: dump the runner (partitioner.dump(runner, directory)) instead"
+        )
+    pipe = plan.data["pipeline"]
+    graphs = plan_graphs(plan, model, example_inputs)
+    stages = plan.stage_plans
+    sub = 1
+    for n in stages[0].mesh_shape:
+        sub *= n
+    schedule = ps.SCHEDULES[pipe["schedule"]].make(pipe["degree"], pipe["microbatches"], pipe["virtual_stages"])
+    written = []
+    for s, (stage, k) in enumerate(zip(stages, pipe["stage_map"])):
+        stage.check_fingerprint(graph_fingerprint(graphs[k]), f"stage {s} of {type(model).__name__}")
+        for rank in ranks:
+            pp, sub_rank = divmod(rank, sub)
+            if schedule.stage_to_rank[s] != pp:
+                continue
+            comm = MeshComm.for_codegen(stage.mesh_shape, stage.axis_names, sub_rank)
+            program = lower_to_local(graphs[k].graph, stage.node_by_name, comm)
+            path = out / f"stage_{s}" / f"rank_{rank}.py"
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(_program_text(program, rank, comm.coords, stage))
+            written.append(path)
     return written

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from partitioner.memory import MemoryBreakdown
 from partitioner.units import fmt_bytes as _fmt_bytes
 from partitioner.units import fmt_time as _fmt_time
+from passes.plan.memory_peak import MemoryBreakdown
 
 __all__ = ["Estimate"]
 
@@ -25,7 +25,7 @@ class Estimate:
     comm_s: float
     memory_bytes: float
     """Peak per device over the step (``memory.peak``): state, inputs, what backward keeps and
-    the largest transient, in the order the step runs (:mod:`partitioner.memory`)."""
+    the largest transient, in the order the step runs (:mod:`passes.plan.memory_peak`)."""
     comm_bytes: dict
     """``comm_bytes[kind][axis_name]``: payload bytes per device per step (forward + backward)."""
     comm_bytes_by_phase: dict = field(default_factory=dict)
@@ -54,9 +54,11 @@ class Estimate:
     bubble_s: float = 0.0
     """Pipelines: the busiest rank's idle time in the simulated schedule (0 without a pipeline)."""
     grad_sync_s: float = 0.0
-    """The part of ``comm_s`` that moves parameter gradients a pipeline stage holds back and
-    reduces once per step, not once per microbatch: the all-reduces onto replicated storage (a
-    weight stored sharded reduce-scatters its gradient in every microbatch: not counted here)."""
+    """The part of ``comm_s`` a pipeline stage runs once per step, not once per microbatch: the
+    parameter-gradient all-reduces onto replicated storage it holds back, and the ZeRO-1 (or
+    offloaded) weights' reduction into the stepped shard and all-gather into the compute copy
+    (a weight stored sharded reduce-scatters its gradient in every microbatch: not counted here).
+    Not part of ``forward_s``."""
     grad_sync_bytes: dict = field(default_factory=dict)
     """``grad_sync_bytes[kind][axis_name]``: the part of ``comm_bytes`` those collectives send."""
     optimizer_s: float = 0.0

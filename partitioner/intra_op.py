@@ -20,6 +20,7 @@ from dataclasses import replace
 import torch
 
 from partitioner.cluster import parse_bytes
+from partitioner.core_sharing import shared_cluster
 from partitioner.local_cluster import get_cluster
 from partitioner.mesh import MeshSpec
 from partitioner.options import PlanOptions
@@ -108,8 +109,8 @@ def plan_captured(
     ``activation_copies``: microbatches whose saved activations are alive at once (a pipeline
     stage under its schedule): the activation memory counts that many. ``options.precision``:
     recorded in the plan (default: the autocast dtype ``cap`` was captured under, fp32
-    reductions). ``zero1``: offer ZeRO-1 weights (pipeline stages do not: their
-    runtime keeps no compute copies). ``microbatches``: a pipeline stage's microbatches per step (its
+    reductions). ``zero1``: offer ZeRO-1 weights (the configuration search turns
+    them off where it prices a candidate without them). ``microbatches``: a pipeline stage's microbatches per step (its
     held-back parameter-gradient all-reduces, once per step, are weighed at their share per
     microbatch; reduce-scatters onto weights stored sharded run every microbatch).
     ``holds_gradient_sums``: a pipeline stage (it holds its gradient sums over the microbatches:
@@ -122,7 +123,7 @@ def plan_captured(
     timings = dict(timings or {})
     t0 = timings.pop("start", time.perf_counter())
     mesh = MeshSpec.build(mesh_shape, mesh_axis_names)
-    spec = get_cluster(opts.cluster_for())
+    spec = shared_cluster(get_cluster(opts.cluster_for()), mesh.size)  # ranks outnumbering the cores
     budget = parse_bytes(opts.memory_budget) if opts.memory_budget is not None else spec.memory_bytes
     t2 = time.perf_counter()
     expert_index = None if expert_axis is None else mesh.axis_names.index(expert_axis)
@@ -209,8 +210,8 @@ def _all_pins(cap, opts: PlanOptions, mesh, expert_index, model_name: str) -> di
 
 def _plan_data(cap, model_name, mesh, spec, budget, precision, opts, activation_copies, pinned, result, stats) -> dict:
     """The plan's JSON value: its typed header (:class:`partitioner.plan_format.PlanHeader`: what it
-    was made for, under which options, the model's FLOPs) and the solver's records, alternatives,
-    blocks and stats."""
+    was made for, under which options, the model's FLOPs, the step's latencies the planner priced)
+    and the solver's records, alternatives, blocks and stats."""
     inputs = {
         info(n).name: list(info(n).shape or ())
         for n in cap.graph.nodes
@@ -241,6 +242,8 @@ def _plan_data(cap, model_name, mesh, spec, budget, precision, opts, activation_
         pins={n.name: format_spec(s) for n, s in pinned.items()},
         model_flops=training_flops(cap),
         flops_dtype=flops_dtype(cap),
+        flat_latency_s=result.flat_latency_s,
+        arrival_wait_s=result.arrival_wait_s,
     )
     data = header.to_dict()
     data.update(records=result.records, alternatives=result.alternatives, blocks=result.blocks, stats=stats)

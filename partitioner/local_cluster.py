@@ -10,11 +10,14 @@ How ``"cpu"`` is measured
 A job's step on a CPU is priced with the same cost model as everywhere else, so the figures it
 needs are those ``partitioner calibrate`` fits (:mod:`partitioner.calibration`): matmul rates by
 shape, memory bandwidth, the per-op overhead of a lowered program, the rates of activations,
-norms and attention, the optimizer's step, and every collective the runtime issues, each timed
-**with all of the job's ranks working at once** (on a machine with fewer cores than ranks each
-rank's share of the cores is its device, and a collective's cost depends on how many ranks take
-part). Guessing the links from memory bandwidth, or leaving out the ops no roofline reaches,
-put the estimate 1.3-2.5x under the measured step.
+norms and attention, the optimizer's step, and every collective the runtime issues. Collectives
+are timed **with all of the job's ranks working at once** (a collective's cost depends on how
+many ranks take part); compute on as many ranks at once as the machine has cores (a rank with a
+core to itself), and the cores are recorded (``cores_per_node``): where the ranks outnumber them,
+the planner prices the sharing (:mod:`partitioner.core_sharing`: every rank computing at once
+gets its share of a core; a pipeline's ranks take turns on the cores in its simulated step).
+Guessing the links from memory bandwidth, or leaving out the ops no roofline reaches, put the
+estimate 1.3-2.5x under the measured step.
 
 1. **Once per rank count.** The figures depend on how many ranks share the machine, so the
    cache holds one cluster file per count: ``$XDG_CACHE_HOME/partita/cpu_cluster-<R>ranks.json``
@@ -37,11 +40,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from pathlib import Path
 
 from partitioner.calibration.calibrate import write_cluster_file
 from partitioner.calibration.fit import fit
 from partitioner.calibration.measure import measure, measure_in_group
+from partitioner.calibration.measure_compute import host_cores
 from partitioner.calibration.sizes import QUICK_SIZES
 from partitioner.cluster import PRESETS, ClusterSpec, LinkSpec, load_cluster_file
 
@@ -78,12 +83,18 @@ def _cached_cpu(ranks: int) -> ClusterSpec | None:
     return None
 
 
-def _store(spec: ClusterSpec, samples: dict, ranks: int) -> ClusterSpec:
+def _store(spec: ClusterSpec, samples: dict, ranks: int, started: float) -> ClusterSpec:
     path = measured_cpu_path(ranks)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_cluster_file(path, spec, samples, ranks)
-        logger.info("CPU cluster for %d ranks cached in %s", ranks, path)
+        logger.warning(
+            "measured this CPU for %d ranks in %.1f s (%s cores); cached in %s: later jobs read it",
+            ranks,
+            time.perf_counter() - started,
+            spec.cores_per_node,
+            path,
+        )
     except OSError as exc:
         logger.warning("could not cache the CPU cluster in %s (%s): the next job measures again", path, exc)
     return spec
@@ -108,8 +119,9 @@ def cpu_cluster(ranks: int | None = None, *, refresh: bool = False) -> ClusterSp
     if spec is not None:
         return spec
     _announce(forked, f"{forked} forked gloo ranks")
+    started = time.perf_counter()
     samples = measure(forked, QUICK_SIZES, say=logger.info)
-    return _store(_named_cpu(fit(samples, ranks=forked)), samples, forked)
+    return _store(_named_cpu(fit(samples, ranks=forked)), samples, forked, started)
 
 
 def _named_cpu(spec: ClusterSpec) -> ClusterSpec:
@@ -130,9 +142,10 @@ def job_cluster(cluster) -> ClusterSpec:
     if box[0] is None and world >= 2:
         if rank == 0:
             _announce(local, f"this job's {world} ranks")
+        started = time.perf_counter()
         samples = measure_in_group(QUICK_SIZES)
         if rank == 0:
-            box = [_store(_named_cpu(fit(samples, ranks=local)), samples, local)]
+            box = [_store(_named_cpu(fit(samples, ranks=local)), samples, local, started)]
         dist.broadcast_object_list(box, src=0)
     return box[0] if box[0] is not None else _single_rank_cpu()
 
@@ -159,6 +172,7 @@ def _single_rank_cpu() -> ClusterSpec:
         op_rates=compute["op_rates"],
         optimizer_steps=compute["optimizer_steps"],
         op_overhead_s=compute["op_overhead_s"],
+        cores_per_node=host_cores(),
         notes="compute measured in a one-rank job (partitioner.local_cluster); no link measured",
     )
     return spec

@@ -139,8 +139,9 @@ def auto_parallelize(
             the first mesh axis becomes pipeline stages; returns a runner whose
             ``train_step(batch)`` runs forward and backward over all microbatches. Stages keep
             their activations (``recompute="auto"`` chooses among keeping them; ``"all"`` and
-            ``"selective"`` are refused), store weights whole or ZeRO-2/3 (``zero=1`` is
-            refused) and take the global batch (``local_inputs=True`` is refused).
+            ``"selective"`` are refused), store weights whole, ZeRO-1 (optimizer state sharded
+            over the stage's data-parallel axes) or ZeRO-2/3 and take the global batch
+            (``local_inputs=True`` is refused).
         cluster: cost model; default: the devices this job runs on (``"cpu"``, measured, on
             CPUs; the GPU's preset on GPUs).
         local_inputs: each rank passes only its own piece of the batch (as with DDP).
@@ -252,7 +253,16 @@ _REPLAYED = (
 
 def _check_replay_options(opts: PlanOptions, plan: ShardingPlan) -> None:
     """A replayed plan brings the choices it was made with: a planning option given that
-    differs from the plan's is refused (it would not be honoured), naming both."""
+    differs from the plan's is refused (it would not be honoured), naming both. A pipelined plan
+    is not replayed (the pipeline builder plans its stages): refused, saying how to build it."""
+    if plan.stage_plans:
+        pipe = plan.data["pipeline"]
+        build = {k: pipe[k] for k in ("degree", "schedule", "microbatches")}
+        raise ValueError(
+            f"plan= is a pipelined plan ({pipe['degree']} stages on mesh {plan.mesh_shape}), which "
+            f"auto_parallelize does not replay: leave plan= out and build it with mesh={plan.mesh_shape}, "
+            f"pipeline={build} (its stages are planned again), or without mesh= to search again"
+        )
     for name, value in opts.changed().items():
         if name in ("cluster", "layers", "precision", "memory_budget"):
             continue  # the cluster and budget re-plan other modes; layers captures; precision is checked
@@ -312,12 +322,6 @@ def _pipelined(model, example_inputs, pipeline, *, mesh, mesh_axis_names, plan, 
             f"recompute={options.recompute!r} is not available {_PIPELINE_MODE} yet: pipeline stages keep their "
             "layers' activations (their schedule bounds how many microbatches are alive); use recompute='auto' "
             "or 'none' with a pipeline"
-        )
-    zero_modes = options.zero.values() if isinstance(options.zero, dict) else [options.zero]
-    if 1 in zero_modes:
-        raise ValueError(
-            f"zero=1 is not available {_PIPELINE_MODE}: ZeRO-1 keeps a whole compute copy of each weight beside "
-            "its optimizer shard, which pipeline stage programs do not; use zero=2 or 3 (weights stored sharded)"
         )
     if options.expert_parallel == "on":
         raise ValueError(
@@ -446,7 +450,7 @@ def _loaded(parallel, source: WeightSource, model):
 
 def _build_module(cap, plan, comm, source, device, local_inputs) -> ParallelModule:
     """Lower the plan for this rank, load its weights, and wrap both as a ParallelModule."""
-    records = {r["name"]: r for r in plan.records}
+    records = plan.node_by_name
     program = lower_to_local(cap.graph, records, comm, device=device, bucket_grads=True)
     weights, by_placeholder, strided = load_local_weights(
         cap, records, comm, source, device, exported=cap.exported, tied=tied_placeholders(cap)

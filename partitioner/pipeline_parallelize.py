@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 import passes.schedules as ps
+from partitioner.captures import kept
+from partitioner.core_sharing import stage_plans_cores
 from partitioner.intra_op import plan_captured, resolve_pins
 from partitioner.options import PlanOptions
 from partitioner.pipeline_shapes import StageShapes, receive_buffers
@@ -38,7 +40,7 @@ from runtime.collectives import MeshComm, on_rank0
 from runtime.pipeline import PipelineRunner, StageProgram
 from runtime.reshard import Reshard
 
-__all__ = ["PipelineConfig", "build_pipeline"]
+__all__ = ["PipelineConfig", "build_pipeline", "capture_pipeline"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +108,13 @@ def _choose(config: PipelineConfig, plans, graphs):
         "pipeline: stage seconds per microbatch: forward %s, backward %s, weight %s", forward, backward, weight
     )
     name, steps = ps.choose_schedule(
-        config.degree, config.microbatches, forward, backward, weight, ps.stage_syncs(estimates)
+        config.degree,
+        config.microbatches,
+        forward,
+        backward,
+        weight,
+        ps.stage_syncs(estimates),
+        cores=stage_plans_cores(plans, config.degree),
     )
     logger.info(
         "pipeline: schedule %s chosen (simulated step with the stage estimates: %s)",
@@ -115,6 +123,12 @@ def _choose(config: PipelineConfig, plans, graphs):
     )
     config = PipelineConfig(config.degree, name, config.microbatches, config.virtual_stages)
     return config, _make_schedule(config, name)
+
+
+def _batch_of(example_inputs) -> int:
+    """The batch size: the first dim of the first input tensor that has one (0 if none)."""
+    values = example_inputs.values() if isinstance(example_inputs, dict) else example_inputs
+    return next((x.shape[0] for x in values if isinstance(x, torch.Tensor) and x.dim() > 0), 0)
 
 
 def _microbatch(example_inputs, m):
@@ -142,8 +156,9 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, options: PlanO
     full = MeshComm(device_mesh)
     precision = options.precision_policy
     config, schedule = _resolve_config(config, full, example_inputs)
+    stages = schedule.num_stages if schedule is not None else config.degree
     cap, graphs, runs = _capture_stages(
-        model, example_inputs, config, schedule, options.layers, precision, options.sequence_parallel
+        model, example_inputs, config, stages, options.layers, precision, options.sequence_parallel
     )
     sub = _stage_mesh(full, device_mesh)
     tied = shared_weights(cap, graphs)
@@ -201,14 +216,7 @@ def _resolve_config(config: PipelineConfig, full, example_inputs) -> tuple:
             f"pipeline degree {config.degree} must equal the first mesh axis ({full.shape[0]}); "
             f"mesh {full.shape} = (pipeline, ...)"
         )
-    batch = next(
-        (
-            x.shape[0]
-            for x in (example_inputs.values() if isinstance(example_inputs, dict) else example_inputs)
-            if isinstance(x, torch.Tensor) and x.dim() > 0
-        ),
-        0,
-    )
+    batch = _batch_of(example_inputs)
     resolved = config.resolve(batch)
     schedule = _make_schedule(resolved, resolved.schedule) if resolved.schedule is not None else None
     stages = schedule.num_stages if schedule is not None else resolved.degree
@@ -224,17 +232,35 @@ def _resolve_config(config: PipelineConfig, full, example_inputs) -> tuple:
     return resolved, schedule
 
 
-def _capture_stages(model, example_inputs, config, schedule, layers, precision=None, sequence_parallel="auto") -> tuple:
-    """Capture on one microbatch (``layers``: as :func:`passes.capture.capture_blocks.capture_model`),
-    fuse eager attention where ring or Ulysses is forced, and cut at layer boundaries:
-    (capture, stage graphs, layer runs)."""
-    autocast_dtype = precision.autocast_dtype if precision is not None else None
-    cap = capture_model(
-        model, _microbatch(example_inputs, config.microbatches), layers=layers, autocast_dtype=autocast_dtype
+def capture_pipeline(model, example_inputs, pipeline, **options) -> tuple:
+    """What ``auto_parallelize(model, example_inputs, pipeline=pipeline, **options)`` captures:
+    (capture, stage graphs, layer runs), kept for that call inside
+    :func:`partitioner.captures.keep_captures` (a parent captures once for its forked ranks)."""
+    opts = PlanOptions.from_call(None, **options)
+    config = PipelineConfig.build(pipeline).resolve(_batch_of(example_inputs))
+    stages = _make_schedule(config, config.schedule).num_stages if config.schedule is not None else config.degree
+    return _capture_stages(
+        model, example_inputs, config, stages, opts.layers, opts.precision_policy, opts.sequence_parallel
     )
+
+
+def _capture_stages(model, example_inputs, config, stages, layers, precision=None, sequence_parallel="auto") -> tuple:
+    """Capture on one microbatch (``layers``: as :func:`passes.capture.capture_blocks.capture_model`),
+    fuse eager attention where ring or Ulysses is forced, and cut into ``stages`` at layer
+    boundaries: (capture, stage graphs, layer runs); kept inside ``keep_captures``."""
+    autocast_dtype = precision.autocast_dtype if precision is not None else None
+    microbatch = _microbatch(example_inputs, config.microbatches)
+    what = ("stages", stages, layers, autocast_dtype, sequence_parallel or "auto")
+    return kept(
+        model, microbatch, what, lambda: _cut(model, microbatch, stages, layers, autocast_dtype, sequence_parallel)
+    )
+
+
+def _cut(model, microbatch, stages, layers, autocast_dtype, sequence_parallel) -> tuple:
+    cap = capture_model(model, microbatch, layers=layers, autocast_dtype=autocast_dtype)
     analyze(cap)
     fuse_for(cap, sequence_parallel)
-    stage_of, runs = assign_stages(cap, schedule.num_stages if schedule is not None else config.degree)
+    stage_of, runs = assign_stages(cap, stages)
     graphs = split_stages(cap, stage_of, runs)
     for g in graphs:
         analyze(g.captured)
@@ -299,7 +325,6 @@ def _plan_stages(graphs, sub, tied, user_pins, schedule, config, *, model_name, 
             mesh_axis_names=sub.axis_names,
             options=options.replace(pins=stage_pins),
             activation_copies=copies[g.index],
-            zero1=False,
             microbatches=config.microbatches,
             holds_gradient_sums=True,
         )
@@ -327,7 +352,7 @@ def _build_stages(graphs, plans, schedule, pp_coord, sub, source, cap, tied, dev
         weights, specs, strided = load_local_weights(
             g.captured, records, sub, source, device, exported=cap.exported, tied=[sorted(t) for t in tied]
         )
-        owned[s] = StageProgram(
+        owned[s] = stage = StageProgram(
             s,
             program,
             g.inputs,
@@ -341,6 +366,8 @@ def _build_stages(graphs, plans, schedule, pp_coord, sub, source, cap, tied, dev
             activations=g.activation_inputs,
             autocast_dtype=g.captured.autocast_dtype,
         )
+        if precision is not None:  # ZeRO-1 weights' reductions too
+            stage.optimizer_shards.reduce_dtype = precision.grad_reduce_dtype
     return owned
 
 

@@ -6,11 +6,13 @@ timeline) reads a job built with ``auto_parallelize(..., pipeline=...)`` too.
 The step is simulated as :func:`partitioner.pipeline_simulation.simulated_timeline` simulates it: the
 runner's schedule with each stage's forward, backward and weight-gradient time from its plan
 and its once-per-step gradient reduction and optimizer step, no time for the point-to-point
-sends (``p2p_time_s = 0``: the runner's plans do not price them).
+sends (``p2p_time_s = 0``: the runner's plans do not price them), the ranks taking turns on a
+CPU host's cores where they outnumber them (:mod:`partitioner.core_sharing`).
 """
 
 from __future__ import annotations
 
+from partitioner.core_sharing import stage_plans_cores
 from partitioner.sharding_plan import ShardingPlan
 
 __all__ = ["runner_plan"]
@@ -44,6 +46,7 @@ def runner_plan(runner) -> ShardingPlan:
         backward,
         weight,
         sync_time=ps.stage_syncs(estimates),
+        cores=stage_plans_cores(plans, schedule.num_ranks),
     )
     per_rank = [0.0] * schedule.num_ranks
     for s, est in enumerate(estimates):

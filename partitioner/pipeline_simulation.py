@@ -12,6 +12,7 @@ prices: ``runtime/`` never imports the cost model or the simulator.
 
 from __future__ import annotations
 
+from partitioner.core_sharing import stage_plans_cores
 from passes.schedules import simulate, stage_durations, stage_syncs
 
 __all__ = ["stage_times", "simulated_timeline"]
@@ -32,5 +33,6 @@ def simulated_timeline(runner, forward=None, backward=None, weight=None) -> dict
     """pipeline rank -> [(action, start s, end s)] of the runner's schedule simulated with its stage
     times (:func:`stage_times`), or with the ``forward`` / ``backward`` / ``weight`` times given."""
     f, b, w, sync = stage_times(runner)
-    result = simulate(runner.schedule, forward or f, backward or b, weight or w, sync_time=sync)
+    cores = stage_plans_cores(runner.plan["stages"], runner.schedule.num_ranks)
+    result = simulate(runner.schedule, forward or f, backward or b, weight or w, sync_time=sync, cores=cores)
     return {r: [(str(t.action), t.start, t.end) for t in timeline] for r, timeline in result.timelines.items()}

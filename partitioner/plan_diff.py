@@ -86,5 +86,5 @@ def diff_plans(plan: ShardingPlan, other: ShardingPlan) -> PlanDiff:
         plan.estimate(),
         other.estimate(),
         plan.fingerprint == other.fingerprint,
-        fold_changes(plan.records, changed),
+        fold_changes(plan.node_records, changed),
     )

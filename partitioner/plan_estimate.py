@@ -1,24 +1,38 @@
 """A plan's estimate, added up from its records: compute, collectives (bytes, calls, seconds),
 memory, the optimizer step, and for a pipeline the simulated step of its busiest stage.
 
+Priced once: every price here is one the planner wrote into the plan (each record's compute and
+collective seconds; which parameter-gradient reductions a pipeline stage holds back, the
+collectives' ``held`` marks; the flat calls' latency and the arrival waits, the header's
+``flat_latency_s`` and ``arrival_wait_s``). This module adds them up and prices nothing itself;
+it counts the calls (:mod:`passes.plan.collective_calls`) and adds up the memory
+(:mod:`passes.plan.memory_peak`).
+
 :func:`estimate_plan` is what :meth:`partitioner.sharding_plan.ShardingPlan.estimate` returns.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
 from partitioner.estimate import Estimate
-from partitioner.memory import memory_breakdown
+from passes.core.plan_records import CollectiveRecord, NodeRecord
+from passes.plan.memory_peak import memory_breakdown
 
 if TYPE_CHECKING:
     from partitioner.sharding_plan import ShardingPlan
-    from passes.core.plan_records import CollectiveRecord, NodeRecord
 
-__all__ = ["estimate_plan", "grad_sync_calls", "held_grad_sync", "per_step_comm", "plan_collective_calls"]
+__all__ = [
+    "copy_collective",
+    "estimate_plan",
+    "grad_sync_calls",
+    "once_per_step",
+    "per_step_comm",
+    "plan_collective_calls",
+    "stage_step_comm",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -55,31 +69,43 @@ def per_step_comm(per_microbatch: dict, grad_sync: dict, m: int) -> dict:
     }
 
 
-@functools.lru_cache(maxsize=1 << 12)
-def _held_back(src: str, grad: str, mesh_shape: tuple) -> bool:
-    """:func:`passes.plan.cost_model.grad_held_back` for placements written as text (imports torch)."""
-    from passes.core.placements import parse_spec
-    from passes.plan.cost_model import grad_held_back
-
-    return grad_held_back(parse_spec(src, len(mesh_shape)), parse_spec(grad, len(mesh_shape)), mesh_shape)
+def copy_collective(record: NodeRecord, c: CollectiveRecord) -> bool:
+    """A compute copy's own collective, once per step (on a ZeRO-1 or offloaded parameter's record:
+    its gradient's reduction into the stepped tensor and, ZeRO-1, that shard's all-gather into the
+    copy, :func:`passes.plan.zero_storage.zero1_collectives`)."""
+    return record.kind == "param" and c.input is None and bool(c.bucketed)
 
 
-def held_grad_sync(plan: ShardingPlan, record: NodeRecord, c: CollectiveRecord) -> bool:
-    """A collective of ``record``'s backward that moves a parameter's gradient (on the edge
-    from the parameter; a ZeRO-3 regather is the weight, not its gradient) and that a
-    pipeline stage holds back to once per step: an all-reduce onto replicated storage, not a
-    reduce-scatter onto a weight stored sharded (:func:`passes.plan.cost_model.grad_held_back`;
-    a plan saved without the consumers' gradient placements: every such collective)."""
-    k = c.input
-    if c.phase != "bwd" or k is None or c.regather:
-        return False
-    source = plan.node_by_name.get(record.inputs[k])
-    if source is None or source.kind != "param":
-        return False
-    grads = record.grads
-    if not grads or k >= len(grads) or grads[k] is None or not source.out:
-        return True
-    return _held_back(source.out[0], grads[k], plan.mesh_shape)
+def once_per_step(record: NodeRecord, c: CollectiveRecord) -> bool:
+    """A collective a pipeline stage runs once per step, not once per microbatch: a gradient
+    reduction the planner marked ``held`` or a compute copy's (:func:`copy_collective`)."""
+    return copy_collective(record, c) or bool(c.held)
+
+
+def stage_step_comm(plan: ShardingPlan, m: int) -> tuple:
+    """A pipeline stage's ``({phase: {kind: {axis: bytes}}}, {phase: {kind: {axis: calls}}})`` over
+    a step of ``m`` microbatches (:class:`runtime.pipeline.PipelineRunner`): every collective once
+    per microbatch, except those it runs once per step (:func:`once_per_step`). Its calls: per
+    edge (a stage buckets nothing), the compute copies' in flat buffers
+    (:func:`passes.plan.collective_calls.group_calls`)."""
+    from passes.plan.collective_calls import group_calls
+
+    est = plan.estimate()
+    once: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
+    once_calls: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(int)))
+    for r in plan.node_records:
+        for c in r.comm:
+            if once_per_step(r, c):
+                once[c.phase][c.kind][c.axis] += c.bytes
+                if not copy_collective(r, c):  # a held sync: one call per edge
+                    once_calls[c.phase][c.kind][c.axis] += 1
+    flat, _ = group_calls(plan.node_records, plan.mesh_shape, plan.axis_names, bucket_grads=False)
+    for phase, kind, axis, n in flat:  # the copies' flat calls (no gradient buckets in a stage)
+        once_calls[phase][kind][axis] += n
+    calls = plan_collective_calls(plan, bucket_grads=False)
+    step_bytes = {ph: per_step_comm(kinds, once.get(ph, {}), m) for ph, kinds in est.comm_bytes_by_phase.items()}
+    step_calls = {ph: per_step_comm(kinds, once_calls.get(ph, {}), m) for ph, kinds in calls.items()}
+    return step_bytes, step_calls
 
 
 def _intra_op_estimate(plan) -> Estimate:
@@ -95,16 +121,21 @@ def _intra_op_estimate(plan) -> Estimate:
         forward += r.forward_s or 0.0
         for c in r.comm:
             comm_t += c.time_s
-            forward += c.time_s if c.phase == "fwd" else 0.0
+            # a compute copy's gather runs once per step, before the forward (with the syncs below)
+            forward += c.time_s if c.phase == "fwd" and not copy_collective(r, c) else 0.0
             comm[c.kind][c.axis] += c.bytes
             phases[c.phase][c.kind][c.axis] += c.bytes
-            if held_grad_sync(plan, r, c):
+            if once_per_step(r, c):  # marked by the planner, or a compute copy's: once per step
                 sync_t += c.time_s
                 sync[c.kind][c.axis] += c.bytes
     as_dict = lambda d: {k: dict(v) for k, v in d.items()}  # noqa: E731
-    memory = memory_breakdown(plan.records)
-    calls, flat, wait = _priced_calls(plan)
+    memory = memory_breakdown(plan.node_records)
+    calls = plan_collective_calls(plan, bucket_grads=True)
+    header = plan.header
+    flat, wait = header.flat_latency_s or 0.0, header.arrival_wait_s or 0.0  # priced by the planner
+    once = _copies_latency_s(plan)
     comm_t += flat + wait
+    sync_t += once  # the compute copies' flat calls: launched once per step
     return Estimate(
         step_time_s=compute + comm_t + optimizer,
         compute_s=compute,
@@ -133,33 +164,28 @@ def plan_collective_calls(plan, *, bucket_grads: bool) -> dict:
 
 def grad_sync_calls(plan) -> dict:
     """``{kind: {axis: n}}``: the backward entries that move parameter gradients a pipeline
-    stage holds back (:func:`held_grad_sync`), one call each (its syncs run per edge)."""
+    stage holds back (marked ``held`` by the planner), one call each (its syncs run per edge)."""
     out: dict = defaultdict(lambda: defaultdict(int))
     for r in plan.node_records:
         for c in r.comm:
-            if held_grad_sync(plan, r, c):
+            if c.held:
                 out[c.kind][c.axis] += 1
     return {k: dict(v) for k, v in out.items()}
 
 
-def _priced_calls(plan) -> tuple:
-    """(calls per phase, kind and axis; the flat calls' latency terms; the arrival waits):
-    :mod:`passes.plan.collective_calls` with the plan's cluster (no cluster saved: 0 s each)."""
-    from passes.plan.collective_calls import arrival_wait_s, collective_calls, group_calls, unpriced_latency_s
-
-    args = (plan.node_records, plan.mesh_shape, plan.axis_names)
-    grouped = group_calls(*args)
-    calls = collective_calls(*args, grouped=grouped)
+def _copies_latency_s(plan) -> float:
+    """The part of the header's ``flat_latency_s`` that the compute copies' flat calls pay (once
+    per step, with the gradient syncs): their calls (:func:`passes.plan.collective_calls.group_calls`
+    without gradient buckets) at the plan's cluster's per-call latency (no cluster saved: 0 s)."""
     if not isinstance(plan.data.get("cluster"), dict):
-        return calls, 0.0, 0.0
+        return 0.0
     from partitioner.local_cluster import get_cluster
+    from passes.plan.collective_calls import call_latency_s, group_calls
 
     cluster = get_cluster(plan.data["cluster"])
-    return (
-        calls,
-        unpriced_latency_s(*args, cluster, grouped=grouped),
-        arrival_wait_s(*args, cluster, grouped=grouped),
-    )
+    args = (plan.mesh_shape, plan.axis_names)
+    copies, _ = group_calls(plan.node_records, *args, bucket_grads=False)
+    return sum(n * call_latency_s(kind, axis, *args, cluster) for _, kind, axis, n in copies)
 
 
 def _pipeline_estimate(plan) -> Estimate:
@@ -174,15 +200,8 @@ def _pipeline_estimate(plan) -> Estimate:
     busiest = stages[pipe.get("busiest_stage", 0)]
     comm = per_step_comm(busiest.comm_bytes, busiest.grad_sync_bytes, m)
     comm["send_recv"] = {"pp": float(pipe["p2p_bytes"])}
-    phases = {
-        ph: per_step_comm(kinds, busiest.grad_sync_bytes if ph == "bwd" else {}, m)
-        for ph, kinds in busiest.comm_bytes_by_phase.items()
-    }
-    stage = plan.stage_plans[pipe.get("busiest_stage", 0)]
-    stage_calls = plan_collective_calls(stage, bucket_grads=False)  # a stage's syncs: per edge, once per step
     # (the stages' point-to-point sends, priced in p2p_time_s, are not collectives: not counted)
-    sync_calls = grad_sync_calls(stage)
-    calls = {ph: per_step_comm(kinds, sync_calls if ph == "bwd" else {}, m) for ph, kinds in stage_calls.items()}
+    phases, calls = stage_step_comm(plan.stage_plans[pipe.get("busiest_stage", 0)], m)
     return Estimate(
         step_time_s=pipe["step_time_s"],
         compute_s=busiest.compute_s * m,

@@ -1,7 +1,8 @@
 """The plan file's format: its marker, its version, its typed header, and the migration of older files.
 
 A saved plan (:meth:`partitioner.ShardingPlan.save`) is one JSON object. Its *header* is what the
-plan was made for and under which options: :class:`PlanHeader`, one typed field per key, each
+plan was made for and under which options, and the plan-wide prices the planner recorded:
+:class:`PlanHeader`, one typed field per key, each
 documented below. The rest is the plan's bulk, read by the code that owns it: ``records`` (one
 per graph node, :mod:`passes.plan.plan_intra_op`), ``alternatives``, ``blocks``, ``stats``, and for
 the plans the search or a pipeline makes ``config``, ``search`` and ``pipeline`` (whose
@@ -15,6 +16,14 @@ Versions:
   object into a version-2 one, the stage plans of a pipeline included, filling each missing key
   with the default its field gives (the value the version-1 readers assumed). Any other version
   is refused with a message naming it.
+
+Prices the planner records (the header's ``flat_latency_s`` / ``arrival_wait_s``, the
+collectives' ``held`` marks) came after version 2 without changing it: the estimate only adds
+them up, so a file written before them (any version; the planner always writes a number) is
+priced once as it loads, by the planner's own functions (:func:`_price_unpriced`): the held
+marks from the records' placements (:func:`passes.plan.cost_model.grad_held_back`), the
+latencies from the records and the saved cluster
+(:func:`passes.plan.collective_calls.step_latencies`).
 """
 
 from __future__ import annotations
@@ -34,7 +43,8 @@ PLAN_VERSION = 2
 
 @dataclass(kw_only=True)
 class PlanHeader:
-    """What a plan was made for and under which options (the top-level keys of its JSON)."""
+    """What a plan was made for and under which options, and the plan-wide prices the planner
+    recorded (the top-level keys of its JSON)."""
 
     format: str = PLAN_FORMAT
     """Always :data:`PLAN_FORMAT`: marks the object as a Partita plan."""
@@ -89,6 +99,13 @@ class PlanHeader:
     """FLOPs of one training step of the whole model (for MFU)."""
     flops_dtype: str | None = None
     """The dtype most of those FLOPs run in."""
+    flat_latency_s: float | None = None
+    """Seconds of the latency terms the records' entries leave out, once per flat call of bucketed
+    entries (:func:`passes.plan.collective_calls.unpriced_latency_s`), priced by the planner
+    (None: a pipelined plan, whose stage plans carry their own)."""
+    arrival_wait_s: float | None = None
+    """Seconds the step's collective calls wait for ranks arriving apart
+    (:func:`passes.plan.collective_calls.arrival_wait_s`), priced by the planner."""
 
     @classmethod
     def from_dict(cls, data: dict) -> PlanHeader:
@@ -136,5 +153,40 @@ def migrate(data: dict) -> dict:
         )
     for stage in (data.get("pipeline") or {}).get("stage_plans", ()):
         migrate(stage)
+    if data.get("flat_latency_s") is None and "pipeline" not in data:
+        _price_unpriced(data)
     PlanHeader.from_dict(data)  # every key now present, or a message naming the missing one
     return data
+
+
+def _price_unpriced(data: dict) -> None:
+    """Record, in ``data`` (a plan written before the planner recorded them), the held marks of
+    its parameter-gradient reductions and the step's latencies, as the planner does."""
+    from partitioner.cluster import ClusterSpec
+    from passes.core.placements import parse_spec
+    from passes.core.plan_records import NodeRecord
+    from passes.plan.collective_calls import step_latencies
+    from passes.plan.cost_model import grad_held_back
+
+    mesh = tuple(data["mesh"]["shape"])
+    by_name = {r["name"]: r for r in data.get("records", ())}
+    for record in data.get("records", ()):
+        grads = record.get("grads")
+        for c in record.get("comm", ()):
+            k = c.get("input")
+            if c["phase"] != "bwd" or k is None or c.get("regather"):
+                continue
+            source = by_name.get(record["inputs"][k])
+            if source is None or source["kind"] != "param":
+                continue
+            unknown = not grads or k >= len(grads) or grads[k] is None or not source["out"]
+            if unknown or grad_held_back(
+                parse_spec(source["out"][0], len(mesh)), parse_spec(grads[k], len(mesh)), mesh
+            ):
+                c["held"] = True
+    if not isinstance(data.get("cluster"), dict):
+        data.update(flat_latency_s=0.0, arrival_wait_s=0.0)
+        return
+    typed = [NodeRecord.from_dict(r) for r in data.get("records", ())]
+    flat, wait = step_latencies(typed, mesh, tuple(data["mesh"]["axis_names"]), ClusterSpec.from_dict(data["cluster"]))
+    data.update(flat_latency_s=flat, arrival_wait_s=wait)

@@ -23,9 +23,11 @@ mask rows included.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from partitioner.plan_table import SHORT, block_first_index, hidden_view, mask_index_rows, shown_rows
+from passes.core.plan_records import NodeRecord
 
 __all__ = ["PALETTE", "GraphNode", "GraphEdge", "PlanGraph", "plan_graph", "counterparts", "layers_note"]
 
@@ -83,12 +85,12 @@ class PlanGraph:
     """Mask/index rows left out."""
 
 
-def counterparts(records) -> dict:
+def counterparts(records: Sequence[NodeRecord]) -> dict:
     """Each node of a later layer of a block -> the node at the same position in its first layer."""
     layers = defaultdict(lambda: defaultdict(list))
     for r in records:
-        if r.get("block") is not None:
-            layers[r["block"]][r["block_index"]].append(r["name"])
+        if r.block is not None:
+            layers[r.block][r.block_index].append(r.name)
     out = {}
     for label, by_index in layers.items():
         first = by_index.get(block_first_index(label), [])
@@ -111,18 +113,18 @@ def _nodes(plan, rows, folded) -> tuple:
     legend, nodes = {}, []
     folded_into = Counter(folded.values())
     for r in rows:
-        placement = r["out"][0] if r["out"] else "-"
+        placement = r.out[0] if r.out else "-"
         colour = legend.setdefault(placement, PALETTE[len(legend) % len(PALETTE)])
-        title = r["fqn"] if r["kind"] in ("param", "input", "buffer") and r.get("fqn") else r["name"]
+        title = r.fqn if r.kind in ("param", "input", "buffer") and r.fqn else r.name
         nodes.append(
             GraphNode(
-                r["name"],
+                r.name,
                 title,
-                r["target"].replace("aten.", ""),
+                r.target.replace("aten.", ""),
                 placement,
                 colour,
-                r.get("block"),
-                folded_into.get(r["name"], 0),
+                r.block,
+                folded_into.get(r.name, 0),
             )
         )
     return nodes, legend
@@ -130,11 +132,11 @@ def _nodes(plan, rows, folded) -> tuple:
 
 def plan_graph(plan, *, include_params: bool = True, verbose: bool = False) -> PlanGraph:
     """What to draw for ``plan`` (see the module docstring)."""
-    by_name = {r["name"]: r for r in plan.records}
-    rows = [r for r in shown_rows(plan, verbose=verbose) if include_params or r["kind"] != "param"]
-    shown = {r["name"] for r in rows}
-    folded = {} if verbose else mask_index_rows(plan.records)
-    counterpart = counterparts(plan.records)
+    by_name = plan.node_by_name
+    rows = [r for r in shown_rows(plan, verbose=verbose) if include_params or r.kind != "param"]
+    shown = {r.name for r in rows}
+    folded = {} if verbose else mask_index_rows(plan.node_records)
+    counterpart = counterparts(plan.node_records)
     blocks = {b["label"]: b for b in plan.data.get("blocks", [])}
 
     def inputs_behind(name) -> set:
@@ -142,8 +144,8 @@ def plan_graph(plan, *, include_params: bool = True, verbose: bool = False) -> P
         found, stack, seen = set(), [name], set()
         while stack:
             n = stack.pop()
-            for src in by_name[n].get("inputs", []):
-                if src in shown and by_name[src]["kind"] == "input":
+            for src in by_name[n].inputs:
+                if src in shown and by_name[src].kind == "input":
                     found.add(src)
                 elif src in folded and src not in seen:
                     seen.add(src)
@@ -159,9 +161,9 @@ def plan_graph(plan, *, include_params: bool = True, verbose: bool = False) -> P
         r = by_name[name]
         if name in counterpart:
             drawn, _ = source(counterpart[name], seen + (name,))
-            return drawn, f"{r['block'].rsplit('.[', 1)[0]}.{r['block_index']}"
-        if hidden_view(r) and r.get("inputs"):
-            return source(r["inputs"][0], seen + (name,))
+            return drawn, f"{r.block.rsplit('.[', 1)[0]}.{r.block_index}"
+        if hidden_view(r) and r.inputs:
+            return source(r.inputs[0], seen + (name,))
         return None, None
 
     nodes, legend = _nodes(plan, rows, folded)
@@ -173,9 +175,9 @@ def plan_graph(plan, *, include_params: bool = True, verbose: bool = False) -> P
             seen_edges.add(key)
             edges.append(edge)
 
-    for r in rows + [r for r in plan.records if r["kind"] == "output"]:
-        dst = r["name"] if r["kind"] != "output" else "output"
-        for k, src in enumerate(r.get("inputs", [])):
+    for r in rows + [r for r in plan.node_records if r.kind == "output"]:
+        dst = r.name if r.kind != "output" else "output"
+        for k, src in enumerate(r.inputs):
             if src in folded:  # the inputs the folded rows read, drawn dotted
                 for drawn in sorted(inputs_behind(src)):
                     add(GraphEdge(drawn, dst, mask_index=True))
@@ -183,9 +185,7 @@ def plan_graph(plan, *, include_params: bool = True, verbose: bool = False) -> P
             drawn, layer = source(src)
             if drawn is None:
                 continue
-            comm = [
-                f"{SHORT.get(c['kind'], c['kind'])}@{c['axis']}({c['phase']})" for c in r["comm"] if c.get("input") == k
-            ]
+            comm = [f"{SHORT.get(c.kind, c.kind)}@{c.axis}({c.phase})" for c in r.comm if c.input == k]
             add(GraphEdge(drawn, dst, comm, layer))
     clusters = {}
     for node in nodes:

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import textwrap
 from collections import Counter
+from collections.abc import Sequence
 
 from partitioner.units import fmt_bytes as _fmt_bytes
 from partitioner.units import fmt_time as _fmt_time
+from passes.core.plan_records import CollectiveRecord, NodeRecord
 
 __all__ = [
     "WIDTH",
@@ -70,39 +72,39 @@ def _is_float(dtype) -> bool:
     return isinstance(dtype, str) and dtype.startswith(("float", "bfloat", "complex"))
 
 
-def mask_index_rows(records) -> dict:
+def mask_index_rows(records: Sequence[NodeRecord]) -> dict:
     """``{name: consumer}`` for every mask or index row (see the module docstring); the consumer
     is the first node in graph order that uses it, through other such rows, together with a
     parameter or an activation (None for a row nothing uses)."""
-    by_name = {r["name"]: r for r in records}
+    by_name = {r.name: r for r in records}
     rows = set()
     for r in records:
-        if r["kind"] != "op" or r.get("comm"):
+        if r.kind != "op" or r.comm:
             continue
         if all(
-            src in rows or (by_name.get(src, {}).get("kind") == "input" and not _is_float(by_name[src].get("dtype")))
-            for src in r.get("inputs", [])
+            src in rows or (src in by_name and by_name[src].kind == "input" and not _is_float(by_name[src].dtype))
+            for src in r.inputs
         ):
-            rows.add(r["name"])
+            rows.add(r.name)
     consumer = {}
     for r in records:
-        if r["name"] in rows:
+        if r.name in rows:
             continue
-        stack = [s for s in r.get("inputs", []) if s in rows]
+        stack = [s for s in r.inputs if s in rows]
         while stack:
             s = stack.pop()
             if s not in consumer:
-                consumer[s] = r["name"]
-                stack.extend(x for x in by_name[s].get("inputs", []) if x in rows)
+                consumer[s] = r.name
+                stack.extend(x for x in by_name[s].inputs if x in rows)
     return {name: consumer.get(name) for name in rows}
 
 
-def hidden_view(r) -> bool:
+def hidden_view(r: NodeRecord) -> bool:
     """A getitem, or a follower that only reinterprets its input and communicates nothing."""
-    if r["target"] == "getitem":
+    if r.target == "getitem":
         return True
-    base = ".".join(r["target"].split(".")[:2])
-    return r.get("decision") == "follower" and not r.get("comm") and base in _VIEW_OPS
+    base = ".".join(r.target.split(".")[:2])
+    return r.decision == "follower" and not r.comm and base in _VIEW_OPS
 
 
 def block_first_index(label: str) -> int:
@@ -110,23 +112,23 @@ def block_first_index(label: str) -> int:
     return int(label.rsplit("[", 1)[1].split("-")[0].rstrip("]"))
 
 
-def block_of(r, blocks: dict):
+def block_of(r: NodeRecord, blocks: dict):
     """The block info (``label``, ``count``, ``prefix``) a record belongs to, or None."""
-    label = r.get("block")
+    label = r.block
     return blocks.get(label, {"label": label, "count": "?", "prefix": label.rsplit(".[", 1)[0]}) if label else None
 
 
 def shown_rows(plan, *, verbose: bool = False) -> list:
-    """The records a reader sees, in graph order: the output node and every layer of a block
-    but its first left out; views and mask/index rows too unless ``verbose``."""
-    folded = {} if verbose else mask_index_rows(plan.records)
+    """The records a reader sees (typed), in graph order: the output node and every layer of a
+    block but its first left out; views and mask/index rows too unless ``verbose``."""
+    folded = {} if verbose else mask_index_rows(plan.node_records)
     out = []
-    for r in plan.records:
-        if r["kind"] == "output":
+    for r in plan.node_records:
+        if r.kind == "output":
             continue
-        if r.get("block") is not None and r.get("block_index") != block_first_index(r["block"]):
+        if r.block is not None and r.block_index != block_first_index(r.block):
             continue
-        if not verbose and (hidden_view(r) or r["name"] in folded):
+        if not verbose and (hidden_view(r) or r.name in folded):
             continue
         out.append(r)
     return out
@@ -142,20 +144,20 @@ def relative_path(path: str, base: str) -> str:
 
 
 def _collective_items(comm) -> list:
-    counts = Counter((SHORT.get(c["kind"], c["kind"]), c["axis"]) for c in comm)
+    counts = Counter((SHORT.get(c.kind, c.kind), c.axis) for c in comm)
     return [f"{k}@{a}" + (f" x{n}" if n > 1 else "") for (k, a), n in counts.items()]
 
 
 _ALGORITHMS = ("ring", "ulysses")
 
 
-def algorithm_items(r) -> list:
+def algorithm_items(r: NodeRecord) -> list:
     """``ring@a0`` / ``ulysses@a0``: the sequence-parallel attention algorithm a record runs on
     each mesh axis (its rule notes), listed before its collectives."""
-    return [f"{note}@{axis}" for axis, note in (r.get("notes") or {}).items() if note in _ALGORITHMS]
+    return [f"{note}@{axis}" for axis, note in (r.notes or {}).items() if note in _ALGORITHMS]
 
 
-def short_collectives(comm) -> str:
+def short_collectives(comm: Sequence[CollectiveRecord]) -> str:
     """``AR@tp x2, AG@dp``: each collective kind on each axis once, with its count."""
     return ", ".join(_collective_items(comm))
 
@@ -164,8 +166,8 @@ def _dims(shape) -> str:
     return "x".join(map(str, shape)) if shape is not None else ""
 
 
-def _placement(r) -> str:
-    return r["out"][0].strip("[]").replace(", ", " ") if r.get("out") else ""
+def _placement(r: NodeRecord) -> str:
+    return r.out[0].strip("[]").replace(", ", " ") if r.out else ""
 
 
 def _cut_left(text: str, width: int) -> str:
@@ -215,28 +217,25 @@ def _wide_table(plan, rows, heads) -> list:
     ]
     cells = []
     for r in rows:
-        if r["name"] in heads:
-            cells.append([heads[r["name"]]])
+        if r.name in heads:
+            cells.append([heads[r.name]])
         comm = "; ".join(
             algorithm_items(r)
-            + [
-                f"{SHORT.get(c['kind'], c['kind'])}@{c['axis']} {c['phase']} {_fmt_bytes(c['bytes'])}"
-                for c in r["comm"]
-            ]
+            + [f"{SHORT.get(c.kind, c.kind)}@{c.axis} {c.phase} {_fmt_bytes(c.bytes)}" for c in r.comm]
         )
-        local = r.get("local_shapes") or [None]
-        t = r.get("compute_s", 0.0) + sum(c["time_s"] for c in r["comm"])
+        local = r.local_shapes or [None]
+        t = r.compute_s + sum(c.time_s for c in r.comm)
         cells.append(
             [
-                r["fqn"] if r["kind"] in ("param", "input", "buffer") else r["name"],
-                r["module"] or "",
-                r["target"].replace("aten.", "").replace(".default", ""),
-                _dims(r["shapes"][0]) if r["shapes"] else "",
+                r.fqn if r.kind in ("param", "input", "buffer") else r.name,
+                r.module or "",
+                r.target.replace("aten.", "").replace(".default", ""),
+                _dims(r.shapes[0]) if r.shapes else "",
                 _placement(r),
                 _dims(local[0]),
                 comm,
                 _fmt_time(t) if t else "",
-                _fmt_bytes(r["memory"]) if r.get("memory") else "",
+                _fmt_bytes(r.memory) if r.memory else "",
             ]
         )
     widths = [len(h) for h in header]
@@ -251,20 +250,20 @@ def _narrow_table(plan, rows, heads, bases, limit) -> list:
     header = ["node", "module", "shape", "placement " + "×".join(plan.axis_names), "time", "memory", "communication"]
     cells = []
     for r in rows:
-        if r["name"] in heads:
-            cells.append(heads[r["name"]])
-        base = bases.get(r["name"], "")
-        name = r["fqn"] if r["kind"] in ("param", "input", "buffer") and r.get("fqn") else r["name"]
-        t = r.get("compute_s", 0.0) + sum(c["time_s"] for c in r["comm"])
+        if r.name in heads:
+            cells.append(heads[r.name])
+        base = bases.get(r.name, "")
+        name = r.fqn if r.kind in ("param", "input", "buffer") and r.fqn else r.name
+        t = r.compute_s + sum(c.time_s for c in r.comm)
         cells.append(
             [
                 relative_path(name, base),
-                relative_path(r["module"] or "", base),
-                _dims(r["shapes"][0]) if r["shapes"] else "",
+                relative_path(r.module or "", base),
+                _dims(r.shapes[0]) if r.shapes else "",
                 _placement(r),
                 _fmt_time(t) if t else "",
-                _fmt_bytes(r["memory"]) if r.get("memory") else "",
-                algorithm_items(r) + _collective_items(r["comm"]),
+                _fmt_bytes(r.memory) if r.memory else "",
+                algorithm_items(r) + _collective_items(r.comm),
             ]
         )
     table = [c for c in cells if not isinstance(c, str)]
@@ -303,11 +302,11 @@ def _narrow_table(plan, rows, heads, bases, limit) -> list:
 def _folded_note(plan, folded: dict, limit, wide) -> list:
     if not folded:
         return []
-    by_name = {r["name"]: r for r in plan.records}
+    by_name = plan.node_by_name
     per_consumer = Counter(folded.values())
-    seconds = sum(by_name[n].get("compute_s", 0.0) for n in folded)
-    memory = sum(by_name[n].get("memory", 0.0) for n in folded)
-    order = {r["name"]: i for i, r in enumerate(plan.records)}
+    seconds = sum(by_name[n].compute_s for n in folded)
+    memory = sum(by_name[n].memory for n in folded)
+    order = {r.name: i for i, r in enumerate(plan.node_records)}
     into = ", ".join(
         f"{c} ({n})" for c, n in sorted(per_consumer.items(), key=lambda kv: order.get(kv[0], -1)) if c is not None
     )
@@ -332,7 +331,7 @@ def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = 
         if block is None:
             continue
         base = f"{block['prefix']}.{block_first_index(block['label'])}"
-        bases[r["name"]] = base
+        bases[r.name] = base
         if block["label"] not in seen:
             seen.add(block["label"])
             where = "" if wide else f" (names relative to {base})"
@@ -340,7 +339,7 @@ def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = 
                 "full": "; recomputed in backward (activation checkpointing)",
                 "selective": ("; attention core recomputed in backward (selective activation checkpointing)"),
             }.get(block.get("recompute_mode") or ("full" if block.get("recompute") else "kept"), "")
-            heads[r["name"]] = (
+            heads[r.name] = (
                 f"── {block['label']}  ×{block['count']} identical blocks, shown once{where}; "
                 f"times and bytes are per block{redo}"
             )
@@ -369,7 +368,7 @@ def plan_table(plan, *, verbose: bool = False, wide: bool = False, width: int = 
     lines.append("")
     estimate = "estimate: " + str(plan.estimate())
     lines += [estimate] if wide else textwrap.wrap(estimate, width, subsequent_indent="  ")
-    lines += _folded_note(plan, {} if verbose else mask_index_rows(plan.records), width, wide)
+    lines += _folded_note(plan, {} if verbose else mask_index_rows(plan.node_records), width, wide)
     stats = plan.data.get("stats", {})
     if stats:
         gap = stats.get("ilp_gap")
@@ -388,31 +387,32 @@ def weight_storage(plan) -> dict:
     ``"zero3"`` (gathered for use, freed after forward and gathered again in backward) or ``"cube"``
     (3D tensor parallel: cut over the whole cube, ``Si(d)`` innermost, gathered along the rows
     axis for use)."""
-    params = {r["name"]: r for r in plan.records if r.get("kind") == "param"}
+    params = {r.name: r for r in plan.node_records if r.kind == "param"}
     gathered = set()
-    for r in plan.records:
-        for c in r.get("comm", ()):
-            k = c.get("input")
-            if c["kind"] == "all_gather" and c["phase"] == "fwd" and k is not None and k < len(r.get("inputs", ())):
-                gathered.add(r["inputs"][k])
+    for r in plan.node_records:
+        for c in r.comm:
+            k = c.input
+            if c.kind == "all_gather" and c.phase == "fwd" and k is not None and k < len(r.inputs):
+                gathered.add(r.inputs[k])
     out = {}
     for name, r in params.items():
-        if r.get("stored"):
+        if r.stored:
             out[name] = "zero1"
-        elif "S(" not in "".join(r.get("out") or ()):
+        elif "S(" not in "".join(r.out or ()):
             out[name] = "replicated"
-        elif "Si(" in "".join(r.get("out") or ()):
+        elif "Si(" in "".join(r.out or ()):
             out[name] = "cube"
         elif name not in gathered:
             out[name] = "sharded"
         else:
-            out[name] = "zero3" if r.get("regather") else "zero2"
+            out[name] = "zero3" if r.regather else "zero2"
     return out
 
 
-def _storage_lines(plan, width, wide) -> list:
-    """``weights: 12 replicated (data parallel), 4 ZeRO-3 (...)``, when some weight is gathered for use."""
-    kinds = Counter(weight_storage(plan).values())
+def _storage_lines(plan, width, wide, kinds=None) -> list:
+    """``weights: 12 replicated (data parallel), 4 ZeRO-3 (...)``, when some weight is gathered for use
+    or ZeRO-1 (``kinds``: the counts to print, by default ``plan``'s)."""
+    kinds = kinds if kinds is not None else Counter(weight_storage(plan).values())
     if not kinds["zero1"] and not kinds["zero2"] and not kinds["zero3"] and not kinds["cube"]:
         return []
     said = {
@@ -451,6 +451,8 @@ def pipeline_table(plan, *, width: int = WIDTH) -> str:
         f"{_fmt_bytes(plan.data['budget']) if plan.data.get('budget') else 'none'}, precision {plan.precision_name}"
     )
     lines = textwrap.wrap(title, width, subsequent_indent="  ") + config_lines(plan, width)
+    stored = sum((Counter(weight_storage(stage).values()) for stage in plan.stage_plans), Counter())
+    lines += _storage_lines(plan, width, False, stored)  # over the stages (e.g. ZeRO-1 inside them)
     lines.append(
         f"schedule {pipe['schedule']}: {pipe['microbatches']} microbatches, simulated step "
         f"{_fmt_time(pipe['step_time_s'])}, bubble {100 * pipe['bubble_fraction']:.1f}% of rank-time, "
@@ -476,7 +478,7 @@ def _grid_lines(plan, width, wide) -> list:
     """The tensor-parallel grid and each weight contraction's roles and blocks (2D / 2.5D / 3D)."""
     from passes.rules.multidim_tp import grid_lines
 
-    lines = grid_lines(plan.records, plan.data)
+    lines = grid_lines(plan.node_records, plan.data)
     if wide:
         return lines
     return [w for line in lines for w in textwrap.wrap(line, width, subsequent_indent="    ")]
@@ -484,7 +486,7 @@ def _grid_lines(plan, width, wide) -> list:
 
 def _sequence_parallel_line(plan, width, wide) -> list:
     """``attention over a split sequence (sequence_parallel='auto'): ring@a0 on 2 attention ops``."""
-    found = Counter(item for r in plan.records for item in algorithm_items(r))
+    found = Counter(item for r in plan.node_records for item in algorithm_items(r))
     if not found:
         return []
     text = (
@@ -498,5 +500,5 @@ def _experts_lines(plan, width, wide) -> list:
     """Which mesh axis carries the experts of the MoE layers, and the routed imbalance there."""
     from passes.rules.experts import experts_lines
 
-    lines = experts_lines(plan.records, plan.data)
+    lines = experts_lines(plan.node_records, plan.data)
     return lines if wide else [w for line in lines for w in textwrap.wrap(line, width, subsequent_indent="  ")]

@@ -164,8 +164,7 @@ def rank_events(plan, graphs, *, lower=None, every_rank: bool = True) -> tuple:
     def default_lower(stage, sub_rank):
         k = stage_map[stage]
         comm = MeshComm.for_codegen(stage_shape, class_plans[k].axis_names, sub_rank)
-        records = {r["name"]: r for r in class_plans[k].records}
-        return lower_to_local(graphs[k].graph, records, comm)
+        return lower_to_local(graphs[k].graph, class_plans[k].node_by_name, comm)
 
     lower_fn = lower or default_lower
 

@@ -33,6 +33,7 @@ from partitioner.rebuild_buffers import non_persistent_buffers, rebuild_buffer
 from partitioner.safetensors_source import SafetensorsCheckpoint, is_safetensors_checkpoint
 from partitioner.state_names import checkpoint_names, tied_names
 from passes.core.placements import format_spec, parse_spec
+from passes.core.plan_records import typed_by_name
 from passes.lower.lower_to_local import strided_parameters
 from runtime.tensor_shards import shard_tensor
 
@@ -174,12 +175,13 @@ def tie_weights(weights: LocalWeights, groups, specs: dict, strided: dict) -> No
                 table[name] = (fqn, shared)
 
 
-def load_local_weights(cap, records: dict, comm, source: WeightSource, device, *, exported, tied=()) -> tuple:
-    """Steps 2 and 3 for one planned graph: ``records`` (node name -> plan record) place its
-    placeholders; ``tied``: groups of tied placeholder names. Returns (LocalWeights, placeholder
-    name -> spec for every placeholder, FQN -> strided layout)."""
+def load_local_weights(cap, records, comm, source: WeightSource, device, *, exported, tied=()) -> tuple:
+    """Steps 2 and 3 for one planned graph: ``records`` (node name -> plan record, typed or as the
+    JSON holds it) place its placeholders; ``tied``: groups of tied placeholder names. Returns
+    (LocalWeights, placeholder name -> spec for every placeholder, FQN -> strided layout)."""
+    records = typed_by_name(records)
     specs = {  # a ZeRO-1 parameter is stored as its optimizer's shard
-        node.name: parse_spec(records[node.name].get("stored") or records[node.name]["out"][0], comm.ndim)
+        node.name: parse_spec(records[node.name].stored or records[node.name].out[0], comm.ndim)
         for node in cap.graph.nodes
         if node.op == "placeholder"
     }

@@ -9,10 +9,18 @@ edge whose backward is only ``Partial -> Replicate`` or ``Partial -> Shard`` mov
 :class:`GradientBuckets` instead of reducing it alone.
 
 Buckets (one per reduction signature: the mesh axes and the kind of move on each) fill in the
-order backward produces gradients (the same on every rank); a full bucket is reduced with one
+order backward produces gradients (the same on every rank); the gradient of a ZeRO-3 weight (its
+edge regathers) is reduce-scattered at once, alone, as FSDP does: a bucket would hold it at the
+whole weight's size, ``n`` times its ``.grad``, until sent, and on a model smaller than a bucket
+that is every weight's whole gradient at the end of backward, the gradient memory ZeRO-3 is
+chosen to save; a full bucket is reduced with one
 flat collective per axis (:func:`flat_reduce`: gradients concatenated; for a reduce-scatter,
 each gradient's shard dim moved to the front and cut in the ranks' blocks, so rank ``r``'s
-blocks of every gradient lie together) asynchronously while backward goes on; at the end of
+blocks of every gradient lie together; each gradient is copied into the buffer and dropped)
+asynchronously while backward goes on (a reduce-scatter's input, the bucket's unreduced
+gradients, is held by its work until waited for: a reduce-scatter bucket waits for the one in
+flight before it is launched, so at most one is held; :mod:`passes.plan.bucket_memory` prices
+what the buckets hold); at the end of
 backward (an autograd engine callback) the last buckets are reduced, every one is waited for,
 and the reduced gradients are added to ``.grad`` (a ``.grad`` that was None becomes a view of
 the reduced buffer: the gradients are held once, in the buffers, not also as separate tensors),
@@ -35,25 +43,22 @@ the end of that backward, in the order they were first held (the same on every r
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
 import torch.distributed as dist
 
+from passes.core import bucket_sizes
 from passes.core.placements import is_partial, is_shard
 from runtime.collectives import (
     MeshComm,
     _reduce_scatter_single,
-    _strided_order,
     grad_sync_scope,
     record_collective,
 )
 
-__all__ = ["GradientBuckets", "DeferredSyncs", "flat_reduce", "reduce_moves", "BUCKET_BYTES"]
-
-BUCKET_BYTES = 25 * 2**20
-"""A bucket is reduced once it holds this many gradient bytes (``passes.plan.collective_calls`` counts
-the calls with it)."""
+__all__ = ["GradientBuckets", "DeferredSyncs", "flat_reduce", "reduce_moves"]
 
 
 def flat_reduce(grads: list, key: tuple, parts: list, comm: MeshComm, *, async_last: bool = False):
@@ -62,36 +67,63 @@ def flat_reduce(grads: list, key: tuple, parts: list, comm: MeshComm, *, async_l
     -> Replicate``) or ``"reduce_scatter"``; ``parts[i][j]`` is gradient ``i``'s ``(dim, strided
     pieces)`` for move ``j`` (a reduce-scatter to ``Shard(dim)``, cut in the strided layout of that
     many pieces where given). Each collective is counted (phase ``bwd``, as a gradient sync) with
-    the bytes of its flat buffer: the sum of the per-gradient collectives'. Returns (the last
+    the bytes of its flat buffer: the sum of the per-gradient collectives'. ``grads`` is emptied:
+    each gradient is copied straight into its place in the flat buffer and dropped, so a caller
+    that keeps no other reference holds the gradients once, in the buffer. Returns (the last
     collective's work, or None, and ``finish()`` giving the reduced pieces)."""
-    pieces = list(grads)
+    pieces = grads
     work = None
     for j, (axis, kind) in enumerate(key):
         dims, strided = [mine[j][0] for mine in parts], [mine[j][1] for mine in parts]
         pieces = [p() if callable(p) else p for p in pieces]  # the collective before this one is done
+        grads.clear()
         last = async_last and j == len(key) - 1
         n, name, group = comm.shape[axis], comm.axis_names[axis], comm.groups[axis]
+        dtype = functools.reduce(torch.promote_types, [p.dtype for p in pieces])
+        flat = pieces[0].new_empty((sum(p.numel() for p in pieces),), dtype=dtype)
         if kind == "all_reduce":
-            shapes = [p.shape for p in pieces]
-            flat = torch.cat([p.reshape(-1) for p in pieces])
+            layout = [(p.shape, None) for p in pieces]
+            _fill(flat.view(1, -1), pieces, [p.reshape(1, -1) for p in pieces])
             with grad_sync_scope():
                 record_collective("all_reduce", name, flat.numel() * flat.element_size(), "bwd")
             work = dist.all_reduce(flat, group=group, async_op=last)
-            pieces = _split(flat, [(s, None) for s in shapes])
+            pieces = _split(flat, layout)
             continue
-        rows, layout = [], []
-        for p, d, f in zip(pieces, dims, strided):
-            x = _strided_order(p, d, f, n) if f else p
-            moved = x.movedim(d, 0)
-            layout.append(((moved.shape[0] // n,) + tuple(moved.shape[1:]), d))
-            rows.append(moved.reshape(n, -1))
-        flat = torch.cat(rows, dim=1).contiguous().view(-1)  # rank r's block of every gradient, in a row
+        # rank r's block of every gradient in a row: the gradient's shard dim moved to the front
+        # and cut in the ranks' blocks (viewed so, never copied but into the buffer)
+        blocks = [_rank_blocks(p, d, f, n) for p, d, f in zip(pieces, dims, strided)]
+        layout = [((b.shape[1] * b.shape[2],) + tuple(b.shape[3:]), d) for b, d in zip(blocks, dims)]
+        _fill(flat.view(n, -1), pieces, blocks)
+        del blocks
         out = flat.new_empty((flat.numel() // n,))
         with grad_sync_scope():
             record_collective("reduce_scatter", name, flat.numel() * flat.element_size(), "bwd")
         work = _reduce_scatter_single(out, flat, group=group, async_op=last)
+        del flat  # an asynchronous work keeps it until it is waited for
         pieces = _split(out, layout)
     return work, lambda: [p() if callable(p) else p for p in pieces]
+
+
+def _rank_blocks(p: torch.Tensor, dim: int, strided, n: int) -> torch.Tensor:
+    """A view of gradient ``p`` as ``(n, ...)``: block ``r`` is what rank ``r`` keeps of the
+    reduce-scatter to ``Shard(dim)`` (``strided``: cut in that many equal pieces, each in ``n``
+    blocks; block ``r`` takes its block of every piece)."""
+    moved = p.movedim(dim, 0)
+    if strided:
+        m = moved.shape[0] // (strided * n)
+        return moved.unflatten(0, (strided, n, m)).transpose(0, 1)
+    return moved.unflatten(0, (n, 1, moved.shape[0] // n))
+
+
+def _fill(rows: torch.Tensor, pieces: list, blocks: list) -> None:
+    """Copy each gradient (``blocks[i]``, a ``(rows, ...)`` view of ``pieces[i]``) into its
+    columns of ``rows`` (the flat buffer seen as one row per rank), dropping it after."""
+    offset = 0
+    for i, block in enumerate(blocks):
+        width = block[0].numel()
+        rows[:, offset : offset + width].view(block.shape).copy_(block)
+        offset += width
+        pieces[i] = blocks[i] = None
 
 
 def _split(flat: torch.Tensor, layout: list) -> list:
@@ -130,7 +162,7 @@ def reduce_moves(steps, comm: MeshComm, strided: dict) -> tuple | None:
 class GradientBuckets:
     def __init__(self, comm: MeshComm, bucket_bytes: int | None = None):
         self.comm = comm
-        self.bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+        self.bucket_bytes = bucket_sizes.BUCKET_BYTES if bucket_bytes is None else bucket_bytes
         self._open: dict = {}  # reduction signature -> list of (param, grad, per-gradient moves)
         self._launched: list = []  # (entries, work or None, finish)
         self._armed = False
@@ -142,29 +174,47 @@ class GradientBuckets:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._armed = True
         key, mine = edge.sync_moves
+        if edge.regather:  # ZeRO-3: its unreduced gradient, the whole weight's, is not held in a bucket
+            self._launch(key, [(param, grad, mine)])
+            return
         bucket = self._open.setdefault(key, [])
         bucket.append((param, grad, mine))
         if sum(g.numel() * g.element_size() for _, g, _ in bucket) >= self.bucket_bytes:
             self._launch(key, self._open.pop(key))
 
     def _launch(self, key, entries) -> None:
+        """Start ``entries``' flat reduction (``entries`` is emptied: the flat buffer holds the
+        gradients now). A reduce-scatter's flat input is all the bucket's unreduced gradients, held
+        by its work until waited for: the reduce-scatters still in flight are waited for first, so
+        at most one such input is alive (``passes.plan.bucket_memory`` counts it so)."""
+        if any(kind == "reduce_scatter" for _, kind in key):
+            self._wait_scatters()
         grads = [g if self.reduce_dtype is None else g.to(self.reduce_dtype) for _, g, _ in entries]
         parts = [mine for *_, mine in entries]
-        # the flat buffers hold the gradients now: keep their dtype only, so they are freed
-        entries = [(param, g.dtype) for param, g, _ in entries]
+        # keep their dtype only, so that the gradients are freed once copied into the buffer
+        held = [(param, g.dtype) for param, g, _ in entries]
+        entries.clear()
         # the last (usually only) collective overlaps with the rest of backward
         work, finish = flat_reduce(grads, key, parts, self.comm, async_last=True)
-        del grads
-        self._launched.append((entries, work, finish))
+        self._launched.append((held, work, finish, key))
+
+    def _wait_scatters(self) -> None:
+        """Wait for the launched buckets that end in a reduce-scatter and drop their works (each
+        holds its flat input, the bucket's unreduced gradients, until then)."""
+        for i, (held, work, finish, key) in enumerate(self._launched):
+            if work is not None and key[-1][1] == "reduce_scatter":
+                work.wait()
+                self._launched[i] = (held, None, finish, key)
 
     def _finish(self) -> None:
         for key in sorted(self._open):
-            self._launch(key, self._open[key])
-        self._open.clear()
+            self._launch(key, self._open.pop(key))
         with torch.no_grad():
-            for entries, work, finish in self._launched:
+            while self._launched:
+                entries, work, finish, _ = self._launched.pop(0)
                 if work is not None:
                     work.wait()
+                del work  # a reduce-scatter's flat input is freed with it
                 for (param, dtype), piece in zip(entries, finish()):
                     piece = piece.to(dtype)  # (cut along a later dim: strided like a reduce-scatter's)
                     if param.grad is None:
@@ -172,7 +222,6 @@ class GradientBuckets:
                         param.grad = piece
                     else:
                         param.grad.add_(piece)
-        self._launched.clear()
         self._armed = False
 
 

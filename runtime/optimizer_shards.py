@@ -14,7 +14,7 @@ One step:
 1. **Refresh** (before a forward): every copy whose shard changed since it was last gathered (its
    ``_version``: the optimizer's in-place update, a state-dict load; or never gathered) is
    all-gathered from the shards, such weights together: flat buffers per mesh axis of at most
-   ``REFRESH_BUCKET_BYTES`` (4 MiB) of gathered weights each, counted as ``all_gather`` in phase
+   ``bucket_sizes.REFRESH_BUCKET_BYTES`` (4 MiB) of gathered weights each, counted as ``all_gather`` in phase
    ``fwd`` (the bytes are the weights', however they are cut). The first forward gathers every copy once.
 2. **Backward** accumulates each copy's gradient in the copy's layout, ``Partial`` on the shard's
    axes (lowering makes the weight's edges leave it so: no all-reduce), over every backward of
@@ -41,16 +41,12 @@ from dataclasses import dataclass
 
 import torch
 
+from passes.core import bucket_sizes
 from passes.core.placements import is_shard, transition_steps, zero1_grad_spec
 from runtime.collectives import MeshComm, _all_gather_single, _strided_order, record_collective
 from runtime.grad_sync import flat_reduce, reduce_moves
 
 __all__ = ["ZERO1_KEY", "OptimizerShards"]
-
-REFRESH_BUCKET_BYTES = 4 * 2**20
-"""The refresh's flat all-gathers carry at most this many bytes of gathered weights each: the
-flat output and the joined weights (about twice this) are alive beside the copies only while
-one bucket is gathered."""
 
 ZERO1_KEY = "partita.zero1"
 """Key in a lowered program's meta: ZeRO-1 parameter placeholder -> (compute placement, shard placement)."""
@@ -111,8 +107,9 @@ class OptimizerShards:
     # -- refresh: shards -> compute copies ------------------------------------------------------
     def refresh(self) -> None:
         """All-gather the compute copies whose shards changed: per mesh axis, flat buffers of at
-        most :data:`REFRESH_BUCKET_BYTES` of gathered weights each (a larger weight alone), so the
-        buffers alive beside the copies stay bounded whatever the model's size."""
+        most :data:`passes.core.bucket_sizes.REFRESH_BUCKET_BYTES` of gathered weights each (a
+        larger weight alone), so the buffers alive beside the copies stay bounded whatever the
+        model's size."""
         stale = [w for w in self._weights.values() if w.copy is None or w.version != w.shard._version]
         groups: dict = {}
         for w in stale:
@@ -131,7 +128,7 @@ class OptimizerShards:
         buckets, current, size = [], [], 0
         for member in members:
             nbytes = member[0].shard.numel() * member[0].shard.element_size() * factor
-            if current and size + nbytes > REFRESH_BUCKET_BYTES:
+            if current and size + nbytes > bucket_sizes.REFRESH_BUCKET_BYTES:
                 buckets.append(current)
                 current, size = [], 0
             current.append(member)
@@ -169,6 +166,12 @@ class OptimizerShards:
         return joined
 
     # -- reduce: compute copies' gradients -> shards' gradients ---------------------------------
+    def flush(self) -> None:
+        """Reduce the copies' gradients into the shards now, outside backward: for a caller whose
+        step is several backward calls made while ``deferred`` defers (a pipeline stage's ``B`` /
+        ``W`` actions, :class:`runtime.pipeline.PipelineRunner`)."""
+        self._reduce()
+
     def _arm(self, _copy) -> None:
         if not self._armed:
             torch.autograd.Variable._execution_engine.queue_callback(self._reduce)

@@ -36,6 +36,15 @@ a parameter in a stage program) from its backward's placements:
   edge (a reduce-scatter on one axis and an all-reduce on another) follows this rule whole, its
   all-reduce too, so nothing beyond the shard in ``.grad`` outlives a microbatch's backward.
 
+**ZeRO-1 weights** (plan record ``stored``; :mod:`runtime.optimizer_shards`) follow the first
+rule in their own way: the program reads a whole compute copy, whose gradient sums over the
+step's microbatches in the copy (its edges leave it ``Partial``: nothing moves per microbatch);
+after the held sums are moved, the copies' sums are reduce-scattered into the shards' ``.grad``
+(one flat collective per mesh axis), the user's optimizer steps the shards (its state is
+sharded), and the next ``train_step`` all-gathers the copies whose shards changed before its
+first action. So a step sends one reduce-scatter and one all-gather of each such weight, however
+many microbatches it runs: ``zero1_collectives``, priced once per step with the held syncs.
+
 Tied weights are unaffected: each use's edge follows its own rule into the one ``.grad``, and
 the sum over the stages holding the weight is all-reduced after the step, as before. The cost
 model prices the same: ``Estimate.grad_sync_s`` (the held-back all-reduces) once per step, the
@@ -56,6 +65,7 @@ from torch.utils import _pytree as pytree
 from passes.core.placements import replicated
 from runtime.collectives import MeshComm
 from runtime.grad_sync import DeferredSyncs
+from runtime.optimizer_shards import ZERO1_KEY, OptimizerShards
 from runtime.parallel_module import run_under_autocast
 from runtime.pretrained_io import PretrainedIO
 from runtime.reshard import Reshard
@@ -71,14 +81,23 @@ __all__ = ["StageProgram", "PipelineRunner"]
 class StageProgram(torch.nn.Module):
     """One stage on this rank: its lowered program, local parameters and input order.
 
-    ``input_specs``: placeholder -> the stage plan's placement. The stage cuts the user inputs
-    it is given (whole microbatches) to its plan's placements; ``activations`` (values from the
-    previous stage) arrive already as this rank's piece and are used as they are."""
+    ``input_specs``: placeholder -> the stage plan's placement (a ZeRO-1 weight's: its optimizer
+    shard's). The stage cuts the user inputs it is given (whole microbatches) to its plan's
+    placements; ``activations`` (values from the previous stage) arrive already as this rank's
+    piece and are used as they are.
+
+    ``held_syncs``: the gradient all-reduces its ``B`` / ``W`` actions hold back over a step;
+    ``optimizer_shards``: its ZeRO-1 weights (:mod:`runtime.optimizer_shards`), whose shards are
+    the parameters and whose whole compute copies the program reads; their gradients sum in the
+    copies over the step's microbatches (the reduction is held with the syncs)."""
 
     # Set with object.__setattr__ (kept out of nn.Module's submodule registry).
     program: torch.fx.GraphModule
     comm: MeshComm
     plan: ShardingPlan
+    optimizer_shards: OptimizerShards
+    held_syncs: DeferredSyncs
+    _zero1: set
 
     def __init__(
         self,
@@ -105,6 +124,9 @@ class StageProgram(torch.nn.Module):
         self.index, self.inputs, self.outputs = index, list(inputs), list(outputs)
         self.input_specs = input_specs
         self._param_names, self._buffer_names = dict(params), dict(buffers)  # placeholder -> (FQN, tensor)
+        self.held_syncs = DeferredSyncs()
+        object.__setattr__(self, "optimizer_shards", OptimizerShards(comm, self.held_syncs))
+        self._zero1 = set()  # placeholders of ZeRO-1 weights (read as compute copies)
         self.weights = torch.nn.ParameterDict()
         self._keys = {}
         shared = {}  # tied names come as one local tensor: one Parameter (its gradient sums both uses)
@@ -117,6 +139,16 @@ class StageProgram(torch.nn.Module):
             key = "buf__" + fqn.replace(".", "__")
             self.register_buffer(key, value)
             self._keys[placeholder] = key
+        self.add_zero1_weights(program)
+
+    def add_zero1_weights(self, program) -> None:
+        """Register the ZeRO-1 weights ``program`` (the stage's, or a variant's) reads as compute copies."""
+        for placeholder, (compute, stored, host) in (program.meta.get(ZERO1_KEY) or {}).items():
+            fqn = self._param_names[placeholder][0]
+            if host:
+                raise ValueError(f"{fqn}: pipeline stages keep their optimizer state on the device (not offloaded)")
+            self.optimizer_shards.add(self.param(placeholder), compute, stored, fqn, self.strided.get(fqn))
+            self._zero1.add(placeholder)
 
     def _distinct_params(self):
         """(placeholder, FQN, Parameter), once per Parameter (tied names share one)."""
@@ -217,10 +249,16 @@ class StageProgram(torch.nn.Module):
     def param(self, placeholder):
         return self.weights[self._keys[placeholder]]
 
+    def compute_tensor(self, placeholder):
+        """What the program reads for a parameter: its compute copy (ZeRO-1), else the parameter."""
+        p = self.param(placeholder)
+        return self.optimizer_shards.copy_of(p) if placeholder in self._zero1 else p
+
     def add_variant(self, shapes, program) -> None:
         """Serve microbatches of input ``shapes`` (a key of :meth:`PipelineRunner._shapes_key`) with
         ``program``: the same plan lowered at those shapes (same nodes, same weights)."""
         self.__dict__.setdefault("_variants", {})[shapes] = program
+        self.add_zero1_weights(program)
 
     def _program(self, shapes):
         return self.program if shapes is None else self.__dict__["_variants"][shapes]
@@ -243,7 +281,7 @@ class StageProgram(torch.nn.Module):
         args = []
         for name in self.inputs:
             if name in self._param_names:
-                args.append(self.weights[self._keys[name]])
+                args.append(self.compute_tensor(name))
             elif name in self._buffer_names:
                 args.append(getattr(self, self._keys[name]))
             else:
@@ -364,11 +402,12 @@ class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
         self.trace = []
         self._split_backward = any(a.kind == "W" for acts in schedule.actions for a in acts)
         self._register_parameters()
-        # a stage's all-reduced gradient syncs are held back in its B / W actions and moved after
-        # the rank's last action; reduce-scatters onto weights stored sharded run in every one
-        self._held = {}
+        # a stage's all-reduced gradient syncs (and its ZeRO-1 reductions) are held back in its
+        # B / W actions and moved after the rank's last action; reduce-scatters onto weights
+        # stored sharded run in every one
+        self._held: dict[int, DeferredSyncs] = {}
         for key, module in self.stages.items():
-            self._held[int(key)] = DeferredSyncs()
+            self._held[int(key)] = cast(StageProgram, module).held_syncs
             self._hold_syncs(int(key), cast(StageProgram, module).program)
 
     def _hold_syncs(self, s: int, program) -> None:
@@ -494,6 +533,9 @@ class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
         step = _Step(micro=micro, shapes=shapes, weights=weights)
         actions = self.schedule.actions[self.comm_pp[1]]
         self.trace = []
+        own = [cast(StageProgram, self.stages[str(s)]) for s in sorted(self._held)]
+        for stage in own:  # ZeRO-1: the copies whose shards the optimizer stepped, gathered again
+            stage.optimizer_shards.refresh()
         posted = self._post_all_receives(actions, shapes)
         for action in actions:
             t0 = time.perf_counter()
@@ -505,9 +547,11 @@ class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
             # absolute times, so ranks on one host line up whatever moment each entered the step
             self.trace.append((str(action), t0, time.perf_counter()))
         # the step's held gradient sums, one reduction per edge, once this rank has issued every
-        # action (its last input gradients are on their way: the stage before does not wait)
-        for stage in sorted(self._held):
-            self._held[stage].flush()
+        # action (its last input gradients are on their way: the stage before does not wait);
+        # then the ZeRO-1 copies' sums, reduce-scattered into their shards (one flat collective)
+        for stage in own:
+            stage.held_syncs.flush()
+            stage.optimizer_shards.flush()
         for work in step.pending:
             work.wait()
         for group, names in self.tied:  # a tied weight's gradient is the sum over the stages using it
@@ -622,12 +666,12 @@ class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
         points, rest = stage.weight_meeting_points()
         rest = set(rest)
         for name, params in points:
-            weights = _distinct(stage.param(p) for p in params if stage.param(p).requires_grad)
+            weights = _distinct(stage.compute_tensor(p) for p in params if stage.param(p).requires_grad)
             if name in captured and weights:
                 torch.autograd.backward([seen[name]], [captured[name]], inputs=weights, retain_graph=True)
             elif name not in captured:
                 rest |= params
-        leftover = _distinct(stage.param(p) for p in rest if stage.param(p).requires_grad)
+        leftover = _distinct(stage.compute_tensor(p) for p in rest if stage.param(p).requires_grad)
         if tensors and leftover:
             torch.autograd.backward(tensors, grads, inputs=leftover)
 

@@ -149,6 +149,13 @@ def _parity(cfg, rank, world, checks):
         checks.failures.append(f"{cfg['id']} fwd counted != estimated: {diff}")
     for diff in nested_approx_equal(counter.phase_dict().get("bwd", {}), est.comm_bytes_by_phase.get("bwd", {})):
         checks.failures.append(f"{cfg['id']} bwd counted != estimated: {diff}")
+    for phase in ("fwd", "bwd"):  # ring transfers: calls as the runtime issues them (each pays its latency)
+        counted_calls = counter.calls_phase_dict().get(phase, {}).get("send_recv", {})
+        estimated_calls = est.comm_calls_by_phase.get(phase, {}).get("send_recv", {})
+        checks.true(
+            f"{cfg['id']} {phase} send_recv calls: counted {counted_calls}, estimated {estimated_calls}",
+            counted_calls == estimated_calls,
+        )
     algos = {r["name"]: r.get("notes") for r in pm.plan.records if "scaled_dot_product_attention" in r["name"]}
 
     def parallel_step():

@@ -1,9 +1,14 @@
 """What the mixture-of-experts tests share: the tiny HF MoE families, the pins that dispatch
-tokens by all-to-all, the router's choices on a batch, and one training step of a parallel model."""
+tokens by all-to-all, the router's choices on a batch, a parallel model beside its one-device
+reference, and one training step of it."""
+
+import copy
+import warnings
 
 import torch
 from parity_utils import adam_in_lockstep, call, check_grads_by_alias, loss_of
 
+import partitioner
 from partitioner import hf_families
 from runtime.collectives import CommCounter
 
@@ -12,6 +17,17 @@ BATCH, SEQ = 4, 8
 
 def build(family):
     return hf_families.build(family, batch=BATCH, seq=SEQ)
+
+
+def parallel_beside_one_device(model, inputs, **options) -> tuple:
+    """(``model`` parallelised by ``auto_parallelize(model, inputs, **options)``, a copy of it
+    taken before, the one-device reference); the cluster is ``"h100"`` unless given, and the
+    warnings of ops replicated for want of a rule are silenced."""
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = partitioner.auto_parallelize(model, inputs, **{"cluster": "h100", **options})
+    return pm, ref
 
 
 def routing(ref, inputs) -> list:

@@ -38,6 +38,7 @@ from transformers import BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM, ViT
 import partitioner.parallelize  # noqa: F401
 from partitioner import models
 from partitioner.captures import capture, keep_captures
+from partitioner.pipeline_parallelize import capture_pipeline
 from runtime.collectives import CommCounter
 
 # ------------------------------------------------------------------------------------ models
@@ -477,7 +478,10 @@ def built_in_parent(factories: dict):
     with keep_captures():
         for key, (factory, options) in factories.items():
             model, inputs = factory()
-            capture(model, inputs, **options)
+            if "pipeline" in options:  # what a pipelined call captures: one microbatch, cut into stages
+                capture_pipeline(model, inputs, **options)
+            else:
+                capture(model, inputs, **options)
             _PREBUILT[key] = (model, inputs)
         try:
             yield
@@ -492,8 +496,10 @@ def run_checked(worker, cfg, timeout_s, *, prebuild=None):
     ``keep_captures``, and each forked rank's first :func:`prebuilt` of ``key`` returns it, so
     ``auto_parallelize`` (fp32, the default capture options) reuses the capture instead of
     exporting the model once per rank, and every rank starts with the caches of torch.export and
-    fake tensors warm for that model (a forked rank otherwise pays their first use again). The
-    default, for a worker that calls :func:`build`: ``cfg["model"]`` of :data:`MODELS`."""
+    fake tensors warm for that model (a forked rank otherwise pays their first use again).
+    ``(key, factory, options)``: captured for a call with those options (``pipeline=`` among
+    them: its stages); a list of such tuples: each. The default, for a worker that calls
+    :func:`build`: ``cfg["model"]`` of :data:`MODELS`."""
     import math
 
     from runtime.launch import run_on_ranks
@@ -501,7 +507,8 @@ def run_checked(worker, cfg, timeout_s, *, prebuild=None):
     name = cfg.get("model")
     if prebuild is None and "build" in worker.__code__.co_names and isinstance(name, str) and name in MODELS:
         prebuild = (name, MODELS[name]["factory"])
-    with built_in_parent({prebuild[0]: (prebuild[1], {})} if prebuild is not None else {}):
+    prebuilds = [prebuild] if isinstance(prebuild, tuple) else list(prebuild or ())
+    with built_in_parent({p[0]: (p[1], p[2] if len(p) > 2 else {}) for p in prebuilds}):
         # the other ranks wait in a broadcast while rank 0 plans: up to the ILP's 60 s time limit
         results = run_on_ranks(worker, math.prod(cfg["mesh"]), cfg, timeout_s=timeout_s, collective_timeout_s=150)
     failures = [f for r in results for f in r["failures"]]

@@ -65,8 +65,9 @@ def _overlap_worker(rank, world, cfg):
     import partitioner
     import runtime.grad_sync as grad_sync
     from partitioner import models
+    from passes.core import bucket_sizes
 
-    grad_sync.BUCKET_BYTES = cfg["bucket_bytes"]  # small buckets: several fill before backward ends
+    bucket_sizes.BUCKET_BYTES = cfg["bucket_bytes"]  # small buckets: several fill before backward ends
     launches = {"in_backward": 0, "at_end": 0, "finishing": False}
     launch, finish = grad_sync.GradientBuckets._launch, grad_sync.GradientBuckets._finish
 

@@ -44,3 +44,22 @@ def test_any_difference_captures_afresh():
             model.layers[0].weight.mul_(2.0)                             # values do not matter
         assert capture(model, inputs) is first
     assert capture(model, inputs) is not capture(model, inputs)          # outside: never kept
+
+
+def test_a_pipelined_call_keeps_its_stage_capture_per_stage_count_and_microbatch():
+    """``capture_pipeline`` captures what ``auto_parallelize(pipeline=...)`` does (one microbatch,
+    cut into stages) and, inside the block, keeps it for the same stage count and microbatch."""
+    from partitioner.pipeline_parallelize import capture_pipeline
+
+    model, inputs = models.gpt_demo(batch=8, seq=8, n_layer=2)
+    with keep_captures():
+        first = capture_pipeline(model, inputs, {"degree": 2, "microbatches": 2})
+        cap, graphs, runs = first
+        assert len(graphs) == 2 and [len(r) for r in runs] == [1, 1]
+        first_input = next(n for n in cap.graph.nodes if n.op == "placeholder" and n.name in cap.user_inputs)
+        assert first_input.meta["val"].shape[0] == 4  # one of 2 microbatches
+        assert capture_pipeline(model, inputs, {"degree": 2, "microbatches": 2}) is first
+        assert capture_pipeline(model, inputs, {"degree": 2, "microbatches": 4}) is not first  # other microbatch
+        assert capture_pipeline(model, inputs, {"degree": 1, "microbatches": 2}) is not first  # other stages
+        assert capture(model, inputs) is not first[0]  # the whole batch: a capture of its own
+    assert capture_pipeline(model, inputs, {"degree": 2, "microbatches": 2}) is not first

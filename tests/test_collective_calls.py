@@ -11,8 +11,8 @@ budget below data parallelism's peak (weights stored sharded and gathered, gathe
 ZeRO-3 under that budget; full recomputation; both under a tighter budget (the final norm's
 weight and bias regathered in backward); ZeRO-1 (compute copies); the head tied to the
 embedding (captured as two parameter placeholders, each bucketed). The bucket sizes are made
-small (``runtime.grad_sync.BUCKET_BYTES``, ``runtime.optimizer_shards.REFRESH_BUCKET_BYTES``, read
-by the runtime and the count alike) so that the gradients and the copies' gathers take several
+small (``passes.core.bucket_sizes.BUCKET_BYTES`` and ``REFRESH_BUCKET_BYTES``, read by the
+runtime and the count alike) so that the gradients and the copies' gathers take several
 buffers. One forked run; per plan, every rank: a step compared with the single-device model
 (loss, gradients, counted bytes = estimate), then a second AdamW step whose calls per phase,
 kind and axis and bytes per phase equal the estimate's.
@@ -40,13 +40,12 @@ def calls_worker(rank, world, cfg):
     import torch
 
     import partitioner
-    import runtime.grad_sync
-    import runtime.optimizer_shards
+    from passes.core import bucket_sizes
     from partitioner.sharding_plan import ShardingPlan
     from runtime.collectives import CommCounter
 
-    runtime.grad_sync.BUCKET_BYTES = SMALL_BUCKET
-    runtime.optimizer_shards.REFRESH_BUCKET_BYTES = SMALL_REFRESH
+    bucket_sizes.BUCKET_BYTES = SMALL_BUCKET
+    bucket_sizes.REFRESH_BUCKET_BYTES = SMALL_REFRESH
     checks = Checks(rank)
     for name, tied, plan_dict in cfg["plans"]:
         model, batch = _model(tied)

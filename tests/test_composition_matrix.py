@@ -16,9 +16,8 @@ factors appears in at least one case. Algorithm ``a`` and storage ``z`` (indices
 full (24 cases); the model is ``(a + z) mod 3`` and the precision ``(a + z) mod 2``, which
 covers model x algorithm (for one ``a``, ``z`` runs over 4 consecutive residues mod 3), model x
 storage and precision x either, and model x precision (``(a + z) mod 6`` takes all 6 values).
-ZeRO-1 with a pipeline is refused by design (stage programs keep no whole compute copy): that
-case checks the error, and one more case (LLaMA fp32 pipeline ZeRO-2) covers its other pairs.
-Models have one layer, two where pipelined.
+No combination is refused (ZeRO-1 inside pipeline stages runs too). Models have one layer, two
+where pipelined.
 
 The grids that need 8 ranks, 2.5D and 3D (``tensor_parallel=``) on (2, 2, 2), are a second
 design on three held-out decoder families (Qwen2, Mistral, Phi with its partial rotary
@@ -27,15 +26,15 @@ batch x sequence, so the sequence is split too. Grid and precision are crossed (
 ZeRO modes and the models each appear. The 2D cases of the first design run at batch 2 as well.
 
 Each case, on 4 forked gloo ranks (8 for the grids; all cases of a group in one rank group, so
-processes start once; the models of the cases without stages are built and captured in the
-parent before it forks, inside ``partitioner.captures.keep_captures``, so the ranks'
-``auto_parallelize`` reuses that capture instead of exporting the model on every rank):
+processes start once; the models of the cases are built and captured in the parent before it
+forks, a pipeline's cut into its stages, inside ``partitioner.captures.keep_captures``, so the
+ranks' ``auto_parallelize`` reuses that capture instead of exporting the model on every rank):
 parity against a deep copy on one device (fp32: ``assert_close`` defaults on the loss and every
 gradient; bf16: against the copy under ``torch.autocast`` in bf16, the tolerances of
 ``tests/test_mixed_precision.py``: loss rtol 4u, each gradient norm-wise within
 ``max(4u, 2 x the reference's own bf16 noise)``, u = 2^-8), and the communication counted at run
 time = the plan's estimate per kind, axis and phase (a pipeline: the stage plan's estimate per
-microbatch, gradient syncs once per step).
+microbatch, gradient syncs and ZeRO-1's reduce-scatter and all-gather once per step).
 """
 
 from __future__ import annotations
@@ -48,6 +47,7 @@ from parity_utils import Checks, call, check_grads_by_alias, loss_of, nested_app
 
 from partitioner import hf_families
 from partitioner.captures import capture, keep_captures
+from partitioner.pipeline_parallelize import capture_pipeline
 from passes.core.placements import Shard, parse_spec
 from runtime.collectives import CommCounter
 from runtime.launch import run_on_ranks
@@ -74,8 +74,8 @@ GRIDS = ("2.5d", "3d")
 HELD_OUT = ("qwen2", "mistral", "phi")
 GRID_BATCH = 2  # the row axes (4 devices) cannot cut the batch alone: the sequence is split too
 
-# combinations refused by design, with the error's words: the case checks the refusal instead
-REFUSED = {("pp", 1): "zero=1 is not available with pipeline="}
+# combinations refused by design, with the error's words: the case checks the refusal instead (none now)
+REFUSED: dict = {}
 
 
 def _case(model, prec, algo, zero, batch: int = 4) -> dict:
@@ -98,8 +98,6 @@ def covering_cases() -> list:
         for z, zero in enumerate(STORAGE):
             batch = GRID_BATCH if algo == "2d" else 4
             cases.append(_case(MODELS[(a + z) % 3], PRECISIONS[(a + z) % 2], algo, zero, batch))
-    # the refused case's other pairs (llama x pipeline, fp32 x pipeline) still need a run
-    cases.append(_case("llama", "fp32", "pp", 2))
     return cases
 
 
@@ -170,22 +168,23 @@ def _build(case):
 
 def _captured_here(cases) -> list:
     """Per case, (model, inputs) built and captured in this process as its ``auto_parallelize``
-    call will capture them (call inside ``keep_captures``, then fork), or None: a pipeline
-    captures its stages itself, a refused case never captures."""
+    call will capture them (call inside ``keep_captures``, then fork; a pipeline: its stages),
+    or None: a refused case never captures."""
     built = []
     for case in cases:
-        if case["refused"] or case["algo"] == "pp":
+        if case["refused"]:
             built.append(None)
             continue
         model, inputs = _build(case)
-        capture(model, inputs, **{k: v for k, v in _options(case).items() if k != "mesh"})
+        options = {k: v for k, v in _options(case).items() if k != "mesh"}
+        (capture_pipeline if "pipeline" in options else capture)(model, inputs, **options)
         built.append((model, inputs))
     return built
 
 
 def _run_case(case, checks, built=None) -> dict:
     import partitioner
-    from partitioner.plan_estimate import per_step_comm
+    from partitioner.plan_estimate import stage_step_comm
 
     label = case["id"]
     model, inputs = built if built is not None else _build(case)
@@ -215,13 +214,8 @@ def _run_case(case, checks, built=None) -> dict:
     counted = counter.phase_dict()
     if case["algo"] == "pp":
         (stage,) = parallel.stages.values()
-        est = stage.plan.estimate()
-        wants = {
-            ph: per_step_comm(
-                est.comm_bytes_by_phase.get(ph, {}), est.grad_sync_bytes if ph == "bwd" else {}, MICROBATCHES
-            )
-            for ph in ("fwd", "bwd")
-        }
+        step_bytes, _ = stage_step_comm(stage.plan, MICROBATCHES)
+        wants = {ph: step_bytes.get(ph, {}) for ph in ("fwd", "bwd")}
         plan = stage.plan
     else:
         plan = parallel.plan

@@ -54,6 +54,7 @@ KNOWN_FALLBACKS = {
 }
 STEPS = 2
 BUDGET = 0.9
+PIPELINE = {"degree": 2, "schedule": "1f1b", "microbatches": 2}
 EVERYDAY = ("gpt2", "llama", "bert", "t5", "vit")
 BUDGETED = ("gpt2", "llama")  # the budgeted solve on real families; the others minimise memory
 
@@ -110,11 +111,9 @@ def family_worker(rank, world, cfg):
     }
 
     if cfg["pipeline"]:
-        model, inputs = hf_families.build(cfg["family"])
+        model, inputs = prebuilt(f"{cfg['family']} pipelined") or hf_families.build(cfg["family"])
         ref = copy.deepcopy(model)
-        runner = partitioner.auto_parallelize(
-            model, inputs, mesh=(2, 2), cluster="h100", pipeline={"degree": 2, "schedule": "1f1b", "microbatches": 2}
-        )
+        runner = partitioner.auto_parallelize(model, inputs, mesh=(2, 2), cluster="h100", pipeline=PIPELINE)
         loss = runner.train_step(inputs)
         ref_loss = loss_of(call(ref, inputs))
         ref_loss.backward()
@@ -131,7 +130,10 @@ def family_worker(rank, world, cfg):
 @pytest.mark.parametrize("family", tiered(hf_families.FAMILIES))
 def test_family_parity_on_2x2_and_pipeline(family):
     cfg = {"family": family, "mesh": (2, 2), "pipeline": family in hf_families.DECODER_ONLY}
-    results = run_checked(family_worker, cfg, TIMEOUT_S, prebuild=(family, lambda: hf_families.build(family)))
+    prebuild = [(family, lambda: hf_families.build(family))]
+    if cfg["pipeline"]:  # the stages too, captured once here instead of on every rank
+        prebuild.append((f"{family} pipelined", lambda: hf_families.build(family), dict(pipeline=PIPELINE)))
+    results = run_checked(family_worker, cfg, TIMEOUT_S, prebuild=prebuild)
     assert results[0]["sharded"], f"{family}: the plan should shard some parameters (a budget, or the memory objective)"
     assert set(results[0]["fallbacks"]) <= KNOWN_FALLBACKS.get(family, set()), results[0]["fallbacks"]
 

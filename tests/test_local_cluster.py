@@ -6,11 +6,13 @@ measures, what is cached where, what every rank gets), never a measured figure.
 """
 
 import json
+import logging
 
 import pytest
 
 from partitioner import local_cluster
 from partitioner.calibration import sizes as calibration_sizes
+from partitioner.calibration.measure_compute import host_cores
 from partitioner.cluster import ClusterSpec
 from runtime.launch import run_on_ranks
 
@@ -44,10 +46,14 @@ def test_a_job_measures_cpu_with_its_own_ranks_once_and_every_rank_gets_rank_0s_
     assert first0["op_rates"]["float32"], "the ops no roofline reaches are rated"
 
 
-def test_outside_a_job_cpu_is_measured_on_forked_ranks_of_the_plans_count_and_cached(empty_cache):
-    spec = local_cluster.get_cluster("cpu", ranks=3)
+def test_outside_a_job_cpu_is_measured_on_forked_ranks_of_the_plans_count_and_cached(empty_cache, caplog):
+    with caplog.at_level(logging.WARNING, logger="partitioner.local_cluster"):
+        spec = local_cluster.get_cluster("cpu", ranks=3)
     assert (empty_cache / "cpu_cluster-3ranks.json").exists()
     assert spec.devices_per_node == 3 and spec.name == "cpu"
+    assert spec.cores_per_node == host_cores()  # the cores the ranks share, for the planner to price
+    said = [r.getMessage() for r in caplog.records if "measured this CPU for 3 ranks in" in r.getMessage()]
+    assert said and str(empty_cache / "cpu_cluster-3ranks.json") in said[0]  # how long, and where it went
     assert local_cluster.get_cluster("cpu", ranks=3) == spec
 
 

@@ -24,12 +24,11 @@
 
 import copy
 import logging
-import warnings
 
 import pytest
 import torch
 import transformers
-from moe_utils import adam_steps_like_one_device, first_step_like_one_device
+from moe_utils import adam_steps_like_one_device, first_step_like_one_device, parallel_beside_one_device
 from moe_utils import build as _build
 from moe_utils import dispatch_pins as _dispatch_pins
 from moe_utils import routing as _routing
@@ -182,12 +181,9 @@ def moe_worker(rank, world, cfg):
     results = {"rank": rank, "failures": checks.failures, "summaries": {}, "all_to_all": {}}
     for family, pins in cfg["runs"]:
         model, inputs = _build(family)
-        ref = copy.deepcopy(model)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            pm = partitioner.auto_parallelize(
-                model, inputs, mesh=mesh, cluster="h100", expert_parallel="on", pins=pins, recompute="none"
-            )
+        pm, ref = parallel_beside_one_device(
+            model, inputs, mesh=mesh, expert_parallel="on", pins=pins, recompute="none"
+        )
         with CommCounter() as counter:
             out = call(pm, inputs)
             loss_of(out).backward()
@@ -318,10 +314,7 @@ def test_replicated_experts_cannot_meet_the_search_budget():
 def searched_worker(rank, world, cfg):
     checks = Checks(rank)
     model, inputs, budget = _one_layer_moe()
-    ref = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pm = partitioner.auto_parallelize(model, inputs, cluster="h100", memory_budget=budget)  # no mesh: searched
+    pm, ref = parallel_beside_one_device(model, inputs, memory_budget=budget)  # no mesh: searched
     counted, estimated = first_step_like_one_device(pm, ref, inputs, checks), pm.plan.estimate().comm_bytes
     sent = dict(counted.get("all_to_all", {}))
     counted = {k: v for k, v in counted.items() if k != "all_to_all"}

@@ -18,11 +18,10 @@
 import copy
 import json
 import math
-import warnings
 
 import pytest
 import torch
-from moe_utils import adam_steps_like_one_device, first_step_like_one_device
+from moe_utils import adam_steps_like_one_device, first_step_like_one_device, parallel_beside_one_device
 from moe_utils import build as _build
 from moe_utils import dispatch_pins as _dispatch_pins
 from moe_utils import routing as _routing
@@ -122,19 +121,15 @@ def _kept_bytes(kept, rank, world, hidden, experts) -> tuple:
 def capacity_worker(rank, world, cfg):
     checks = Checks(rank)
     model, inputs = _build("mixtral")
-    ref = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pm = partitioner.auto_parallelize(
-            model,
-            inputs,
-            mesh=(world,),
-            cluster="h100",
-            expert_parallel="on",
-            expert_capacity=FACTOR,
-            pins=dict(_dispatch_pins(1), histc=["P"]),
-            recompute="none",
-        )
+    pm, ref = parallel_beside_one_device(
+        model,
+        inputs,
+        mesh=(world,),
+        expert_parallel="on",
+        expert_capacity=FACTOR,
+        pins=dict(_dispatch_pins(1), histc=["P"]),
+        recompute="none",
+    )
     experts, hidden = ref.config.num_local_experts, ref.config.hidden_size
     kept = _kept_index(copy.deepcopy(ref), inputs, FACTOR)
     with partitioner.token_dropping(ref, FACTOR):
@@ -161,13 +156,10 @@ def _check_zero3_experts(world, checks):
     forward): backward gathers each expert weight again once, as the plan prices, not once per
     expert (the op saves each stacked weight whole); loss and gradients as one device's."""
     model, inputs = _build("mixtral")
-    ref = copy.deepcopy(model)
     stored = {"model.layers.*.mlp.experts.gate_up_proj": ["S(0)"], "model.layers.*.mlp.experts.down_proj": ["S(0)"]}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pm = partitioner.auto_parallelize(
-            model, inputs, mesh=(world,), cluster="h100", expert_parallel="off", zero=3, pins=stored, recompute="none"
-        )
+    pm, ref = parallel_beside_one_device(
+        model, inputs, mesh=(world,), expert_parallel="off", zero=3, pins=stored, recompute="none"
+    )
     counted = first_step_like_one_device(pm, ref, inputs, checks)
     for diff in nested_approx_equal(counted, pm.plan.estimate().comm_bytes):
         checks.true(f"ZeRO-3 experts: communication: {diff}", False)

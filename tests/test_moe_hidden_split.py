@@ -10,12 +10,9 @@ hidden-split all-reduces alone are checked against the formula on every rank.
 """
 
 import copy
-import warnings
 
-from moe_utils import adam_steps_like_one_device, build, first_step_like_one_device, routing
+from moe_utils import adam_steps_like_one_device, build, first_step_like_one_device, parallel_beside_one_device, routing
 from parity_utils import Checks, nested_approx_equal, run_checked
-
-import partitioner
 
 TIMEOUT_S = 240
 STEPS = 2
@@ -38,12 +35,7 @@ def _hidden_all_reduce_bytes(ref, inputs, rank) -> float:
 def hidden_split_worker(rank, world, cfg):
     checks = Checks(rank)
     model, inputs = build("qwen3_moe")
-    ref = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pm = partitioner.auto_parallelize(
-            model, inputs, mesh=(2, 2), cluster="h100", expert_parallel="on", pins=PINS, recompute="none"
-        )
+    pm, ref = parallel_beside_one_device(model, inputs, mesh=(2, 2), expert_parallel="on", pins=PINS, recompute="none")
     notes = [r.get("notes") for r in pm.plan.records if str(r["target"]).startswith("partita.moe_experts")]
     checks.true(f"experts notes {notes}", all(n == {"a0": "experts", "a1": "hidden_split_experts"} for n in notes))
     counted = first_step_like_one_device(pm, ref, inputs, checks)

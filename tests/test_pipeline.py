@@ -44,7 +44,17 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from parity_utils import Checks, adam_in_lockstep, call, check_grads_by_alias, loss_of, nested_approx_equal, run_checked, slow_tier
+from parity_utils import (
+    Checks,
+    adam_in_lockstep,
+    call,
+    check_grads_by_alias,
+    loss_of,
+    nested_approx_equal,
+    prebuilt,
+    run_checked,
+    slow_tier,
+)
 
 from runtime.launch import run_on_ranks
 
@@ -112,11 +122,17 @@ def _pins(model_name, kind):
 # ------------------------------------------------------------------------------ the rank worker
 
 
+def _prebuild(cfg) -> tuple:
+    """The config's model built and its stages captured in the parent, once for every rank."""
+    options = dict(pipeline=cfg["pipeline"], layers=cfg.get("layers", "auto"))
+    return ("pipelined", lambda: _build(cfg["model"], cfg["n_layer"]), options)
+
+
 def pipeline_worker(rank, world, cfg):
     import partitioner
 
     checks = Checks(rank)
-    model, inputs = _build(cfg["model"], cfg["n_layer"])
+    model, inputs = prebuilt("pipelined") or _build(cfg["model"], cfg["n_layer"])
     ref = copy.deepcopy(model)
     runner = partitioner.auto_parallelize(model, inputs, mesh=cfg["mesh"], pipeline=cfg["pipeline"],
                                           cluster="h100", pins=_pins(cfg["model"], cfg.get("pins")),
@@ -222,7 +238,7 @@ CONFIGS = [
 
 @pytest.mark.parametrize("cfg", CONFIGS)
 def test_pipeline_parity(cfg):
-    results = run_checked(pipeline_worker, cfg, TIMEOUT_S)
+    results = run_checked(pipeline_worker, cfg, TIMEOUT_S, prebuild=_prebuild(cfg))
     assert len({r["loss"] for r in results}) == 1, [r["loss"] for r in results]   # broadcast to every rank
 
     pipe, r0 = cfg["pipeline"], results[0]
@@ -464,7 +480,7 @@ def test_open_config_chooses_microbatches_and_schedule_and_stays_exact():
     the batch, the schedule is the one simulated fastest with the stage plans' estimates (the
     same choice ``choose_schedule`` makes from them here), and the run is exact."""
     cfg = {"model": "gpt", "mesh": (2,), "pipeline": {"degree": 2}, "n_layer": 4, "pins": None}
-    results = run_checked(pipeline_worker, cfg, TIMEOUT_S)
+    results = run_checked(pipeline_worker, cfg, TIMEOUT_S, prebuild=_prebuild(cfg))
     sched = results[0]["schedule"]
     assert sched["microbatches"] == 8 and sched["stages"] == 2, sched
     assert sched["name"] == results[0]["expected_schedule"], (sched, results[0]["expected_schedule"])

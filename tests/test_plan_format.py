@@ -78,3 +78,30 @@ def test_unknown_versions_and_incomplete_files_are_refused_by_name(fresh):
         ShardingPlan.from_dict(incomplete)
     with pytest.raises(ValueError, match="not a Partita sharding plan"):
         ShardingPlan.from_dict({"version": 2})
+
+
+def test_a_file_written_before_the_planner_recorded_its_prices_is_priced_as_it_loads():
+    """The estimate adds up prices the planner wrote (the header's ``flat_latency_s`` and
+    ``arrival_wait_s``, the ``held`` marks of the gradient reductions a pipeline stage holds back);
+    a file without them gets them from the planner's own functions as it loads, equal to a fresh plan's."""
+    import dataclasses
+
+    model, inputs = models.gpt_demo(batch=8, seq=16, n_layer=2, n_embd=64, n_head=4, vocab_size=128)
+    cluster = dataclasses.replace(partitioner.get_cluster("h100"), arrival_wait=[[0.0, 2e-6], [1e-3, 5e-6]])
+    pins = {"idx": ["S(0)"], "targets": ["S(0)"], "*": ["R"], "h.*": ["S(0)"], "ln_f": ["S(0)"], "lm_head": ["S(0)"]}
+    fresh = partitioner.plan(model, inputs, mesh=(4,), cluster=cluster, pins=pins, recompute="none")
+    est = fresh.estimate()
+    held = [c for r in fresh.records for c in r["comm"] if c.get("held")]
+    assert held and est.flat_latency_s > 0 and est.arrival_wait_s > 0
+    assert est.grad_sync_s == pytest.approx(sum(c["time_s"] for c in held), rel=1e-12)
+    older = copy.deepcopy(fresh.to_dict())
+    del older["flat_latency_s"], older["arrival_wait_s"]
+    for r in older["records"]:
+        for c in r["comm"]:
+            c.pop("held", None)
+    again = ShardingPlan.from_dict(older)
+    assert again.header == fresh.header and again.data["records"] == fresh.data["records"]
+    assert again.estimate() == est
+    # the estimate prices nothing itself: it adds up what the header says
+    more = ShardingPlan.from_dict(dict(fresh.to_dict(), flat_latency_s=est.flat_latency_s + 1.0))
+    assert more.estimate().comm_s == pytest.approx(est.comm_s + 1.0, rel=1e-12)

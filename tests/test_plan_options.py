@@ -124,8 +124,6 @@ def _fake_job(world: int):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(zero=1), r"zero=1 is not available with pipeline="),
-    (dict(zero={"*": 1}), r"zero=1 is not available with pipeline="),
     (dict(host_memory_budget="1GiB"), r"host_memory_budget='1GiB' is not available with pipeline="),
     (dict(local_inputs=True), r"local_inputs=True is not available with pipeline="),
     (dict(tensor_parallel="2d"), r"tensor_parallel='2d' is not available with pipeline="),

@@ -10,8 +10,8 @@ use and gathered again in backward). One forked run, every rank:
   own; backward, every regather but the first is issued (when the one after it in forward is
   unpacked) before matmuls of backward that it overlaps, and waited for later;
 * loss and every gradient equal the single-device model's, the communication counted equals the
-  estimate (prefetching sends the same bytes), and the weights' gradient reduce-scatters (and
-  all-reduces), priced as bucketed, are one flat collective each;
+  estimate (prefetching sends the same bytes), the all-reduced gradients are one flat collective
+  and each ZeRO-3 weight's gradient is reduce-scattered alone, at once;
 * a prefetched gather that one rank does not join in time raises ``RuntimeError`` naming the
   weight (the other ranks join it afterwards, so the run ends cleanly); without a limit of its
   own, the wait has the job's collective timeout (``tests/test_runtime_api.py``'s stalled rank).
@@ -102,10 +102,16 @@ def prefetch_worker(rank, world, cfg):
     for p in pm.parameters():
         p.grad = None
     counter = check_step_like_one_device(pm, ref, inputs, checks, "prefetched")
-    # the weights' reduce-scatters, priced as bucketed, run as one flat collective (one bucket)
+    # the all-reduced gradients share one flat collective (one bucket); a ZeRO-3 weight's gradient
+    # is reduce-scattered at once, alone (runtime/grad_sync.py): one call per regathered weight edge
     calls = {k: dict(v) for k, v in counter.grad_sync_calls.items()}
-    checks.true(f"gradient syncs are not one flat collective per kind: {calls}",
-                calls.get("reduce_scatter") == {"a0": 1} and all(n == 1 for v in calls.values() for n in v.values()))
+    by_name = {r["name"]: r for r in pm.plan.records}
+    alone = sum(1 for r in pm.plan.records for c in r["comm"]
+                if c["phase"] == "bwd" and c["kind"] == "reduce_scatter" and c.get("bucketed")
+                and by_name[r["inputs"][c["input"]]].get("regather"))
+    checks.true(f"gradient syncs: {calls}, not one flat all-reduce and {alone} reduce-scatters",
+                alone > 0 and calls.get("reduce_scatter") == {"a0": alone}
+                and all(n == 1 for n in calls.get("all_reduce", {}).values()))
 
     # a gather one rank does not join in time: rank 0 waits 1 s, then the others join it
     edge = prefetches[0].edge

@@ -1,5 +1,6 @@
 """auto_parallelize / dump / state on real gloo ranks: bad input, replay, state, pictures."""
 import json
+import math
 import re
 import shutil
 import warnings
@@ -162,6 +163,34 @@ def test_dump_from_a_plan_alone_for_a_large_mesh(tmp_path):
     assert "mesh coordinates (15, 15)" in (tmp_path / "rank_255.py").read_text()
     with pytest.raises(ValueError, match="rank 256 is not on mesh"):
         partitioner.dump(plan, tmp_path, model=model, example_inputs=inputs, ranks=[256])
+
+
+def test_a_searched_pipeline_saves_loads_and_dumps_each_stage_for_its_ranks(tmp_path, fake_process_group):
+    """A pipelined plan (the search's choice) round-trips through save / load as a ShardingPlan
+    does, and dump lowers each stage's plan, on the model cut as the search cut it, for every rank
+    that runs the stage: ``stage_<s>/rank_<r>.py`` (global ranks, the pipeline coordinate first).
+    ``auto_parallelize`` does not replay it: refused, saying how to build it."""
+    import passes.schedules as ps
+    from partitioner.demo_clusters import meta_gpt
+    from tests.report_plans import searched_pipeline
+
+    searched = searched_pipeline()
+    plan = partitioner.ShardingPlan.load(searched.save(tmp_path / "pipe.json"))
+    assert plan.to_dict() == searched.to_dict() and plan.estimate() == searched.estimate()
+    model, inputs = meta_gpt(4, 64, 4, 8, 32)
+    files = partitioner.dump(plan, tmp_path / "dump", model=model, example_inputs=inputs)
+    pipe = plan.data["pipeline"]
+    schedule = ps.SCHEDULES[pipe["schedule"]].make(pipe["degree"], pipe["microbatches"], pipe["virtual_stages"])
+    sub = math.prod(plan.mesh_shape) // pipe["degree"]  # ranks per stage: the mesh is pp x the stage mesh
+    stages = range(len(pipe["stage_map"]))
+    want = {f"stage_{s}/rank_{schedule.stage_to_rank[s] * sub + r}.py" for s in stages for r in range(sub)}
+    assert {str(f.relative_to(tmp_path / "dump")) for f in files if f.suffix == ".py"} == want
+    stage_mesh = plan.stage_plans[0].mesh_shape
+    last = (tmp_path / "dump" / f"stage_1/rank_{schedule.stage_to_rank[1] * sub + 1}.py").read_text()
+    assert f"on mesh {stage_mesh}" in last and "def forward" in last
+    fake_process_group(math.prod(plan.mesh_shape))
+    with pytest.raises(ValueError, match=r"plan= is a pipelined plan .*does not replay: leave plan= out .*pipeline="):
+        partitioner.auto_parallelize(model, inputs, plan=plan)
 
 
 def _pipeline_dump_job(rank, world, out):

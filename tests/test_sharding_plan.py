@@ -12,6 +12,7 @@ from partitioner import models
 from partitioner.plan_dot import plan_to_dot
 from partitioner.plan_table import mask_index_rows, plan_table, short_collectives, shown_rows
 from passes.capture.capture import capture, graph_fingerprint
+from passes.core.plan_records import CollectiveRecord
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +43,14 @@ def test_default_summary_is_narrow_and_wide_keeps_every_column(plan):
     assert max(len(line) for line in text.splitlines()) <= 120
     assert "local shape" in wide and "local shape" not in text
     # collectives: summarised per kind and axis by default, with phase and bytes when wide
-    busiest = max(shown_rows(plan), key=lambda r: len(r["comm"]))
-    summary = short_collectives(busiest["comm"])
-    assert len(summary.split(", ")) < len(busiest["comm"]) and " x2" in summary   # repeats counted, not listed
-    assert next(line for line in text.splitlines() if line.split()[0] == busiest["name"]).endswith(summary)
-    first = busiest["comm"][0]
-    assert f" {first['phase']} " in next(line for line in wide.splitlines() if line.split()[0] == busiest["name"])
-    assert short_collectives([{"kind": "all_reduce", "axis": "a1"}] * 2 + [{"kind": "all_gather", "axis": "a0"}]) \
+    busiest = max(shown_rows(plan), key=lambda r: len(r.comm))
+    summary = short_collectives(busiest.comm)
+    assert len(summary.split(", ")) < len(busiest.comm) and " x2" in summary   # repeats counted, not listed
+    assert next(line for line in text.splitlines() if line.split()[0] == busiest.name).endswith(summary)
+    first = busiest.comm[0]
+    assert f" {first.phase} " in next(line for line in wide.splitlines() if line.split()[0] == busiest.name)
+    entry = lambda kind, axis: CollectiveRecord(kind=kind, axis=axis, bytes=0.0, phase="fwd", input=None, time_s=0.0)  # noqa: E731
+    assert short_collectives([entry("all_reduce", "a1")] * 2 + [entry("all_gather", "a0")]) \
         == "AR@a1 x2, AG@a0"
     # a narrower table wraps the collectives onto continuation lines instead of cutting them
     narrow = plan_table(plan, width=100).splitlines()
@@ -80,7 +82,7 @@ def _reached_by_weights_or_activations(name, by_name):
 def test_hf_plan_table_fits_and_folds_mask_and_index_rows(hf_plan):
     plan = hf_plan
     by_name = {r["name"]: r for r in plan.records}
-    folded = mask_index_rows(plan.records)
+    folded = mask_index_rows(plan.node_records)
     ops = {by_name[n]["target"].split(".")[1] for n in folded}
     # the causal mask and position ids: built from arange and comparisons, used by attention
     assert "arange" in ops and ops & {"le", "lt", "ge", "gt", "eq", "ne"}
@@ -145,7 +147,7 @@ def test_picture_draws_repeated_layers_once_and_leaves_mask_rows_out(plan):
     assert 'label="from h.7"' in dot           # the last layer's output reaches ln_f, drawn from h.0's node
     assert "h.1-h.2 same as h.0" in plan_to_dot(plan)
     # mask/index rows: left out and counted on the node that uses them; drawn with verbose
-    folded = mask_index_rows(deep.records)
+    folded = mask_index_rows(deep.node_records)
     assert folded and not set(folded) & set(nodes)
     assert "mask/index rows" in dot
     assert set(folded) <= set(_dot_nodes(plan_to_dot(deep, verbose=True)))

@@ -20,6 +20,7 @@ from parity_utils import (
     check_grads_by_alias,
     loss_of,
     pins_for,
+    prebuilt,
     run_checked,
     train_like_one_device,
 )
@@ -50,7 +51,7 @@ def _parallelize(model, cfg):
 
 def uneven_worker(rank, world, cfg):
     checks = Checks(rank)
-    model, _ = FACTORIES[cfg["model"]]()
+    model, _ = prebuilt("uneven") or FACTORIES[cfg["model"]]()
     ref = copy.deepcopy(model)
     pm = _parallelize(model, cfg)
     piped = cfg.get("pipeline") is not None
@@ -94,7 +95,10 @@ def uneven_worker(rank, world, cfg):
 
 
 def _check(cfg, refusal=("input 'input_ids'", "dim 0", "no element")):
-    results = run_checked(uneven_worker, cfg, TIMEOUT_S)
+    # the model built and captured here at the planned shape (a pipeline: its stages), once for every rank
+    options = {"pipeline": cfg["pipeline"]} if cfg.get("pipeline") else {}
+    prebuild = ("uneven", lambda: (FACTORIES[cfg["model"]]()[0], _batch(8, 32)), options)
+    results = run_checked(uneven_worker, cfg, TIMEOUT_S, prebuild=prebuild)
     for r in results if cfg.get("too_small") else ():
         assert len(r["errors"]) == 1, f"batch {cfg['too_small']} must be refused on rank {r['rank']}"
         message = r["errors"][0]

@@ -40,18 +40,20 @@ def test_zero3_matches_one_device_and_saves_less_than_zero2(cfg):
 
 
 def test_solver_regathers_only_when_the_budget_needs_it(fake_process_group):
-    """On (4,), GPT: a free budget shards nothing; half the replicated state needs sharded weights,
-    and ZeRO-2 alone does not fit it: under ``zero="auto"`` the solver regathers some weights, and
-    its estimated peak fits; ``zero=2`` reports the budget infeasible."""
+    """On (4,), GPT: a free budget shards nothing; under 0.47 of the replicated state (weights
+    must be sharded) ``zero="auto"`` regathers some weights, its estimated peak fits, and its step
+    is faster than the plan ``zero=2`` finds under the same budget (regathering buys time there:
+    auto may choose ZeRO-2 or ZeRO-3 per weight, so it is never slower). Half the replicated
+    state is no longer the test's budget: with the gradient buckets priced and backward walked op
+    by op (``passes/plan/bucket_memory.py``), a ZeRO-2 plan fits it."""
     import partitioner
-    from passes.plan.plan_intra_op import InfeasibleBudgetError
 
     fake_process_group(4)
     model, inputs = build("gpt")
     n_params = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
     free = partitioner.plan(model, inputs, mesh_shape=(4,), cluster="h100", recompute="none")
     assert not any(r.get("regather") for r in free.records)
-    budget = int(BUDGET * 16 * n_params)
+    budget = int(0.47 * 16 * n_params)
     auto = partitioner.plan(model, inputs, mesh_shape=(4,), cluster="h100", recompute="none", memory_budget=budget)
     regathered = [r["fqn"] for r in auto.records if r.get("regather")]
     assert regathered
@@ -60,9 +62,10 @@ def test_solver_regathers_only_when_the_budget_needs_it(fake_process_group):
     assert "ZeRO-3 (stored sharded, gathered for use, freed after forward" in auto.summary()
     chosen = [line for line in auto.explain(regathered[0]).splitlines() if line.lstrip().startswith("->")]
     assert len(chosen) == 1 and chosen[0].endswith("ZeRO-3"), chosen
-    with pytest.raises(InfeasibleBudgetError):
-        partitioner.plan(model, inputs, mesh_shape=(4,), cluster="h100", recompute="none", memory_budget=budget,
-                         zero=2)
+    zero2 = partitioner.plan(model, inputs, mesh_shape=(4,), cluster="h100", recompute="none", memory_budget=budget,
+                             zero=2)
+    assert not any(r.get("regather") for r in zero2.records)
+    assert auto.data["stats"]["objective_s"] <= zero2.data["stats"]["objective_s"] * (1 + 1e-9)
 
 
 def test_zero_argument_is_checked(fake_process_group):
@@ -77,7 +80,7 @@ def test_zero_argument_is_checked(fake_process_group):
 
 
 def test_zero_per_weight_patterns(fake_process_group):
-    """``zero={"h.*.mlp.*": 3, "*": 2}`` under half the replicated state: the MLP weights that are
+    """``zero={"h.*.mlp.*": 3, "*": 2}`` under 0.55 of the replicated state: the MLP weights that are
     gathered for use regather, no other weight does."""
     import partitioner
     from partitioner.plan_table import weight_storage
@@ -86,7 +89,7 @@ def test_zero_per_weight_patterns(fake_process_group):
     model, inputs = build("gpt")
     n_params = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
     plan = partitioner.plan(model, inputs, mesh_shape=(4,), cluster="h100", recompute="none",
-                            memory_budget=int(0.6 * 16 * n_params), zero={"h.*.mlp.*": 3, "*": 2})
+                            memory_budget=int(0.55 * 16 * n_params), zero={"h.*.mlp.*": 3, "*": 2})
     storage = weight_storage(plan)
     fqn = {r["name"]: r["fqn"] for r in plan.records if r["kind"] == "param"}
     zero3 = sorted(fqn[n] for n, kind in storage.items() if kind == "zero3")

@@ -104,7 +104,7 @@ def test_zero1_matches_one_device():
 
 def known_answer_worker(rank, world, cfg):
     import partitioner
-    from runtime import optimizer_shards
+    from passes.core import bucket_sizes
 
     checks = Checks(rank)
     mesh = (4,)
@@ -112,7 +112,7 @@ def known_answer_worker(rank, world, cfg):
     ref = copy.deepcopy(model)
     pins = free_weights("gpt", "dp", mesh)
     # the refresh gathers in buckets of at most this many bytes: many here, the bytes unchanged
-    optimizer_shards.REFRESH_BUCKET_BYTES = 64 * 1024
+    bucket_sizes.REFRESH_BUCKET_BYTES = 64 * 1024
     pm = partitioner.auto_parallelize(model, inputs, mesh=mesh, cluster="h100", recompute="none", pins=pins,
                                       memory_budget=cfg["budget"])
     # the whole weights the source model holds are released; the parallel model trains on

@@ -174,6 +174,7 @@ def fit(samples: dict, *, ranks: int, name: str = "calibrated", memory_bytes: in
         op_overhead_s=compute["op_overhead_s"],
         prefetch_overlap=prefetch_overlap(samples.get("overlap")),
         arrival_wait=arrival_wait(samples.get("arrival")),
+        cores_per_node=samples.get("cores"),
         collective_efficiency={k: per_wire["all_reduce"] / v for k, v in per_wire.items() if k != "all_reduce"},
         notes=f"measured by `partitioner calibrate` on {ranks} gloo ranks of {platform.node() or 'this machine'}",
     )

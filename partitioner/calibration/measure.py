@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from partitioner.calibration.measure_collectives import arrival_samples, collective_call, overlap_sample
-from partitioner.calibration.measure_compute import compute_samples, fresh_rank
+from partitioner.calibration.measure_compute import compute_samples, fresh_rank, on_own_cores
 from partitioner.calibration.sizes import COLLECTIVES, DEFAULT_SIZES
 from partitioner.calibration.timing import timed_after
 
@@ -40,7 +40,7 @@ def rank_samples(rank: int, world: int, sizes: dict, progress: bool = False) -> 
             print(f"[partita calibrate] {message}", file=sys.stderr, flush=True)
 
     seconds, trials = sizes["seconds"], sizes["trials"]
-    out = compute_samples(sizes, slowest, say)
+    out = _compute_on_own_cores(rank, world, sizes, say)
     out["collectives"] = []
     a = torch.randn(96, 96)
     start = time.perf_counter()
@@ -84,6 +84,15 @@ def rank_samples(rank: int, world: int, sizes: dict, progress: bool = False) -> 
         f"{o['both_s'] * 1e3:.2f} ms together, {o['gather_s'] * 1e3:.2f} ms alone"
     )
     return out
+
+
+def _compute_on_own_cores(rank: int, world: int, sizes: dict, say) -> dict:
+    """The compute samples of a rank with a core to itself (:func:`on_own_cores`): rank 0's view,
+    with ``out["cores"]``, the cores the ranks share."""
+    cores, out = on_own_cores(rank, world, lambda slowest: compute_samples(sizes, slowest, say))
+    if world > cores:
+        say(f"{world} ranks on {cores} cores: compute timed on {cores} ranks at once")
+    return {**(out or {}), "cores": cores}
 
 
 def measure(

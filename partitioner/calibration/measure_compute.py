@@ -4,6 +4,7 @@ of tiny ops, rated ops through autograd, optimizer steps and fresh allocations."
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 from partitioner.calibration.timing import timed
@@ -189,17 +190,43 @@ def _chain(ops: int):
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
-def fresh_rank(rank: int, world: int, sizes: dict) -> list:
-    """One rank's :func:`fresh_samples`, in processes of their own (see there), all ranks at once."""
+def host_cores() -> int:
+    """The cores this process may run on (its affinity; the CPU count where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def on_own_cores(rank: int, world: int, measure: Callable) -> tuple:
+    """Compute timed as a rank with a core to itself: ``measure(slowest)`` on the first ``cores``
+    ranks at once (``cores``: rank 0's :func:`host_cores`; ``slowest``: the max over them, see
+    :func:`timed`), the other ranks waiting, so a figure does not depend on how the scheduler
+    shares cores between more ranks than it has (ranks that outnumber the cores are priced by
+    :mod:`partitioner.core_sharing`). Collective: every rank calls it. Returns (cores, what
+    ``measure`` returned, None on the waiting ranks)."""
     import torch
     import torch.distributed as dist
 
+    box = [host_cores()]
+    dist.broadcast_object_list(box, src=0)
+    timing = list(range(min(box[0], world)))
+    group = dist.new_group(timing) if len(timing) < world else None  # every rank makes the group
+
     def slowest(value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return float(t.item())
 
-    return fresh_samples(sizes, slowest)
+    out = measure(slowest) if rank in timing else None
+    dist.barrier()
+    return box[0], out
+
+
+def fresh_rank(rank: int, world: int, sizes: dict) -> list:
+    """One rank's :func:`fresh_samples`, in processes of their own (see there), on as many ranks
+    at once as there are cores (:func:`on_own_cores`)."""
+    return on_own_cores(rank, world, lambda slowest: fresh_samples(sizes, slowest))[1] or []
 
 
 def fresh_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = None) -> list:

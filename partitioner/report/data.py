@@ -169,41 +169,36 @@ def _explain(plan, name) -> str:
 
 
 def _row(plan, r, stage, folded) -> dict:
-    label = r["fqn"] if r["kind"] in ("param", "input", "buffer") and r.get("fqn") else r["name"]
-    first = r.get("block") is None or r.get("block_index") == block_first_index(r["block"])
+    label = r.fqn if r.kind in ("param", "input", "buffer") and r.fqn else r.name
+    first = r.block is None or r.block_index == block_first_index(r.block)
     fold = None if first else "layer"
     if fold is None and hidden_view(r):
         fold = "view"
-    if fold is None and r["name"] in folded:
+    if fold is None and r.name in folded:
         fold = "mask"
-    seconds = r.get("compute_s", 0.0) + sum(c["time_s"] for c in r.get("comm", []))
+    seconds = r.compute_s + sum(c.time_s for c in r.comm)
     return {
-        "id": r["name"] if stage is None else f"{stage}:{r['name']}",
+        "id": r.name if stage is None else f"{stage}:{r.name}",
         "stage": stage,
-        "name": r["name"],
+        "name": r.name,
         "label": label,
-        "module": r.get("module") or "",
-        "op": r["target"].replace("aten.", "").replace(".default", ""),
-        "kind": r["kind"],
-        "shape": "x".join(map(str, r["shapes"][0])) if r.get("shapes") and r["shapes"][0] is not None else "",
-        "local": "x".join(map(str, r["local_shapes"][0]))
-        if r.get("local_shapes") and r["local_shapes"][0] is not None
-        else "",
-        "out": r["out"][0] if r.get("out") else "",
-        "ins": [s if s is not None else "-" for s in r.get("ins", [])],
+        "module": r.module or "",
+        "op": r.target.replace("aten.", "").replace(".default", ""),
+        "kind": r.kind,
+        "shape": "x".join(map(str, r.shapes[0])) if r.shapes and r.shapes[0] is not None else "",
+        "local": "x".join(map(str, r.local_shapes[0])) if r.local_shapes and r.local_shapes[0] is not None else "",
+        "out": r.out[0] if r.out else "",
+        "ins": [s if s is not None else "-" for s in r.ins],
         "time_s": seconds,
         "time": _fmt_time(seconds) if seconds else "",
-        "memory_b": r.get("memory", 0.0),
-        "memory": _fmt_bytes(r["memory"]) if r.get("memory") else "",
-        "comm": [
-            [c["kind"], c["axis"], c["phase"], _fmt_bytes(c["bytes"]), _fmt_time(c["time_s"])]
-            for c in r.get("comm", [])
-        ],
-        "block": r.get("block"),
-        "layer": r.get("block_index"),
+        "memory_b": r.memory,
+        "memory": _fmt_bytes(r.memory) if r.memory else "",
+        "comm": [[c.kind, c.axis, c.phase, _fmt_bytes(c.bytes), _fmt_time(c.time_s)] for c in r.comm],
+        "block": r.block,
+        "layer": r.block_index,
         "fold": fold,
-        "folded_into": folded.get(r["name"]),
-        "explain": _explain(plan, r["name"]),
+        "folded_into": folded.get(r.name),
+        "explain": _explain(plan, r.name),
     }
 
 
@@ -213,8 +208,8 @@ def _stage_views(plan, sim) -> tuple:
     pieces = [(None, plan)] if not stage_plans else list(enumerate(stage_plans))
     stages, rows, blocks, graphs = [], [], [], []
     for index, stage in pieces:
-        folded = mask_index_rows(stage.records)
-        rows += [_row(stage, r, index, folded) for r in stage.records if r["kind"] != "output"]
+        folded = mask_index_rows(stage.node_records)
+        rows += [_row(stage, r, index, folded) for r in stage.node_records if r.kind != "output"]
         blocks += [dict(b, stage=index) for b in stage.data.get("blocks", [])]
         graph = plan_graph(stage)
         drawn = layout_graph(graph)

@@ -40,6 +40,7 @@ def simulate_plan(plan) -> dict | None:
     """``{"timeline": {rank: [(action, start s, end s)]}, "step_s", "stage_to_rank", "split"}``
     for a pipelined plan (None for a plan without a pipeline); see the module docstring."""
     import passes.schedules as ps
+    from partitioner.core_sharing import stage_plans_cores
 
     pipe = plan.data.get("pipeline")
     if not pipe:
@@ -55,6 +56,7 @@ def simulate_plan(plan) -> dict | None:
         weight,
         comm_time=pipe.get("p2p_time_s", 0.0),
         sync_time=ps.stage_syncs(estimates),
+        cores=stage_plans_cores(plan.stage_plans, pipe["degree"]),
     )
     syncs = ps.stage_syncs(estimates)
     timeline = {}

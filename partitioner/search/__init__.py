@@ -15,7 +15,7 @@ Algorithm
    1F1B and heavier) - 1F1B, ZB-H1, and interleaved with 2 stages per rank where ``m`` is a
    multiple of ``p`` and ``L >= 2p`` - and recomputation ``none`` or ``all`` (without a
    pipeline the intra-op solver decides it, ``recompute="auto"``); with ``d > 1`` each with
-   every ZeRO stage on ``dp`` (:func:`zero_stages`: 0, 1 without a pipeline and with Adam, 2, 3).
+   every ZeRO stage on ``dp`` (:func:`zero_stages`: 0, 1 with Adam, 2, 3).
    For a long sequence (:func:`sequence_degrees`) also ``N = d * s`` with a sequence axis
    ``sp`` and ring or Ulysses attention forced on it (no pipeline, no tensor axis), and with at
    least 64 tokens per sample context parallelism beside the other axes, ``N = p * d * s * t``

@@ -12,6 +12,7 @@ import math
 import passes.schedules as ps
 from partitioner import expert_degrees
 from partitioner.cluster import parse_bytes
+from partitioner.core_sharing import core_share
 from partitioner.parallel_config import ParallelConfig
 from partitioner.precision import Precision
 from partitioner.search.facts import ModelFacts
@@ -125,8 +126,9 @@ class Bounds:
 
     def time(self, c: ParallelConfig) -> float:
         passes = 4 if c.recompute == "all" else 3
-        compute = self.f.fwd_flops_per_sample * self.batch * passes / (c.devices * self.peak)
-        return compute / (1.0 - self._bubble(c))
+        share = core_share(self.spec, c.devices)  # ranks outnumbering a CPU host's cores share them
+        compute = self.f.fwd_flops_per_sample * self.batch * passes / (c.devices * share * self.peak)
+        return compute if share < 1.0 else compute / (1.0 - self._bubble(c))  # shared: no core idles
 
     def quick(self, c: ParallelConfig) -> float:
         f, spec = self.f, self.spec

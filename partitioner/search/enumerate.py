@@ -58,7 +58,7 @@ def enumerate_configs(
         if global_batch % d:
             continue
         for algo in ("ring", "ulysses"):
-            for z in zero_stages(d * s, 1, optimizer):
+            for z in zero_stages(d * s, optimizer):
                 out.append(
                     ParallelConfig(
                         1, d, 1, 1, None, 1, recompute, global_batch, zero=z, sequence=s, sequence_parallel=algo
@@ -92,7 +92,7 @@ def _degree_configs(p, d, t, s, global_batch, layers, recompute, pipe_rc, optimi
     if p == 1:
         if global_batch % d == 0:
             for algo in algos:
-                for z in zero_stages(d * s, 1, optimizer):
+                for z in zero_stages(d * s, optimizer):
                     out.append(
                         ParallelConfig(
                             1, d, t, 1, None, 1, recompute, global_batch, zero=z, sequence=s, sequence_parallel=algo
@@ -110,7 +110,7 @@ def _degree_configs(p, d, t, s, global_batch, layers, recompute, pipe_rc, optimi
                 if rc == "all" and layers // (p * v) < 2:
                     continue  # a stage of one layer has no repeated block to recompute
                 for algo in algos:
-                    for z in zero_stages(d * s, p, optimizer):
+                    for z in zero_stages(d * s, optimizer):
                         out.append(
                             ParallelConfig(
                                 p, d, t, m, name, v, rc, global_batch, zero=z, sequence=s, sequence_parallel=algo

@@ -2,7 +2,7 @@
 first, then those likely to fit by the quick estimate), one planning per set of degrees, pruning by
 the time bound and the least planned / quick ratio, stopping at ``max_plans``; refusals over budget
 teach the memory bounds a slack, and a plan far above its quick estimate at ZeRO-0 or 2 has its
-degrees planned again with ZeRO-3."""
+degrees planned again with ZeRO-1 (from ZeRO-0) or ZeRO-3."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from partitioner.search.candidate import LIMIT, SAME_DEGREES, Candidate, degrees
 from partitioner.search.pipeline_candidate import stage_set_key
 from partitioner.search.planner import Planner
 from partitioner.search.runner_ups import RUNNER_UPS, runner_up
-from partitioner.search.zero_modes import planner_zero, stage_rank
+from partitioner.search.zero_modes import frees_memory, planner_zero, stage_rank
 from partitioner.sharding_plan import ShardingPlan
 from passes.plan.plan_intra_op import InfeasibleBudgetError
 
@@ -178,24 +178,26 @@ class PlanningLoop:
     def replan_far_above(self, cand: Candidate, step_s: float) -> None:
         """A plan ``FAR_ABOVE`` times its quick estimate or more, at a ZeRO stage that keeps
         gathered weights (0, 2: the solver may then use ``dp`` as a tensor axis to fit, sending
-        activations over it in every layer) is planned once more with ZeRO-3 (weights gathered
-        per layer and freed): its ZeRO-3 twin of the same degrees (the best by quick estimate)
-        goes to the front of the queue, past the limit and the one-planning-per-degrees rule,
-        when that quick estimate is below the best step found (else the reason says so)."""
+        activations over it in every layer) is planned once more with a stage that frees memory
+        and the solver is asked differently: ZeRO-1 (from ZeRO-0: weights whole, the optimizer
+        state sharded, as large pipelined runs train) or ZeRO-3 (weights gathered per layer and
+        freed): that twin of the same degrees (the best by quick estimate) goes to the front of
+        the queue, past the limit and the one-planning-per-degrees rule, when that quick
+        estimate is below the best step found (else the reason says so)."""
         config = cand.config
         if cand.quick_s <= 0 or step_s < FAR_ABOVE * cand.quick_s or config.data * config.sequence == 1:
             return
         if planner_zero(config.zero) == planner_zero(3):
             return
         degrees = degrees_of(config)
-        twins = [o for o in self.queue if degrees_of(o.config) == degrees and o.config.zero == 3]
+        twins = [o for o in self.queue if degrees_of(o.config) == degrees and frees_memory(config.zero, o.config.zero)]
         if not twins:
             return
         twin = min(twins, key=lambda o: o.quick_s)
         best = self.best
         if best is not None and twin.quick_s >= best.step_time_s:  # it cannot be expected to win
             cand.reason += (
-                f"planned at {step_s / cand.quick_s:.1f}x its quick estimate; ZeRO-3's quick estimate "
+                f"planned at {step_s / cand.quick_s:.1f}x its quick estimate; ZeRO-{twin.config.zero}'s quick estimate "
                 f"{fmt_s(twin.quick_s)} is not below the best step {fmt_s(best.step_time_s)}; "
             )
             return
@@ -203,7 +205,8 @@ class PlanningLoop:
         self.queue.insert(0, twin)
         self.forced.add(id(twin))
         self.limit += 1
-        cand.reason += f"planned at {step_s / cand.quick_s:.1f}x its quick estimate, so planned again with ZeRO-3; "
+        again = f"ZeRO-{twin.config.zero}"
+        cand.reason += f"planned at {step_s / cand.quick_s:.1f}x its quick estimate, so planned again with {again}; "
         logger.info(
             "search: %s planned at %.1fx its quick estimate: %s planned next",
             config.describe(),

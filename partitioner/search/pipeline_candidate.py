@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import passes.schedules as ps
+from partitioner.core_sharing import stage_plans_cores
 from partitioner.mesh import MeshSpec
 from partitioner.parallel_config import ParallelConfig
 from partitioner.search.facts import bytes_of
@@ -91,7 +92,7 @@ def stage_plans(planner: Planner, c: ParallelConfig):
     order = list(range(1, len(graphs) - 1)) + [0, len(graphs) - 1] if len(graphs) > 2 else [0, 1]
 
     def plan_one(k, g, pins):
-        return planner.plan_graph(  # no ZeRO-1 weights: stage programs keep no compute copies
+        return planner.plan_graph(
             g.captured,
             f"{planner.name} stage class {g.index}",
             shape,
@@ -100,7 +101,6 @@ def stage_plans(planner: Planner, c: ParallelConfig):
             copies=class_copies[k],
             recompute=c.recompute,
             budget=budget,
-            zero1=False,
             microbatches=c.microbatches,
             holds_gradient_sums=True,
             zero=planner_zero(c.zero),
@@ -162,7 +162,8 @@ def plan_pipeline(planner: Planner, c: ParallelConfig) -> ShardingPlan:
     forward, backward, weight = ps.stage_durations(ests, takes)
     _, p2p_s, p2p_bytes = boundary_messages(planner, c, graphs, sent_as)
     sched = planner.schedule(c)
-    sim = ps.simulate(sched, forward, backward, weight, comm_time=p2p_s, sync_time=ps.stage_syncs(ests))
+    cores = stage_plans_cores(plans, c.pipeline)  # ranks outnumbering a CPU host's cores take turns
+    sim = ps.simulate(sched, forward, backward, weight, comm_time=p2p_s, sync_time=ps.stage_syncs(ests), cores=cores)
     per_rank_memory = [0.0] * c.pipeline
     for s, est in enumerate(ests):
         per_rank_memory[sched.stage_to_rank[s]] += est.memory_bytes

@@ -11,13 +11,13 @@ from partitioner.sharding_plan import ShardingPlan
 logger = logging.getLogger(__name__)
 
 
-def zero_stages(data: int, pipeline: int, optimizer) -> tuple:
+def zero_stages(data: int, optimizer) -> tuple:
     """The ZeRO stages a candidate with ``data`` data-parallel ranks tries: none without a data
-    axis (``"auto"``: the solver's own choice on the other axes); 1 needs Adam's state and no
-    pipeline (stage programs keep no compute copies)."""
+    axis (``"auto"``: the solver's own choice on the other axes); 1 needs Adam's state (pipelined
+    candidates too: their stages keep compute copies, :mod:`runtime.pipeline`)."""
     if data == 1:
         return ("auto",)
-    return tuple(z for z in (0, 1, 2, 3) if z != 1 or (optimizer == "adam" and pipeline == 1))
+    return tuple(z for z in (0, 1, 2, 3) if z != 1 or optimizer == "adam")
 
 
 def planner_zero(stage):
@@ -26,6 +26,12 @@ def planner_zero(stage):
     weights replicated on some axis, 3 lets the solver regather any sharded weight where the
     budget needs it (``"auto"``, as does a candidate without a data axis)."""
     return {0: 2, 3: "auto"}.get(stage, stage)
+
+
+def frees_memory(asked, other) -> bool:
+    """Whether a plan at ZeRO stage ``asked`` that fit only far above its quick estimate is planned
+    again at ``other``: ZeRO-1 or 3, a higher stage the intra-op solver is asked differently."""
+    return other in (1, 3) and stage_rank(other) > stage_rank(asked) and planner_zero(other) != planner_zero(asked)
 
 
 def stage_rank(stage) -> int:

@@ -19,10 +19,11 @@ records and the partitioner code that reads them both import it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["CollectiveRecord", "NodeRecord"]
+__all__ = ["CollectiveRecord", "NodeRecord", "typed_by_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,11 @@ class CollectiveRecord:
     sync_s: float | None = None
     """A bucketed gradient reduction's full price; its ``time_s`` is then the part backward's
     compute does not hide (:mod:`passes.plan.bucket_overlap`)."""
+    held: bool | None = None
+    """True: a parameter gradient's reduction a pipeline stage holds back over the step's
+    microbatches and sends once per step (an all-reduce onto replicated storage, not a
+    reduce-scatter onto a weight stored sharded: :func:`passes.plan.cost_model.grad_held_back`),
+    marked by the planner so the estimate adds it up without deciding it again."""
     extra: dict = field(default_factory=dict, compare=False)
     """Keys no field names (written back unchanged)."""
 
@@ -189,6 +195,9 @@ class NodeRecord:
     gathered_buffers: float | None = None
     transient_fwd: float | None = None
     transient_bwd: float | None = None
+    gradients_alive: float | None = None
+    """Without a pipeline: the parameter-gradient bytes alive while the op's backward runs (on
+    the first parameter: at the end of backward), :mod:`passes.plan.bucket_memory`."""
     extra: dict = field(default_factory=dict, compare=False)
     """Keys no field names (written back unchanged)."""
 
@@ -204,3 +213,9 @@ class NodeRecord:
     def output_placement(self) -> str | None:
         """The first output's placement as text (None: no tensor output)."""
         return self.out[0] if self.out else None
+
+
+def typed_by_name(records: Mapping[str, NodeRecord | dict]) -> dict[str, NodeRecord]:
+    """``records`` (node name -> its record, as the plan's JSON holds it or already typed), typed:
+    what a reader that takes either form (lowering) works on."""
+    return {name: r if isinstance(r, NodeRecord) else NodeRecord.from_dict(r) for name, r in records.items()}

@@ -34,6 +34,7 @@ name, so lowering a plan made for another graph fails at the first node that dif
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +54,7 @@ from passes.core.placements import (
     transition_steps,
     zero1_grad_spec,
 )
+from passes.core.plan_records import NodeRecord, typed_by_name
 from passes.lower.prefetch_gathers import prefetch_gathers
 from passes.plan.output_placement import required_output_spec
 from passes.rules import op_view, rule_for, tensor_input_nodes
@@ -146,7 +148,7 @@ class _UnevenPieces:
     size does not divide. Values computed from weights alone (their gathers and gradient syncs)
     are never uneven."""
 
-    def __init__(self, graph: fx.Graph, records: dict, comm: MeshComm):
+    def __init__(self, graph: fx.Graph, records: dict[str, NodeRecord], comm: MeshComm):
         self.mesh = comm.shape
         self.from_inputs: set = set()
         self.axes: set = set()
@@ -154,7 +156,7 @@ class _UnevenPieces:
             if node.op == "placeholder":
                 if info(node).kind == "input":
                     self.from_inputs.add(node)
-                    spec = parse_spec(records[node.name]["out"][0], comm.ndim)
+                    spec = parse_spec(records[node.name].out[0], comm.ndim)
                     for d in uneven_dims(info(node).out_shapes[0], spec, self.mesh):
                         self.axes.update(a for a, p in enumerate(spec) if getattr(p, "dim", None) == d)
             elif any(u in self.from_inputs for u in tensor_input_nodes(node)):
@@ -252,7 +254,7 @@ def _fill_nodes(obj, values: list):
     return pytree.tree_map(lambda a: next(it) if isinstance(a, fx.Node) else a, obj)
 
 
-def _strided_chains(graph: fx.Graph, records: dict, comm: MeshComm) -> dict:
+def _strided_chains(graph: fx.Graph, records: dict[str, NodeRecord], comm: MeshComm) -> dict:
     """Nodes whose sharded values are strided: chain node -> {axis: pieces}.
 
     A split of a sharded dim (rule note ``strided``) needs each rank to hold its block of every
@@ -263,7 +265,8 @@ def _strided_chains(graph: fx.Graph, records: dict, comm: MeshComm) -> dict:
     """
     chains = {}
     for node in graph.nodes:
-        notes = (records.get(node.name) or {}).get("notes") or {}
+        record = records.get(node.name)
+        notes = (record.notes if record is not None else None) or {}
         axes = [comm.axis_names.index(a) for a, note in notes.items() if note == "strided"]
         axes = [a for a in axes if comm.shape[a] > 1]
         if not axes:
@@ -286,7 +289,7 @@ def _strided_chains(graph: fx.Graph, records: dict, comm: MeshComm) -> dict:
             chains.setdefault(n, {}).update({a: pieces for a in axes})
         members = set(chain)
         for n in chain[1:]:
-            spec = _specs(records[n.name]["out"], comm.ndim)[0]
+            spec = _specs(records[n.name].out, comm.ndim)[0]
             outside = [u for u in n.users if u not in members]
             if outside and any(getattr(spec[a], "dim", None) is not None for a in axes):
                 raise LoweringError(
@@ -297,17 +300,18 @@ def _strided_chains(graph: fx.Graph, records: dict, comm: MeshComm) -> dict:
     return chains
 
 
-def strided_parameters(graph: fx.Graph, records: dict, comm: MeshComm) -> dict:
+def strided_parameters(graph: fx.Graph, records: Mapping[str, NodeRecord | dict], comm: MeshComm) -> dict:
     """Parameters to load in the strided layout (the matmuls ending :func:`_strided_chains`):
-    FQN -> {axis: pieces}."""
+    FQN -> {axis: pieces}. ``records``: the plan's records by node name, typed or as the JSON holds them."""
+    records = typed_by_name(records)
     out = {}
     for node, axes in _strided_chains(graph, records, comm).items():
         if node.op == "call_function" and rule_for(node).contraction:
-            reads = _specs(records[node.name].get("ins", []), comm.ndim)
+            reads = _specs(records[node.name].ins, comm.ndim)
             for param, read in zip(tensor_input_nodes(node), reads):
                 if info(param).kind == "param":
                     rec = records[param.name]
-                    held = parse_spec(rec.get("stored") or rec["out"][0], comm.ndim)
+                    held = parse_spec(rec.stored or rec.out[0], comm.ndim)
                     out.setdefault(info(param).name, {}).update(_strided_where_read(held, read, axes))
     return out
 
@@ -325,14 +329,20 @@ def _strided_where_read(held, read, axes: dict) -> dict:
 
 
 def lower_to_local(
-    graph: fx.Graph, records: dict, comm: MeshComm, *, device=None, bucket_grads: bool = False
+    graph: fx.Graph,
+    records: Mapping[str, NodeRecord | dict],
+    comm: MeshComm,
+    *,
+    device=None,
+    bucket_grads: bool = False,
 ) -> fx.GraphModule:
-    """Lower ``graph`` (captured and analysed) for this rank. ``records``: plan records by name.
+    """Lower ``graph`` (captured and analysed) for this rank. ``records``: the plan's records by
+    node name, typed (:class:`passes.core.plan_records.NodeRecord`) or as the JSON holds them.
 
     ``bucket_grads``: list, in ``gm.meta["partita.bucketable_grads"]``, the parameter edges whose
     gradient sync can be bucketed (the caller attaches the buckets; pipelines, which accumulate
     gradients over microbatches inside one step, keep the per-edge sync)."""
-    lowering = _Lowering(graph, records, comm, torch.device(device or "cpu"))
+    lowering = _Lowering(graph, typed_by_name(records), comm, torch.device(device or "cpu"))
     for node in graph.nodes:
         lowering.emit(node)
     return lowering.finish(bucket_grads)
@@ -342,7 +352,7 @@ class _Lowering:
     """One rank's program being emitted, node by node, with what the nodes emitted so far left:
     each node's local value (``env``) and its placements (``out_specs``)."""
 
-    def __init__(self, graph: fx.Graph, records: dict, comm: MeshComm, device: torch.device):
+    def __init__(self, graph: fx.Graph, records: dict[str, NodeRecord], comm: MeshComm, device: torch.device):
         self.graph, self.records, self.comm, self.device = graph, records, comm, device
         self.b = _Builder(comm, device)
         self.b.uneven = _UnevenPieces(graph, records, comm)
@@ -383,11 +393,11 @@ class _Lowering:
         env, ndim = self.env, self.comm.ndim
         env[node] = self.b.graph.placeholder(node.name)
         env[node].meta.update(node.meta)
-        self.out_specs[node] = _specs(self.record(node)["out"], ndim)
         rec = self.record(node)
-        if rec.get("stored") or rec.get("offload"):  # ZeRO-1 or offloaded: it reads a compute copy
-            stored = parse_spec(rec["stored"], ndim) if rec.get("stored") else self.out_specs[node][0]
-            self.zero1[node.name] = (self.out_specs[node][0], stored, bool(rec.get("offload")))
+        self.out_specs[node] = _specs(rec.out, ndim)
+        if rec.stored or rec.offload:  # ZeRO-1 or offloaded: it reads a compute copy
+            stored = parse_spec(rec.stored, ndim) if rec.stored else self.out_specs[node][0]
+            self.zero1[node.name] = (self.out_specs[node][0], stored, bool(rec.offload))
             self.grad_dst[node] = zero1_grad_spec(self.out_specs[node][0], self.comm.shape)
 
     def output(self, node) -> None:
@@ -409,12 +419,12 @@ class _Lowering:
     def op(self, node) -> None:
         b, env, ndim = self.b, self.env, self.comm.ndim
         rec = self.record(node)
-        if rec.get("recompute"):  # a whole layer, or an attention core (selective recomputation)
-            self.open_layer = rec.get("region") or f"{rec['block']}[{rec['block_index']}]"
+        if rec.recompute:  # a whole layer, or an attention core (selective recomputation)
+            self.open_layer = rec.region or f"{rec.block}[{rec.block_index}]"
             self.layers.setdefault(self.open_layer, [_last(b.graph), None])
-        ins = _specs(rec.get("ins", []), ndim)
-        grads = _specs(rec.get("grads", [None] * len(ins)), ndim)
-        outs = _specs(rec["out"], ndim)
+        ins = _specs(rec.ins, ndim)
+        grads = _specs(rec.grads if rec.grads is not None else [None] * len(ins), ndim)
+        outs = _specs(rec.out, ndim)
         inputs = tensor_input_nodes(node)
         if node.target is operator.getitem:
             env[node] = b.graph.call_function(operator.getitem, (env[node.args[0]], node.args[1]))
@@ -428,7 +438,7 @@ class _Lowering:
         if outs and outs[0] is not None:
             b.uneven.specs[node] = outs[0]
         local_shapes = self.local_shapes(node, outs)
-        call = LowerCall(node, tuple(args), dict(kwargs), outs, ins, local_shapes, self.comm, b, rec.get("notes") or {})
+        call = LowerCall(node, tuple(args), dict(kwargs), outs, ins, local_shapes, self.comm, b, rec.notes or {})
         result = rule_for(node).lower(call)
         if isinstance(result, fx.Node):  # not over an input the op passed through (dropout at p=0)
             result.meta.setdefault("partita.source", node.name)
@@ -456,7 +466,7 @@ class _Lowering:
             producer=u.name,
             grad_dst=self.grad_dst.get(u),
         )
-        if made is not value and k in self.record(node).get("regather_inputs", ()):
+        if made is not value and k in (self.record(node).regather_inputs or ()):
             # an activation kept as its shard, gathered again in backward (passes/plan/activation_regather.py)
             edge = self.b.root.get_submodule(str(made.target))
             assert isinstance(edge, Reshard), edge
@@ -493,7 +503,7 @@ class _Lowering:
                     edge.param_edge = node.name
                     edge.weight_name = info(node).name
                     # ZeRO-3: gathered copies freed after forward, gathered again in backward
-                    edge.regather = bool(self.record(node).get("regather")) and edge.forward_communicates
+                    edge.regather = bool(self.record(node).regather) and edge.forward_communicates
                     gm.meta[REGATHER_KEY] = gm.meta.get(REGATHER_KEY, False) or edge.regather
         gm.meta[REGATHER_KEY] = gm.meta.get(REGATHER_KEY, False) or self.regathered
         bucketable = _bucketable(graph, b) if bucket_grads else {}

@@ -2,7 +2,7 @@
 
 **What the runtime does** (:class:`runtime.grad_sync.GradientBuckets`): in backward, a parameter
 gradient whose only moves are reductions joins the bucket of its reduction signature; a bucket
-holding :data:`runtime.grad_sync.BUCKET_BYTES` or more is launched at once, asynchronously, while
+holding :data:`passes.core.bucket_sizes.BUCKET_BYTES` or more is launched at once, asynchronously, while
 backward goes on; at the end of backward the open buckets are launched and every one is waited
 for. So a launched bucket's reduction runs beside the backward compute that follows it, and only
 what is still sending when backward's compute ends is exposed.
@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+
+from passes.core import bucket_sizes
 
 __all__ = ["credit_bucket_overlap", "BucketOverlap"]
 
@@ -78,8 +80,6 @@ def _bucketed_positions(records: list, mesh_shape, axis_names) -> set:
 def credit_bucket_overlap(records: list, mesh_shape, axis_names) -> BucketOverlap:
     """Credit the bucketed gradient reductions of ``records`` (a plan without a pipeline) with the
     backward compute that runs beside them (the module docstring)."""
-    from runtime.grad_sync import BUCKET_BYTES
-
     positions = _bucketed_positions(records, mesh_shape, axis_names)
     bucketed, link, synchronous, launched = [], _Link(), 0.0, 0
     open_bytes: dict = {}  # signature -> (bytes, seconds) of the bucket filling
@@ -97,7 +97,7 @@ def credit_bucket_overlap(records: list, mesh_shape, axis_names) -> BucketOverla
             size, seconds = size + entries[0]["bytes"], seconds + _full(entries[-1])
             synchronous += sum(_full(c) for c in entries[:-1])
             bucketed += entries
-            if size >= BUCKET_BYTES:
+            if size >= bucket_sizes.BUCKET_BYTES:
                 link.queued += seconds
                 launched += 1
                 size, seconds = 0.0, 0.0

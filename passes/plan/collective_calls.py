@@ -12,20 +12,29 @@ groups them:
   ``Partial -> Shard`` moves (:func:`passes.lower.lower_to_local._bucketable` decides it from the same
   placements). Such gradients join one bucket per reduction signature (the ``(axis, kind)``
   moves) in the order backward reaches them (here: reverse program order); a bucket is sent when
-  it holds :data:`runtime.grad_sync.BUCKET_BYTES` or more, and the rest at the end of backward:
+  it holds :data:`passes.core.bucket_sizes.BUCKET_BYTES` or more, and the rest at the end of backward:
   one call per move of the signature per bucket. With ``bucket_grads=False`` (a pipeline's
   stages, which hold their syncs over the step's microbatches) every edge reduces on its own.
 * **Compute copies** (ZeRO-1 and offloaded weights, :class:`runtime.optimizer_shards.OptimizerShards`):
   their gradient reductions (the record's own ``bwd`` entries) are one flat collective per move
   per reduction signature; the all-gathers of the stepped shards into the copies (``fwd``) are
   grouped by gathered axes and cut into buffers of at most
-  :data:`runtime.optimizer_shards.REFRESH_BUCKET_BYTES` (a larger weight alone).
+  :data:`passes.core.bucket_sizes.REFRESH_BUCKET_BYTES` (a larger weight alone).
 * Every other bucketed entry (a tied weight's edges, a gradient with a local move besides its
-  reductions) is reduced on its own edge: one call each.
+  reductions, a ZeRO-3 weight's gradient: launched alone) is reduced on its own edge: one call
+  each.
+* A ring attention's ``send_recv`` entry (forward k/v, backward k/v and their gradients) is
+  ``p - 1`` hops on an axis of ``p`` ranks, each hop a transfer per tensor of the pair
+  (:data:`passes.rules.attention.RING_TRANSFERS_PER_HOP`): ``2 (p - 1)`` calls. Every other
+  unbucketed entry is one call.
 
 :func:`collective_calls` gives the calls; :func:`unpriced_latency_s` the latency terms that the
 per-entry prices leave out (a bucketed entry's ``time_s`` is its bandwidth term only): once per
 flat call, and once per bucketed entry the runtime sends on its own.
+
+:func:`step_latencies` gives both, for the plan to record: the planner prices them once, when it
+writes the records (``PlanHeader.flat_latency_s`` / ``arrival_wait_s``), and the estimate adds
+them up.
 
 :func:`arrival_wait_s` prices how far apart the ranks arrive at each call
 (:func:`passes.plan.cost_model.arrival_wait`, by the compute since the rank's previous call). The
@@ -42,10 +51,19 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from passes.core.placements import dual_spec, is_partial, parse_spec, transition_steps
+from passes.core import bucket_sizes
+from passes.core.placements import parse_spec
 from passes.core.plan_records import NodeRecord
+from passes.rules.attention import RING_TRANSFERS_PER_HOP
 
-__all__ = ["group_calls", "collective_calls", "unpriced_latency_s", "arrival_wait_s"]
+__all__ = [
+    "group_calls",
+    "collective_calls",
+    "call_latency_s",
+    "unpriced_latency_s",
+    "arrival_wait_s",
+    "step_latencies",
+]
 
 
 def _flat_bucket_calls(members: list, limit: float, *, before: bool) -> int:
@@ -65,16 +83,14 @@ def _flat_bucket_calls(members: list, limit: float, *, before: bool) -> int:
 def _reductions_only(grad, src, mesh_shape) -> bool:
     """The runtime's ``reduce_moves`` is not None: every move of the gradient on an axis of more
     than one device is ``Partial -> Replicate`` or ``Partial -> Shard``."""
-    moves = [(a, p, q) for a, p, q in transition_steps(tuple(grad), tuple(dual_spec(src))) if mesh_shape[a] > 1]
-    return bool(moves) and all(is_partial(p) and not is_partial(q) for _, p, q in moves)
+    from passes.plan.bucket_memory import reduction_signature
+
+    return reduction_signature(grad, src, mesh_shape) is not None
 
 
 def group_calls(records: Sequence[NodeRecord], mesh_shape, axis_names, bucket_grads: bool = True) -> tuple:
     """(the flat calls, ``(phase, kind, axis name, count)``; the ids of the entries they send):
     what the functions below take as ``grouped`` (computed once for several of them)."""
-    from runtime.grad_sync import BUCKET_BYTES
-    from runtime.optimizer_shards import REFRESH_BUCKET_BYTES
-
     ndim = len(mesh_shape)
     parsed: dict = {}
 
@@ -113,20 +129,29 @@ def group_calls(records: Sequence[NodeRecord], mesh_shape, axis_names, bucket_gr
             param = by_name.get(r.inputs[k])
             if param is None or len(users[param.name]) != 1 or k >= len(grads) or grads[k] is None:
                 continue  # a tied weight: reduced per edge
+            if param.regather:
+                continue  # ZeRO-3: reduce-scattered at once, on its own (runtime.grad_sync)
             if not _reductions_only(spec(grads[k]), spec(param.out[0]), mesh_shape):
                 continue  # a local move besides the reductions: reduced per edge
             buckets.setdefault(tuple((c.axis, c.kind) for c in entries), []).append(entries[0].bytes)
             covered.update(id(c) for c in entries)
     flat = []
     for sig, sizes in buckets.items():
-        n = _flat_bucket_calls(sizes, BUCKET_BYTES, before=False)
+        n = _flat_bucket_calls(sizes, bucket_sizes.BUCKET_BYTES, before=False)
         flat += [("bwd", kind, axis, n) for axis, kind in sig]
     for sig in sorted(copy_reduce):
         flat += [("bwd", kind, axis, 1) for axis, kind in sig]
     for axes, sizes in copy_gather.items():
-        n = _flat_bucket_calls(sizes, REFRESH_BUCKET_BYTES, before=True)
+        n = _flat_bucket_calls(sizes, bucket_sizes.REFRESH_BUCKET_BYTES, before=True)
         flat += [("fwd", "all_gather", axis, n) for axis in axes]
     return flat, covered
+
+
+def _entry_calls(c, mesh_shape, axis_names) -> int:
+    """Calls the runtime makes for one entry sent on its own (see the module docstring)."""
+    if c.kind != "send_recv":
+        return 1
+    return RING_TRANSFERS_PER_HOP * (mesh_shape[list(axis_names).index(c.axis)] - 1)
 
 
 def collective_calls(
@@ -140,8 +165,17 @@ def collective_calls(
     for r in records:
         for c in r.comm:
             if id(c) not in covered:
-                calls[c.phase][c.kind][c.axis] += 1
+                calls[c.phase][c.kind][c.axis] += _entry_calls(c, mesh_shape, axis_names)
     return {p: {k: dict(v) for k, v in kinds.items()} for p, kinds in calls.items()}
+
+
+def call_latency_s(kind: str, axis: str, mesh_shape, axis_names, cluster) -> float:
+    """One call's latency terms: its launch and its ring steps on the axis's link."""
+    from passes.plan.cost_model import _STEPS
+
+    a = list(axis_names).index(axis)
+    link = cluster.link_for_axis(mesh_shape, a)
+    return cluster.collective_overhead_s + _STEPS[kind](mesh_shape[a]) * link.latency_s
 
 
 def unpriced_latency_s(
@@ -150,19 +184,12 @@ def unpriced_latency_s(
     """The latency terms the records' per-entry prices leave out: a bucketed entry's ``time_s``
     is its bandwidth term only, so each flat call pays its launch and ring steps here once, and so
     does each bucketed entry that the runtime reduces on its own edge (a tied weight's)."""
-    from passes.plan.cost_model import _STEPS
-
-    def fixed(kind, axis):
-        a = list(axis_names).index(axis)
-        link = cluster.link_for_axis(mesh_shape, a)
-        return cluster.collective_overhead_s + _STEPS[kind](mesh_shape[a]) * link.latency_s
-
     flat, covered = grouped or group_calls(records, mesh_shape, axis_names, bucket_grads)
-    total = sum(n * fixed(kind, axis) for _phase, kind, axis, n in flat)
+    total = sum(n * call_latency_s(kind, axis, mesh_shape, axis_names, cluster) for _phase, kind, axis, n in flat)
     for r in records:
         for c in r.comm:
             if c.bucketed and id(c) not in covered:
-                total += fixed(c.kind, c.axis)
+                total += call_latency_s(c.kind, c.axis, mesh_shape, axis_names, cluster)
     return total
 
 
@@ -205,3 +232,13 @@ def arrival_wait_s(
     for _ in range(sum(n for phase, _, _, n in flat if phase == "bwd")):
         call()
     return total
+
+
+def step_latencies(records: Sequence[NodeRecord], mesh_shape, axis_names, cluster) -> tuple[float, float]:
+    """(:func:`unpriced_latency_s`, :func:`arrival_wait_s`) of a plan's ``records`` on ``cluster``,
+    the calls grouped once: what the planner records in the plan's header."""
+    grouped = group_calls(records, mesh_shape, axis_names)
+    return (
+        unpriced_latency_s(records, mesh_shape, axis_names, cluster, grouped=grouped),
+        arrival_wait_s(records, mesh_shape, axis_names, cluster, grouped=grouped),
+    )

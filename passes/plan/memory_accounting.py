@@ -30,16 +30,23 @@ keeps (:mod:`passes.analysis.saved_tensors` says what each op saves) and counts 
   shard is kept instead (a saved activation, once per storage); the copy is gathered again
   while the consumer's backward runs (a backward transient), outside recomputed layers.
 * **ZeRO-1 parameters** (``stored``): the compute copy and its gradient at the placement the
-  ops use, plus the optimizer's shard with its gradient and state.
+  ops use, plus the optimizer's shard with its gradient and state. In a pipeline stage the copy's
+  gradient is the step's sum over microbatches (nothing held beside it), alive from the first
+  microbatch's backward on; the shard's gradient is made after the last.
 * **Offloaded parameters** (``offload``): the compute copy and its gradient on the device; the
   tensor the optimizer steps, its gradient and its state in host memory (``offloaded``).
 * **Prefetched gathers** (:mod:`passes.lower.prefetch_gathers`): a weight's gather started ahead of
   its use is a transient of every op it runs beside (forward, and ZeRO-3 regathers in backward).
+* **Parameter gradients in backward** (:mod:`passes.plan.bucket_memory`, a plan without a
+  pipeline): the ``.grad`` made so far, the gradients held in the runtime's buckets until their
+  bucket is sent, and the buckets' flat buffers: ``gradients_alive`` on each op, while its
+  backward runs (the parameter gradients it makes are counted there, not in its
+  ``transient_bwd``), and on the first parameter the most at the end of backward.
 * **Recomputed layers** (activation checkpointing): what their ops keep is rebuilt while the
   layer's backward reruns it (a backward transient, on the layer's first node); the checkpoint
   keeps the values entering the layer.
 
-:func:`memory_fields` returns, per node name, the fields :mod:`partitioner.memory` turns into
+:func:`memory_fields` returns, per node name, the fields :mod:`passes.plan.memory_peak` turns into
 the plan's breakdown and peaks.
 """
 
@@ -53,6 +60,7 @@ from passes.analysis.analyze import info
 from passes.core.node_info import grad_flows
 from passes.lower.prefetch_gathers import backward_windows, first_gather, forward_windows
 from passes.plan.activation_regather import regathers_activation
+from passes.plan.bucket_memory import gradients_in_backward
 from passes.plan.cost_model import (
     dtype_bytes,
     edge_allocates,
@@ -98,7 +106,8 @@ def memory_fields(
     walk.keep_saved(graph, recomputed)
     fields: dict = {}
     walk.count_kept(fields, activation_copies)
-    walk.state_and_transients(graph, fields, again={name for names in tied for name in names[1:]}, optimizer=optimizer)
+    again = {name for names in tied for name in names[1:]}
+    walk.state_and_transients(graph, fields, again=again, optimizer=optimizer, walk_grads=not holds_gradient_sums)
     if holds_gradient_sums:
         walk.held_gradients(graph, fields, tied)
     _prefetched(graph, choices, walk.mesh, recomputed, fields)
@@ -231,38 +240,62 @@ class _StorageWalk:
             name = "gathered_buffers" if key[0] == "edge" else "saved_activations"
             f[name] = f.get(name, 0.0) + nbytes * activation_copies
 
-    def state_and_transients(self, graph: fx.Graph, fields: dict, *, again: set, optimizer) -> None:
+    def state_and_transients(self, graph: fx.Graph, fields: dict, *, again: set, optimizer, walk_grads: bool) -> None:
         """Each placeholder's state or batch bytes (``again``: tied names counted on their first),
-        and each op's forward and backward transients."""
+        and each op's forward and backward transients; ``walk_grads`` (a plan without a
+        pipeline): the parameter gradients alive in backward
+        (:func:`passes.plan.bucket_memory.gradients_in_backward`), op by op."""
         choices, mesh = self.choices, self.mesh
         kept_values = {key[1] for key in self.kept if key[0] == "value"}
+        self.placeholders(graph, fields, again, optimizer)
+        grads = None
+        if walk_grads:
+            grads = gradients_in_backward(
+                graph, choices, mesh, self.out_spec, lambda u: fields.get(u.name, {}).get("gradients", 0.0)
+            )
+            first = next((n for n in graph.nodes if info(n).kind == "param"), None)
+            if first is not None:
+                fields.setdefault(first.name, {})["gradients_alive"] = grads.at_end
         for n in graph.nodes:
             i = info(n)
             f = fields.setdefault(n.name, {})
             spec = self.out_spec(n)
-            if n.op == "placeholder" and spec is not None and n.name not in again:
-                if i.kind == "param":
-                    stored = choices[n].stored  # ZeRO-1: the optimizer steps a shard placed so
-                    numel = local_bytes(i.shape, spec if stored is None else stored, mesh, 1)
-                    p, g, s = param_state_parts(numel, dtype_bytes(i.dtype), optimizer)
-                    whole = local_bytes(i.shape, spec, mesh, dtype_bytes(i.dtype))
-                    if choices[n].offload:  # on the device: the compute copy and its gradient only
-                        f.update(parameters=whole, gradients=whole, optimizer_state=0.0, offloaded=p + g + s)
-                        continue
-                    if stored is not None:  # and the compute copy, with its gradient, is whole
-                        p, g = p + whole, g + whole
-                    f.update(parameters=p, gradients=g, optimizer_state=s)
-                else:
-                    f["input_bytes"] = local_bytes(i.shape, spec, mesh, dtype_bytes(i.dtype))
-                continue
             if n.op != "call_function" or i.kind != "op" or spec is None:
                 continue
             aliased = i.saves is not None and i.saves.alias is not None
             own = 0.0 if aliased or n in kept_values else self.value_bytes(n)
             f["transient_fwd"] = own + self.edge_buffers.get(n, 0.0)
             if i.requires_grad:
-                grads_in = sum(self.value_bytes(u) for u in tensor_input_nodes(n) if info(u).requires_grad)
+                # a parameter's gradient: in gradients_alive where walked, else the plan's gradients too
+                ins = [u for u in tensor_input_nodes(n) if info(u).requires_grad]
+                grads_in = sum(self.value_bytes(u) for u in ins if grads is None or info(u).kind != "param")
                 f["transient_bwd"] = self.value_bytes(n) + grads_in + self.regathered.get(n, 0.0)
+            if grads is not None and n in grads.during:
+                f["gradients_alive"] = grads.during[n]
+
+    def placeholders(self, graph: fx.Graph, fields: dict, again: set, optimizer) -> None:
+        """Each placeholder's state (a parameter: stored, compute copy, gradient, optimizer
+        state; ``again``: a tied name, counted on its first) or batch bytes."""
+        choices, mesh = self.choices, self.mesh
+        for n in graph.nodes:
+            i = info(n)
+            spec = self.out_spec(n)
+            if n.op != "placeholder" or spec is None or n.name in again:
+                continue
+            f = fields.setdefault(n.name, {})
+            if i.kind != "param":
+                f["input_bytes"] = local_bytes(i.shape, spec, mesh, dtype_bytes(i.dtype))
+                continue
+            stored = choices[n].stored  # ZeRO-1: the optimizer steps a shard placed so
+            numel = local_bytes(i.shape, spec if stored is None else stored, mesh, 1)
+            p, g, s = param_state_parts(numel, dtype_bytes(i.dtype), optimizer)
+            whole = local_bytes(i.shape, spec, mesh, dtype_bytes(i.dtype))
+            if choices[n].offload:  # on the device: the compute copy and its gradient only
+                f.update(parameters=whole, gradients=whole, optimizer_state=0.0, offloaded=p + g + s)
+                continue
+            if stored is not None:  # and the compute copy, with its gradient, is whole
+                p, g = p + whole, g + whole
+            f.update(parameters=p, gradients=g, optimizer_state=s)
 
     def held_gradients(self, graph: fx.Graph, fields: dict, tied) -> None:
         """A pipeline stage: the gradient sums its parameter edges hold back over a step's
@@ -271,6 +304,7 @@ class _StorageWalk:
         mesh = self.mesh
         first = {name: names[0] for names in tied for name in names}
         early = set()  # parameters (first tied name) with an edge not held back: .grad made per microbatch
+        copies = {}  # compute copies (ZeRO-1): the step's gradient sum, in the copy from the first backward on
         for n in graph.nodes:
             mine = self.choices.get(n)
             if mine is None or mine.strategy is None:
@@ -280,7 +314,10 @@ class _StorageWalk:
                 if ui.kind != "param" or not grad_flows(u, n) or k >= len(mine.ins) or mine.ins[k] is None:
                     continue
                 grad = mine.strategy.grad_spec(k)
-                if grad_held_back(self.out_spec(u), grad, mesh):
+                placed = self.choices.get(u)
+                if placed is not None and (placed.stored is not None or placed.offload):
+                    copies[first.get(u.name, u.name)] = self.value_bytes(u)
+                elif grad_held_back(self.out_spec(u), grad, mesh):
                     f = fields.setdefault(n.name, {})
                     f["held_gradients"] = f.get("held_gradients", 0.0) + local_bytes(
                         ui.shape or (), grad, mesh, dtype_bytes(ui.dtype)
@@ -291,6 +328,8 @@ class _StorageWalk:
             f = fields.get(name, {})
             if f.get("gradients"):
                 f["gradients_in_forward"] = f["gradients"]
+        for name, nbytes in copies.items():  # the shard's .grad is made after the step's last backward
+            fields.setdefault(name, {})["gradients_in_forward"] = nbytes
 
 
 def _prefetched(graph: fx.Graph, choices: dict, mesh, recomputed: dict, fields: dict) -> None:

@@ -306,7 +306,8 @@ class SpaceBuilder:
         stays as placed, the optimizer's shard is cut on the axes where it is replicated
         (:func:`zero1_placements`). Its price: the gradient reduce-scattered into the shard and
         the shard all-gathered into the copy, once per step each (both bucketed: one flat
-        collective per axis); its memory: the copy and its gradient whole, the shard with its
+        collective per axis; in a pipeline stage, a microbatch's share of them, as a held-back
+        all-reduce's); its memory: the copy and its gradient whole, the shard with its
         gradient and optimizer state (fewer bytes than replicated when the optimizer has state)."""
         i = info(node)
         if not self.zero1 or self.optimizer != "adam" or not i.requires_grad:
@@ -320,7 +321,8 @@ class SpaceBuilder:
         whole = local_bytes(i.shape, spec, self.mesh, elem)
         memory = kept.memory - param_state_bytes(whole / elem, elem, self.optimizer)
         memory += 2 * whole + param_state_bytes(local_bytes(i.shape, stored, self.mesh, 1), elem, self.optimizer)
-        return dataclasses.replace(kept, stored=stored, memory=memory, extra_s=self.time_of(rs) + self.time_of(ag))
+        once = (self.time_of(rs) + self.time_of(ag)) / self.microbatches
+        return dataclasses.replace(kept, stored=stored, memory=memory, extra_s=once)
 
     def _offload_option(self, node, c: NodeChoice) -> NodeChoice:
         """The offloaded twin of a parameter option: the tensor the optimizer steps (the parameter,

@@ -26,13 +26,16 @@ from passes.capture.blocks import find_blocks
 from passes.capture.capture import tied_placeholders
 from passes.core.node_info import grad_flows
 from passes.core.placements import format_spec, local_shape, zero1_grad_spec
+from passes.core.plan_records import NodeRecord
 from passes.lower.prefetch_gathers import credit_prefetch
 from passes.plan.activation_regather import regathers_activation
 from passes.plan.bucket_overlap import credit_bucket_overlap
+from passes.plan.collective_calls import step_latencies
 from passes.plan.cost_model import (
     collective_time,
     dtype_bytes,
     grad_accumulate_time,
+    grad_held_back,
     host_copy_time,
     local_bytes,
     optimizer_step_time,
@@ -41,6 +44,7 @@ from passes.plan.cost_model import (
 from passes.plan.edge_costs import edge_collectives
 from passes.plan.ilp_solver import NODE_LIMIT, min_memory, solve_ilp
 from passes.plan.memory_accounting import memory_fields
+from passes.plan.memory_peak import memory_breakdown
 from passes.plan.output_placement import required_output_spec
 from passes.plan.recompute import (
     RecomputeChoice,
@@ -70,6 +74,12 @@ class IntraOpResult:
     alternatives: dict
     blocks: list
     stats: dict = field(default_factory=dict)
+    flat_latency_s: float = 0.0
+    """The latency terms the records' entries leave out: once per flat call of bucketed entries
+    (:func:`passes.plan.collective_calls.unpriced_latency_s`)."""
+    arrival_wait_s: float = 0.0
+    """The step's collective calls waiting for ranks that arrive apart
+    (:func:`passes.plan.collective_calls.arrival_wait_s`)."""
 
 
 def _fmt_specs(specs):
@@ -216,7 +226,10 @@ def _edge_comm(node, choices, space, axis_names):
             grad_dst=zero1_grad_spec(choices[u].out[0], mesh) if held else None,
         )
         out += _collective_dicts(fwd, "fwd", k, mesh, space.cluster, axis_names)
-        out += _collective_dicts(bwd, "bwd", k, mesh, space.cluster, axis_names)
+        synced = _collective_dicts(bwd, "bwd", k, mesh, space.cluster, axis_names)
+        if ui.kind == "param" and synced and grad_held_back(choices[u].out[0], grad, mesh):
+            synced = [dict(c, held=True) for c in synced]  # a pipeline stage sends it once per step
+        out += synced
         if ui.kind == "op":  # an activation kept as its shard (passes/plan/activation_regather.py)
             again = space.regather_activations and regathers_activation(node, k, u, choices[u].out[0], dst, mesh)
         else:  # a ZeRO-3 parameter: its gathered copy is freed after forward
@@ -253,7 +266,7 @@ def plan_intra_op(
 ) -> IntraOpResult:
     """``recompute``: activation checkpointing of repeated blocks, ``"auto"`` (kept, selective or
     full, chosen by the solver when the budget needs it), ``"selective"``, ``"all"`` or ``"none"``
-    (:mod:`passes.plan.recompute`). ``zero1``: offer ZeRO-1 weights (False for pipeline stages).
+    (:mod:`passes.plan.recompute`). ``zero1``: offer ZeRO-1 weights.
     ``host_budget``: host-memory bytes per device for offloaded optimizer state (None: nothing is
     offloaded); offloading only adds time, so it is chosen when the device budget needs it.
     ``holds_gradient_sums``: a pipeline stage, which holds its parameter-gradient sums over the
@@ -314,11 +327,15 @@ def plan_intra_op(
     alternatives = _alternatives(space, result.choice, axis_names, redo)
     t3 = time.perf_counter()
     stats = _stats(space, result, (t0, t1, t2, t3), n_opts, overlap, records, least, least_kept)
+    typed = [NodeRecord.from_dict(r) for r in records]
+    flat_latency_s, arrival_wait_s = step_latencies(typed, mesh_shape, axis_names, cluster)
     return IntraOpResult(
         records=records,
         alternatives=alternatives,
         blocks=_block_summaries(blocks, recomputed),
         stats=stats,
+        flat_latency_s=flat_latency_s,
+        arrival_wait_s=arrival_wait_s,
     )
 
 
@@ -628,8 +645,6 @@ def _infeasible(budget, mesh_shape, least_kept, least, recompute, blocks) -> str
 
 def _peak_of(space, cap, optimizer, activation_copies, redo, holds_gradient_sums=False):
     """choice -> (the plan's peak per device, the part of it no ILP row sees: transients)."""
-    from partitioner.memory import memory_breakdown
-
     graph, represent = cap.graph, space.blocks.represent
     tied = tied_placeholders(cap)
 

@@ -50,6 +50,11 @@ from passes.core.rule_options import SEQUENCE_PARALLEL_MODES
 from passes.rules.base import AxisStrategy, OpRule, OpView, register, tensor_input_nodes
 
 aten = torch.ops.aten
+RING_TRANSFERS_PER_HOP = 2
+"""Transfers per hop of one ring ``send_recv`` entry: the pair it prices (k and v, or their
+gradients' accumulators) travels as two tensors, each its own send and receive
+(``runtime.ring_attention._Ring.start``); an entry is ``p - 1`` hops, so ``2 (p - 1)`` calls."""
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["AttentionRule", "forced_pins", "SEQUENCE_PARALLEL_MODES", "SEQUENCE_ALGORITHMS"]

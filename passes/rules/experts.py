@@ -45,6 +45,7 @@ search's ``ep``), ``"off"`` none.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -52,6 +53,7 @@ import torch
 from passes.capture.experts_op import MOE_OP
 from passes.core.node_info import Saves, info
 from passes.core.placements import P, R, Shard
+from passes.core.plan_records import NodeRecord
 from passes.core.rule_options import EXPERT_PARALLEL_MODES
 from passes.rules.base import AxisStrategy, OpRule, OpView, register
 from runtime.expert_dispatch import expert_capacity
@@ -133,18 +135,19 @@ def expert_axis(axes) -> int | None:
     return next((ax for ax, a in enumerate(axes) if a.note in EXPERT_NOTES), None)
 
 
-def experts_lines(records, data) -> list:
+def experts_lines(records: Sequence[NodeRecord], data) -> list:
     """The summary's lines on MoE layers: per layer kind, the axis carrying the experts (or that
-    none does) and the routed imbalance at that axis's size (measured, or assumed 1.0)."""
-    moe = [r for r in records if str(r.get("target", "")).startswith("partita.moe_experts")]
+    none does) and the routed imbalance at that axis's size (measured, or assumed 1.0);
+    ``records``: the plan's, typed."""
+    moe = [r for r in records if str(r.target).startswith("partita.moe_experts")]
     if not moe:
         return []
     mesh = dict(zip(data["mesh"]["axis_names"], data["mesh"]["shape"]))
     routing = data.get("routing") or {}
     by_axis: dict = {}
     for r in moe:
-        split = [(axis, note) for axis, note in (r.get("notes") or {}).items() if note in EXPERT_NOTES]
-        by_axis.setdefault(split[0] if split else None, []).append(r["name"])
+        split = [(axis, note) for axis, note in (r.notes or {}).items() if note in EXPERT_NOTES]
+        by_axis.setdefault(split[0] if split else None, []).append(r.name)
     mode = data.get("expert_parallel", "auto")
     lines = []
     for key, names in by_axis.items():
@@ -165,7 +168,7 @@ def experts_lines(records, data) -> list:
             f"experts (expert_parallel={mode!r}): split over mesh axis {axis} ({mesh[axis]} ranks) in "
             f"{len(names)} MoE layer(s), {how}; {load}"
         )
-    hidden = [axis for r in moe for axis, note in (r.get("notes") or {}).items() if note == HIDDEN_NOTE]
+    hidden = [axis for r in moe for axis, note in (r.notes or {}).items() if note == HIDDEN_NOTE]
     for axis in sorted(set(hidden)):
         lines.append(
             f"experts: hidden dim split over mesh axis {axis} ({mesh[axis]} ranks) inside the experts in "
@@ -173,7 +176,7 @@ def experts_lines(records, data) -> list:
         )
     factor = data.get("expert_capacity")
     if factor is not None:
-        lines.append(_capacity_line(factor, [routing[r["name"]] for r in moe if r["name"] in routing]))
+        lines.append(_capacity_line(factor, [routing[r.name] for r in moe if r.name in routing]))
     return lines
 
 

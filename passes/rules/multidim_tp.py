@@ -42,8 +42,11 @@ formula for each algorithm (bytes per device, payloads as :mod:`passes.plan.cost
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from passes.analysis.analyze import info
 from passes.core.placements import InnerShard, R, Shard, is_partial, is_shard
+from passes.core.plan_records import NodeRecord
 from passes.core.rule_options import TP_MODES, RuleOptions, check_choice
 from passes.rules import op_view, rule_for, tensor_input_nodes
 
@@ -481,13 +484,14 @@ def linear_comm_bytes(mode: str, m: int, k: int, n: int, mesh_shape, elem: int =
     return out
 
 
-def grid_lines(records, data: dict) -> list:
+def grid_lines(records: Sequence[NodeRecord], data: dict) -> list:
     """Text for the plan summary (and ``dump``'s ``plan.txt``): the grid (which mesh axes are
     rows, columns, depth), the algorithm each weight contraction runs, and per contraction
-    (repeated layers once) its per-axis roles and the blocks a device holds of X, W and Y."""
+    (repeated layers once) its per-axis roles and the blocks a device holds of X, W and Y
+    (``records``: the plan's, typed)."""
     from passes.core.placements import local_shape, parse_spec
 
-    rows = [r for r in records if r.get("tp_roles")]
+    rows = [r for r in records if r.tp_roles]
     if not rows:
         return []
     mode = data.get("tensor_parallel", "auto")
@@ -495,24 +499,22 @@ def grid_lines(records, data: dict) -> list:
     mesh = tuple(data["mesh"]["shape"])
     counts: dict = {}
     for r in rows:
-        counts[r["tensor_parallel"]] = counts.get(r["tensor_parallel"], 0) + 1
+        counts[r.tensor_parallel] = counts.get(r.tensor_parallel, 0) + 1
     head = f"grid (tensor_parallel={mode!r})"
     if mode in GRID_NAMES:
         head += ": " + ", ".join(f"{a} {role}" for a, role in zip(names, GRID_NAMES[mode](len(mesh))))
     lines = [head + "; weight contractions: " + ", ".join(f"{k} on {n}" for k, n in sorted(counts.items()))]
-    shapes = {r["name"]: r.get("shapes") or [] for r in records}
+    shapes = {r.name: r.shapes or [] for r in records}
     for r in rows:
-        if r.get("rep", r["name"]) != r["name"]:
+        if r.rep != r.name:
             continue
         blocks = []
-        for label, name, spec in zip(("X", "W"), r["inputs"], r["ins"]):
+        for label, name, spec in zip(("X", "W"), r.inputs, r.ins):
             shape = (shapes.get(name) or [None])[0]
             if shape is not None and spec is not None:
                 blocks.append(f"{label} {'x'.join(map(str, local_shape(shape, parse_spec(spec, len(mesh)), mesh)))}")
-        if r.get("local_shapes") and r["local_shapes"][0] is not None:
-            blocks.append(f"Y {'x'.join(map(str, r['local_shapes'][0]))}")
-        roles = " ".join(f"{a}={role}" for a, role in zip(names, r["tp_roles"].split(",")))
-        lines.append(
-            f"  {r['name']} ({r.get('module') or 'top level'}): {r['tensor_parallel']}, {roles}; " + ", ".join(blocks)
-        )
+        if r.local_shapes and r.local_shapes[0] is not None:
+            blocks.append(f"Y {'x'.join(map(str, r.local_shapes[0]))}")
+        roles = " ".join(f"{a}={role}" for a, role in zip(names, r.tp_roles.split(",")))
+        lines.append(f"  {r.name} ({r.module or 'top level'}): {r.tensor_parallel}, {roles}; " + ", ".join(blocks))
     return lines

@@ -43,16 +43,23 @@ def stage_syncs(estimates: Sequence) -> dict:
 
 
 def choose_schedule(
-    p: int, m: int, forward: StageTime, backward: StageTime, weight: StageTime, sync: StageTime | None = None
+    p: int,
+    m: int,
+    forward: StageTime,
+    backward: StageTime,
+    weight: StageTime,
+    sync: StageTime | None = None,
+    cores: int | None = None,
 ) -> tuple:
     """The fastest one-stage-per-rank schedule for these stage durations: each of
     :data:`AUTO_SCHEDULES` is simulated; the shortest step wins, then the fewest microbatches in
     flight on any rank (activation memory), then the order of :data:`AUTO_SCHEDULES`.
+    ``cores``: at most that many ranks compute at once (:func:`simulate`).
     Returns (name, {name: simulated step seconds})."""
     steps, keys = {}, {}
     for order, name in enumerate(AUTO_SCHEDULES):
         sched = SCHEDULES[name].make(p, m, 1)
-        result = simulate(sched, forward, backward, weight, sync_time=sync)
+        result = simulate(sched, forward, backward, weight, sync_time=sync, cores=cores)
         steps[name] = result.makespan
         keys[name] = (round(result.makespan, 12), max(peak_in_flight(sched).values()), order)
     return min(AUTO_SCHEDULES, key=keys.__getitem__), steps

@@ -15,6 +15,7 @@ from passes.schedules.actions import Action, ActionKind
 from passes.schedules.checker import checked_index, deadlock_issues, raise_for_issues
 from passes.schedules.execution import execute_flat
 from passes.schedules.schedule import Schedule
+from passes.schedules.shared_cores import execute_shared
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ def simulate(
     weight_time: StageTime | None = None,
     comm_time: float = 0.0,
     sync_time: StageTime | None = None,
+    cores: int | None = None,
 ) -> SimulationResult:
     """Replay a valid schedule with durations in seconds.
 
@@ -111,8 +113,11 @@ def simulate(
     per step, after its rank's last action (:class:`runtime.pipeline.PipelineRunner` moves the
     held sums once the rank has issued everything: no other stage waits for them); it counts as
     busy time of the rank. Sends and receives
-    take no compute time, but a receive blocks its rank until the message arrives. Raises
-    ``ValueError`` (as :func:`assert_valid`) for an invalid schedule.
+    take no compute time, but a receive blocks its rank until the message arrives. ``cores``: at
+    most that many actions (and sync tails) compute at once, the rest wait for a core
+    (:mod:`passes.schedules.shared_cores`: ranks that outnumber a CPU host's cores); None: every
+    rank has a device of its own. Raises ``ValueError`` (as :func:`assert_valid`) for an invalid
+    schedule.
     """
     index = checked_index(schedule)
     S = schedule.num_stages
@@ -127,12 +132,16 @@ def simulate(
 
     offsets, _, compute = index.flat
     durations = [table[a.kind][a.stage] if a.is_compute else 0.0 for acts in schedule.actions for a in acts]
-    start, end, ptr = execute_flat(schedule, index, durations, comm_time)
+    synced = [sum(syncs[s] for s in schedule.stages_of(r)) for r in range(schedule.num_ranks)]
+    if cores is None:
+        start, end, ptr = execute_flat(schedule, index, durations, comm_time)
+    else:
+        start, end, ptr, finish = execute_shared(schedule, index, durations, comm_time, cores, synced)
     if any(ptr[r] < len(acts) for r, acts in enumerate(schedule.actions)):
         raise_for_issues(schedule, deadlock_issues(schedule, index))
     stops = offsets[1:] + [len(end)]
-    synced = [sum(syncs[s] for s in schedule.stages_of(r)) for r in range(schedule.num_ranks)]
-    finish = [max(end[offsets[r] : stops[r]], default=0.0) + synced[r] for r in range(schedule.num_ranks)]
+    if cores is None:
+        finish = [max(end[offsets[r] : stops[r]], default=0.0) + synced[r] for r in range(schedule.num_ranks)]
     makespan = max([e for e, c in zip(end, compute) if c] + finish, default=0.0)
     busy = {r: sum(durations[offsets[r] : stops[r]]) + synced[r] for r in range(schedule.num_ranks)}
     return SimulationResult(makespan, busy, _Timed(schedule, tuple(start), tuple(end)))

@@ -1,0 +1,143 @@
+"""Ranks that outnumber a host's cores: the simulator with a core count, and the shared cluster.
+
+Fixed cluster descriptions and hand-computed schedules only: no timing, no measured calibration.
+"""
+
+import dataclasses
+import itertools
+
+import pytest
+
+from partitioner.cluster import PRESETS, ClusterSpec, LinkSpec
+from partitioner.core_sharing import core_share, pipeline_cores, shared_cluster
+from passes.plan.cost_model import compute_time, optimizer_step_time
+from passes.schedules import SCHEDULES, add_communication, gpipe, simulate, zb_h1
+
+# a 2-core host measured with 4 ranks (a rank's figures: a core to itself)
+HOST = ClusterSpec(
+    name="two-core host",
+    peak_flops={"float32": 40e9},
+    memory_bandwidth=10e9,
+    memory_bytes=1 << 30,
+    devices_per_node=4,
+    intra_node=LinkSpec(bandwidth=1e9, latency_s=1e-5),
+    inter_node=LinkSpec(bandwidth=1e9, latency_s=1e-5),
+    op_overhead_s=5e-6,
+    matmul_efficiency=1.0,
+    op_rates={"float32": {"aten.gelu": 2e9, "attn": {"axes": [[64, 128], [32]], "rates": [[1e9], [3e9]]}}},
+    optimizer_steps={"adam": {"tensor_s": 1e-5, "bandwidth": 4e9}},
+    cores_per_node=2,
+)
+
+
+def test_two_ranks_on_one_core_run_one_action_at_a_time():
+    # GPipe, 2 ranks, 2 microbatches, F = 1 s, B = 2 s, one core. By hand (ready ties: lower rank
+    # first): r0 F0 0-1, r0 F1 1-2, r1 F0 2-3, r1 F1 3-4, r1 B0 4-6, then r0 B0 and r1 B1 are both
+    # ready at 6: r0 B0 6-8, r1 B1 8-10, r0 B1 10-12. Every second of the 12 s of work, one core.
+    result = simulate(gpipe(2, 2), 1.0, 2.0, cores=1)
+    assert result.makespan == pytest.approx(12.0)
+    spans = {r: [(str(t.action), t.start, t.end) for t in ts] for r, ts in result.timelines.items()}
+    assert spans[0] == [("0F0", 0, 1), ("0F1", 1, 2), ("0B0", 6, 8), ("0B1", 10, 12)]
+    assert spans[1] == [("1F0", 2, 3), ("1F1", 3, 4), ("1B0", 4, 6), ("1B1", 8, 10)]
+    assert simulate(gpipe(2, 2), 1.0, 2.0).makespan == pytest.approx(9.0)  # a core each: (p-1+m)(F+B)
+
+
+def test_a_ranks_tail_waits_for_a_core_too():
+    # as above with 0.5 s of gradient reduction and optimizer step per stage: r1's tail is ready
+    # at 10 but the core runs r0 B1 (ready at 10 as well, lower rank) until 12: r1's tail 12-12.5,
+    # r0's 12.5-13
+    result = simulate(gpipe(2, 2), 1.0, 2.0, sync_time=0.5, cores=1)
+    assert result.makespan == pytest.approx(13.0)
+    assert simulate(gpipe(2, 2), 1.0, 2.0, sync_time=0.5).makespan == pytest.approx(9.5)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
+def test_enough_cores_change_nothing(name):
+    schedule = SCHEDULES[name].make(4, 8, 1)
+    free = simulate(schedule, 1.0, 2.0, weight_time=0.75, sync_time=0.3, comm_time=0.1)
+    for cores in (4, 5):
+        limited = simulate(schedule, 1.0, 2.0, weight_time=0.75, sync_time=0.3, comm_time=0.1, cores=cores)
+        assert limited.makespan == pytest.approx(free.makespan)
+
+
+@pytest.mark.parametrize("lowered", [False, True])
+def test_four_ranks_on_two_cores_never_compute_more_than_two_at_once(lowered):
+    schedule = zb_h1(4, 8)
+    if lowered:
+        schedule = add_communication(schedule)
+    result = simulate(schedule, 1.0, 2.0, weight_time=1.0, cores=2)
+    spans = [(t.start, t.end) for ts in result.timelines.values() for t in ts if t.end > t.start]
+    for t in {s for s, _ in spans}:
+        assert sum(1 for s, e in spans if s <= t < e) <= 2
+    work = 4 * 8 * 3.0
+    assert result.makespan >= work / 2  # two cores do the 96 s of work at best
+    assert result.makespan > simulate(schedule, 1.0, 2.0, weight_time=1.0).makespan
+    assert sum(result.busy.values()) == pytest.approx(work)
+
+
+def test_core_count_is_validated():
+    with pytest.raises(ValueError, match="cores must be >= 1"):
+        simulate(gpipe(2, 2), 1.0, 2.0, cores=0)
+
+
+def test_ranks_that_all_compute_share_the_cores():
+    assert core_share(HOST, 2) == 1.0 and core_share(HOST, 4) == 0.5
+    assert core_share(dataclasses.replace(HOST, cores_per_node=None), 4) == 1.0
+    shared = shared_cluster(HOST, 4)
+    assert shared.core_share == 0.5 and shared_cluster(shared, 4) == shared  # priced once
+    assert shared_cluster(HOST, 2) is HOST
+    for flops, nbytes, contraction, op, shape in [
+        (1e9, 1e6, True, None, None),
+        (1e3, 1e8, False, None, None),
+        (1e8, 1e6, False, "aten.gelu", None),
+        (1e8, 1e6, False, "attn", (90, 32)),
+    ]:
+        alone = compute_time(flops, nbytes, None, contraction, HOST, op, shape)
+        assert compute_time(flops, nbytes, None, contraction, shared, op, shape) == pytest.approx(2 * alone)
+    alone = optimizer_step_time(1e6, 4, "adam", HOST, offloaded=False)
+    assert optimizer_step_time(1e6, 4, "adam", shared, offloaded=False) == pytest.approx(2 * alone)
+    assert shared.intra_node == HOST.intra_node and shared.collective_overhead_s == HOST.collective_overhead_s
+    assert ClusterSpec.from_dict(shared.to_dict()) == shared
+    assert shared_cluster(PRESETS["h100"], 64) is PRESETS["h100"]  # GPUs: a device each
+
+
+@pytest.mark.parametrize(
+    "pipeline, stage_ranks, expected", [(4, 1, 2), (2, 2, 1), (2, 1, None), (1, 4, None), (8, 1, None)]
+)
+def test_pipeline_cores(pipeline, stage_ranks, expected):
+    # 4 one-rank stages on 2 cores: two at once; 2 stages of 2 ranks: one stage at once (its two
+    # ranks take both cores); 2 ranks: no limit; 8 ranks span more than the host's 4
+    assert pipeline_cores(HOST, pipeline, stage_ranks) == expected
+
+
+def test_every_pair_of_options_of_a_tiny_schedule_is_consistent():
+    # the limited simulation never beats the unlimited one and never needs more than all work serial
+    for (p, m), cores in itertools.product([(2, 2), (3, 4), (4, 4)], [1, 2, 3]):
+        schedule = zb_h1(p, m)
+        free = simulate(schedule, 1.0, 2.0, weight_time=1.0).makespan
+        limited = simulate(schedule, 1.0, 2.0, weight_time=1.0, cores=cores).makespan
+        assert free - 1e-9 <= limited <= p * m * 3.0 + 1e-9
+
+
+def test_the_search_prices_every_candidate_on_the_shared_cores():
+    # GPT on 4 ranks of the 2-core host: a pipeline's step is simulated with two stages computing
+    # at once (the report's timeline of the chosen plan says the same step), never below its
+    # work over the two cores; data parallel 4 computes at half a core per rank
+    import partitioner
+    from partitioner.models import gpt_demo
+    from partitioner.report.timeline import simulate_plan
+    from passes.schedules import stage_durations, stage_syncs
+
+    model, inputs = gpt_demo(8, 32, n_layer=4, n_embd=64, n_head=4, vocab_size=128)
+    host = dataclasses.replace(HOST, memory_bytes=8 << 30)
+    searched = partitioner.plan(model, inputs, devices=4, cluster=host)
+    pipe = searched.data.get("pipeline")
+    if pipe:
+        assert simulate_plan(searched)["step_s"] == pytest.approx(pipe["step_time_s"])
+        estimates = [stage.estimate() for stage in searched.stage_plans]
+        f, b, _ = stage_durations(estimates, pipe["takes_activations"])
+        work = sum(pipe["microbatches"] * (f[s] + b[s]) + t for s, t in stage_syncs(estimates).items())
+        assert pipe["step_time_s"] >= work / 2 - 1e-12
+    intra_op = partitioner.plan(model, inputs, mesh_shape=(4,), cluster=host)  # how the search plans a candidate
+    assert intra_op.data["cluster"]["core_share"] == 0.5  # priced at half a core per rank
+    assert pipe or searched.data["cluster"]["core_share"] == 0.5
