@@ -21,10 +21,10 @@ def _worker(rank, world, which):
     from torch.distributed._tools.mem_tracker import MemTracker
 
     import partitioner
-    import runtime.grad_sync
+    from passes.core import bucket_sizes
 
-    if os.environ.get("BUCKET_BYTES"):  # the runtime's gradient bucket cap (the plan's pricing unchanged)
-        runtime.grad_sync.BUCKET_BYTES = int(os.environ["BUCKET_BYTES"])
+    if os.environ.get("BUCKET_BYTES"):  # the gradient bucket cap (the runtime's and the plan's alike)
+        bucket_sizes.BUCKET_BYTES = int(os.environ["BUCKET_BYTES"])
     if which == "gpt":
         from parity_utils import build, free_weights
 

@@ -242,8 +242,9 @@ def _plan_data(cap, model_name, mesh, spec, budget, precision, opts, activation_
         pins={n.name: format_spec(s) for n, s in pinned.items()},
         model_flops=training_flops(cap),
         flops_dtype=flops_dtype(cap),
-        flat_latency_s=result.flat_latency_s,
-        arrival_wait_s=result.arrival_wait_s,
+        flat_latency_s=result.latencies.flat_latency_s,
+        copy_latency_s=result.latencies.copy_latency_s,
+        arrival_wait_s=result.latencies.arrival_wait_s,
     )
     data = header.to_dict()
     data.update(records=result.records, alternatives=result.alternatives, blocks=result.blocks, stats=stats)

@@ -3,10 +3,10 @@ memory, the optimizer step, and for a pipeline the simulated step of its busiest
 
 Priced once: every price here is one the planner wrote into the plan (each record's compute and
 collective seconds; which parameter-gradient reductions a pipeline stage holds back, the
-collectives' ``held`` marks; the flat calls' latency and the arrival waits, the header's
-``flat_latency_s`` and ``arrival_wait_s``). This module adds them up and prices nothing itself;
-it counts the calls (:mod:`passes.plan.collective_calls`) and adds up the memory
-(:mod:`passes.plan.memory_peak`).
+collectives' ``held`` marks; the flat calls' latency, the compute copies' part of it and the
+arrival waits, the header's ``flat_latency_s``, ``copy_latency_s`` and ``arrival_wait_s``).
+This module adds them up and prices nothing itself; it counts the calls
+(:mod:`passes.plan.collective_calls`) and adds up the memory (:mod:`passes.plan.memory_peak`).
 
 :func:`estimate_plan` is what :meth:`partitioner.sharding_plan.ShardingPlan.estimate` returns.
 """
@@ -133,7 +133,7 @@ def _intra_op_estimate(plan) -> Estimate:
     calls = plan_collective_calls(plan, bucket_grads=True)
     header = plan.header
     flat, wait = header.flat_latency_s or 0.0, header.arrival_wait_s or 0.0  # priced by the planner
-    once = _copies_latency_s(plan)
+    once = header.copy_latency_s or 0.0
     comm_t += flat + wait
     sync_t += once  # the compute copies' flat calls: launched once per step
     return Estimate(
@@ -171,21 +171,6 @@ def grad_sync_calls(plan) -> dict:
             if c.held:
                 out[c.kind][c.axis] += 1
     return {k: dict(v) for k, v in out.items()}
-
-
-def _copies_latency_s(plan) -> float:
-    """The part of the header's ``flat_latency_s`` that the compute copies' flat calls pay (once
-    per step, with the gradient syncs): their calls (:func:`passes.plan.collective_calls.group_calls`
-    without gradient buckets) at the plan's cluster's per-call latency (no cluster saved: 0 s)."""
-    if not isinstance(plan.data.get("cluster"), dict):
-        return 0.0
-    from partitioner.local_cluster import get_cluster
-    from passes.plan.collective_calls import call_latency_s, group_calls
-
-    cluster = get_cluster(plan.data["cluster"])
-    args = (plan.mesh_shape, plan.axis_names)
-    copies, _ = group_calls(plan.node_records, *args, bucket_grads=False)
-    return sum(n * call_latency_s(kind, axis, *args, cluster) for _, kind, axis, n in copies)
 
 
 def _pipeline_estimate(plan) -> Estimate:

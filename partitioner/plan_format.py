@@ -17,7 +17,7 @@ Versions:
   with the default its field gives (the value the version-1 readers assumed). Any other version
   is refused with a message naming it.
 
-Prices the planner records (the header's ``flat_latency_s`` / ``arrival_wait_s``, the
+Prices the planner records (the header's ``flat_latency_s``, ``copy_latency_s``, ``arrival_wait_s``, the
 collectives' ``held`` marks) came after version 2 without changing it: the estimate only adds
 them up, so a file written before them (any version; the planner always writes a number) is
 priced once as it loads, by the planner's own functions (:func:`_price_unpriced`): the held
@@ -103,6 +103,9 @@ class PlanHeader:
     """Seconds of the latency terms the records' entries leave out, once per flat call of bucketed
     entries (:func:`passes.plan.collective_calls.unpriced_latency_s`), priced by the planner
     (None: a pipelined plan, whose stage plans carry their own)."""
+    copy_latency_s: float | None = None
+    """The part of ``flat_latency_s`` the compute copies' flat calls pay (ZeRO-1 and offloaded
+    weights; a pipeline stage launches them once per step), priced by the planner."""
     arrival_wait_s: float | None = None
     """Seconds the step's collective calls wait for ranks arriving apart
     (:func:`passes.plan.collective_calls.arrival_wait_s`), priced by the planner."""
@@ -153,7 +156,8 @@ def migrate(data: dict) -> dict:
         )
     for stage in (data.get("pipeline") or {}).get("stage_plans", ()):
         migrate(stage)
-    if data.get("flat_latency_s") is None and "pipeline" not in data:
+    unpriced = data.get("flat_latency_s") is None or data.get("copy_latency_s") is None
+    if unpriced and "pipeline" not in data:
         _price_unpriced(data)
     PlanHeader.from_dict(data)  # every key now present, or a message naming the missing one
     return data
@@ -185,8 +189,8 @@ def _price_unpriced(data: dict) -> None:
             ):
                 c["held"] = True
     if not isinstance(data.get("cluster"), dict):
-        data.update(flat_latency_s=0.0, arrival_wait_s=0.0)
+        data.update(flat_latency_s=0.0, copy_latency_s=0.0, arrival_wait_s=0.0)
         return
     typed = [NodeRecord.from_dict(r) for r in data.get("records", ())]
-    flat, wait = step_latencies(typed, mesh, tuple(data["mesh"]["axis_names"]), ClusterSpec.from_dict(data["cluster"]))
-    data.update(flat_latency_s=flat, arrival_wait_s=wait)
+    cluster = ClusterSpec.from_dict(data["cluster"])
+    data.update(dataclasses.asdict(step_latencies(typed, mesh, tuple(data["mesh"]["axis_names"]), cluster)))

@@ -9,14 +9,16 @@ weight stored sharded): :func:`reduction_signature`, the same test lowering make
 calls with. Its gradient is handed to the bucket of its signature at the consumer's gradient
 placement, the bytes the consumer's backward makes (for a weight stored sharded: the whole
 weight's, ``n`` times the ``.grad`` it becomes). Any other parameter's gradient is its ``.grad``
-(the plan's ``gradients`` for it) from the backward of its first consumer in backward order.
+(the plan's ``gradients`` for it) from the backward of its first consumer in backward order, and
+during each consumer's backward also the gradient as the consumer makes it (a weight stored
+sharded: whole), which its edge moves into the ``.grad``.
 
 **The walk** (:func:`gradients_in_backward`), over the ops in reverse program order (backward's):
 
 * a bucketed gradient is held from its consumer's backward until its bucket is launched; a
   ZeRO-3 weight's (``regather``) is launched at once in a bucket of its own, as the runtime does;
 * a bucket is launched during the backward of the op whose gradient brings it to
-  :data:`runtime.grad_sync.BUCKET_BYTES` or more: its flat buffer is filled while its gradients
+  :data:`passes.core.bucket_sizes.BUCKET_BYTES` or more: its flat buffer is filled while its gradients
   are alive (+ the bucket's bytes), then they are dropped. An all-reduce's buffer becomes the
   ``.grad``; a reduce-scatter's output does (``1/n`` of it), and its input is held by its work
   until the next reduce-scatter bucket is launched (the runtime waits for the one in flight
@@ -138,9 +140,10 @@ def gradients_in_backward(graph: fx.Graph, choices: dict, mesh_shape, out_spec, 
             if gradient is not None:
                 made_here += gradient[1]
                 launches.append((gradient, grad_bytes(u), bool(choices[u].regather)))
-            elif u not in made:  # its .grad, from its first consumer's backward on
-                made_here += grad_bytes(u)
-                state.grads += grad_bytes(u)
+            else:  # as the consumer makes it (moved on its edge into the .grad), then its .grad
+                made_here += _made_bytes(u, c, k, mine, mesh_shape)
+                if u not in made:
+                    state.grads += grad_bytes(u)
             made.add(u)
         # its backward makes the gradients; the buckets take them after it, its saved tensors
         # freed: a launch then is counted while the next op's backward starts
@@ -158,6 +161,14 @@ def gradients_in_backward(graph: fx.Graph, choices: dict, mesh_shape, out_spec, 
         found.at_end,
     )
     return found
+
+
+def _made_bytes(u, c, k, mine, mesh_shape) -> float:
+    """Bytes of parameter ``u``'s gradient as ``c``'s backward makes it (its gradient placement)."""
+    grad = mine.strategy.grad_spec(k) if k < len(mine.ins) and mine.ins[k] is not None else None
+    if grad is None:
+        return 0.0
+    return local_bytes(info(u).shape or (), grad, mesh_shape, dtype_bytes(info(u).dtype))
 
 
 def _bucketed_gradient(u, c, k, mine, choices, mesh_shape, out_spec) -> tuple | None:

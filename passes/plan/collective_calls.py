@@ -32,8 +32,9 @@ groups them:
 per-entry prices leave out (a bucketed entry's ``time_s`` is its bandwidth term only): once per
 flat call, and once per bucketed entry the runtime sends on its own.
 
-:func:`step_latencies` gives both, for the plan to record: the planner prices them once, when it
-writes the records (``PlanHeader.flat_latency_s`` / ``arrival_wait_s``), and the estimate adds
+:func:`step_latencies` gives both (and the compute copies' part of the first), for the plan to
+record: the planner prices them once, when it writes the records (``PlanHeader.flat_latency_s``,
+``copy_latency_s``, ``arrival_wait_s``), and the estimate adds
 them up.
 
 :func:`arrival_wait_s` prices how far apart the ranks arrive at each call
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from passes.core import bucket_sizes
 from passes.core.placements import parse_spec
@@ -62,6 +64,7 @@ __all__ = [
     "call_latency_s",
     "unpriced_latency_s",
     "arrival_wait_s",
+    "StepLatencies",
     "step_latencies",
 ]
 
@@ -234,11 +237,26 @@ def arrival_wait_s(
     return total
 
 
-def step_latencies(records: Sequence[NodeRecord], mesh_shape, axis_names, cluster) -> tuple[float, float]:
-    """(:func:`unpriced_latency_s`, :func:`arrival_wait_s`) of a plan's ``records`` on ``cluster``,
-    the calls grouped once: what the planner records in the plan's header."""
+@dataclass(frozen=True)
+class StepLatencies:
+    """The step's latency prices the records' entries leave out, priced once by the planner and
+    kept in the plan's header (the estimate adds them up)."""
+
+    flat_latency_s: float = 0.0
+    """:func:`unpriced_latency_s`: once per flat call, and per bucketed entry sent on its own."""
+    copy_latency_s: float = 0.0
+    """The part of it the compute copies' flat calls pay (a pipeline stage: once per step)."""
+    arrival_wait_s: float = 0.0
+    """:func:`arrival_wait_s`."""
+
+
+def step_latencies(records: Sequence[NodeRecord], mesh_shape, axis_names, cluster) -> StepLatencies:
+    """The :class:`StepLatencies` of a plan's ``records`` on ``cluster`` (the calls grouped once)."""
     grouped = group_calls(records, mesh_shape, axis_names)
-    return (
-        unpriced_latency_s(records, mesh_shape, axis_names, cluster, grouped=grouped),
-        arrival_wait_s(records, mesh_shape, axis_names, cluster, grouped=grouped),
+    copies, _ = group_calls(records, mesh_shape, axis_names, bucket_grads=False)  # the compute copies' flat calls
+    fixed = [n * call_latency_s(kind, axis, mesh_shape, axis_names, cluster) for _, kind, axis, n in copies]
+    return StepLatencies(
+        flat_latency_s=unpriced_latency_s(records, mesh_shape, axis_names, cluster, grouped=grouped),
+        copy_latency_s=sum(fixed),
+        arrival_wait_s=arrival_wait_s(records, mesh_shape, axis_names, cluster, grouped=grouped),
     )

@@ -111,6 +111,8 @@ def memory_fields(
     if holds_gradient_sums:
         walk.held_gradients(graph, fields, tied)
     _prefetched(graph, choices, walk.mesh, recomputed, fields)
+    for node in recomputed:  # the breakdown keeps the bound beside the walk (passes.plan.memory_peak)
+        fields.setdefault(node.name, {})["recompute"] = True
     for layer, storages in walk.layer_kept.items():  # alive while the layer's backward reruns it
         rebuilt = sum(nbytes for key, (nbytes, _) in storages.items() if key not in walk.kept)
         f = fields.setdefault(walk.first_of[layer].name, {})

@@ -30,7 +30,7 @@ from passes.core.plan_records import NodeRecord
 from passes.lower.prefetch_gathers import credit_prefetch
 from passes.plan.activation_regather import regathers_activation
 from passes.plan.bucket_overlap import credit_bucket_overlap
-from passes.plan.collective_calls import step_latencies
+from passes.plan.collective_calls import StepLatencies, step_latencies
 from passes.plan.cost_model import (
     collective_time,
     dtype_bytes,
@@ -74,12 +74,8 @@ class IntraOpResult:
     alternatives: dict
     blocks: list
     stats: dict = field(default_factory=dict)
-    flat_latency_s: float = 0.0
-    """The latency terms the records' entries leave out: once per flat call of bucketed entries
-    (:func:`passes.plan.collective_calls.unpriced_latency_s`)."""
-    arrival_wait_s: float = 0.0
-    """The step's collective calls waiting for ranks that arrive apart
-    (:func:`passes.plan.collective_calls.arrival_wait_s`)."""
+    latencies: StepLatencies = field(default_factory=StepLatencies)
+    """The step's latency prices the records' entries leave out (flat calls, arrival waits)."""
 
 
 def _fmt_specs(specs):
@@ -328,14 +324,13 @@ def plan_intra_op(
     t3 = time.perf_counter()
     stats = _stats(space, result, (t0, t1, t2, t3), n_opts, overlap, records, least, least_kept)
     typed = [NodeRecord.from_dict(r) for r in records]
-    flat_latency_s, arrival_wait_s = step_latencies(typed, mesh_shape, axis_names, cluster)
+    latencies = step_latencies(typed, mesh_shape, axis_names, cluster)
     return IntraOpResult(
         records=records,
         alternatives=alternatives,
         blocks=_block_summaries(blocks, recomputed),
         stats=stats,
-        flat_latency_s=flat_latency_s,
-        arrival_wait_s=arrival_wait_s,
+        latencies=latencies,
     )
 
 
