@@ -372,6 +372,8 @@ def _searched_configuration(model, example_inputs, options: PlanOptions):
         }
         if options.zero == "auto":
             options = options.replace(zero=planner_zero(config.zero))
+        if config.sequence > 1 and options.sequence_parallel == "auto":  # the searched attention on sp
+            options = options.replace(sequence_parallel=config.sequence_parallel)
         return config.mesh_shape, config.axis_names, None, pipeline, options
     return config.mesh_shape, config.axis_names, chosen, None, options
 

@@ -17,7 +17,9 @@ Algorithm
    pipeline the intra-op solver decides it, ``recompute="auto"``); with ``d > 1`` each with
    every ZeRO stage on ``dp`` (:func:`zero_stages`: 0, 1 with Adam, 2, 3).
    For a long sequence (:func:`sequence_degrees`) also ``N = d * s`` with a sequence axis
-   ``sp`` and ring or Ulysses attention forced on it (no pipeline, no tensor axis). A model with
+   ``sp`` and ring or Ulysses attention forced on it (no pipeline, no tensor axis), and with at
+   least 64 tokens per sample context parallelism beside the other axes, ``N = p * d * s * t``
+   with ``s`` up to 16 (ring only beside ``tp``, its heads split there). A model with
    mixture-of-experts layers also gets, without a pipeline, each expert degree ``e > 1``
    dividing ``d`` and its expert counts: the experts split over an ``ep`` axis of ``e`` data
    ranks (:mod:`partitioner.expert_degrees`; ``expert_parallel="on"`` keeps only those).
