@@ -156,11 +156,14 @@ def plan_captured(
         result = solve()
     except InfeasibleBudgetError as refused:
         # activations kept as their shard only add time (a gather again in backward): tried
-        # when nothing fits without (passes/plan/activation_regather.py); they change no bound
-        if refused.by_bound:
-            raise
+        # when nothing fits without (passes/plan/activation_regather.py). They lower no bound of
+        # the ILP's memory row, but the walked peak that row bounds from above: tried after a
+        # refusal by the bound too; if nothing fits either way, the first refusal says why
         logger.info("%s: no plan fits; planning again with gathered activations kept as shards", model_name)
-        result = solve(regather_activations=True)
+        try:
+            result = solve(regather_activations=True)
+        except InfeasibleBudgetError:
+            raise refused from None
     t3 = time.perf_counter()
     stats = dict(result.stats, **timings, plan_s=t3 - t2, total_s=t3 - t0)
     data = _plan_data(cap, model_name, mesh, spec, budget, precision, opts, activation_copies, pinned, result, stats)

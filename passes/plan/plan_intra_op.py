@@ -382,7 +382,7 @@ def _fit_budget(result, budget, solve: _Solves, redo, peak_of):
         budget,
         lambda limit: solve(limit, redo, nodes=RETRY_NODES),
         peak_of,
-        lambda: solve(budget, redo, "memory", nodes=RETRY_NODES),
+        lambda: solve(None, redo, "memory"),
     )
 
 
@@ -509,18 +509,37 @@ def _solve_within_budget(solve: _Solves, cap, budget, recompute, activation_copi
             if plain is not None and plain.objective <= result.objective * (1 + 1e-9):
                 result = plain
     if result is None:
+        # the plan that keeps the least without recomputation (the walked peak is below the ILP's row)
+        least_plain = _least_if_it_fits(solve, redo, budget, peak_of) if budget is not None else None
         redo = add_recompute_options(space, graph, recompute, activation_copies)
         least = least_memory(space, redo)
-        if budget is not None and least > budget:
-            refused = InfeasibleBudgetError(_infeasible(budget, mesh_shape, least_kept, least, recompute, blocks))
-            refused.by_bound = True
-            raise refused
-        result = solve(budget, redo)
+        # the ILP's memory row bounds the walked peak from above: where the row leaves no plan, the
+        # plan that keeps the least may still fit
+        result = solve(budget, redo) if budget is None or least <= budget else None
+        if budget is not None and (result is None or result.choice is None):
+            fallback = least_plain or _least_if_it_fits(solve, redo, budget, peak_of)
+            if fallback is None and least > budget:
+                refused = InfeasibleBudgetError(_infeasible(budget, mesh_shape, least_kept, least, recompute, blocks))
+                refused.by_bound = True
+                raise refused
+            result = fallback or result
+        assert result is not None  # solved, or the least plan, or refused above
         if result.choice is not None and set(zip(range(len(result.choice)), result.choice)) & set(shards):
             plain = solve(budget, redo, zero1=False)  # ZeRO-1 ties replicated: only where it saves time
             if plain.choice is not None and plain.objective <= result.objective * (1 + 1e-9):
                 result = plain
     return result, redo, peak_of, least, least_kept
+
+
+def _least_if_it_fits(solve: _Solves, redo, budget, peak_of):
+    """The plan that keeps the least (the memory objective, no budget row; with ZeRO-1 on offer and
+    without it, as the row ranks them otherwise than the walked peak) if its walked peak fits
+    ``budget``, else None."""
+    for zero1 in (False, True):
+        least = solve(None, redo, "memory", zero1=zero1)
+        if least.choice is not None and peak_of(least.choice)[0] <= budget:
+            return least
+    return None
 
 
 def _choices(graph, space, blocks, choice: list) -> dict:
@@ -681,7 +700,7 @@ def _without_zero3(budget, solve, redo, peak_of, zero1=True):
             budget,
             lambda limit: solve(limit, redo, zero3=False, nodes=RETRY_NODES, zero1=zero1),
             peak_of,
-            lambda: solve(budget, redo, "memory", zero3=False, nodes=RETRY_NODES, zero1=zero1),
+            lambda: solve(None, redo, "memory", zero3=False, zero1=zero1),
         )
     except InfeasibleBudgetError:
         return None
@@ -692,7 +711,8 @@ def _fit_peak(result, budget, solve, peak_of, least_peak):
     op's output and edge buffers in forward, gradients and ZeRO-3 weights gathered again in
     backward). Re-solve with the budget less the largest transient seen until the plan's peak
     fits; when that margin leaves no plan, with half of it (twice). Last, the plan that keeps the
-    least (``least_peak``: the memory objective): if even its peak is over, InfeasibleBudgetError."""
+    least (``least_peak``: the memory objective, solved without the budget row, which bounds the
+    walked peak from above): if even its peak is over, InfeasibleBudgetError."""
     margin = 0.0
     for _ in range(4):
         peak, transient = peak_of(result.choice)
