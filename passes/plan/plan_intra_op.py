@@ -509,8 +509,10 @@ def _solve_within_budget(solve: _Solves, cap, budget, recompute, activation_copi
             if plain is not None and plain.objective <= result.objective * (1 + 1e-9):
                 result = plain
     if result is None:
-        # the plan that keeps the least without recomputation (the walked peak is below the ILP's row)
-        least_plain = _least_if_it_fits(solve, redo, budget, peak_of) if budget is not None else None
+        # the plan that keeps the least without recomputation (the walked peak is below the ILP's row),
+        # solved only where no plain plan fits the row (otherwise the budgeted solve below finds one)
+        row_short = budget is not None and least_kept > budget
+        least_plain = _least_if_it_fits(solve, redo, budget, peak_of) if row_short else None
         redo = add_recompute_options(space, graph, recompute, activation_copies)
         least = least_memory(space, redo)
         # the ILP's memory row bounds the walked peak from above: where the row leaves no plan, the
