@@ -82,4 +82,4 @@ def runner_plan(runner) -> ShardingPlan:
             "takes_activations": takes,
         },
     }
-    return ShardingPlan(data)
+    return ShardingPlan(data, stage_plans=plans)

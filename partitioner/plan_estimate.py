@@ -180,13 +180,15 @@ def _pipeline_estimate(plan) -> Estimate:
     backward of the step; reduce-scatters onto weights stored sharded every microbatch), plus
     the activations and gradients it sends to its neighbours (``send_recv`` on ``pp``)."""
     pipe = plan.data["pipeline"]
-    stages = [p.estimate() for p in plan.stage_plans]
+    stage_plans = plan.stage_plans
+    by_class = {id(p): p.estimate() for p in stage_plans}  # identical stages share one plan: priced once
+    stages = [by_class[id(p)] for p in stage_plans]
     m = pipe["microbatches"]
     busiest = stages[pipe.get("busiest_stage", 0)]
     comm = per_step_comm(busiest.comm_bytes, busiest.grad_sync_bytes, m)
     comm["send_recv"] = {"pp": float(pipe["p2p_bytes"])}
     # (the stages' point-to-point sends, priced in p2p_time_s, are not collectives: not counted)
-    phases, calls = stage_step_comm(plan.stage_plans[pipe.get("busiest_stage", 0)], m)
+    phases, calls = stage_step_comm(stage_plans[pipe.get("busiest_stage", 0)], m)
     return Estimate(
         step_time_s=pipe["step_time_s"],
         compute_s=busiest.compute_s * m,

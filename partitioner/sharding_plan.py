@@ -36,9 +36,11 @@ class PlanMismatchError(ValueError):
 class ShardingPlan:
     """A complete intra-op plan for one captured model on one mesh."""
 
-    def __init__(self, data: dict):
+    def __init__(self, data: dict, *, stage_plans: list | None = None):
         self.data = data
         self._by_name = {r["name"]: r for r in data["records"]}
+        # a pipeline's class plans already read (their typed records are not read again)
+        self._stage_objects = stage_plans
 
     # -- identity ------------------------------------------------------------------------
     @property
@@ -131,7 +133,10 @@ class ShardingPlan:
         pipe = self.data.get("pipeline")
         if not pipe:
             return []
-        plans = [ShardingPlan(d) for d in pipe["stage_plans"]]
+        datas = pipe["stage_plans"]
+        plans = self._stage_objects
+        if plans is None or len(plans) != len(datas) or any(p.data is not d for p, d in zip(plans, datas)):
+            plans = self._stage_objects = [ShardingPlan(d) for d in datas]  # read once per plan
         return [plans[i] for i in pipe["stage_map"]]
 
     def explain_search(self) -> str:

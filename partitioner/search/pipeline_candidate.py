@@ -210,7 +210,7 @@ def plan_pipeline(planner: Planner, c: ParallelConfig) -> ShardingPlan:
             "takes_activations": takes,  # what the step above was simulated with (partitioner.report)
         },
     }
-    return ShardingPlan(data)
+    return ShardingPlan(data, stage_plans=plans)
 
 
 def first_stage_pins(first, second, second_plan, ndim) -> dict:
