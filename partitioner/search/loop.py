@@ -15,6 +15,7 @@ from partitioner.search.candidate import LIMIT, SAME_DEGREES, Candidate, degrees
 from partitioner.search.pipeline_candidate import stage_set_key
 from partitioner.search.planner import Planner
 from partitioner.search.runner_ups import RUNNER_UPS, runner_up
+from partitioner.search.schedule_twins import price_schedule_twins
 from partitioner.search.zero_modes import frees_memory, planner_zero, stage_rank
 from partitioner.sharding_plan import ShardingPlan
 from passes.plan.plan_intra_op import InfeasibleBudgetError
@@ -47,11 +48,16 @@ class PlanningLoop:
         self.refused = 0  # plannings refused over budget count half toward max_plans (they stop early)
         self.limit: float = max_plans  # raised by one for each runner-up planned after the limit
         self.forced: set = set()  # ids of candidates planned past the limit and the one-per-degrees rule
+        self.twins: set = set()  # ids of the forced ZeRO twins of plans far above their quick estimates
 
     def order(self, c: Candidate) -> tuple:
+        """Likely to fit first, then by quick estimate and time bound; of candidates equal in
+        both (ZeRO twins of the same degrees: ZeRO-0 and ZeRO-1 price alike) the one with the
+        smaller memory bound first: it has the most room, so its plan is the likeliest to come
+        out near its quick estimate, and the one-planning-per-degrees rule keeps it."""
         state = self.bounds.state_per_device(c.config)
         slack = self.slack.get(slack_kind(c.config), 1.0)
-        return (state + slack * (c.memory_lb - state) > self.budget, c.quick_s, c.time_lb)
+        return (state + slack * (c.memory_lb - state) > self.budget, c.quick_s, c.time_lb, c.memory_lb)
 
     def learn_slack(self, c: ParallelConfig, ratio: float) -> None:
         """Raise the slack of ``c``'s kind to ``ratio`` (if higher) and reorder the queue."""
@@ -77,6 +83,8 @@ class PlanningLoop:
             cand = self.queue.pop(0)
             if self.skipped(cand):
                 continue
+            if id(cand) in self.twins:  # planned again past the limit: it takes no one else's planning
+                self.limit += 1
             made = self.plan(cand)
             if made is not None:
                 self.take(cand, made)
@@ -92,7 +100,7 @@ class PlanningLoop:
             cand.reason = f"its time bound {fmt_s(cand.time_lb)} exceeds the best step {fmt_s(best.step_time_s)}"
             return True
         degrees = degrees_of(cand.config)
-        if stage_set_cached(self.planner, cand.config) or id(cand) in self.forced:
+        if stage_set_cached(self.planner, cand.config):
             return False
         floor = min([1.0] + [c.step_time_s / c.quick_s for c in self.cands if c.plan is not None and c.quick_s > 0])
         if best is not None and cand.quick_s * floor > best.step_time_s:
@@ -102,6 +110,8 @@ class PlanningLoop:
                 f"at most 1) exceeds the best step {fmt_s(best.step_time_s)}"
             )
             return True
+        if id(cand) in self.forced:  # a runner-up or a twin planned again: past the limit and the rule below
+            return False
         if self.planner.plannings - self.refused / 2 >= self.limit:
             cand.reason = f"{LIMIT} ({self.max_plans} plannings); quick estimate {fmt_s(cand.quick_s)}"
             return True
@@ -174,6 +184,7 @@ class PlanningLoop:
         )
         if self.best is None or est.step_time_s < self.best.step_time_s:
             self.best = cand
+        price_schedule_twins(self, cand)  # its other schedules, from the stages just planned
 
     def replan_far_above(self, cand: Candidate, step_s: float) -> None:
         """A plan ``FAR_ABOVE`` times its quick estimate or more, at a ZeRO stage that keeps
@@ -181,9 +192,12 @@ class PlanningLoop:
         activations over it in every layer) is planned once more with a stage that frees memory
         and the solver is asked differently: ZeRO-1 (from ZeRO-0: weights whole, the optimizer
         state sharded, as large pipelined runs train) or ZeRO-3 (weights gathered per layer and
-        freed): that twin of the same degrees (the best by quick estimate) goes to the front of
-        the queue, past the limit and the one-planning-per-degrees rule, when that quick
-        estimate is below the best step found (else the reason says so)."""
+        freed): that twin of the same degrees (the best by quick estimate) is planned past the
+        limit and the one-planning-per-degrees rule when that quick estimate is below the best
+        step found (else the reason says so). It keeps its place in the queue (by quick
+        estimate), so a better plan found before its turn still prunes it by its bounds (Llama 3
+        405B on 8,192 devices: the whole-model recipe's ZeRO-3 twin, quick 24 s, is pruned once a
+        pipeline plans at 16.5 s; sent to the front of the queue it cost a whole-model solve)."""
         config = cand.config
         if cand.quick_s <= 0 or step_s < FAR_ABOVE * cand.quick_s or config.data * config.sequence == 1:
             return
@@ -201,14 +215,12 @@ class PlanningLoop:
                 f"{fmt_s(twin.quick_s)} is not below the best step {fmt_s(best.step_time_s)}; "
             )
             return
-        self.queue.remove(twin)
-        self.queue.insert(0, twin)
         self.forced.add(id(twin))
-        self.limit += 1
+        self.twins.add(id(twin))
         again = f"ZeRO-{twin.config.zero}"
         cand.reason += f"planned at {step_s / cand.quick_s:.1f}x its quick estimate, so planned again with {again}; "
         logger.info(
-            "search: %s planned at %.1fx its quick estimate: %s planned next",
+            "search: %s planned at %.1fx its quick estimate: %s planned in its turn",
             config.describe(),
             step_s / cand.quick_s,
             twin.config.describe(),
