@@ -65,7 +65,7 @@ def _pipelined(zero, data=4, schedule="zb-h1", quick=10.0, step=None, reason="")
     return c
 
 
-def test_a_plan_far_above_its_quick_estimate_is_planned_again_with_zero_3_before_anything_else():
+def test_a_plan_far_above_its_quick_estimate_is_planned_again_with_zero_3_in_its_turn():
     # ZeRO-0 / ZeRO-2 keep gathered weights: a stage solve that cannot fit them uses dp as a
     # tensor axis (activations sent over dp in every layer); ZeRO-3 frees them after each layer
     asked = _pipelined(0)
@@ -80,7 +80,10 @@ def test_a_plan_far_above_its_quick_estimate_is_planned_again_with_zero_3_before
     assert loop.queue[0] is other and not loop.forced and "is not below the best step 11.000 s" in asked.reason
     loop.best.step_time_s, asked.reason = 20.0, ""
     loop.replan_far_above(asked, FAR_ABOVE * asked.quick_s)
-    assert loop.queue[0] is twin and id(twin) in loop.forced and loop.limit == 6
+    # planned past the limit and the one-planning-per-degrees rule, in its turn: a better plan
+    # found before it still prunes it by its bounds
+    assert id(twin) in loop.forced and id(twin) in loop.twins and loop.limit == 5
+    assert loop.queue == [other, elsewhere, twin_slower, twin]
     assert "planned again with ZeRO-3" in asked.reason
 
 
@@ -115,5 +118,7 @@ def test_a_candidate_whose_quick_estimate_is_past_the_best_step_at_the_least_pla
     loop = PlanningLoop(SimpleNamespace(stage_sets={}, plannings=0), None, 80.0, [best, quicker, far, near], 5)
     loop.best = best
     assert loop.skipped(far) and far.status == "pruned"  # 14 x 0.9 = 12.6 > 12
-    assert "x 0.90 (the least planned / quick ratio here, at most 1) exceeds the best step 12.000 s" in far.reason
+    assert "x 0.90 (the least planned / quick ratio of pipeline plans here) exceeds the best step 12.000 s" in (
+        far.reason
+    )
     assert not loop.skipped(near)  # 13 x 0.9 = 11.7: it may still win
