@@ -54,14 +54,20 @@ Algorithm
    one costs seconds at large scale; one refused over budget counts half), one per set of
    degrees ``(p, d, t)`` (the best-ranked microbatch count and recomputation for them; 1F1B
    and ZB-H1 come from the same plannings);
-   the rest are listed as not planned, with their bounds. A candidate left out by that limit
+   the rest are listed as not planned, with their bounds. A candidate whose quick estimate
+   times the least planned / quick ratio of its kind (pipelines, whole model; plans far above
+   theirs left out) exceeds the best step is pruned. Once a pipeline is planned, its other
+   schedules whose stages are cut differently (interleaved against 1F1B / ZB-H1) are priced
+   from the stages just planned (:mod:`partitioner.search.schedule_twins`): planned next when
+   expected below the best step, else explained. A candidate left out by that limit
    or by the one-planning-per-degrees rule whose quick estimate times the ratio of a planned
    step to its quick estimate (its own degrees' where they were planned, else the median over
    the planned degrees) still beats the best step is planned past the limit (``RUNNER_UPS`` at
    most); the others whose quick estimate is below the chosen step say what that product is.
    A plan ``FAR_ABOVE`` times its quick estimate or more at ZeRO-0 or 2 (a stage solve that
-   fits only by using ``dp`` as a tensor axis) has its degrees planned again at once with
-   ZeRO-3. The plannings on meshes of two or more axes keep an op's ``SEARCH_MAX_OPTIONS``
+   fits only by using ``dp`` as a tensor axis) has its degrees planned again with ZeRO-1 or
+   ZeRO-3, in that twin's turn (so a better plan found first can still prune it). Of ZeRO twins
+   with equal quick estimates the one with the smaller memory bound is planned first. The plannings on meshes of two or more axes keep an op's ``SEARCH_MAX_OPTIONS``
    lowest-compute options (the ILP grows with the square of the options on an edge). Stages
    are planned in turn by :func:`partitioner.stage_boundaries.plan_stages_in_turn`, the loop
    the pipeline builder uses too.
