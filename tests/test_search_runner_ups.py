@@ -122,3 +122,30 @@ def test_a_candidate_whose_quick_estimate_is_past_the_best_step_at_the_least_pla
         far.reason
     )
     assert not loop.skipped(near)  # 13 x 0.9 = 11.7: it may still win
+
+
+def test_the_least_ratio_of_a_kind_prunes_only_after_two_of_its_plans_and_zero_1_goes_before_zero_0():
+    from types import SimpleNamespace
+
+    from partitioner.search.loop import LEAST_RATIO_PLANS
+
+    pressed = _pipelined(0, data=2, quick=10.0, step=15.0)  # 1.5x: one plan says little
+    whole = _cand(2, 1.0, step=1.1)  # a whole-model plan's ratio is not a pipeline's
+    far = _pipelined(0, data=8, quick=1.0, step=FAR_ABOVE)  # far above: planned again, left out
+    later = _pipelined(1, quick=11.0)
+    loop = PlanningLoop(SimpleNamespace(stage_sets={}, plannings=0), None, 80.0, [pressed, whole, far, later], 5)
+    assert LEAST_RATIO_PLANS == 2 and loop.least_ratio(later.config) == 1.0
+    assert loop.least_ratio(whole.config) == 1.0  # its own kind: one plan, at most 1
+    second = _pipelined(3, quick=10.0, step=13.0)  # 1.3x
+    loop.cands.append(second)
+    assert loop.least_ratio(later.config) == 1.3
+    loop.best = second
+    assert loop.skipped(later) and later.status == "pruned"  # 11 x 1.3 = 14.3 > 13
+    # ZeRO-0 and ZeRO-1 twins rank at the lesser quick estimate: ZeRO-1, the smaller bound, first
+    bounds = SimpleNamespace(state_per_device=lambda c: 0.0)
+    zero0 = Candidate(ParallelConfig(4, 4, 1, 8, "zb-h1", 1, "all", 64, zero=0), 50.0, 1.0, 10.0)
+    zero1 = Candidate(ParallelConfig(4, 4, 1, 8, "zb-h1", 1, "all", 64, zero=1), 30.0, 1.0, 10.001)
+    other = Candidate(ParallelConfig(4, 4, 1, 16, "zb-h1", 1, "all", 64, zero=0), 20.0, 1.0, 10.0005)
+    loop = PlanningLoop(None, bounds, 80.0, [zero0, zero1, other], 5)
+    loop.pair_zero_twins(loop.cands)
+    assert sorted([zero0, other, zero1], key=loop.order) == [zero1, zero0, other]

@@ -66,8 +66,9 @@ Algorithm
    most); the others whose quick estimate is below the chosen step say what that product is.
    A plan ``FAR_ABOVE`` times its quick estimate or more at ZeRO-0 or 2 (a stage solve that
    fits only by using ``dp`` as a tensor axis) has its degrees planned again with ZeRO-1 or
-   ZeRO-3, in that twin's turn (so a better plan found first can still prune it). Of ZeRO twins
-   with equal quick estimates the one with the smaller memory bound is planned first. The plannings on meshes of two or more axes keep an op's ``SEARCH_MAX_OPTIONS``
+   ZeRO-3, in that twin's turn (so a better plan found first can still prune it). ZeRO-0 and
+   ZeRO-1 twins rank at the lesser of their quick estimates, so ZeRO-1 (the smaller memory
+   bound) is planned first. The plannings on meshes of two or more axes keep an op's ``SEARCH_MAX_OPTIONS``
    lowest-compute options (the ILP grows with the square of the options on an edge). Stages
    are planned in turn by :func:`partitioner.stage_boundaries.plan_stages_in_turn`, the loop
    the pipeline builder uses too.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import replace
 
 from partitioner.parallel_config import ParallelConfig
 from partitioner.search.bounds import Bounds
@@ -25,6 +26,10 @@ logger = logging.getLogger(__name__)
 
 FAR_ABOVE = 3.0
 """A plan this many times its quick estimate is planned again with ZeRO-3 (``replan_far_above``)."""
+
+
+LEAST_RATIO_PLANS = 2
+"""Plans of a kind after which its least planned / quick ratio prunes above 1 (``least_ratio``)."""
 
 
 class PlanningLoop:
@@ -49,15 +54,28 @@ class PlanningLoop:
         self.limit: float = max_plans  # raised by one for each runner-up planned after the limit
         self.forced: set = set()  # ids of candidates planned past the limit and the one-per-degrees rule
         self.twins: set = set()  # ids of the forced ZeRO twins of plans far above their quick estimates
+        self.paired_quick: dict = {}  # zero_pair -> the lesser quick estimate of its ZeRO-0 and ZeRO-1 twins
 
     def order(self, c: Candidate) -> tuple:
-        """Likely to fit first, then by quick estimate and time bound; of candidates equal in
-        both (ZeRO twins of the same degrees: ZeRO-0 and ZeRO-1 price alike) the one with the
-        smaller memory bound first: it has the most room, so its plan is the likeliest to come
-        out near its quick estimate, and the one-planning-per-degrees rule keeps it."""
+        """Likely to fit first, then by quick estimate and time bound, then by memory bound.
+        ZeRO-0 and ZeRO-1 twins (the same configuration but for that) are ranked at the lesser
+        of their two quick estimates, which differ only by the gathered weights' bytes against
+        the reduced gradients' (an all-reduce is a reduce-scatter and an all-gather), so the one
+        with the smaller memory bound, ZeRO-1, is planned first: it has the most room, so its
+        plan is the likeliest to come out near its quick estimate (the 405B's p32 d32 t8: 16.5 s
+        at ZeRO-1, 21.8 s at ZeRO-0, whose stage solve sent more over ``dp`` to fit), and the
+        one-planning-per-degrees rule keeps it."""
         state = self.bounds.state_per_device(c.config)
         slack = self.slack.get(slack_kind(c.config), 1.0)
-        return (state + slack * (c.memory_lb - state) > self.budget, c.quick_s, c.time_lb, c.memory_lb)
+        quick = self.paired_quick.get(zero_pair(c.config), c.quick_s) if c.config.zero in (0, 1) else c.quick_s
+        return (state + slack * (c.memory_lb - state) > self.budget, quick, c.time_lb, c.memory_lb)
+
+    def pair_zero_twins(self, cands: list) -> None:
+        """Rank each ZeRO-0 / ZeRO-1 pair at the lesser of their quick estimates (:meth:`order`)."""
+        for c in cands:
+            if c.config.zero in (0, 1):
+                key = zero_pair(c.config)
+                self.paired_quick[key] = min(self.paired_quick.get(key, c.quick_s), c.quick_s)
 
     def learn_slack(self, c: ParallelConfig, ratio: float) -> None:
         """Raise the slack of ``c``'s kind to ``ratio`` (if higher) and reorder the queue."""
@@ -67,6 +85,7 @@ class PlanningLoop:
 
     def run(self, alive: list, devices_per_node: int) -> Candidate | None:
         """The fastest candidate planned (None: none fits)."""
+        self.pair_zero_twins(alive)
         self.queue = sorted(alive, key=self.order)
         seed = rule_of_thumb(self.queue, devices_per_node, self.bounds, self.budget)
         if seed is not None:  # planned first: the best plan is never worse than the usual recipe
@@ -131,18 +150,23 @@ class PlanningLoop:
         """The least ratio of a plan's step to its quick estimate among the candidates of ``c``'s
         kind (:func:`slack_kind`) planned so far, leaving out plans ``FAR_ABOVE`` theirs (a stage
         solve that fit only by sending activations over ``dp``, planned again by
-        :meth:`replan_far_above`); 1.0 before any. Below 1 when a plan came out faster than its
-        quick estimate. No plan of the kind has come out faster relative to its quick estimate,
-        so a candidate whose quick estimate times it exceeds the best step is not expected to
-        win (Llama 3 405B on 8,192 H100: its pipelines plan at 1.2-1.6x their quick estimates,
-        and each one planned costs a stage solve per stage class)."""
+        :meth:`replan_far_above`), once ``LEAST_RATIO_PLANS`` of them are planned; before that
+        at most 1. No plan of the kind came out faster relative to its quick estimate, so a
+        candidate whose quick estimate times it exceeds the best step is not expected to win
+        (Llama 3 405B on 8,192 H100: its pipelines plan at 1.2-1.6x their quick estimates, and
+        each one planned costs a stage solve per stage class). One plan is not enough to go by:
+        a first plan pressed for memory (the 405B's p32 d32 t8 at ZeRO-0, 1.58x) would prune
+        the ZeRO-1 plan of the same degrees (1.20x)."""
         kind = slack_kind(c)
         ratios = [
             o.step_time_s / o.quick_s
             for o in self.cands
             if o.plan is not None and o.quick_s > 0 and slack_kind(o.config) == kind
         ]
-        return min([r for r in ratios if r < FAR_ABOVE] or [1.0])
+        ratios = [r for r in ratios if r < FAR_ABOVE]
+        if len(ratios) < LEAST_RATIO_PLANS:
+            return min(ratios + [1.0])
+        return min(ratios)
 
     def plan(self, cand: Candidate) -> ShardingPlan | None:
         """``cand``'s plan; None when it is refused (over budget: the slack learns from it; or an
@@ -242,6 +266,11 @@ class PlanningLoop:
             step_s / cand.quick_s,
             twin.config.describe(),
         )
+
+
+def zero_pair(c: ParallelConfig) -> ParallelConfig:
+    """What ``c``'s ZeRO-0 and ZeRO-1 twins share: ``c`` with its ZeRO stage left out."""
+    return replace(c, zero="auto")
 
 
 def slack_kind(c: ParallelConfig) -> str:
