@@ -30,7 +30,9 @@ def explain_search(plan: ShardingPlan) -> str:
     lines = [
         f"configuration search for {search['devices']} devices, global batch {search['global_batch']}: "
         f"{sum(search['counts'].values())} configurations priced ({counts}), "
-        f"{search.get('bounded', 0)} set aside by their bounds; {search['plannings']} planned with the "
+        f"{search.get('bounded', 0)} set aside by their bounds"
+        + (f", {search['from_stages']} priced from planned stages" if search.get("from_stages") else "")
+        + f"; {search['plannings']} planned with the "
         f"intra-op solver in {search['seconds']:.1f} s",
     ]
     for row in search["rows"]:

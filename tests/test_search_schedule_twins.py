@@ -35,9 +35,9 @@ def gpt():
     return models.gpt_demo(batch=16, seq=16, n_layer=8)
 
 
-def test_the_search_prices_every_schedule_of_the_pipelines_it_plans(gpt):
-    model, inputs = gpt
-    plan = search_config(model, inputs, devices=8, cluster="h100", max_plans=2)
+def test_the_search_prices_every_schedule_of_the_pipelines_it_plans():
+    model, inputs = models.gpt_demo(batch=32, seq=32, n_layer=8)
+    plan = search_config(model, inputs, devices=16, cluster="h100", max_plans=2)
     rows = plan.data["search"]["rows"]
     planned = [r for r in rows if r["status"] in ("chosen", "planned") and r["config"]["pipeline"] > 1]
     assert planned, "the search planned a pipeline here"
@@ -52,6 +52,10 @@ def test_the_search_prices_every_schedule_of_the_pipelines_it_plans(gpt):
         ]
         for twin in twins:  # planned, set aside by a bound, or priced from these stages
             assert twin["status"] in ("chosen", "planned", "pruned") or twin["reason"].startswith(PRICED), twin
+    search = plan.data["search"]
+    assert search["from_stages"] >= sum(r["reason"].startswith(PRICED) for r in rows)
+    assert search["from_stages"] > 0  # the interleaved twins of the planned p2 d8 (2 microbatches)
+    assert f"{search['from_stages']} priced from planned stages" in plan.explain()
 
 
 def test_a_reused_stage_set_prices_exactly_and_a_twin_is_expected_from_the_planned_stages(gpt):

@@ -10,6 +10,7 @@ import time
 from partitioner.axis_uses import describe_config
 from partitioner.search.candidate import Candidate
 from partitioner.search.runner_ups import explain_runner_ups
+from partitioner.search.schedule_twins import PRICED
 from partitioner.sharding_plan import ShardingPlan
 
 logger = logging.getLogger(__name__)
@@ -32,11 +33,13 @@ def chosen_plan(best: Candidate, cands: list, devices: int, batch: int, t0: floa
     plan.data.setdefault("stats", {})["search_s"] = t2 - t0
     table = plan.data["search"]
     logger.info(
-        "search: chose %s in %.2f s: %d configurations priced, %d set aside by their bounds, %d plannings",
+        "search: chose %s in %.2f s: %d configurations priced, %d set aside by their bounds, %d priced from "
+        "planned stages, %d plannings",
         describe_config(plan),
         t2 - t0,
         table["priced"],
         table["bounded"],
+        table["from_stages"],
         table["plannings"],
     )
     return plan
@@ -59,6 +62,7 @@ def search_table(cands, best, devices, batch, seconds, plannings) -> dict:
         "plannings": plannings,
         "priced": len(cands),
         "bounded": sum(1 for c in cands if c.status == "pruned" or c.reason.startswith("needs at least")),
+        "from_stages": sum(1 for c in cands if c.reason.startswith(PRICED)),  # schedule twins of planned degrees
         "counts": counts,
         "rows": [c.row() for c in planned + refused + others]
         + [c.row() for c in sorted(bound_over, key=lambda c: c.memory_lb)[:3]],
