@@ -135,7 +135,7 @@ def test_the_least_ratio_of_a_kind_prunes_only_after_two_of_its_plans_and_zero_1
     later = _pipelined(1, quick=11.0)
     loop = PlanningLoop(SimpleNamespace(stage_sets={}, plannings=0), None, 80.0, [pressed, whole, far, later], 5)
     assert LEAST_RATIO_PLANS == 2 and loop.least_ratio(later.config) == 1.0
-    assert loop.least_ratio(whole.config) == 1.0  # its own kind: one plan, at most 1
+    assert loop.least_ratio(whole.config) == 1.0  # its own kind: whole-model plans, at most 1
     second = _pipelined(3, quick=10.0, step=13.0)  # 1.3x
     loop.cands.append(second)
     assert loop.least_ratio(later.config) == 1.3

@@ -64,16 +64,20 @@ class PlanningLoop:
         with the smaller memory bound, ZeRO-1, is planned first: it has the most room, so its
         plan is the likeliest to come out near its quick estimate (the 405B's p32 d32 t8: 16.5 s
         at ZeRO-1, 21.8 s at ZeRO-0, whose stage solve sent more over ``dp`` to fit), and the
-        one-planning-per-degrees rule keeps it."""
+        one-planning-per-degrees rule keeps it. Pipelines only: a whole-model plan's ZeRO-0 lets
+        the solver store weights sharded where the budget needs it, and on small models ZeRO-1's
+        two calls cost more than its room is worth (a GPT at 4,096 tokens on 8 devices: sp 4 x
+        tp 2 at ZeRO-1 3.12 ms, behind sp 2 x tp 4 at ZeRO-0, 3.03 ms)."""
         state = self.bounds.state_per_device(c.config)
         slack = self.slack.get(slack_kind(c.config), 1.0)
-        quick = self.paired_quick.get(zero_pair(c.config), c.quick_s) if c.config.zero in (0, 1) else c.quick_s
+        paired = c.config.zero in (0, 1) and c.config.pipeline > 1
+        quick = self.paired_quick.get(zero_pair(c.config), c.quick_s) if paired else c.quick_s
         return (state + slack * (c.memory_lb - state) > self.budget, quick, c.time_lb, c.memory_lb)
 
     def pair_zero_twins(self, cands: list) -> None:
-        """Rank each ZeRO-0 / ZeRO-1 pair at the lesser of their quick estimates (:meth:`order`)."""
+        """Rank each pipelined ZeRO-0 / ZeRO-1 pair at the lesser of their quick estimates (:meth:`order`)."""
         for c in cands:
-            if c.config.zero in (0, 1):
+            if c.config.zero in (0, 1) and c.config.pipeline > 1:
                 key = zero_pair(c.config)
                 self.paired_quick[key] = min(self.paired_quick.get(key, c.quick_s), c.quick_s)
 
@@ -156,7 +160,9 @@ class PlanningLoop:
         (Llama 3 405B on 8,192 H100: its pipelines plan at 1.2-1.6x their quick estimates, and
         each one planned costs a stage solve per stage class). One plan is not enough to go by:
         a first plan pressed for memory (the 405B's p32 d32 t8 at ZeRO-0, 1.58x) would prune
-        the ZeRO-1 plan of the same degrees (1.20x)."""
+        the ZeRO-1 plan of the same degrees (1.20x). Whole-model plans stay at most 1: their
+        quick estimates of sequence splits are coarser (a GPT at 4,096 tokens on 8 devices:
+        sp 2 x tp 4 planned at 1.16x, and sp 4 x tp 2, at most 1.04x, would have been pruned)."""
         kind = slack_kind(c)
         ratios = [
             o.step_time_s / o.quick_s
@@ -164,7 +170,7 @@ class PlanningLoop:
             if o.plan is not None and o.quick_s > 0 and slack_kind(o.config) == kind
         ]
         ratios = [r for r in ratios if r < FAR_ABOVE]
-        if len(ratios) < LEAST_RATIO_PLANS:
+        if kind != "pipeline" or len(ratios) < LEAST_RATIO_PLANS:
             return min(ratios + [1.0])
         return min(ratios)
 
