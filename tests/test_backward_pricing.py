@@ -22,7 +22,6 @@ from partitioner.local_cluster import get_cluster
 from partitioner.models import gpt_demo
 from passes.analysis.analyze import analyze
 from passes.capture.capture import capture
-from passes.core.node_info import grad_flows
 from passes.plan.cost_model import compute_time, matmul_fraction, weight_pass_time
 
 OVERHEAD_S = 6e-6  # the per-op fixed cost the fx programs' samples give
@@ -99,9 +98,9 @@ def test_the_fit_prices_every_backward_and_weight_sample_at_its_time():
         matmul_fraction(older, "float32", 30.0, "dx")
 
 
-def _op_records(cap, cluster: ClusterSpec) -> list:
+def _linear_records(cap, cluster: ClusterSpec) -> list:
     plan = plan_captured(cap, model_name="gpt", cluster=cluster, recompute="none", zero1=False)
-    return [r for r in plan.to_dict()["records"] if r["kind"] == "op"]
+    return [r for r in plan.to_dict()["records"] if r.get("target") == "aten.linear"]
 
 
 def test_a_linear_backward_and_w_are_priced_at_the_backward_curves():
@@ -118,10 +117,7 @@ def test_a_linear_backward_and_w_are_priced_at_the_backward_curves():
     model, inputs = gpt_demo(batch=2, seq=16, n_layer=1)
     cap = capture(model, inputs)
     analyze(cap)
-    plain, measured = _op_records(cap, base), _op_records(cap, slower)
-    _check_fork_sums(cap, plain)
-    plain = [r for r in plain if r["target"] == "aten.linear"]
-    measured = [r for r in measured if r["target"] == "aten.linear"]
+    plain, measured = _linear_records(cap, base), _linear_records(cap, slower)
     assert len(plain) == len(measured) >= 4
     for p, m in zip(plain, measured):
         assert p["name"] == m["name"] and p["forward_s"] == pytest.approx(m["forward_s"])
@@ -141,20 +137,3 @@ def test_the_backward_curves_round_trip_through_a_cluster_file(tmp_path):
     before = dataclasses.replace(MACHINE, backward_curve={}, weight_curve={})
     assert "backward_curve" not in before.to_dict() and "weight_curve" not in before.to_dict()
     assert ClusterSpec.from_dict(before.to_dict()) == before
-
-
-def _check_fork_sums(cap, records: list) -> None:
-    """Where a value is read by several ops that pass a gradient back (a residual stream: a norm
-    and the next add), backward sums their gradients: one add per reader beyond the first, priced
-    on the value's producer (memory never limits here, so each add is one op's fixed cost)."""
-    nodes = {n.name: n for n in cap.graph.nodes}
-    forks = 0
-    for r in records:
-        if r["target"] not in ("aten.add.Tensor", "aten.dropout"):  # backward: one pass of the forward
-            continue
-        node = nodes[r["name"]]
-        readers = sum(1 for user in node.users if grad_flows(node, user))
-        sums = max(readers - 1, 0) * OVERHEAD_S
-        assert r["compute_s"] - 2 * r["forward_s"] == pytest.approx(sums, abs=1e-12), (r["name"], readers)
-        forks += readers > 1
-    assert forks >= 2  # the residual streams of the one layer

@@ -282,10 +282,8 @@ def test_estimate_prices_weight_gradients_through_views():
     matmuls = [r for r in p.records if r["target"].startswith("aten.mm") or r["target"].startswith("aten.matmul")]
     assert len(matmuls) == 2, [r["target"] for r in p.records]
     weighted, data_only = matmuls
-    # x needs no gradient: the backward is the weight product (the forward's FLOPs), plus the sum of
-    # y's two gradients (the product and the transpose read it), priced on y's producer
-    assert weighted["weight_grad_s"] == pytest.approx(weighted["forward_s"])
-    assert weighted["compute_s"] > 2 * weighted["forward_s"]
+    # x needs no gradient: the record's time is forward + weight product, half each
+    assert weighted["weight_grad_s"] == pytest.approx(weighted["compute_s"] / 2)
     assert "weight_grad_s" not in data_only
     assert p.estimate().weight_grad_s == pytest.approx(weighted["weight_grad_s"])
 

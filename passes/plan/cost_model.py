@@ -68,7 +68,6 @@ __all__ = [
     "backward_factor",
     "weight_pass_time",
     "grad_accumulate_time",
-    "gradient_sum_time",
     "matmul_fraction",
     "allocation_time",
     "arrival_wait",
@@ -332,16 +331,8 @@ def grad_accumulate_time(grad_bytes: float, microbatches: int, cluster) -> float
     is stored, not added."""
     if microbatches <= 1 or grad_bytes <= 0:
         return 0.0
-    return gradient_sum_time(grad_bytes, cluster) * (microbatches - 1) / microbatches
-
-
-def gradient_sum_time(grad_bytes: float, cluster) -> float:
-    """Seconds of adding two gradients of ``grad_bytes`` (reads two, writes one, at the device's
-    memory bandwidth, one op): autograd's sum wherever two gradients meet, into a parameter's
-    ``.grad`` over microbatches or at a value that several ops read (a residual stream's fork)."""
-    if grad_bytes <= 0:
-        return 0.0
-    return 3.0 * grad_bytes / cluster.memory_bandwidth + cluster.op_overhead_s
+    add = 3.0 * grad_bytes / cluster.memory_bandwidth + cluster.op_overhead_s
+    return add * (microbatches - 1) / microbatches
 
 
 _PRODUCT_CURVES = {"forward": "matmul_curve", "backward": "backward_curve", "weight": "weight_curve"}

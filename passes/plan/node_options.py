@@ -8,7 +8,6 @@ import dataclasses
 import itertools
 import logging
 
-import torch
 import torch.fx as fx
 
 from passes.analysis.analyze import info
@@ -25,7 +24,6 @@ from passes.plan.cost_model import (
     edge_allocates,
     edge_gathers,
     grad_held_back,
-    gradient_sum_time,
     host_copy_time,
     local_bytes,
     own_collectives,
@@ -214,7 +212,6 @@ class SpaceBuilder:
             if any(is_parameter(a) and info(a).requires_grad for a in self.inputs_of(node)):
                 weight_product = compute_time(*work, *where, product="weight") if rule.contraction else fwd
                 weight = weight_pass_time(rule.contraction, weight_product, bwd, self.cluster)
-            bwd += self._fork_sums(node, op, strategy)
         fwd += alloc_fwd
         extra_fwd = extra_bwd = 0.0
         own = own_collectives(strategy.axes, dtype_bytes(i.dtype), self.mesh, self.cluster, split, fwd, bwd)
@@ -228,20 +225,6 @@ class SpaceBuilder:
         act = self.activation_copies * saved_bytes(i, strategy.out, self.mesh, placed, share)
         extra = extra_fwd + (extra_bwd if i.requires_grad else 0.0)
         return fwd + bwd, extra, act, weight, (fwd, extra_fwd)
-
-    def _fork_sums(self, node, op, strategy: Strategy) -> float:
-        """Seconds of autograd's sums of the gradients that meet at ``node``'s output: one add per
-        reader that passes a gradient back beyond the first (a residual stream read by a norm and
-        an add), at the output's local size. Not for an op whose outputs are a tuple (its readers
-        are ``getitem``s, one per output)."""
-        readers = sum(1 for user in node.users if grad_flows(node, user))
-        if readers < 2 or not isinstance(node.meta.get("val"), torch.Tensor):
-            return 0.0
-        (shape,), (spec,) = op.out_shapes[:1], strategy.out[:1]
-        if shape is None:
-            return 0.0
-        grad_bytes = local_bytes(shape, spec, self.mesh, dtype_bytes(info(node).dtype))
-        return (readers - 1) * gradient_sum_time(grad_bytes, self.cluster)
 
     # -- followers --------------------------------------------------------------------
     def axis_candidates(self, node):
