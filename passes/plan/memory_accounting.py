@@ -58,7 +58,7 @@ import torch.fx as fx
 
 from passes.analysis.analyze import info
 from passes.core.node_info import grad_flows
-from passes.lower.prefetch_gathers import backward_windows, first_gather, forward_windows
+from passes.lower.prefetch_gathers import first_gather, prefetch_transients
 from passes.plan.activation_regather import regathers_activation
 from passes.plan.bucket_memory import gradients_in_backward
 from passes.plan.cost_model import (
@@ -336,32 +336,28 @@ class _StorageWalk:
 
 def _prefetched(graph: fx.Graph, choices: dict, mesh, recomputed: dict, fields: dict) -> None:
     """Add the weight gathers started ahead of their use (:mod:`passes.lower.prefetch_gathers`) to the
-    transients of the ops they run beside: forward gathers of top-level edges, and ZeRO-3
-    regathers in backward (their gathered buffer, alive from the start to the use)."""
+    transients of the ops they run beside: forward gathers, ZeRO-3 regathers in backward and
+    recomputed layers' rerun gathers (their gathered buffer, alive from the start to the use)."""
     ops = [n for n in graph.nodes if n.op == "call_function" and info(n).kind == "op"]
-    ahead: dict = {"transient_fwd": [], "transient_bwd": []}  # field -> [(op position, bytes)]
-    for j, c in enumerate(ops):
-        mine = choices.get(c)
+    entries = []  # per op: (its recomputed region or None, [(bytes gathered ahead, regathered)])
+    for c in ops:
+        mine, found = choices.get(c), []
+        layer = recomputed.get(c)
+        entries.append((layer, found))
         if mine is None or mine.strategy is None:
             continue
-        layer = recomputed.get(c)
         saves = info(c).saves
         saved = saves.inputs if saves is not None else ()
         for k, u in enumerate(tensor_input_nodes(c)):
             placed, ui = choices.get(u), info(u)
             if ui.kind != "param" or placed is None or placed.stored is not None or placed.offload:
                 continue
-            if k >= len(mine.ins) or mine.ins[k] is None or layer is not None:
+            if k >= len(mine.ins) or mine.ins[k] is None:
                 continue
             first = first_gather(placed.out[0], mine.ins[k], ui.shape or (), mesh, dtype_bytes(ui.dtype))
-            if first is None:
-                continue
-            ahead["transient_fwd"].append((j, first.payload_bytes))
-            if placed.regather and k in saved:
-                ahead["transient_bwd"].append((j, first.payload_bytes))
-    for name, windows in (("transient_fwd", forward_windows), ("transient_bwd", backward_windows)):
-        found = ahead[name]
-        for (_, nbytes), window in zip(found, windows([j for j, _ in found])):
-            for i in window:
-                f = fields.setdefault(ops[i].name, {})
-                f[name] = f.get(name, 0.0) + nbytes
+            if first is not None:
+                found.append((first.payload_bytes, bool(placed.regather and k in saved and layer is None)))
+    for name, placed_bytes in prefetch_transients(entries).items():
+        for i, nbytes in placed_bytes:
+            f = fields.setdefault(ops[i].name, {})
+            f[name] = f.get(name, 0.0) + nbytes
