@@ -96,7 +96,7 @@ def _gather_sites(gm: fx.GraphModule) -> list:
     from runtime.recompute import CheckpointRegion
     from runtime.reshard import Reshard
 
-    sites = []
+    sites: list = []
     for node in gm.graph.nodes:
         if node.op != "call_module" or not node.args:
             continue
