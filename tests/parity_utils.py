@@ -476,13 +476,15 @@ def built_in_parent(factories: dict):
     ranks will make)) built and captured in this process under ``keep_captures``, for ranks forked
     inside to take with :func:`prebuilt`; at the end, none is left for this process."""
     with keep_captures():
+        made = {}  # published when all are made: a factory calling build() must not take an earlier one
         for key, (factory, options) in factories.items():
             model, inputs = factory()
             if "pipeline" in options:  # what a pipelined call captures: one microbatch, cut into stages
                 capture_pipeline(model, inputs, **options)
             else:
                 capture(model, inputs, **options)
-            _PREBUILT[key] = (model, inputs)
+            made[key] = (model, inputs)
+        _PREBUILT.update(made)
         try:
             yield
         finally:
