@@ -429,13 +429,17 @@ def glob_any(name, patterns):
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+def gpt_with_dropout():
+    return models.gpt_demo(batch=8, seq=16, n_layer=2, dropout=0.1)
+
+
 def dropout_worker(rank, world, mesh):
     """gpt_demo(dropout=0.1) under DP x TP: one training step, the eval-mode loss, and the masks
     each rank's dropout modules draw (on a probe tensor, from a copy: the step is untouched)."""
     import partitioner
     from runtime.local_ops import RankDropout
 
-    model, inputs = models.gpt_demo(batch=8, seq=16, n_layer=2, dropout=0.1)
+    model, inputs = prebuilt("gpt-dropout") or gpt_with_dropout()  # the parent's, when it built one
     ref = copy.deepcopy(model).eval()
     pm = partitioner.auto_parallelize(model, inputs, mesh=mesh, pins=pins_for("gpt", "dp_tp", mesh),
                                       cluster="h100")
