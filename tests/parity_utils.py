@@ -429,13 +429,17 @@ def glob_any(name, patterns):
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+def gpt_with_dropout():
+    return models.gpt_demo(batch=8, seq=16, n_layer=2, dropout=0.1)
+
+
 def dropout_worker(rank, world, mesh):
     """gpt_demo(dropout=0.1) under DP x TP: one training step, the eval-mode loss, and the masks
     each rank's dropout modules draw (on a probe tensor, from a copy: the step is untouched)."""
     import partitioner
     from runtime.local_ops import RankDropout
 
-    model, inputs = models.gpt_demo(batch=8, seq=16, n_layer=2, dropout=0.1)
+    model, inputs = prebuilt("gpt-dropout") or gpt_with_dropout()  # the parent's, when it built one
     ref = copy.deepcopy(model).eval()
     pm = partitioner.auto_parallelize(model, inputs, mesh=mesh, pins=pins_for("gpt", "dp_tp", mesh),
                                       cluster="h100")
@@ -476,13 +480,15 @@ def built_in_parent(factories: dict):
     ranks will make)) built and captured in this process under ``keep_captures``, for ranks forked
     inside to take with :func:`prebuilt`; at the end, none is left for this process."""
     with keep_captures():
+        made = {}  # published when all are made: a factory calling build() must not take an earlier one
         for key, (factory, options) in factories.items():
             model, inputs = factory()
             if "pipeline" in options:  # what a pipelined call captures: one microbatch, cut into stages
                 capture_pipeline(model, inputs, **options)
             else:
                 capture(model, inputs, **options)
-            _PREBUILT[key] = (model, inputs)
+            made[key] = (model, inputs)
+        _PREBUILT.update(made)
         try:
             yield
         finally:
@@ -514,3 +520,21 @@ def run_checked(worker, cfg, timeout_s, *, prebuild=None):
     failures = [f for r in results for f in r["failures"]]
     assert not failures, f"{len(failures)} mismatches, first ones:\n" + "\n".join(failures[:12])
     return results
+
+
+def capture_served(model, served: list, **options) -> None:
+    """Inside ``keep_captures`` (a ``built_in_parent`` factory): capture ``model`` as the module that
+    ``auto_parallelize(model, example, **options)`` makes will when it is called on each of ``served``
+    (other batch or sequence sizes): the whole model at those shapes
+    (``partitioner.specialize``), or a pipeline's stages at each distinct microbatch of them, cut
+    like the runner's ``torch.tensor_split`` (``partitioner.pipeline_shapes``). Forked ranks then
+    take these instead of exporting the model once per rank and shape."""
+    pipeline = options.pop("pipeline", None)
+    for inputs in served:
+        if pipeline is None:
+            capture(model, inputs, **options)
+            continue
+        pieces = {k: v.tensor_split(pipeline["microbatches"], dim=0) for k, v in inputs.items()}
+        for i in range(pipeline["microbatches"]):
+            # one microbatch as a whole batch of one microbatch: the stages the runner asks for
+            capture_pipeline(model, {k: p[i] for k, p in pieces.items()}, {**pipeline, "microbatches": 1}, **options)
