@@ -69,6 +69,7 @@ from passes.plan.cost_model import (
     local_bytes,
     param_state_parts,
 )
+from passes.plan.move_scratch import edge_scratch, gather_in_flight
 from passes.plan.zero_storage import regathers as strategy_regathers
 from passes.rules import op_view, rule_for, tensor_input_nodes
 
@@ -130,6 +131,8 @@ class _StorageWalk:
         self.kept: dict = {}  # storage key -> (bytes, owner node)
         self.edge_buffers: dict = {}  # consumer -> bytes of its edges' buffers
         self.regathered: dict = {}  # consumer -> bytes of ZeRO-3 parameters gathered again for its backward
+        self.regather_scratch: dict = {}  # consumer -> the most its regathers hold beyond their copies
+        self.edges_running: dict = {}  # consumer -> the most alive while its edges run (their buffers, scratch)
         self.layer_kept: dict = {}  # recomputed layer -> {storage key: bytes}, rebuilt in its backward
         self.first_of: dict = {}  # recomputed layer -> its first node
 
@@ -158,6 +161,16 @@ class _StorageWalk:
         ):
             return None
         return ("edge", c, k), local_bytes(ui.shape or (), dst, self.mesh, dtype_bytes(ui.dtype))
+
+    def scratch(self, c, k) -> float:
+        """What the moves of the edge into input ``k`` of ``c`` hold beyond their result
+        (:mod:`passes.plan.move_scratch`)."""
+        u = tensor_input_nodes(c)[k]
+        mine, src = self.choices.get(c), self.out_spec(u)
+        if mine is None or src is None or k >= len(mine.ins) or mine.ins[k] is None:
+            return 0.0
+        ui = info(u)
+        return edge_scratch(src, mine.ins[k], ui.shape or (), self.mesh, dtype_bytes(ui.dtype), ui.requires_grad)
 
     def base(self, n, j=0):
         """The storage value ``n`` (output ``j``) lives in: (key, bytes, owner) or None (state, batch)."""
@@ -216,6 +229,7 @@ class _StorageWalk:
                 e = self.edge(c, k)
                 if e is not None and self.regathers(c, k, layer):
                     self.regathered[c] = self.regathered.get(c, 0.0) + e[1]
+                    self.regather_scratch[c] = max(self.regather_scratch.get(c, 0.0), self.scratch(c, k))
                     if info(ins[k]).kind == "op":  # an activation: its shard is kept instead
                         self.keep(self.base(ins[k]), into)
                 elif e is not None:
@@ -232,8 +246,11 @@ class _StorageWalk:
                 into[("extra", c)] = (i.saves.extra_bytes * fraction, c)
             for k in range(len(ins)):
                 e = self.edge(c, k)
-                if e is not None and e[0] not in self.kept:
-                    self.edge_buffers[c] = self.edge_buffers.get(c, 0.0) + e[1]
+                unkept = e[1] if e is not None and e[0] not in self.kept else 0.0
+                self.edge_buffers[c] = self.edge_buffers.get(c, 0.0) + unkept
+                # while edge k runs: the unkept buffers of the edges before it, its result, its scratch
+                during = self.edge_buffers[c] + self.scratch(c, k)
+                self.edges_running[c] = max(self.edges_running.get(c, 0.0), during)
 
     def count_kept(self, fields: dict, activation_copies: int) -> None:
         """Each kept storage on its owner: gathered buffers (made by edges) or saved activations."""
@@ -266,14 +283,30 @@ class _StorageWalk:
                 continue
             aliased = i.saves is not None and i.saves.alias is not None
             own = 0.0 if aliased or n in kept_values else self.value_bytes(n)
-            f["transient_fwd"] = own + self.edge_buffers.get(n, 0.0)
+            f["transient_fwd"] = max(own + self.edge_buffers.get(n, 0.0), self.edges_running.get(n, 0.0))
             if i.requires_grad:
-                # a parameter's gradient: in gradients_alive where walked, else the plan's gradients too
-                ins = [u for u in tensor_input_nodes(n) if info(u).requires_grad]
-                grads_in = sum(self.value_bytes(u) for u in ins if grads is None or info(u).kind != "param")
-                f["transient_bwd"] = self.value_bytes(n) + grads_in + self.regathered.get(n, 0.0)
+                f["transient_bwd"] = self.backward_transient(n, grads)
             if grads is not None and n in grads.during:
                 f["gradients_alive"] = grads.during[n]
+
+    def backward_transient(self, n, grads) -> float:
+        """What ``n``'s backward holds beside what is kept: its output's gradient, its inputs'
+        (a parameter's: in ``gradients_alive`` where walked, else here too) and its ZeRO-3 copies
+        gathered again. Those are gathered when its backward starts, before it makes any
+        gradient: that moment (their moves' scratch beside them, the gradients alive before
+        ``n``'s, ``grads.before``) is folded in so that the walk's sum with ``gradients_alive``
+        (``grads.during``) is the larger of the two."""
+        ins = [u for u in tensor_input_nodes(n) if info(u).requires_grad]
+        grads_in = sum(self.value_bytes(u) for u in ins if grads is None or info(u).kind != "param")
+        regathered = self.regathered.get(n, 0.0)
+        held = self.value_bytes(n) + grads_in + regathered
+        scratch = self.regather_scratch.get(n, 0.0)
+        if not scratch:
+            return held
+        unpacking = self.value_bytes(n) + regathered + scratch
+        if grads is not None and n in grads.during:
+            unpacking -= grads.during[n] - grads.before.get(n, 0.0)
+        return max(held, unpacking)
 
     def placeholders(self, graph: fx.Graph, fields: dict, again: set, optimizer) -> None:
         """Each placeholder's state (a parameter: stored, compute copy, gradient, optimizer
@@ -356,9 +389,13 @@ def _prefetched(graph: fx.Graph, choices: dict, mesh, recomputed: dict, fields: 
             first = first_gather(placed.out[0], mine.ins[k], ui.shape or (), mesh, dtype_bytes(ui.dtype))
             if first is None:
                 continue
-            ahead["transient_fwd"].append((j, first.payload_bytes))
+            # the gathered buffer, and the input it reads while in flight (passes.plan.move_scratch)
+            nbytes = first.payload_bytes + gather_in_flight(
+                placed.out[0], mine.ins[k], ui.shape or (), mesh, dtype_bytes(ui.dtype)
+            )
+            ahead["transient_fwd"].append((j, nbytes))
             if placed.regather and k in saved:
-                ahead["transient_bwd"].append((j, first.payload_bytes))
+                ahead["transient_bwd"].append((j, nbytes))
     for name, windows in (("transient_fwd", forward_windows), ("transient_bwd", backward_windows)):
         found = ahead[name]
         for (_, nbytes), window in zip(found, windows([j for j, _ in found])):
