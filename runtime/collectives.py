@@ -347,12 +347,11 @@ class PendingMoves:
         does not complete in time raises ``RuntimeError`` naming the tensor."""
         import datetime
 
-        work, self.work = self.work, None  # a finished work would keep the gather's input alive
         try:
             if timeout_s is None:
-                work.wait()
+                self.work.wait()
             else:
-                work.wait(datetime.timedelta(seconds=timeout_s))
+                self.work.wait(datetime.timedelta(seconds=timeout_s))
         except RuntimeError as exc:
             limit = "the process group's timeout" if timeout_s is None else f"{timeout_s:g} s"
             raise RuntimeError(
@@ -360,7 +359,7 @@ class PendingMoves:
                 f"{exc} (a rank of its mesh axis did not reach the same gather: it failed, stalled or runs "
                 f"another program)"
             ) from exc
-        del work
+        self.work = None  # a finished work would keep the gather's input alive
         x = self.finish()
         for axis, p, q in self.rest:
             x = _step(x, axis, p, q, self.comm, self.phase, self.held, self.strided_dst)
