@@ -130,7 +130,7 @@ class _StorageWalk:
         self.regather_activations = regather_activations
         self.kept: dict = {}  # storage key -> (bytes, owner node)
         self.edge_buffers: dict = {}  # consumer -> bytes of its edges' buffers
-        self.regathered: dict = {}  # consumer -> bytes of ZeRO-3 parameters gathered again for its backward
+        self.regathered: dict = {}  # consumer -> bytes of ZeRO-3 copies its backward holds gathered again at once
         self.regather_scratch: dict = {}  # consumer -> the most its regathers hold beyond their copies
         self.edges_running: dict = {}  # consumer -> the most alive while its edges run (their buffers, scratch)
         self.layer_kept: dict = {}  # recomputed layer -> {storage key: bytes}, rebuilt in its backward
@@ -228,7 +228,11 @@ class _StorageWalk:
             for k in i.saves.inputs:
                 e = self.edge(c, k)
                 if e is not None and self.regathers(c, k, layer):
-                    self.regathered[c] = self.regathered.get(c, 0.0) + e[1]
+                    # gathered again as backward unpacks them: at once, or one at a time
+                    together = not rule_for(c).unpacks_in_turn
+                    self.regathered[c] = (
+                        self.regathered.get(c, 0.0) + e[1] if together else max(self.regathered.get(c, 0.0), e[1])
+                    )
                     self.regather_scratch[c] = max(self.regather_scratch.get(c, 0.0), self.scratch(c, k))
                     if info(ins[k]).kind == "op":  # an activation: its shard is kept instead
                         self.keep(self.base(ins[k]), into)
