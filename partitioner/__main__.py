@@ -311,7 +311,7 @@ def _cmd_plan(args) -> int:
     kwargs = _parse_kwargs(args.kwargs)
     if args.json is not None and Path(args.json).is_dir():
         raise CLIError(f"--json {args.json} is a directory; give a file name such as plan.json")
-    if args.time_limit <= 0:
+    if args.time_limit is not None and args.time_limit <= 0:
         raise CLIError(f"--time-limit must be positive, got {args.time_limit}")
 
     model, example_inputs = _build_model(args.factory, kwargs, args)
@@ -333,7 +333,7 @@ def _cmd_plan(args) -> int:
             objective=args.objective,
             optimizer=None if args.optimizer == "none" else args.optimizer,
             share_blocks=not args.no_share_blocks,
-            time_limit=args.time_limit,
+            **({} if args.time_limit is None else {"time_limit": args.time_limit}),
             recompute=args.recompute,
             zero=args.zero if args.zero == "auto" else int(args.zero),
             tensor_parallel=args.tensor_parallel,
@@ -538,7 +538,13 @@ def _add_plan_command(sub) -> None:
         help="every column in full (op, local shape, collectives with phase and bytes); lines may "
         "exceed 120 characters",
     )
-    p.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS", help="solver time limit")
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="wall-clock limit of one solve (default 600: a safety net; the node limit normally stops it)",
+    )
     p.add_argument(
         "--no-share-blocks", action="store_true", help="decide each repeated block (transformer layer) on its own"
     )

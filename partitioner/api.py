@@ -19,6 +19,7 @@ from partitioner.mesh import MeshSpec
 from partitioner.options import PlanOptions
 from partitioner.progress import verbose_to_stderr
 from partitioner.sharding_plan import ShardingPlan
+from passes.plan.ilp_solver import TIME_LIMIT_S
 
 __all__ = ["plan", "plan_captured", "resolve_pins", "mesh_argument"]
 
@@ -44,7 +45,7 @@ def plan(
     objective: str = "time",
     optimizer: str | None = "adam",
     share_blocks: bool = True,
-    time_limit: float = 60.0,
+    time_limit: float = TIME_LIMIT_S,
     layers: str = "auto",
     precision=None,
     recompute: str = "auto",

@@ -29,6 +29,7 @@ import torch
 from partitioner.cluster import PRESETS, parse_bytes
 from partitioner.precision import Precision
 from passes.core.rule_options import RuleOptions
+from passes.plan.ilp_solver import TIME_LIMIT_S
 from passes.plan.recompute import check_recompute_mode
 from passes.plan.zero_storage import check_zero
 
@@ -68,8 +69,9 @@ class PlanOptions:
     (weights only)."""
     share_blocks: bool = True
     """Decide once for identical repeated blocks (transformer layers)."""
-    time_limit: float = 60.0
-    """Seconds the ILP solver may take for one plan."""
+    time_limit: float = TIME_LIMIT_S
+    """Wall-clock seconds the ILP solver may take for one solve: a safety net (600 s by default);
+    the solver's node limit is what normally stops it, the same on every machine."""
     layers: str = "auto"
     """How deep models are captured: ``"auto"`` captures deep models (8+ identical layers) by
     exporting two layers and repeating them in the graph (node for node what a full export

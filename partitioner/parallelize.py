@@ -37,6 +37,7 @@ from passes.analysis.analyze import info
 from passes.analysis.shape_check import check_servable
 from passes.capture.capture import graph_fingerprint, tied_placeholders
 from passes.lower.lower_to_local import lower_to_local
+from passes.plan.ilp_solver import TIME_LIMIT_S
 from runtime.collectives import MeshComm, on_rank0
 from runtime.host_memory import return_freed_blocks
 from runtime.parallel_module import ParallelModule
@@ -103,7 +104,7 @@ def auto_parallelize(
     objective="time",
     optimizer="adam",
     share_blocks=True,
-    time_limit=60.0,
+    time_limit=TIME_LIMIT_S,
     layers="auto",
     precision=None,
     recompute="auto",

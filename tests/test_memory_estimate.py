@@ -11,12 +11,13 @@ a budget, whose plans gather weights for use), each rank plans, runs one forward
 * a plan made under a memory budget fits it: its estimated peak, and the measured state, batch
   and saved tensors (the peak itself is measurable on CUDA only).
 
-Configs sharing a mesh run in one forked run. The breakdown's own arithmetic (the peak follows the
-step's order) is checked in one process.
+Configs sharing a mesh run in one forked run, each model built and captured once before the
+ranks fork. The breakdown's own arithmetic (the peak follows the step's order) is checked in one
+process.
 """
 
 import pytest
-from parity_utils import Checks, build, pins_for
+from parity_utils import MODELS, Checks, build, built_in_parent, pins_for
 
 from runtime.launch import run_on_ranks
 
@@ -34,8 +35,11 @@ def memory_worker(rank, world, mesh, configs):
 
     checks = Checks(rank)
     report = []
+    models: dict = {}  # a model serves several configs: planning leaves it as it was, its capture is reused
     for model_name, kind, budget_fraction in configs:
-        model, inputs = build(model_name)
+        if model_name not in models:
+            models[model_name] = build(model_name)
+        model, inputs = models[model_name]
         budget = None
         if budget_fraction:
             n_params = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
@@ -77,9 +81,11 @@ RUNS = [  # every config of tests/test_parity.py, grouped by mesh
 def test_estimate_equals_measured(mesh, configs):
     import math
 
+    # each model built and captured once, here, before the ranks fork (parity_utils.built_in_parent);
     # the other ranks wait in a broadcast while rank 0 plans (budgeted plans included)
-    results = run_on_ranks(memory_worker, math.prod(mesh), mesh, configs, timeout_s=TIMEOUT_S,
-                           collective_timeout_s=150)
+    with built_in_parent({name: (MODELS[name]["factory"], {}) for name, _, _ in configs}):
+        results = run_on_ranks(memory_worker, math.prod(mesh), mesh, configs, timeout_s=TIMEOUT_S,
+                               collective_timeout_s=150)
     failures = [f for r in results for f in r["failures"]]
     assert not failures, "\n".join(failures[:12])
     # the budgeted plan gathers weights for use and keeps them for backward: counted, not missed

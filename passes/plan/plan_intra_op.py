@@ -42,7 +42,7 @@ from passes.plan.cost_model import (
     own_collectives,
 )
 from passes.plan.edge_costs import edge_collectives
-from passes.plan.ilp_solver import NODE_LIMIT, min_memory, solve_ilp
+from passes.plan.ilp_solver import NODE_LIMIT, TIME_LIMIT_S, min_memory, solve_ilp
 from passes.plan.memory_accounting import memory_fields
 from passes.plan.memory_peak import memory_breakdown
 from passes.plan.output_placement import required_output_spec
@@ -246,7 +246,7 @@ def plan_intra_op(
     objective="time",
     optimizer="adam",
     share_blocks=True,
-    time_limit=60.0,
+    time_limit=TIME_LIMIT_S,
     max_options="auto",
     activation_copies=1,
     grad_reduce_bytes=None,
