@@ -10,7 +10,10 @@ gradients: the gap was largest), activations pinned data parallel:
   step matches one device (loss, every gradient, counted communication = estimate); after it
   (Adam's state exists) torch's ``MemTracker`` measures one more step (forward, backward, AdamW
   step): its peak is within 5% of the plan's estimated peak on every rank, and the estimate's
-  gradients alive in backward exceed the sharded ``.grad`` (the buckets' term is there);
+  gradients alive in backward exceed the sharded ``.grad`` (the buckets' term is there); the
+  runtime launches during backward as many gradient reductions as the estimate credits with
+  overlap (``passes/plan/bucket_overlap.py``: ZeRO-3 gradients, reduce-scattered alone at once,
+  included), and the ZeRO-3 plan's are credited;
 * the flat reduce-scatter of gradients sharded on dim 0, on dim 1 and in a strided layout (3
   pieces, fused QKV) leaves each rank what reducing each gradient alone does;
 * a Mixtral whose experts dominate the memory (16 experts, vocabulary 256), experts computed
@@ -90,17 +93,40 @@ def _moe_experts_heavy():
 
 
 def _plan_and_measure(model, inputs, label, rank, checks, **options) -> tuple:
-    """Plan, check the first step against one device, then measure one AdamW step's peak against
-    the estimate; (label, measured, estimated)."""
+    """Plan, check the first step against one device (and that the runtime launches during
+    backward the gradient reductions the estimate credits with overlap:
+    ``passes/plan/bucket_overlap.py``), then measure one AdamW step's peak against the estimate;
+    (the model, the estimate's memory, (label, measured, estimated))."""
     import copy
 
     import torch
 
     import partitioner
+    import runtime.grad_sync as grad_sync
+    from passes.plan.bucket_overlap import credit_bucket_overlap
 
     ref = copy.deepcopy(model)
     net = partitioner.auto_parallelize(model, inputs, cluster="h100", recompute="none", **options)
-    check_step_like_one_device(net, ref, inputs, checks, label=label)
+    launches = {"in_backward": 0, "finishing": False}
+    launch, finish = grad_sync.GradientBuckets._launch, grad_sync.GradientBuckets._finish
+
+    def counted_launch(self, key, entries):
+        launches["in_backward"] += not launches["finishing"]
+        return launch(self, key, entries)
+
+    def counted_finish(self):
+        launches["finishing"] = True
+        return finish(self)
+
+    grad_sync.GradientBuckets._launch, grad_sync.GradientBuckets._finish = counted_launch, counted_finish
+    try:
+        check_step_like_one_device(net, ref, inputs, checks, label=label)
+    finally:
+        grad_sync.GradientBuckets._launch, grad_sync.GradientBuckets._finish = launch, finish
+    plan = net.plan
+    credited = credit_bucket_overlap(copy.deepcopy(plan.records), plan.mesh_shape, plan.axis_names)
+    checks.true(f"{label}: {launches['in_backward']} reductions launched in backward, "
+                f"{credited.launched_in_backward} credited", launches["in_backward"] == credited.launched_in_backward)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -119,11 +145,14 @@ def peak_worker(rank, world):
         model, inputs = build("gpt")
         n_params = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
         label = f"zero={zero}"
-        _, est, row = _plan_and_measure(model, inputs, label, rank, checks, mesh=(world,), zero=zero,
+        net, est, row = _plan_and_measure(model, inputs, label, rank, checks, mesh=(world,), zero=zero,
                                         memory_budget=int(fraction * 16 * n_params),
                                         pins=free_weights("gpt", "dp", (world,)) or {})
         checks.true(f"{label}: no gradient held beyond .grad ({est.gradients_alive} <= {est.gradients})",
                     est.gradients_alive > est.gradients)
+        checks.true(f"{label}: no ZeRO-3 gradient credited with overlap",
+                    zero != 3 or any("sync_s" in c and c["time_s"] < c["sync_s"] for r in net.plan.records
+                                     for c in r.get("comm") or ()))
         report.append(row)
     model, inputs = _moe_experts_heavy()
     net, _, row = _plan_and_measure(model, inputs, "MoE, ZeRO-3 experts on inner dims", rank, checks, mesh=(world,),

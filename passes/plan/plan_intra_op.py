@@ -30,6 +30,7 @@ from passes.core.plan_records import NodeRecord
 from passes.lower.prefetch_gathers import credit_prefetch
 from passes.plan.activation_regather import regathers_activation
 from passes.plan.bucket_overlap import credit_bucket_overlap
+from passes.plan.budget_fit import fit_peak
 from passes.plan.collective_calls import StepLatencies, step_latencies
 from passes.plan.cost_model import (
     collective_time,
@@ -709,38 +710,9 @@ def _without_zero3(budget, solve, redo, peak_of, zero1=True):
 
 
 def _fit_peak(result, budget, solve, peak_of, least_peak):
-    """The ILP row holds state, inputs and what backward keeps; the peak adds a transient (an
-    op's output and edge buffers in forward, gradients and ZeRO-3 weights gathered again in
-    backward). Re-solve with the budget less the largest transient seen until the plan's peak
-    fits; when that margin leaves no plan, with half of it (twice). Last, the plan that keeps the
-    least (``least_peak``: the memory objective, solved without the budget row, which bounds the
-    walked peak from above): if even its peak is over, InfeasibleBudgetError."""
-    margin = 0.0
-    for _ in range(4):
-        peak, transient = peak_of(result.choice)
-        if peak <= budget:
-            return result
-        margin = max(margin, transient)
-        retry = solve(budget - margin)
-        for _ in range(2):
-            if retry.choice is not None:
-                break
-            margin /= 2
-            retry = solve(budget - margin)
-        if retry.choice is None:
-            break
-        result = retry
-    peak, transient = peak_of(result.choice)
-    if peak <= budget:
-        return result
-    least = least_peak()
-    if least.choice is not None and peak_of(least.choice)[0] <= budget:
-        return least
-    raise InfeasibleBudgetError(
-        f"no plan found whose peak fits {budget / 2**30:.4f} GiB per device ({budget:.0f} bytes): the best needs "
-        f"{peak:.0f} bytes at its peak, {transient:.0f} of them transient (an op's output and gradients). Raise "
-        f"the budget, use a larger mesh, or a lighter optimizer (optimizer='sgd')."
-    )
+    """``result`` re-solved until its walked peak fits ``budget``: the row's limit tightened by the
+    transients seen, then relaxed toward the budget (:func:`passes.plan.budget_fit.fit_peak`)."""
+    return fit_peak(result, budget, solve, peak_of, least_peak, InfeasibleBudgetError)
 
 
 def _tie_aliases(cap, blocks) -> None:
