@@ -28,8 +28,10 @@ from parity_utils import Checks, build, call, check_step_like_one_device, loss_o
 
 BUDGET = 0.5
 # every matrix stored sharded and gathered for use: with the backward walked op by op the
-# time-optimal plan under BUDGET gathers few of them, and the checks want gathers to order
-STORED = {name: ["S(1)"] for name in ("wte.weight", "wpe.weight", "lm_head.weight", "h.*.attn.c_attn.weight",
+# time-optimal plan under BUDGET gathers few of them, and the checks want gathers to order; on
+# dim 0, whose gather copies nothing (stored S(1), each gather also copies the weight back into
+# order, passes/plan/move_scratch.py, and under BUDGET the plan moves them by all-to-all instead)
+STORED = {name: ["S(0)"] for name in ("wte.weight", "wpe.weight", "lm_head.weight", "h.*.attn.c_attn.weight",
                                       "h.*.attn.c_proj.weight", "h.*.mlp.c_fc.weight", "h.*.mlp.c_proj.weight")}
 
 
