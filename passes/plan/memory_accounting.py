@@ -22,9 +22,15 @@ keeps (:mod:`passes.analysis.saved_tensors` says what each op saves) and counts 
 * **Transients.** Forward: what a node allocates that nothing keeps (its output and its
   edges' buffers), alive while it runs. Backward: the gradients of its output and of its
   inputs that need one, alive while its backward runs.
+* **What moves hold while they run** (:mod:`passes.plan.move_scratch`): an op's forward transient
+  is the larger of its output with its edges' buffers and, per edge in input order, the buffers
+  of the edges before it, its result and what its moves hold beyond it (a weight stored on an
+  inner dim is copied back into order beside its gathered buffer).
 * **ZeRO-3 parameters** (``regather``): the copy an edge gathers for a consumer that keeps it
   is freed after forward (a forward transient) and gathered again while the consumer's
-  backward runs (a backward transient), outside recomputed layers.
+  backward runs (a backward transient), outside recomputed layers; the consumer's backward
+  unpacks them (with their moves' scratch) before it makes any gradient, a moment the walk
+  counts too; an op whose rule ``unpacks_in_turn`` holds one of them at a time.
 * **Activations gathered again** (``regather_activations``, :mod:`passes.plan.activation_regather`):
   the copy an edge gathers for a consumer that keeps it is a forward transient; the producer's
   shard is kept instead (a saved activation, once per storage); the copy is gathered again
@@ -36,7 +42,8 @@ keeps (:mod:`passes.analysis.saved_tensors` says what each op saves) and counts 
 * **Offloaded parameters** (``offload``): the compute copy and its gradient on the device; the
   tensor the optimizer steps, its gradient and its state in host memory (``offloaded``).
 * **Prefetched gathers** (:mod:`passes.lower.prefetch_gathers`): a weight's gather started ahead of
-  its use is a transient of every op it runs beside (forward, and ZeRO-3 regathers in backward).
+  its use (its buffer and the input copy it reads) is a transient of every op it runs beside
+  (forward, and ZeRO-3 regathers in backward).
 * **Parameter gradients in backward** (:mod:`passes.plan.bucket_memory`, a plan without a
   pipeline): the ``.grad`` made so far, the gradients held in the runtime's buckets until their
   bucket is sent, and the buckets' flat buffers: ``gradients_alive`` on each op, while its
