@@ -317,13 +317,13 @@ def plan_intra_op(
         log(f"recomputed in backward: {', '.join(f'{b} ({m})' for b, m in recomputed.items() if m != 'kept')}")
     log(f"solve: {t2 - t1:.2f} s, objective {result.objective * 1e3:.3f} ms{_proven(result)}")
 
-    records, overlap = _decoded_records(
+    records, (overlap, hidden) = _decoded_records(
         cap, space, result.choice, axis_names, redo, regions, optimizer, activation_copies, holds_gradient_sums
     )
 
     alternatives = _alternatives(space, result.choice, axis_names, redo)
     t3 = time.perf_counter()
-    stats = _stats(space, result, (t0, t1, t2, t3), n_opts, overlap, records, least, least_kept)
+    stats = _stats(space, result, (t0, t1, t2, t3), n_opts, (overlap, hidden), records, least, least_kept)
     typed = [NodeRecord.from_dict(r) for r in records]
     latencies = step_latencies(typed, mesh_shape, axis_names, cluster)
     return IntraOpResult(
@@ -338,7 +338,8 @@ def plan_intra_op(
 def _decoded_records(cap, space, choice, axis_names, redo, regions, optimizer, activation_copies, holds_gradient_sums):
     """The plan's records under the solver's ``choice``, with each node's exact memory fields
     (:func:`passes.plan.memory_accounting.memory_fields`), its grid labels, and the prefetched gathers'
-    credit: (records, seconds of gathers overlapped)."""
+    credit: (records, (seconds of gathers overlapped, seconds of gradient reductions hidden by
+    backward's compute))."""
     graph, blocks = cap.graph, space.blocks
     choices = _choices(graph, space, blocks, choice)
     records = _records(cap, space, blocks, choices, axis_names, redo, regions, activation_copies)
@@ -359,10 +360,11 @@ def _decoded_records(cap, space, choice, axis_names, redo, regions, optimizer, a
     multidim_tp.label_records(records, space.mesh_shape)
     # weight gathers started ahead of their use (passes/lower/prefetch_gathers.py), at the measured overlap
     overlap = credit_prefetch(records, getattr(space.cluster, "prefetch_overlap", 1.0))
+    hidden = 0.0
     if not holds_gradient_sums:  # buckets reduced beside backward (a pipeline stage holds its syncs)
-        credit_bucket_overlap(records, space.mesh_shape, axis_names)
-
-    return records, overlap
+        reductions = credit_bucket_overlap(records, space.mesh_shape, axis_names)
+        hidden = reductions.total_s - reductions.exposed_s
+    return records, (overlap, hidden)
 
 
 def _log_space(log, space, seconds: float) -> int:
@@ -404,10 +406,12 @@ def _no_plan(result, space, budget, host_budget, redo, time_limit, least) -> NoR
     )
 
 
-def _stats(space, result, times, n_opts, overlap, records, least, least_kept) -> dict:
+def _stats(space, result, times, n_opts, credits, records, least, least_kept) -> dict:
     """The plan's ``stats``: phase times (``times``: start, space built, solved, decoded), the
-    space's size, the solver's objective and gap, and the memory floors."""
+    space's size, the solver's objective and gap, the overlap credits (``credits``: prefetched
+    gathers, gradient reductions) and the memory floors."""
     t0, t1, t2, t3 = times
+    overlap, hidden = credits
     stats = {
         "build_s": t1 - t0,
         "solve_s": t2 - t1,
@@ -418,6 +422,7 @@ def _stats(space, result, times, n_opts, overlap, records, least, least_kept) ->
         "edges": len(space.edges),
         "objective_s": result.objective,
         "prefetch_overlap_s": overlap,
+        "bucket_overlap_s": hidden,
         "optimizer_step_s": sum(r.get("optimizer_step_s", 0.0) for r in records),
         "pruned_options": space.pruned,
         "least_memory": least,
