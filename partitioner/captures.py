@@ -50,8 +50,9 @@ from passes.analysis.expert_routing import measure_routing
 from passes.capture.capture import describe_captured
 from passes.capture.capture_blocks import capture_model
 from passes.capture.eager_attention import fuse_for
+from passes.plan.split_stages import assign_stages, split_stages
 
-__all__ = ["capture", "captured", "keep_captures", "kept"]
+__all__ = ["capture", "captured", "captured_stages", "keep_captures", "kept"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,28 @@ def captured(
     if not made and timings is not None:
         timings.update(capture_s=0.0, analysis_s=0.0)
     return cap
+
+
+def captured_stages(model, microbatch, stages: int, *, layers, autocast_dtype, sequence_parallel) -> tuple:
+    """A pipeline's capture: ``model`` exported on one ``microbatch``, analysed, eager attention
+    fused where ring or Ulysses is forced, and cut into ``stages`` at layer boundaries:
+    (capture, stage graphs, layer runs). Kept like :func:`captured` (keyed also by ``stages``): the
+    pipeline builder and a pipeline serving another microbatch shape
+    (:class:`partitioner.pipeline_shapes.StageShapes`) both come here."""
+    sequence_parallel = sequence_parallel or "auto"
+
+    def make():
+        cap = capture_model(model, microbatch, layers=layers, autocast_dtype=autocast_dtype)
+        analyze(cap)
+        fuse_for(cap, sequence_parallel)
+        stage_of, runs = assign_stages(cap, stages)
+        graphs = split_stages(cap, stage_of, runs)
+        for g in graphs:
+            analyze(g.captured)
+        logger.info("pipeline: layers per stage %s", [list(run) for run in runs])
+        return cap, graphs, runs
+
+    return kept(model, microbatch, ("stages", stages, layers, autocast_dtype, sequence_parallel), make)
 
 
 def kept(model, example_inputs, what: tuple, make):

@@ -3,7 +3,8 @@
 The cost model prices everything in seconds from these numbers (decision 4 in docs/ARCHITECTURE.md):
 
 * compute: ``flops / (peak_flops[dtype] * matmul_efficiency)`` for contractions (or the
-  fraction of peak ``matmul_curve`` gives at the op's FLOPs per byte, where measured), and
+  fraction of peak ``matmul_curve`` gives at the op's FLOPs per byte, where measured; their
+  backward and weight-pass products at ``backward_curve`` and ``weight_curve``), and
   ``bytes / memory_bandwidth`` for memory-bound ops (the larger of the two wins); an op with a
   measured rate (``op_rates``: attention, activations, normalisations) computes at that rate;
   plus ``op_overhead_s`` per op (the framework's dispatch; 0 in the GPU presets), and
@@ -120,6 +121,15 @@ class ClusterSpec:
     ...]`` in increasing intensity, read piecewise linearly in log intensity, flat beyond the
     ends (:func:`passes.plan.cost_model.matmul_fraction`). Measured by ``partitioner calibrate``;
     empty (the presets): ``matmul_efficiency`` for every shape."""
+    backward_curve: dict = field(default_factory=dict)
+    """Per dtype, as :attr:`matmul_curve` (fractions of ``peak_flops`` by the forward product's
+    intensity): the rate of each of a contraction's backward products (input and weight
+    gradients, priced at the forward's FLOPs each), timed as autograd runs a linear layer's
+    backward (``partitioner calibrate``: :mod:`partitioner.calibration.measure_backward`); empty
+    (the presets): :attr:`matmul_curve`."""
+    weight_curve: dict = field(default_factory=dict)
+    """As :attr:`backward_curve`, for the weight gradient's product alone, as a zero-bubble ``W``
+    pass computes it (:func:`passes.plan.cost_model.weight_pass_time`); empty: :attr:`matmul_curve`."""
     op_rates: dict = field(default_factory=dict)
     """Per dtype, by op name (``aten.gelu``, ``aten.layer_norm``, ``aten.scaled_dot_product_attention``,
     ``aten.scaled_dot_product_attention:causal``, as :func:`passes.rules.base.rate_key` gives it):
@@ -195,8 +205,8 @@ class ClusterSpec:
         return self.intra_node if span <= self.devices_per_node else self.inter_node
 
     def to_dict(self) -> dict:
-        """The spec as JSON data; the host's cores only where recorded (a file or plan written
-        before they were reads back as the same spec, and writes the same JSON)."""
+        """The spec as JSON data; the host's cores and the backward's curves only where recorded (a
+        file or plan written before they were reads back as the same spec, and writes the same JSON)."""
         data = dataclasses.asdict(self)
         for name, default in _UNSET_UNLESS_GIVEN.items():
             if data[name] == default:
@@ -222,7 +232,7 @@ class ClusterSpec:
         return cls(**data)
 
 
-_UNSET_UNLESS_GIVEN = {"cores_per_node": None, "core_share": 1.0}
+_UNSET_UNLESS_GIVEN = {"cores_per_node": None, "core_share": 1.0, "backward_curve": {}, "weight_curve": {}}
 """Fields :meth:`ClusterSpec.to_dict` leaves out at their defaults."""
 
 

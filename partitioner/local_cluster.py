@@ -169,6 +169,8 @@ def _single_rank_cpu() -> ClusterSpec:
         inter_node=link,
         collective_overhead_s=0.0,
         matmul_curve=compute["matmul_curve"],
+        backward_curve=compute["backward_curve"],
+        weight_curve=compute["weight_curve"],
         op_rates=compute["op_rates"],
         optimizer_steps=compute["optimizer_steps"],
         op_overhead_s=compute["op_overhead_s"],

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import passes.schedules as ps
-from partitioner.captures import kept
+from partitioner.captures import captured_stages
 from partitioner.core_sharing import stage_plans_cores
 from partitioner.intra_op import plan_captured, resolve_pins
 from partitioner.options import PlanOptions
@@ -30,11 +30,8 @@ from partitioner.pipeline_shapes import StageShapes, receive_buffers
 from partitioner.sharding_plan import ShardingPlan
 from partitioner.stage_boundaries import plan_stages_in_turn, shared_weights
 from partitioner.weights import load_local_weights
-from passes.analysis.analyze import analyze, info
-from passes.capture.capture_blocks import capture_model
-from passes.capture.eager_attention import fuse_for
+from passes.analysis.analyze import info
 from passes.lower.lower_to_local import lower_to_local
-from passes.plan.split_stages import assign_stages, split_stages
 from passes.rules import tensor_input_nodes
 from runtime.collectives import MeshComm, on_rank0
 from runtime.pipeline import PipelineRunner, StageProgram
@@ -245,27 +242,12 @@ def capture_pipeline(model, example_inputs, pipeline, **options) -> tuple:
 
 
 def _capture_stages(model, example_inputs, config, stages, layers, precision=None, sequence_parallel="auto") -> tuple:
-    """Capture on one microbatch (``layers``: as :func:`passes.capture.capture_blocks.capture_model`),
-    fuse eager attention where ring or Ulysses is forced, and cut into ``stages`` at layer
-    boundaries: (capture, stage graphs, layer runs); kept inside ``keep_captures``."""
+    """:func:`partitioner.captures.captured_stages` on one microbatch of ``example_inputs``."""
     autocast_dtype = precision.autocast_dtype if precision is not None else None
     microbatch = _microbatch(example_inputs, config.microbatches)
-    what = ("stages", stages, layers, autocast_dtype, sequence_parallel or "auto")
-    return kept(
-        model, microbatch, what, lambda: _cut(model, microbatch, stages, layers, autocast_dtype, sequence_parallel)
+    return captured_stages(
+        model, microbatch, stages, layers=layers, autocast_dtype=autocast_dtype, sequence_parallel=sequence_parallel
     )
-
-
-def _cut(model, microbatch, stages, layers, autocast_dtype, sequence_parallel) -> tuple:
-    cap = capture_model(model, microbatch, layers=layers, autocast_dtype=autocast_dtype)
-    analyze(cap)
-    fuse_for(cap, sequence_parallel)
-    stage_of, runs = assign_stages(cap, stages)
-    graphs = split_stages(cap, stage_of, runs)
-    for g in graphs:
-        analyze(g.captured)
-    logger.info("pipeline: layers per stage %s", [list(run) for run in runs])
-    return cap, graphs, runs
 
 
 def _stage_mesh(full, device_mesh):

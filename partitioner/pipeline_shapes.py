@@ -6,7 +6,8 @@ microbatches like ``torch.tensor_split`` (the first ``B % m`` one sample more, e
 loss weighted by its share of the samples); a microbatch of other shapes than the captured one
 asks :class:`StageShapes` for programs, once per shape:
 
-1. capture the model on that microbatch and cut it into stages as the pipeline was cut;
+1. capture the model on that microbatch and cut it into stages as the pipeline was cut
+   (:func:`partitioner.captures.captured_stages`: inside ``keep_captures`` a parent may have made it);
 2. check that every stage has the structure it was planned with (ops, wiring, weights:
    :func:`passes.capture.capture.graph_fingerprint` without shapes) and the same names, and that each
    rank still gets a piece of every sharded dim (:func:`passes.analysis.shape_check.check_servable`; a
@@ -25,14 +26,12 @@ from __future__ import annotations
 
 import logging
 
-from passes.analysis.analyze import analyze, info
+from partitioner.captures import captured_stages
+from passes.analysis.analyze import info
 from passes.analysis.shape_check import check_servable
 from passes.capture.capture import graph_fingerprint
-from passes.capture.capture_blocks import capture_model
-from passes.capture.eager_attention import fuse_for
 from passes.core.placements import parse_spec, rank_local_shape
 from passes.lower.lower_to_local import lower_to_local
-from passes.plan.split_stages import assign_stages, split_stages
 from runtime.reshard import Reshard
 
 __all__ = ["StageShapes", "receive_buffers"]
@@ -64,14 +63,15 @@ class StageShapes:
 
     def __call__(self, microbatch) -> tuple:
         autocast_dtype = self.precision.autocast_dtype if self.precision is not None else None
-        cap = capture_model(self.model, microbatch, layers=self.layers, autocast_dtype=autocast_dtype)
-        analyze(cap)
-        fuse_for(cap, self.sequence_parallel)
-        stage_of, runs = assign_stages(cap, len(self.graphs))
-        graphs = split_stages(cap, stage_of, runs)
+        cap, graphs, _ = captured_stages(
+            self.model,
+            microbatch,
+            len(self.graphs),
+            layers=self.layers,
+            autocast_dtype=autocast_dtype,
+            sequence_parallel=self.sequence_parallel,
+        )
         shapes = {info(n).name: tuple(info(n).shape) for n in cap.graph.nodes if info(n).kind == "input"}
-        for g in graphs:
-            analyze(g.captured)
         self._check_structure(graphs, shapes)
         records = [{r["name"]: r for r in plan.records} for plan in self.plans]
         for g, stage_records in zip(graphs, records):  # every stage on every rank: all refuse alike

@@ -4,7 +4,8 @@ A lowered program bakes in the shapes and the training mode it was captured with
 time a :class:`runtime.parallel_module.ParallelModule` is called with another (mode, input
 shapes) pair, it asks a :class:`Specializer` for a program that serves it, and keeps it:
 
-1. capture the user's model in that mode on inputs of those shapes (its mode is put back after);
+1. capture the user's model in that mode on inputs of those shapes (its mode is put back after;
+   :func:`partitioner.captures.captured`, so inside ``keep_captures`` a parent may have made it);
 2. if the graph has the plan's structure (the same ops and wiring: another batch or sequence
    size), the plan's own records serve it, once :func:`passes.analysis.shape_check.check_servable` has
    found every rank a piece of each sharded dim (a dim that no longer divides is cut unevenly,
@@ -28,11 +29,10 @@ import logging
 
 import torch
 
-from passes.analysis.analyze import analyze, info
+from partitioner.captures import captured
+from passes.analysis.analyze import info
 from passes.analysis.shape_check import check_servable
 from passes.capture.capture import graph_fingerprint
-from passes.capture.capture_blocks import capture_model
-from passes.capture.eager_attention import fuse_for
 from passes.core.placements import format_spec, parse_spec
 from passes.lower.lower_to_local import lower_to_local, strided_parameters
 from passes.rules import op_name
@@ -73,15 +73,14 @@ class Specializer:
                 "inputs the way the example inputs were passed"
             )
         with in_mode(self.model, training):
-            cap = capture_model(
+            cap = captured(
                 self.model,
                 dict(kwargs) if kwargs else tuple(args),
                 layers=self.layers,
                 autocast_dtype=self.plan.precision.autocast_dtype,
+                sequence_parallel=self.plan.data.get("sequence_parallel"),
                 expert_capacity=self.plan.data.get("expert_capacity"),
             )
-        analyze(cap)
-        fuse_for(cap, self.plan.data.get("sequence_parallel") or "auto")
         shapes = {info(n).name: info(n).shape for n in cap.graph.nodes if info(n).kind == "input"}
         mode = "train" if training else "eval"
         if self.structure is not None and graph_fingerprint(cap, shapes=False) == self.structure:

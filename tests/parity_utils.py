@@ -514,3 +514,21 @@ def run_checked(worker, cfg, timeout_s, *, prebuild=None):
     failures = [f for r in results for f in r["failures"]]
     assert not failures, f"{len(failures)} mismatches, first ones:\n" + "\n".join(failures[:12])
     return results
+
+
+def capture_served(model, served: list, **options) -> None:
+    """Inside ``keep_captures`` (a ``built_in_parent`` factory): capture ``model`` as the module that
+    ``auto_parallelize(model, example, **options)`` makes will when it is called on each of ``served``
+    (other batch or sequence sizes): the whole model at those shapes
+    (``partitioner.specialize``), or a pipeline's stages at each distinct microbatch of them, cut
+    like the runner's ``torch.tensor_split`` (``partitioner.pipeline_shapes``). Forked ranks then
+    take these instead of exporting the model once per rank and shape."""
+    pipeline = options.pop("pipeline", None)
+    for inputs in served:
+        if pipeline is None:
+            capture(model, inputs, **options)
+            continue
+        pieces = {k: v.tensor_split(pipeline["microbatches"], dim=0) for k, v in inputs.items()}
+        for i in range(pipeline["microbatches"]):
+            # one microbatch as a whole batch of one microbatch: the stages the runner asks for
+            capture_pipeline(model, {k: p[i] for k, p in pieces.items()}, {**pipeline, "microbatches": 1}, **options)

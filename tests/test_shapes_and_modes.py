@@ -13,9 +13,21 @@ import copy
 
 import pytest
 import torch
-from parity_utils import Checks, adam_in_lockstep, call, check_grads_by_alias, loss_of, pins_for, run_checked
+from parity_utils import (
+    Checks,
+    adam_in_lockstep,
+    call,
+    capture_served,
+    check_grads_by_alias,
+    loss_of,
+    pins_for,
+    prebuilt,
+    run_checked,
+)
 
 from partitioner import hf_families, models
+from partitioner.captures import capture as capture_for_call
+from partitioner.specialize import in_mode
 from passes.analysis.analyze import analyze
 from passes.analysis.shape_check import ShapeMismatchError, check_divisible
 from passes.capture.capture import capture, graph_fingerprint
@@ -34,7 +46,7 @@ def shapes_worker(rank, world, cfg):
     import partitioner
 
     checks = Checks(rank)
-    model, example = _llama(8, 64)
+    model, example = prebuilt("llama") or _llama(8, 64)
     ref = copy.deepcopy(model)
     # data parallel on axis 0, Megatron with sequence-parallel norms on axis 1: batch and
     # sequence are both cut, so both new sizes exercise the divisibility rule
@@ -72,9 +84,20 @@ def shapes_worker(rank, world, cfg):
     return result
 
 
+def _built_and_served(shapes):
+    """The model, captured here at the example shape and at every shape the ranks' module serves
+    (the train steps' shapes, batch 5, and batch 6 / sequence 48 in eval mode), before forking."""
+    model, example = _llama(8, 64)
+    capture_served(model, [_llama(b, s)[1] for b, s in [*shapes, (5, 64)]])
+    with in_mode(model, False):
+        capture_for_call(model, _llama(6, 48)[1])
+    return model, example
+
+
 def test_plan_at_batch_8_seq_64_serves_batch_6_and_seq_48():
     shapes = [(6, 64), (8, 48), (6, 48), (6, 64)]
-    results = run_checked(shapes_worker, {"mesh": (2, 2), "shapes": shapes}, TIMEOUT_S)
+    results = run_checked(shapes_worker, {"mesh": (2, 2), "shapes": shapes}, TIMEOUT_S,
+                          prebuild=("llama", lambda: _built_and_served(shapes)))
     for r in results:
         # the example shape, four new ones (the repeated one is served from the cache)
         assert r["variants"] == 5, r["variants"]

@@ -17,6 +17,7 @@ from parity_utils import (
     Checks,
     adam_in_lockstep,
     call,
+    capture_served,
     check_grads_by_alias,
     loss_of,
     pins_for,
@@ -96,8 +97,17 @@ def uneven_worker(rank, world, cfg):
 
 def _check(cfg, refusal=("input 'input_ids'", "dim 0", "no element")):
     # the model built and captured here at the planned shape (a pipeline: its stages), once for every rank
+    # and at every shape the ranks' module will be called with (the batch too small for it included:
+    # it is captured, then refused)
     options = {"pipeline": cfg["pipeline"]} if cfg.get("pipeline") else {}
-    prebuild = ("uneven", lambda: (FACTORIES[cfg["model"]]()[0], _batch(8, 32)), options)
+    shapes = cfg["shapes"] + ([(cfg["too_small"], 24)] if cfg.get("too_small") else [])
+
+    def made():
+        model = FACTORIES[cfg["model"]]()[0]
+        capture_served(model, [_batch(b, s) for b, s in shapes], **options)
+        return model, _batch(8, 32)
+
+    prebuild = ("uneven", made, options)
     results = run_checked(uneven_worker, cfg, TIMEOUT_S, prebuild=prebuild)
     for r in results if cfg.get("too_small") else ():
         assert len(r["errors"]) == 1, f"batch {cfg['too_small']} must be refused on rank {r['rank']}"

@@ -7,8 +7,8 @@ Algorithm
    a job: on a machine with fewer cores than ranks, each rank's share of the cores is its device.
 2. **Compute.** Every rank times ``torch.mm`` of ``n x n`` matrices for each dtype and size, an
    elementwise ``add`` over buffers of several sizes, and forward + backward of fx programs of
-   ``k`` tiny elementwise ops that require grad (the mean of ``trials`` timed loops, slowest
-   rank: the mean, as a step meets the machine's average share, not its best moment). The
+   ``k`` tiny elementwise ops that require grad (the median of ``trials`` timed loops, slowest
+   rank: not the best loop, as a step meets the machine's typical share, not its best moment). The
    cost model prices an op as ``op_overhead_s + max(flops / peak[dtype], bytes /
    memory_bandwidth)`` in forward and again per backward product
    (:func:`passes.plan.cost_model.compute_time`): the programs' time per op (a line ``t = a + k *
@@ -21,6 +21,14 @@ Algorithm
    intensity), which the cost model reads piecewise linearly in ``log I``: a narrow product (a
    tensor-parallel shard, a small head dimension) is priced at the rate its shape reaches, not at
    the square matmuls' peak.
+   **A contraction's backward.** Every matmul shape is also timed as a linear layer's backward
+   and zero-bubble weight pass through autograd (:mod:`~partitioner.calibration.measure_backward`:
+   transposed operands, a reduction over the tokens, the bias sum, ``.grad`` stores, autograd's
+   own work), and each gives a curve of the same kind, ``backward_curve`` and ``weight_curve``
+   (:func:`~partitioner.calibration.fit.pass_curves`): the rate of each backward product (the
+   forward's FLOPs) beyond the fixed cost the cost model adds to it, as a fraction of the same
+   peak, by the forward product's intensity. The cost model prices a contraction's backward
+   products and its ``W`` pass at them (``compute_time(..., product="backward" / "weight")``).
    **Rated ops.** Ops that reach neither the matmul curve nor memory bandwidth (on a CPU:
    activations whose ``erf``, ``exp`` or ``tanh`` dominate, normalisations with several passes
    over their input, a fused attention's blocked kernel) are timed forward + backward through
@@ -83,7 +91,8 @@ The cluster file is JSON: ``{"cluster": ClusterSpec fields, "samples": {...}, "m
 ``cluster=<path>`` reads it everywhere (``partitioner.get_cluster``).
 
 Modules: :mod:`~partitioner.calibration.sizes` (what is measured), :mod:`~partitioner.calibration.timing`
-(timing loops), :mod:`~partitioner.calibration.measure_compute` (step 2),
+(timing loops), :mod:`~partitioner.calibration.measure_compute` and
+:mod:`~partitioner.calibration.measure_backward` (step 2),
 :mod:`~partitioner.calibration.measure_collectives` (step 3), :mod:`~partitioner.calibration.measure`
 (every rank's samples, repeated passes), :mod:`~partitioner.calibration.fit` (step 4) and
 :mod:`~partitioner.calibration.calibrate` (the command: measure, fit, write the cluster file).

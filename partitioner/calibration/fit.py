@@ -72,9 +72,10 @@ def fit_compute(samples: dict) -> dict:
             if s["dtype"] == dtype:
                 rates.setdefault(matmul_intensity(s), []).append(s["flops"] / max(s["s"] - call, 1e-12))
         peaks[dtype] = max(max(r) for r in rates.values())
-        curves[dtype] = [[x, sum(r) / len(r) / peaks[dtype]] for x, r in sorted(rates.items())]
+        curves[dtype] = _curve(rates, peaks[dtype])
     if "float32" not in peaks:
         raise ValueError("calibrate: the fit needs float32 matmul times (the default for other dtypes)")
+    passes = samples.get("contraction_passes", [])
     # per byte, the median over sizes (one noisy size must not set it; a relative least-squares
     # line through the origin follows the cheapest sample)
     fresh = sorted(max(s["s"] - s["kept_s"], 0.0) / s["bytes"] for s in samples.get("fresh", []))
@@ -86,8 +87,35 @@ def fit_compute(samples: dict) -> dict:
         "memory_bandwidth": 1.0 / per_byte,
         "peak_flops": {**{d: peaks["float32"] for d in ("bfloat16", "float16")}, **peaks},
         "matmul_curve": curves,
+        "backward_curve": pass_curves(passes, "backward_s", 2, per_op / 2, peaks),
+        "weight_curve": pass_curves(passes, "weight_s", 1, per_op / 2, peaks),
         "fresh_page_s_per_byte": max(fresh_per_byte, 0.0),
     }
+
+
+def _curve(rates: dict, peak: float) -> list:
+    """``[[intensity, fraction of peak], ...]`` in increasing intensity from FLOP/s by intensity
+    (the mean where shapes share one)."""
+    return [[x, sum(r) / len(r) / peak] for x, r in sorted(rates.items())]
+
+
+def pass_curves(samples: list, key: str, products: int, op_overhead_s: float, peaks: dict) -> dict:
+    """``ClusterSpec.backward_curve`` (``key="backward_s"``, two products: the input's and the
+    weight's gradient) or ``ClusterSpec.weight_curve`` (``"weight_s"``, the weight's product) from
+    :func:`~partitioner.calibration.measure_backward.contraction_pass_samples`: per dtype, the
+    fraction of the dtype's matmul peak at which a product of the forward's FLOPs ran, beyond
+    the fixed cost the cost model adds per product (``op_overhead_s``; the weight pass's call one
+    more, :func:`passes.plan.cost_model.weight_pass_time`), by the forward product's intensity,
+    so the cost model prices every sample at the time it took (the test checks it). A sample
+    that is all fixed cost (95% or more) rates nothing; a dtype without a float32 peak of its
+    own reads float32's."""
+    rates: dict = {}
+    for s in samples:
+        work = s[key] - 2 * op_overhead_s  # backward: one per product; the W pass: its product's and its call's
+        if work <= 0.05 * s[key]:
+            continue
+        rates.setdefault(s["dtype"], {}).setdefault(matmul_intensity(s), []).append(products * s["flops"] / work)
+    return {dtype: _curve(r, peaks.get(dtype, peaks["float32"])) for dtype, r in sorted(rates.items())}
 
 
 def op_rates(samples: list, op_overhead_s: float) -> dict:
@@ -168,6 +196,8 @@ def fit(samples: dict, *, ranks: int, name: str = "calibrated", memory_bytes: in
         collective_overhead_s=overhead,
         matmul_efficiency=1.0,
         matmul_curve=compute["matmul_curve"],
+        backward_curve=compute["backward_curve"],
+        weight_curve=compute["weight_curve"],
         op_rates=compute["op_rates"],
         optimizer_steps=compute["optimizer_steps"],
         fresh_page_s_per_byte=compute["fresh_page_s_per_byte"],

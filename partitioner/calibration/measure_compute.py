@@ -7,19 +7,21 @@ import logging
 import os
 from collections.abc import Callable
 
+from partitioner.calibration.measure_backward import contraction_pass_samples, matmul_shapes
 from partitioner.calibration.timing import timed
 
 logger = logging.getLogger(__name__)
 
 
 def compute_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = None) -> dict:
-    """Matmul and elementwise timings (``sync``: see :func:`timed`)."""
+    """Matmul, elementwise, program, linear backward (:mod:`~partitioner.calibration.measure_backward`),
+    rated op and optimizer timings (``sync``: see :func:`timed`)."""
     import torch
 
     say = say or (lambda message: None)
     seconds, trials = sizes["seconds"], sizes["trials"]
     out: dict = {"matmul": [], "elementwise": [], "chains": []}
-    shapes = [(n, n, n) for n in sizes["matmul"]] + [tuple(s) for s in sizes.get("matmul_shapes", ())]
+    shapes = matmul_shapes(sizes)
     for dtype_name in sizes["dtypes"]:
         dtype = getattr(torch, dtype_name)
         for m, k, n in shapes:
@@ -40,6 +42,7 @@ def compute_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = 
         t = timed(lambda program=program, x=x: program(x).sum().backward(), seconds, trials, sync)
         out["chains"].append({"ops": ops, "s": t})
         say(f"fx program of {ops} tiny ops, forward + backward: {t * 1e6:.1f} us, {t / ops * 1e6:.1f} us per op")
+    out["contraction_passes"] = contraction_pass_samples(sizes, sync, say)
     if "op_tokens" in sizes:
         out["ops"] = op_samples(sizes, sync, say)
     if "optimizer" in sizes:

@@ -12,7 +12,14 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send
 
 DEFAULT_SIZES = {
     "matmul": (64, 128, 256, 512),
-    "matmul_shapes": ((512, 64, 512), (2048, 64, 256), (1024, 256, 64), (2048, 256, 1024), (512, 1024, 128)),
+    "matmul_shapes": (
+        (512, 64, 512),
+        (2048, 64, 256),
+        (1024, 256, 64),
+        (2048, 256, 1024),
+        (512, 1024, 128),
+        (1024, 512, 1024),
+    ),
     "dtypes": ("float32", "bfloat16"),
     "elementwise": (1 << 10, 1 << 14, 1 << 18, 1 << 21),
     "chains": (8, 32, 128),
@@ -38,13 +45,13 @@ each)``)."""
 
 QUICK_SIZES = {
     "matmul": (128, 256, 512),
-    "matmul_shapes": ((512, 64, 512), (2048, 64, 256), (1024, 256, 64), (512, 1024, 128)),
+    "matmul_shapes": ((512, 64, 512), (2048, 64, 256), (1024, 256, 64), (512, 1024, 128), (1024, 512, 1024)),
     "dtypes": ("float32", "bfloat16"),
     "elementwise": (1 << 12, 1 << 18, 1 << 21),
     "chains": (8, 64),
     "payloads": (1 << 12, 1 << 16, 1 << 20, 1 << 22),
-    "trials": 2,
-    "seconds": 0.02,
+    "trials": 3,
+    "seconds": 0.015,
     "burst": 2e-3,
     "fresh": (1 << 19, 1 << 21, 1 << 23),
     "waits": (1e-2, 5e-2),
@@ -55,7 +62,12 @@ QUICK_SIZES = {
 }
 """What ``cluster="cpu"`` measures when no calibration is installed (:mod:`partitioner.local_cluster`):
 every figure of :data:`DEFAULT_SIZES`, on fewer sizes and shorter loops (about half a minute for
-2 ranks on a 2-core machine)."""
+2 ranks on a 2-core machine). Three loops per figure, their median
+(:func:`partitioner.calibration.timing.timed`): two loops' mean moved the priced matmuls of a GPT
+layer by 5% between measurements (max - min over four, in CPU time), three loops' median by 2-3%,
+for about a tenth more time. The ``1024 x 512 x 1024`` product is the intensity (128 FLOPs per
+byte) of a GPT layer's linears at 512 tokens, beyond the squares' 85, where its backward runs
+faster than at 85 (read flat beyond the last point, it was priced 10-15% high)."""
 
 TINY_SIZES = {
     "matmul": (16, 32),

@@ -4,17 +4,19 @@ seconds inside a call that follows a burst of work (a collective as a training s
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 
 logger = logging.getLogger(__name__)
 
 
 def timed(fn, seconds: float, trials: int, sync=None) -> float:
-    """Seconds per call of ``fn``: the mean over ``trials`` loops of about ``seconds`` each (not
-    the best: on a shared machine the best loop is the moment the rank had a core to itself,
-    while a training step meets the average share). With ``sync`` (max over ranks, which also
-    lines the ranks up) every rank makes the same calls and each loop counts as long as its
-    slowest rank's."""
+    """Seconds per call of ``fn``: the median over ``trials`` loops of about ``seconds`` each (the
+    mean of two; not the best: on a shared machine the best loop is the moment the rank had a
+    core to itself, while a training step meets the typical share; with three or more, one loop
+    spoiled by another job's burst does not move the figure). With ``sync`` (max over ranks,
+    which also lines the ranks up) every rank makes the same calls and each loop counts as long
+    as its slowest rank's."""
     fn()
     start = time.perf_counter()
     for _ in range(3):
@@ -23,7 +25,7 @@ def timed(fn, seconds: float, trials: int, sync=None) -> float:
     reps = max(1, min(10000, int(seconds / max(per, 1e-9))))
     if sync is not None:
         reps = int(sync(float(reps)))
-    total = 0.0
+    loops = []
     for _ in range(trials):
         if sync is not None:
             sync(0.0)
@@ -31,8 +33,8 @@ def timed(fn, seconds: float, trials: int, sync=None) -> float:
         for _ in range(reps):
             fn()
         elapsed = (time.perf_counter() - start) / reps
-        total += sync(elapsed) if sync is not None else elapsed
-    return total / trials
+        loops.append(sync(elapsed) if sync is not None else elapsed)
+    return statistics.median(loops)
 
 
 def timed_after(work, fn, seconds: float, trials: int, agree, mean) -> float:

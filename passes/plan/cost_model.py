@@ -204,22 +204,32 @@ def collective_kind(p, q):
 
 
 def compute_time(
-    flops: float, mem_bytes: float, dtype, contraction: bool, cluster, op: str | None = None, shape=None
+    flops: float,
+    mem_bytes: float,
+    dtype,
+    contraction: bool,
+    cluster,
+    op: str | None = None,
+    shape=None,
+    *,
+    product: str = "forward",
 ) -> float:
     """Roofline: the slower of math and memory traffic, plus the cluster's fixed cost of one op
     (an op that neither computes nor moves memory, a view, costs nothing). A contraction runs at
-    the fraction of peak the cluster's ``matmul_curve`` gives at its FLOPs per byte
-    (``flops / mem_bytes``; :func:`matmul_fraction`). An op the cluster has a measured rate for
-    (``op_rates[dtype][op]``, ``op`` its name as :func:`passes.rules.base.rate_key` gives it: a
-    fused attention, an activation whose ``erf`` or ``exp`` costs more than its memory traffic
-    on a CPU) computes at that rate instead; a rate measured over a grid of shapes is read at
-    ``shape`` (:func:`measured_rate`)."""
+    the fraction of peak the cluster's curve for ``product`` gives at its FLOPs per byte
+    (``flops / mem_bytes``; :func:`matmul_fraction`): ``"forward"``, or one of the backward's
+    products (``"backward"``, ``"weight"``: priced at the forward's FLOPs and bytes). An op the
+    cluster has a measured rate for (``op_rates[dtype][op]``, ``op`` its name as
+    :func:`passes.rules.base.rate_key` gives it: a fused attention, an activation whose ``erf``
+    or ``exp`` costs more than its memory traffic on a CPU) computes at that rate instead; a rate
+    measured over a grid of shapes is read at ``shape`` (:func:`measured_rate`)."""
     name = str(dtype).replace("torch.", "") if dtype is not None else "float32"
     rate = measured_rate(cluster, name, op, shape) if op else None
     if rate:
         peak = rate
     elif contraction:
-        peak = cluster.flops_for(name) * matmul_fraction(cluster, name, flops / mem_bytes if mem_bytes else math.inf)
+        intensity = flops / mem_bytes if mem_bytes else math.inf
+        peak = cluster.flops_for(name) * matmul_fraction(cluster, name, intensity, product)
     else:
         peak = cluster.flops_for("float32") * cluster.matmul_efficiency
     roof = max(flops / peak, mem_bytes / cluster.memory_bandwidth)
@@ -303,7 +313,8 @@ def weight_pass_time(contraction: bool, forward_s: float, backward_s: float, clu
     """Seconds a zero-bubble ``W`` pass spends on one op that meets a parameter needing a
     gradient (:meth:`runtime.pipeline.StageProgram.weight_meeting_points`: the runtime calls
     ``autograd.backward`` from the op's output to its parameters, once per such op): a
-    contraction's weight product (the forward's FLOPs, ``forward_s``), any other op's weight
+    contraction's weight product (``forward_s``: the forward's FLOPs priced as the weight pass's
+    product, :func:`compute_time`'s ``product="weight"``), any other op's weight
     gradients at the price of its backward (a norm's weight and bias gradients, an embedding's, a
     bias add's: the pass re-reads the op's input and output gradient), plus the cluster's fixed
     cost of one op for the call itself. Never more than the op's backward (``backward_s``): it is
@@ -324,11 +335,23 @@ def grad_accumulate_time(grad_bytes: float, microbatches: int, cluster) -> float
     return add * (microbatches - 1) / microbatches
 
 
-def matmul_fraction(cluster, dtype_name: str, intensity: float) -> float:
-    """The fraction of peak a contraction of ``intensity`` FLOPs per byte reaches: the cluster's
-    ``matmul_curve`` for the dtype (else float32's), piecewise linear in log intensity between its
-    points and flat beyond them; ``matmul_efficiency`` without a curve."""
-    curve = cluster.matmul_curve.get(dtype_name) or cluster.matmul_curve.get("float32")
+_PRODUCT_CURVES = {"forward": "matmul_curve", "backward": "backward_curve", "weight": "weight_curve"}
+"""The cluster's curve for each product of a contraction (:func:`compute_time`'s ``product``)."""
+
+
+def matmul_fraction(cluster, dtype_name: str, intensity: float, product: str = "forward") -> float:
+    """The fraction of peak a contraction's ``product`` (see :func:`compute_time`) of ``intensity``
+    FLOPs per byte reaches: the cluster's curve for it and the dtype (else float32's; a backward
+    product without a curve of its own: the forward's), piecewise linear in log intensity between
+    its points and flat beyond them; ``matmul_efficiency`` without a curve."""
+    if product not in _PRODUCT_CURVES:
+        raise ValueError(f"unknown contraction product {product!r}: one of {sorted(_PRODUCT_CURVES)}")
+    curve = None
+    for name in dict.fromkeys((_PRODUCT_CURVES[product], "matmul_curve")):
+        curves = getattr(cluster, name, None) or {}
+        curve = curves.get(dtype_name) or curves.get("float32")
+        if curve:
+            break
     if not curve:
         return cluster.matmul_efficiency
     if intensity <= curve[0][0]:

@@ -208,21 +208,17 @@ class SpaceBuilder:
                     nbytes = local_bytes(shape, spec, self.mesh, dtype_bytes(i.dtype))
                     mem_bytes += nbytes
                     alloc_fwd += allocation_time(nbytes, self.cluster)
-        fwd = compute_time(
-            i.flops / split * rule.work_scale(op, strategy, self.mesh),
-            mem_bytes,
-            i.dtype,
-            rule.contraction,
-            self.cluster,
-            i.rate_key,
-            rule.rate_shape(op, strategy, self.mesh),
-        )
+        work = (i.flops / split * rule.work_scale(op, strategy, self.mesh), mem_bytes, i.dtype, rule.contraction)
+        where = (self.cluster, i.rate_key, rule.rate_shape(op, strategy, self.mesh))
+        fwd = compute_time(*work, *where)
         bwd = weight = 0.0
-        if i.requires_grad:
+        if i.requires_grad:  # a contraction's backward products at their own measured rates
             grads_in = sum(1 for a in self.inputs_of(node) if info(a).requires_grad)
-            bwd = backward_factor(rule.contraction, grads_in) * fwd + alloc_bwd
+            product = compute_time(*work, *where, product="backward") if rule.contraction else fwd
+            bwd = backward_factor(rule.contraction, grads_in) * product + alloc_bwd
             if any(is_parameter(a) and info(a).requires_grad for a in self.inputs_of(node)):
-                weight = weight_pass_time(rule.contraction, fwd, bwd, self.cluster)
+                weight_product = compute_time(*work, *where, product="weight") if rule.contraction else fwd
+                weight = weight_pass_time(rule.contraction, weight_product, bwd, self.cluster)
         fwd += alloc_fwd
         extra_fwd = extra_bwd = 0.0
         own = own_collectives(strategy.axes, dtype_bytes(i.dtype), self.mesh, self.cluster, split, fwd, bwd)
