@@ -24,7 +24,7 @@ The credited overlap is checked in one process: each prefetched gather's exposed
 import copy
 
 import pytest
-from parity_utils import Checks, build, call, check_step_like_one_device, loss_of, run_checked
+from parity_utils import MODELS, Checks, build, call, check_step_like_one_device, loss_of, run_checked
 
 BUDGET = 0.5
 # every matrix stored sharded and gathered for use: with the backward walked op by op the
@@ -143,7 +143,7 @@ def prefetch_worker(rank, world, cfg):
 
 
 def test_weight_gathers_are_prefetched_forward_and_backward():
-    run_checked(prefetch_worker, {"mesh": [4]}, 150)
+    run_checked(prefetch_worker, {"mesh": [4]}, 150, prebuild=("gpt", MODELS["gpt"]["factory"]))
 
 
 def test_prefetch_overlap_is_priced(fake_process_group):
