@@ -233,8 +233,10 @@ def _start_gather(x, axis, p, comm: MeshComm, phase, src_pieces, *, async_op: bo
     out = inp.new_empty((n * inp.shape[0],) + tuple(inp.shape[1:]))
     record_collective("all_gather", name, _nbytes(out), phase)
     work = _all_gather_single(out, inp, group=comm.groups[axis], async_op=async_op)
+    reading = [inp]  # alive while the work may still read it
 
-    def finish(inp=inp):  # ``inp`` stays alive while the work may still read it
+    def finish():
+        reading.clear()  # the work is done: released before the copy below (passes/plan/move_scratch.py)
         # contiguous in the order of the dims (a later ``view``, e.g. a flattening before a
         # matmul, needs the layout a whole tensor has)
         whole = out.movedim(0, p.dim).contiguous() if p.dim else out
@@ -357,6 +359,7 @@ class PendingMoves:
                 f"{exc} (a rank of its mesh axis did not reach the same gather: it failed, stalled or runs "
                 f"another program)"
             ) from exc
+        self.work = None  # a finished work would keep the gather's input alive
         x = self.finish()
         for axis, p, q in self.rest:
             x = _step(x, axis, p, q, self.comm, self.phase, self.held, self.strided_dst)

@@ -81,11 +81,25 @@ def finish(edge, pending: PendingMoves) -> torch.Tensor:
 def take_prefetched(edge, x: torch.Tensor) -> torch.Tensor | None:
     """The edge's forward result for ``x`` from its prefetched gather; None when the gather was
     started for another tensor (or another version of it): it is still waited for (every rank
-    issued it), and the caller gathers again."""
+    issued it), and the caller gathers again. A recomputed layer's rerun gets its weight shards
+    back from autograd's saved inputs, as other tensor objects viewing the same memory: those
+    are the same tensor."""
     source, version, pending = edge.pending
     edge.pending = None
     out = finish(edge, pending)
-    return out if source is x and version == x._version else None
+    return out if _same_tensor(source, x) and version == x._version else None
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a is b:
+        return True
+    return (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
 
 
 class PrefetchGather(torch.nn.Module):

@@ -15,6 +15,15 @@ and restores the live values afterwards, so the rerun draws the masks the forwar
 later forwards are unaffected (the default generator's state is also restored, as
 ``checkpoint`` does with ``preserve_rng_state``). Without autograd (``no_grad``, evaluation)
 the body runs directly.
+
+Weight gathers (a layer whose weights are stored sharded, FSDP): the lowered program starts the
+gathers of each layer's weights while the layer before it computes
+(:func:`passes.lower.prefetch_gathers.prefetch_gathers`), and the rerun does the same backwards:
+when a layer's rerun begins, it starts the gathers of the layer rerun after it (the one before it
+in the program, :meth:`CheckpointRegion.set_rerun_next`), from the weight shards that layer was
+called with in its forward; that layer's edges then take the gathered copies
+(:func:`runtime.prefetch.take_prefetched`) instead of gathering on the spot. The same collectives
+run in the same order on every rank, counted when issued.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from runtime.local_ops import RankDropout
+from runtime.prefetch import issue
 
 __all__ = ["CheckpointRegion"]
 
@@ -49,14 +59,39 @@ class CheckpointRegion(torch.nn.Module):
         self.body = body
         self.layer = layer
         self._dropouts = [m for m in body.modules() if isinstance(m, RankDropout)]
+        self.prefetch_sources: list = []
+        """``(argument index, edge)`` per weight edge of the body whose gather can start ahead (set
+        by :func:`passes.lower.prefetch_gathers.prefetch_gathers`)."""
+        self._rerun_next: list = [None]
+        self._shards: list = []  # the weight shards of the last forward, one per prefetch source
+
+    def set_rerun_next(self, region) -> None:
+        """The layer whose rerun follows this one's in backward (the one before it in the
+        program), or None: this layer's rerun starts that layer's weight gathers."""
+        self._rerun_next = [region]
+
+    def _start_next_gathers(self) -> None:
+        region = self._rerun_next[0]
+        if region is None:
+            return
+        for (_, edge), shard in zip(region.prefetch_sources, region._shards):
+            if edge.pending is None:
+                edge.pending = (shard, shard._version, issue(edge, shard, "fwd"))
+
+    @contextlib.contextmanager
+    def _rerun(self, snapshot: list):
+        self._start_next_gathers()
+        with _counters_at(self._dropouts, snapshot):
+            yield
 
     def _contexts(self):
         snapshot = [m.calls for m in self._dropouts]
-        return contextlib.nullcontext(), _counters_at(self._dropouts, snapshot)
+        return contextlib.nullcontext(), self._rerun(snapshot)
 
     def forward(self, *args):
         if not torch.is_grad_enabled():
             return self.body(*args)
+        self._shards = [args[k] for k, _ in self.prefetch_sources]
         with set_checkpoint_early_stop(False):
             return checkpoint(self.body, *args, use_reentrant=False, context_fn=self._contexts)
 

@@ -6,7 +6,7 @@ import copy
 import warnings
 
 import torch
-from parity_utils import adam_in_lockstep, call, check_grads_by_alias, loss_of
+from parity_utils import adam_in_lockstep, call, check_grads_by_alias, loss_of, prebuilt
 
 import partitioner
 from partitioner import hf_families
@@ -15,8 +15,17 @@ from runtime.collectives import CommCounter
 BATCH, SEQ = 4, 8
 
 
-def build(family):
-    return hf_families.build(family, batch=BATCH, seq=SEQ)
+def build(family, key=None):
+    """The tiny ``family`` model and inputs; in a rank forked by ``parity_utils.run_checked`` with
+    ``prebuild=`` :func:`built_before_forking` ``(family, key)``, the first call returns the
+    parent's, whose capture the rank's ``auto_parallelize`` then reuses."""
+    return prebuilt(key or family) or hf_families.build(family, batch=BATCH, seq=SEQ)
+
+
+def built_before_forking(family, key=None, **options) -> tuple:
+    """``run_checked``'s ``prebuild`` entry for :func:`build` ``(family, key)``: built and captured
+    in the parent with the capture ``options`` of the ranks' call (``expert_capacity``)."""
+    return key or family, lambda: hf_families.build(family, batch=BATCH, seq=SEQ), options
 
 
 def parallel_beside_one_device(model, inputs, **options) -> tuple:

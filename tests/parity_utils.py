@@ -429,13 +429,17 @@ def glob_any(name, patterns):
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+def gpt_with_dropout():
+    return models.gpt_demo(batch=8, seq=16, n_layer=2, dropout=0.1)
+
+
 def dropout_worker(rank, world, mesh):
     """gpt_demo(dropout=0.1) under DP x TP: one training step, the eval-mode loss, and the masks
     each rank's dropout modules draw (on a probe tensor, from a copy: the step is untouched)."""
     import partitioner
     from runtime.local_ops import RankDropout
 
-    model, inputs = models.gpt_demo(batch=8, seq=16, n_layer=2, dropout=0.1)
+    model, inputs = prebuilt("gpt-dropout") or gpt_with_dropout()  # the parent's, when it built one
     ref = copy.deepcopy(model).eval()
     pm = partitioner.auto_parallelize(model, inputs, mesh=mesh, pins=pins_for("gpt", "dp_tp", mesh),
                                       cluster="h100")
@@ -476,13 +480,15 @@ def built_in_parent(factories: dict):
     ranks will make)) built and captured in this process under ``keep_captures``, for ranks forked
     inside to take with :func:`prebuilt`; at the end, none is left for this process."""
     with keep_captures():
+        made = {}  # published when all are made: a factory calling build() must not take an earlier one
         for key, (factory, options) in factories.items():
             model, inputs = factory()
             if "pipeline" in options:  # what a pipelined call captures: one microbatch, cut into stages
                 capture_pipeline(model, inputs, **options)
             else:
                 capture(model, inputs, **options)
-            _PREBUILT[key] = (model, inputs)
+            made[key] = (model, inputs)
+        _PREBUILT.update(made)
         try:
             yield
         finally:

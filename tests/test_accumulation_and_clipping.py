@@ -34,6 +34,7 @@ import torch
 from parity_utils import (
     ADAM_EPS,
     LR,
+    MODELS,
     Checks,
     build,
     call,
@@ -42,6 +43,7 @@ from parity_utils import (
     nested_approx_equal,
     parity_case,
     pins_for,
+    prebuilt,
     run_checked,
 )
 
@@ -220,7 +222,8 @@ ACCUMULATION = [
 
 @pytest.mark.parametrize("cfg", ACCUMULATION)
 def test_accumulation_syncs_once_per_step(cfg):
-    results = run_checked(accumulation_worker, cfg, TIMEOUT_S)
+    # the worker builds through _parallel: its model built and captured before forking, named here
+    results = run_checked(accumulation_worker, cfg, TIMEOUT_S, prebuild=(cfg["model"], MODELS[cfg["model"]]["factory"]))
     r0 = results[0]
     for kind, axes in cfg["kinds"].items():   # the plan is of the kind the config is for
         assert axes <= set(r0["grad_sync"].get(kind, {})), r0["grad_sync"]
@@ -231,15 +234,22 @@ def test_accumulation_syncs_once_per_step(cfg):
 # ------------------------------------------------------------------------------------ pipeline
 
 
-def pipeline_clip_worker(rank, world, cfg):
-    import partitioner
+CLIP_PIPELINE = {"degree": 2, "schedule": "1f1b", "microbatches": 4}
+
+
+def _gpt2():
     from partitioner import models
 
+    return models.hf_gpt2(batch=8, seq=16, n_layer=2, attn="eager")
+
+
+def pipeline_clip_worker(rank, world, cfg):
+    import partitioner
+
     checks = Checks(rank)
-    model, inputs = models.hf_gpt2(batch=8, seq=16, n_layer=2, attn="eager")
+    model, inputs = prebuilt("gpt2") or _gpt2()  # the parent's, its stages captured there
     ref = copy.deepcopy(model)
-    runner = partitioner.auto_parallelize(model, inputs, mesh=(2,), cluster="h100",
-                                          pipeline={"degree": 2, "schedule": "1f1b", "microbatches": 4})
+    runner = partitioner.auto_parallelize(model, inputs, mesh=(2,), cluster="h100", pipeline=CLIP_PIPELINE)
     checks.true("GPT-2's tied wte / lm_head is not shared by the two stages", bool(runner.tied))
     opt = torch.optim.AdamW(runner.parameters(), lr=LR, eps=ADAM_EPS)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=ADAM_EPS)
@@ -265,7 +275,8 @@ def pipeline_clip_worker(rank, world, cfg):
 
 
 def test_pipeline_clipping_equals_single_device():
-    run_checked(pipeline_clip_worker, {"mesh": (2,), "steps": 2}, TIMEOUT_S)
+    run_checked(pipeline_clip_worker, {"mesh": (2,), "steps": 2}, TIMEOUT_S,
+                prebuild=("gpt2", _gpt2, {"pipeline": CLIP_PIPELINE}))
 
 
 # ---------------------------------------------------------------------------- configuration errors

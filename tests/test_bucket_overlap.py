@@ -59,6 +59,35 @@ def test_a_short_backward_hides_part_of_a_reduction_and_small_gradients_wait_for
     assert got.launched_in_backward == 0 and abs(got.exposed_s - 1.5) < 1e-12 and _times(small) == [0.5] * 3
 
 
+def _zero3_records(n: int, comm_s: float, backward_s: float) -> list:
+    """``n`` matmuls in a chain on a 4-way ``dp`` mesh, each with a ZeRO-3 weight (stored
+    ``S(0)``, gathered for use, gathered again in backward) whose gradient is reduce-scattered
+    (``comm_s``) after ``backward_s`` of backward compute: the runtime launches each alone, at once."""
+    records = [_record("x", "input", [], "[S(0)]", comm=[], compute_s=0.0)]
+    previous = "x"
+    for k in range(n):
+        records.append(_record(f"w{k}", "param", [], "[S(0)]", comm=[], compute_s=0.0, regather=True))
+        sync = dict(kind="reduce_scatter", axis="dp", bytes=MIB, phase="bwd", input=1, time_s=comm_s, bucketed=True)
+        more = dict(grads=["[S(0)]", "[P]"], comm=[sync], compute_s=0.5 + backward_s, forward_s=0.5)
+        records.append(_record(f"mm{k}", "op", [previous, f"w{k}"], "[S(0)]", **more))
+        previous = f"mm{k}"
+    return records
+
+
+def test_zero3_gradients_sent_alone_hide_behind_backward_and_a_reduce_scatter_waits_for_the_one_in_flight():
+    # each 1 MiB gradient is far below a bucket, but a ZeRO-3 weight's is launched at once: its
+    # 0.5 s reduce-scatter runs beside the 1 s backward of the layer before; the last is exposed
+    records = _zero3_records(3, 0.5, 1.0)
+    got = credit_bucket_overlap(records, (4,), ("dp",))
+    assert got.launched_in_backward == 3 and got.total_s == 1.5 and abs(got.exposed_s - 0.5) < 1e-12
+    assert all(abs(t - 0.5 / 3) < 1e-12 for t in _times(records))
+    # 0.2 s of backward between launches: each launch waits for the 0.3 s left of the one in
+    # flight (the runtime holds one reduce-scatter input at a time): 0.3 + 0.3 + 0.5 exposed
+    records = _zero3_records(3, 0.5, 0.2)
+    got = credit_bucket_overlap(records, (4,), ("dp",))
+    assert abs(got.exposed_s - 1.1) < 1e-12
+
+
 def _overlap_worker(rank, world, cfg):
     import torch
 

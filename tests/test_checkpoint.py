@@ -25,7 +25,7 @@ import numpy
 import pytest
 import torch
 import torch.distributed as dist
-from parity_utils import ADAM_EPS, LR, Checks, call, loss_of, pins_for, run_checked
+from parity_utils import ADAM_EPS, LR, Checks, call, loss_of, pins_for, prebuilt, run_checked
 
 import partitioner
 from partitioner import models
@@ -42,6 +42,22 @@ STRIDED = "h.0.attn.c_attn.weight"  # fused QKV: stored in the strided layout wh
 
 def _gpt(**kw):
     return models.gpt_demo(batch=8, seq=16, n_layer=2, **kw)
+
+
+GPT_TWICE = [("gpt", _gpt), ("gpt/fresh", _gpt)]
+"""The two GPTs a resume worker plans (trained, then fresh to load into), built and captured in the
+parent before it forks the ranks (``parity_utils.run_checked``)."""
+
+
+def _gpt2():
+    return models.hf_gpt2(batch=4, seq=16)
+
+
+PIPELINE = {"degree": 2, "schedule": "1f1b", "microbatches": 2}
+GPT2_THREE = [("gpt2/pipeline", _gpt2, {"pipeline": PIPELINE}), ("gpt2/whole", _gpt2),
+              ("gpt2/pipeline-again", _gpt2, {"pipeline": PIPELINE})]
+"""The GPT-2s of the pipeline checkpoint worker (pipelined, not, pipelined again), built and their
+captures made in the parent."""
 
 
 def _optimizer(params, scheduled=True):
@@ -116,7 +132,7 @@ def _draws() -> tuple:
 
 def _resume_worker(rank, world, cfg):
     checks = Checks(rank)
-    model, inputs = _gpt()
+    model, inputs = prebuilt("gpt") or _gpt()  # the parent's, captured there (GPT_TWICE)
     ref = copy.deepcopy(model)
     ref_opt, ref_sched = _optimizer(ref.parameters())
     pm = partitioner.auto_parallelize(model, inputs, mesh=cfg["mesh_a"], cluster="h100",
@@ -128,7 +144,7 @@ def _resume_worker(rank, world, cfg):
     expected_draws = _draws()                        # what the generators give next, as saved
     saved_params, saved_optim = pm.full_state_dict(), _full_optimizer_state(opt)
 
-    fresh, _ = _gpt()
+    fresh, _ = prebuilt("gpt/fresh") or _gpt()
     pm_b = partitioner.auto_parallelize(fresh, inputs, mesh=cfg["mesh_b"], cluster="h100",
                                         pins=pins_for("gpt", cfg["plan_b"], cfg["mesh_b"]))
     random.seed(100 + rank)                          # move every generator on
@@ -165,7 +181,7 @@ def test_resume_under_another_mesh_and_plan_continues_like_one_device(tmp_path):
     vocabulary-parallel embedding on (4,); 3 more steps equal the uninterrupted reference."""
     cfg = {"mesh": (2, 2), "mesh_a": (2, 2), "plan_a": "dp_tp", "mesh_b": (4,), "plan_b": "tp",
            "path": str(tmp_path / "ckpt")}
-    results = run_checked(_resume_worker, cfg, TIMEOUT_S)
+    results = run_checked(_resume_worker, cfg, TIMEOUT_S, prebuild=GPT_TWICE)
     assert results[0]["placements"] == ["[R, S(0)]", "[S(0)]"], results[0]["placements"]
     assert results[0]["strided"] == [True, True]      # the fused QKV is gathered on save, sliced on load
 
@@ -179,7 +195,7 @@ def _dcp_worker(rank, world, cfg):
     from torch.distributed.tensor import DTensor, Replicate
 
     checks = Checks(rank)
-    model, inputs = _gpt()
+    model, inputs = prebuilt("gpt") or _gpt()  # the parent's, captured there (GPT_TWICE)
     ref = copy.deepcopy(model)
     ref_opt, _ = _optimizer(ref.parameters(), scheduled=False)
     pm = partitioner.auto_parallelize(model, inputs, mesh=(2, 2), cluster="h100", pins=pins_for("gpt", "dp_tp", (2, 2)))
@@ -203,7 +219,7 @@ def _dcp_worker(rank, world, cfg):
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=cfg["path"])
     saved_params, saved_optim = pm.full_state_dict(), _full_optimizer_state(opt)
 
-    fresh, _ = _gpt()
+    fresh, _ = prebuilt("gpt/fresh") or _gpt()
     pm_b = partitioner.auto_parallelize(fresh, inputs, mesh=(4,), cluster="h100", pins=pins_for("gpt", "dp", (4,)))
     opt_b, _ = _optimizer(pm_b.parameters(), scheduled=False)
     model_b, optim_b = get_state_dict(pm_b, opt_b)
@@ -223,7 +239,7 @@ def test_standard_get_state_dict_and_set_state_dict_reshard_under_another_plan(t
     """``dcp.save(get_state_dict(pm, opt))`` on (2, 2) data x Megatron, ``dcp.load`` +
     ``set_state_dict`` into data parallel on (4,): shards are DTensors (the strided QKV whole),
     and training goes on equal to the reference."""
-    results = run_checked(_dcp_worker, {"mesh": (2, 2), "path": str(tmp_path / "dcp")}, TIMEOUT_S)
+    results = run_checked(_dcp_worker, {"mesh": (2, 2), "path": str(tmp_path / "dcp")}, TIMEOUT_S, prebuild=GPT_TWICE)
     assert results[0]["placement"] == "[R]"
 
 
@@ -232,10 +248,11 @@ def test_standard_get_state_dict_and_set_state_dict_reshard_under_another_plan(t
 
 def _pipeline_worker(rank, world, cfg):
     checks = Checks(rank)
-    model, inputs = models.hf_gpt2(batch=4, seq=16)   # tied wte / lm_head: one name per stage
+    # the three models the parent built and captured (GPT2_THREE); tied wte / lm_head: one name per stage
+    (model, inputs), (whole, _), (again, _) = (prebuilt(key) or _gpt2() for key, *_ in GPT2_THREE)
     ref = copy.deepcopy(model)
     ref_opt, _ = _optimizer(ref.parameters(), scheduled=False)
-    pipeline = {"degree": 2, "schedule": "1f1b", "microbatches": 2}
+    pipeline = PIPELINE
 
     def runner_from(fresh):
         return partitioner.auto_parallelize(fresh, inputs, mesh=(2, 2), cluster="h100", pipeline=pipeline)
@@ -246,7 +263,7 @@ def _pipeline_worker(rank, world, cfg):
     saved_params, saved_optim = runner.full_state_dict(), _full_optimizer_state(opt_r)
     partitioner.save_checkpoint(cfg["path"] + "/from_pipeline", runner, opt_r)
 
-    pm = partitioner.auto_parallelize(models.hf_gpt2(batch=4, seq=16)[0], inputs, mesh=(2, 2), cluster="h100")
+    pm = partitioner.auto_parallelize(whole, inputs, mesh=(2, 2), cluster="h100")
     opt_pm, _ = _optimizer(pm.parameters(), scheduled=False)
     partitioner.load_checkpoint(cfg["path"] + "/from_pipeline", pm, opt_pm)
     _check_equal(checks, "pipeline -> parallel module: parameter", pm.full_state_dict(), saved_params, saved_params)
@@ -258,7 +275,7 @@ def _pipeline_worker(rank, world, cfg):
     saved_params, saved_optim = pm.full_state_dict(), _full_optimizer_state(opt_pm)
     partitioner.save_checkpoint(cfg["path"] + "/to_pipeline", pm, opt_pm)
 
-    runner_b = runner_from(models.hf_gpt2(batch=4, seq=16)[0])
+    runner_b = runner_from(again)
     opt_rb, _ = _optimizer(runner_b.parameters(), scheduled=False)
     partitioner.load_checkpoint(cfg["path"] + "/to_pipeline", runner_b, opt_rb)
     loaded = runner_b.full_state_dict()
@@ -278,7 +295,7 @@ def test_pipeline_checkpoint_reloads_without_pipeline_and_back(tmp_path):
     """GPT-2 as a 2-stage pipeline on (2, 2) (stage sub-meshes of 2) -> the same model without a
     pipeline on (2, 2) -> a pipeline again: parameters and optimizer state equal at each load,
     losses equal the reference's."""
-    results = run_checked(_pipeline_worker, {"mesh": (2, 2), "path": str(tmp_path)}, TIMEOUT_S)
+    results = run_checked(_pipeline_worker, {"mesh": (2, 2), "path": str(tmp_path)}, TIMEOUT_S, prebuild=GPT2_THREE)
     assert results[0]["tied_names_in_runner"], "the tied embedding should be reached under one of its names"
 
 

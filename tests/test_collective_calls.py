@@ -21,7 +21,7 @@ kind and axis and bytes per phase equal the estimate's.
 import copy
 
 import pytest
-from parity_utils import Checks, check_step_like_one_device, free_weights, nested_approx_equal, run_checked
+from parity_utils import Checks, check_step_like_one_device, free_weights, nested_approx_equal, prebuilt, run_checked
 
 from partitioner import models
 
@@ -40,15 +40,15 @@ def calls_worker(rank, world, cfg):
     import torch
 
     import partitioner
-    from passes.core import bucket_sizes
     from partitioner.sharding_plan import ShardingPlan
+    from passes.core import bucket_sizes
     from runtime.collectives import CommCounter
 
     bucket_sizes.BUCKET_BYTES = SMALL_BUCKET
     bucket_sizes.REFRESH_BUCKET_BYTES = SMALL_REFRESH
     checks = Checks(rank)
     for name, tied, plan_dict in cfg["plans"]:
-        model, batch = _model(tied)
+        model, batch = prebuilt(name) or _model(tied)  # the model the parent planned, its capture kept
         ref = copy.deepcopy(model)
         pm = partitioner.auto_parallelize(model, batch, mesh=(world,), plan=ShardingPlan.from_dict(plan_dict))
         check_step_like_one_device(pm, ref, batch, checks, name)
@@ -80,26 +80,43 @@ def _plans():
 
     def plan(budget=None, tied=False, **kw):
         model, batch = _model(tied)
-        return partitioner.plan(model, batch, mesh_shape=(4,), cluster="cpu", memory_budget=budget, **kw)
+        planned = partitioner.plan(model, batch, mesh_shape=(4,), cluster="cpu", memory_budget=budget, **kw)
+        planned_on[id(planned)] = (model, batch)
+        return planned
+
+    planned_on = {}
 
     dp = plan(pins=DP, recompute="none", zero="auto")
     free = plan()
     below = int(0.85 * min(dp.estimate().memory_bytes, free.estimate().memory_bytes))
     below_dp = plan(below)
-    return [
+    plans = [
         ("data parallel", False, dp),
         ("below data parallelism's peak", False, below_dp),
         ("ZeRO-3", False, plan(below, zero=3, recompute="none")),
         ("full recomputation", False, plan(pins=DP, recompute="all")),
-        ("ZeRO-3 and full recomputation", False, plan(int(0.65 * dp.estimate().memory_bytes), zero=3, recompute="all")),
+        # the final norm stored sharded (regathered outside the recomputed layers); the budget leaves room
+        # for the next layer's weights that a recomputed layer's gathers start ahead (prefetch_gathers)
+        ("ZeRO-3 and full recomputation", False, plan(int(0.8 * dp.estimate().memory_bytes), zero=3, recompute="all",
+                                                      pins={"ln_f.weight": ["S(0)"], "ln_f.bias": ["S(0)"]})),
         ("ZeRO-1", False, plan(pins=free_weights("gpt", "dp", (4,)), recompute="none", zero=1)),
         ("tied weight, data parallel", True, plan(tied=True, pins=DP, recompute="none", zero="auto")),
     ]
+    return [(name, tied, p, planned_on[id(p)]) for name, tied, p in plans]
 
 
 def test_counted_calls_equal_estimated_calls():
-    plans = _plans()
-    by_name = {name: p for name, _, p in plans}
+    from partitioner.captures import keep_captures
+
+    with keep_captures():  # each plan's capture kept, for its ranks to reuse with the model planned on
+        plans = _plans()
+        _check_plans({name: p for name, _, p, _ in plans})
+        prebuild = [(name, lambda built=built: built) for name, _, _, built in plans]
+        cfg = {"mesh": [4], "plans": [(n, t, p.to_dict()) for n, t, p, _ in plans]}
+        run_checked(calls_worker, cfg, 120, prebuild=prebuild)
+
+
+def _check_plans(by_name: dict) -> None:
     # what the plans must exercise: flat buffers, per-edge tied reductions, prefetched gathers, reruns
     assert any(c.get("bucketed") for r in by_name["data parallel"].records for c in r["comm"])
     assert any(r.get("stored") for r in by_name["ZeRO-1"].records)
@@ -109,7 +126,6 @@ def test_counted_calls_equal_estimated_calls():
     # (backward unpacks them in forward's order: neither is started ahead twice)
     norm = [r for r in by_name["ZeRO-3 and full recomputation"].records if r["target"] == "aten.layer_norm"]
     assert any(sum(1 for c in r["comm"] if c.get("regather")) == 2 for r in norm)
-    run_checked(calls_worker, {"mesh": [4], "plans": [(n, t, p.to_dict()) for n, t, p in plans]}, 120)
 
 
 def test_flat_buffers_pay_their_latency_once():

@@ -49,7 +49,16 @@ from long_sequence_utils import (
     sequence_case,
     sub_mesh,
 )
-from parity_utils import Checks, adam_in_lockstep, call, check_grads_by_alias, loss_of, nested_approx_equal
+from parity_utils import (
+    Checks,
+    adam_in_lockstep,
+    built_in_parent,
+    call,
+    check_grads_by_alias,
+    loss_of,
+    nested_approx_equal,
+    prebuilt,
+)
 
 from partitioner import models
 from runtime.launch import run_on_ranks
@@ -79,15 +88,19 @@ def test_parity_on_two_and_four_ranks():
 PIPELINE_MICROBATCHES = 2
 
 
+def _pipeline(cfg) -> dict:
+    return {"degree": 2, "schedule": cfg["schedule"], "microbatches": PIPELINE_MICROBATCHES}
+
+
 def _pipeline_parity(cfg, rank, checks):
     """2 pipeline stages (axis 0) x the algorithm forced on the stage mesh's axis (axis 1)."""
     import partitioner
     from runtime.collectives import CommCounter
 
-    model, inputs = FACTORIES[cfg["model"]]()
+    model, inputs = prebuilt(cfg["id"]) or FACTORIES[cfg["model"]]()  # the parent's, its stages captured there
     ref = copy.deepcopy(model)
     m = PIPELINE_MICROBATCHES
-    pipeline = {"degree": 2, "schedule": cfg["schedule"], "microbatches": m}
+    pipeline = _pipeline(cfg)
     runner = partitioner.auto_parallelize(
         model, inputs, mesh=(2, 2), pipeline=pipeline, cluster="h100", sequence_parallel=cfg["mode"]
     )
@@ -143,7 +156,12 @@ def test_ring_and_ulysses_inside_pipeline_stages():
             ("llama", "ulysses", "1f1b"),
         )
     ]
-    results = run_on_ranks(pipeline_worker, 4, cfgs, timeout_s=TIMEOUT_S, collective_timeout_s=150)
+    # each case's model built here and its stages captured as its ranks' call will, before they fork
+    factories = {
+        c["id"]: (FACTORIES[c["model"]], {"pipeline": _pipeline(c), "sequence_parallel": c["mode"]}) for c in cfgs
+    }
+    with built_in_parent(factories):
+        results = run_on_ranks(pipeline_worker, 4, cfgs, timeout_s=TIMEOUT_S, collective_timeout_s=150)
     failures = [f for r in results for f in r["failures"]]
     assert not failures, f"{len(failures)} mismatches, first ones:\n" + "\n".join(failures[:12])
     by_id = {c["id"]: c for c in cfgs}

@@ -30,7 +30,7 @@ import copy
 
 import pytest
 import torch
-from parity_utils import ADAM_EPS, LR, Checks, nested_approx_equal, pins_for, run_checked
+from parity_utils import ADAM_EPS, LR, Checks, built_in_parent, nested_approx_equal, pins_for, prebuilt, run_checked
 
 import partitioner
 from partitioner import models
@@ -48,11 +48,15 @@ def _normwise(checks, what, actual, expected, tol):
     checks.true(f"{what}: relative error {err / max(scale, 1e-30):.2e} > {tol:.2e}", err <= tol * max(scale, 1e-12))
 
 
+def _gpt():
+    return models.gpt_demo(batch=8, seq=16, n_layer=2)
+
+
 def precision_worker(rank, world, cfg):
     prec = cfg["precision"]
     u = U[prec]
     checks = Checks(rank)
-    model, inputs = models.gpt_demo(batch=8, seq=16, n_layer=2)
+    model, inputs = prebuilt("gpt") or _gpt()  # the parent's, captured there for this precision
     ref, ref32 = copy.deepcopy(model), copy.deepcopy(model)
     ref32(*inputs).backward()
     pm = partitioner.auto_parallelize(
@@ -97,18 +101,25 @@ def precision_worker(rank, world, cfg):
 
 @pytest.mark.parametrize("prec", ["bf16", "fp16"])
 def test_mixed_precision_parity_on_2x2(prec):
-    results = run_checked(precision_worker, {"mesh": (2, 2), "precision": prec}, TIMEOUT_S)
+    results = run_checked(precision_worker, {"mesh": (2, 2), "precision": prec}, TIMEOUT_S,
+                          prebuild=("gpt", _gpt, {"precision": prec}))
     assert results[0]["bytes"], "a DP x TP plan communicates"
 
 
-def drift_worker(rank, world, cfg):
-    model, _ = models.gpt_demo(batch=8, seq=16, n_layer=2)
-    ref32, ref16 = copy.deepcopy(model), copy.deepcopy(model)
+def _drift_data() -> list:
+    """Two fixed batches, alternated: a task the model can learn in 50 steps."""
     g = torch.Generator().manual_seed(0)
-    data = []   # two fixed batches, alternated: a task the model can learn in 50 steps
+    data = []
     for _ in range(2):
         ids = torch.randint(0, 256, (8, 16), generator=g)
         data.append((ids, torch.roll(ids, -1, dims=1)))
+    return data
+
+
+def drift_worker(rank, world, cfg):
+    model, _ = prebuilt("gpt") or _gpt()  # the parent's, captured there (bf16) on the first batch
+    ref32, ref16 = copy.deepcopy(model), copy.deepcopy(model)
+    data = _drift_data()
     batches = [data[step % 2] for step in range(cfg["steps"])]
     pm = partitioner.auto_parallelize(
         model, batches[0], mesh=(2, 2), pins=pins_for("gpt", "dp_tp", (2, 2)), cluster="h100", precision="bf16"
@@ -130,7 +141,8 @@ def drift_worker(rank, world, cfg):
 def test_bf16_run_drifts_no_more_than_the_references_own_bf16_noise():
     from runtime.launch import run_on_ranks
 
-    losses = run_on_ranks(drift_worker, 4, {"steps": 50}, timeout_s=TIMEOUT_S)[0]
+    with built_in_parent({"gpt": (lambda: (_gpt()[0], _drift_data()[0]), {"precision": "bf16"})}):
+        losses = run_on_ranks(drift_worker, 4, {"steps": 50}, timeout_s=TIMEOUT_S)[0]
     par, ref16, ref32 = (torch.tensor(losses[k]) for k in ("parallel", "ref_bf16", "ref_fp32"))
     drift = (par - ref16).abs()
     noise = (ref16 - ref32).abs()

@@ -21,7 +21,12 @@ import math
 
 import pytest
 import torch
-from moe_utils import adam_steps_like_one_device, first_step_like_one_device, parallel_beside_one_device
+from moe_utils import (
+    adam_steps_like_one_device,
+    built_before_forking,
+    first_step_like_one_device,
+    parallel_beside_one_device,
+)
 from moe_utils import build as _build
 from moe_utils import dispatch_pins as _dispatch_pins
 from moe_utils import routing as _routing
@@ -155,7 +160,7 @@ def _check_zero3_experts(world, checks):
     """Experts replicated for compute, stored ZeRO-3 (sharded, gathered for use, freed after
     forward): backward gathers each expert weight again once, as the plan prices, not once per
     expert (the op saves each stacked weight whole); loss and gradients as one device's."""
-    model, inputs = _build("mixtral")
+    model, inputs = _build("mixtral", key="mixtral/zero3")
     stored = {"model.layers.*.mlp.experts.gate_up_proj": ["S(0)"], "model.layers.*.mlp.experts.down_proj": ["S(0)"]}
     pm, ref = parallel_beside_one_device(
         model, inputs, mesh=(world,), expert_parallel="off", zero=3, pins=stored, recompute="none"
@@ -166,7 +171,11 @@ def _check_zero3_experts(world, checks):
 
 
 def test_expert_capacity_on_4_ranks_matches_one_device_with_the_same_dropping():
-    results = run_checked(capacity_worker, {"mesh": (4,)}, TIMEOUT_S)
+    prebuild = [
+        built_before_forking("mixtral", expert_capacity=FACTOR),  # the two models the worker plans
+        built_before_forking("mixtral", "mixtral/zero3"),
+    ]
+    results = run_checked(capacity_worker, {"mesh": (4,)}, TIMEOUT_S, prebuild=prebuild)
     assert results[0]["dropped"] > 0, "the batch must overflow some expert for the test to mean anything"
     summary = results[0]["summary"]
     assert "split over mesh axis a0 (4 ranks) in 2 MoE layer(s), tokens dispatched" in summary

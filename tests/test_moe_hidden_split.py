@@ -11,7 +11,14 @@ hidden-split all-reduces alone are checked against the formula on every rank.
 
 import copy
 
-from moe_utils import adam_steps_like_one_device, build, first_step_like_one_device, parallel_beside_one_device, routing
+from moe_utils import (
+    adam_steps_like_one_device,
+    build,
+    built_before_forking,
+    first_step_like_one_device,
+    parallel_beside_one_device,
+    routing,
+)
 from parity_utils import Checks, nested_approx_equal, run_checked
 
 TIMEOUT_S = 240
@@ -52,7 +59,7 @@ def hidden_split_worker(rank, world, cfg):
 
 
 def test_experts_split_on_one_axis_and_their_hidden_dim_on_the_other_match_one_device():
-    results = run_checked(hidden_split_worker, {"mesh": (2, 2)}, TIMEOUT_S)
+    results = run_checked(hidden_split_worker, {"mesh": (2, 2)}, TIMEOUT_S, prebuild=built_before_forking("qwen3_moe"))
     mean: dict = {}
     for r in results:
         for kind, per_axis in r["counted"].items():

@@ -21,7 +21,7 @@ import math
 
 import pytest
 import torch
-from parity_utils import Checks, build, nested_approx_equal, parity_worker
+from parity_utils import MODELS, Checks, build, built_in_parent, nested_approx_equal, parity_worker
 
 from passes.rules.multidim_tp import check_mesh, linear_comm_bytes
 from runtime.launch import run_on_ranks
@@ -117,7 +117,10 @@ def _worker(rank, world, jobs):
 
 
 def _run(jobs, world):
-    return run_on_ranks(_worker, world, jobs, timeout_s=TIMEOUT_S, collective_timeout_s=150)
+    # each model built and captured here before the ranks fork (a model in two jobs: the first's)
+    models = {job["model"] for kind, job in jobs if kind == "model"}
+    with built_in_parent({name: (MODELS[name]["factory"], {}) for name in models}):
+        return run_on_ranks(_worker, world, jobs, timeout_s=TIMEOUT_S, collective_timeout_s=150)
 
 
 def _expected_linear(mode, mesh) -> dict:

@@ -24,11 +24,13 @@ import copy
 import pytest
 import torch
 from parity_utils import (
+    MODELS,
     Checks,
     build,
     check_step_like_one_device,
     free_weights,
     pins_for,
+    prebuilt,
     run_checked,
     train_like_one_device,
 )
@@ -82,14 +84,19 @@ def test_solver_offloads_when_the_device_budget_needs_it(fake_process_group):
         partitioner.plan(model, inputs, memory_budget=budget, host_memory_budget=1000, **kw)
 
 
+CONFIGS = [
+    (name, config) for name in ("gpt", "llama", "vit") for config in (((4,), "dp", 2, SHORT), ((2, 2), "dp_tp", 1, 0.9))
+]
+"""(model, (mesh, pins kind, ZeRO stage, budget shortfall))."""
+
+
 def offload_worker(rank, world, cfg):
     checks = Checks(rank)
     found = {}
     # replicated weights offloaded on (4,); ZeRO-1 shards offloaded on (2, 2) (with ZeRO-2 and -3
     # at hand, a shorter budget: on (4,) sharding the weights is cheaper than offloading them)
-    for name in ("gpt", "llama", "vit"):
-        for mesh, kind, zero, short in ((4,), "dp", 2, SHORT), ((2, 2), "dp_tp", 1, 0.9):
-            found.update(_offloaded_parity(name, mesh, kind, zero, short, checks))
+    for name, (mesh, kind, zero, short) in CONFIGS:
+        found.update(_offloaded_parity(name, mesh, kind, zero, short, checks))
     return {"rank": rank, "failures": checks.failures, "offloaded": found}
 
 
@@ -99,7 +106,7 @@ def _offloaded_parity(name, mesh, kind, zero, short, checks):
     import partitioner
 
     label = f"{name} {mesh} zero={zero}"
-    model, inputs = build(name)
+    model, inputs = prebuilt(label) or build(name)  # the parent's, captured there
     ref = copy.deepcopy(model)
     # the free plan that sets the budget is the same on every rank: rank 0 makes it
     kw, budget = on_rank0(lambda: _budgets(model, inputs, mesh, kind, zero, short, name), "the offload budget")
@@ -123,5 +130,7 @@ def _offloaded_parity(name, mesh, kind, zero, short, checks):
 
 
 def test_offloaded_training_matches_one_device():
-    results = run_checked(offload_worker, {"mesh": [4]}, TIMEOUT_S)
+    # each config's model built and captured before the ranks fork
+    prebuild = [(f"{name} {mesh} zero={zero}", MODELS[name]["factory"]) for name, (mesh, _, zero, _) in CONFIGS]
+    results = run_checked(offload_worker, {"mesh": [4]}, TIMEOUT_S, prebuild=prebuild)
     assert all(n > 0 for n in results[0]["offloaded"].values()), results[0]["offloaded"]

@@ -24,7 +24,18 @@ parameter bytes of Megatron TP. Dropout has its own test.
 
 import pytest
 import torch
-from parity_utils import MODELS, dropout_worker, glob_any, nested_approx_equal, parity_case, parity_worker, run_checked, slow_tier
+from parity_utils import (
+    MODELS,
+    built_in_parent,
+    dropout_worker,
+    glob_any,
+    gpt_with_dropout,
+    nested_approx_equal,
+    parity_case,
+    parity_worker,
+    run_checked,
+    slow_tier,
+)
 from support import is_replicated, placement_axes
 
 from runtime.launch import run_on_ranks
@@ -138,6 +149,19 @@ def test_parity(cfg):
             assert b["local"] - b["replicated"] <= 1.05 * (b["total"] - b["replicated"]) / b["tp"], b
 
 
+def _gpt_with_dropout_captured_in_eval_mode():
+    """``gpt_with_dropout()``, captured (inside ``keep_captures``) in eval mode as the worker's
+    ``pm.eval()`` will capture it (``partitioner.specialize``); ``built_in_parent`` then captures it
+    in train mode."""
+    from partitioner.captures import capture
+
+    model, inputs = gpt_with_dropout()
+    model.eval()
+    capture(model, inputs)
+    model.train()
+    return model, inputs
+
+
 def test_dropout_rng_rule_under_dp_x_tp():
     """gpt_demo(dropout=0.1) on (2, 2) with a DP x TP plan.
 
@@ -149,7 +173,8 @@ def test_dropout_rng_rule_under_dp_x_tp():
     draw different ones.
     """
     mesh = (2, 2)
-    results = run_on_ranks(dropout_worker, 4, mesh, timeout_s=TIMEOUT_S)
+    with built_in_parent({"gpt-dropout": (_gpt_with_dropout_captured_in_eval_mode, {})}):  # before forking
+        results = run_on_ranks(dropout_worker, 4, mesh, timeout_s=TIMEOUT_S)
     losses = [r["loss"] for r in results]
     assert len(set(losses)) == 1, losses
     ref_eval = results[0]["ref_eval_loss"]

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from parity_utils import (
     Checks,
     adam_in_lockstep,
+    built_in_parent,
     call,
     check_grads_by_alias,
     loss_of,
@@ -405,15 +406,17 @@ def test_stage_balance_uniform_transformer():
 # ------------------------------------------------------------------ zero-bubble: a real I / W split
 
 
+ZB_H1 = {"degree": 2, "schedule": "zb-h1", "microbatches": 4}
+
+
 def _zb_split_worker(rank, world, cfg):
     """Records every autograd.backward call of a ZB-H1 step with the action it ran in."""
     import partitioner
     from partitioner.models import gpt_demo
 
-    model, inputs = gpt_demo(batch=BATCH, seq=SEQ, n_layer=4)
+    model, inputs = prebuilt("pipelined") or gpt_demo(batch=BATCH, seq=SEQ, n_layer=4)  # the parent's
     ref = copy.deepcopy(model)
-    runner = partitioner.auto_parallelize(model, inputs, mesh=(2,), cluster="h100",
-                                          pipeline={"degree": 2, "schedule": "zb-h1", "microbatches": 4})
+    runner = partitioner.auto_parallelize(model, inputs, mesh=(2,), cluster="h100", pipeline=ZB_H1)
     params = {id(p) for p in runner.parameters()}
     calls, real_backward, real_run, current = [], torch.autograd.backward, runner._run, []
 
@@ -456,7 +459,8 @@ def test_zero_bubble_splits_input_and_weight_gradients():
     the loss again), so no work is done twice; the first stage (token ids in, nothing to send
     back) has no input gradient and does its whole backward in W. Gradients stay exact. Calling
     the runner like a module is refused with a TypeError naming ``train_step``."""
-    results = run_checked(_zb_split_worker, {"mesh": (2,)}, TIMEOUT_S)
+    prebuild = _prebuild({"model": "gpt", "n_layer": 4, "pipeline": ZB_H1})
+    results = run_checked(_zb_split_worker, {"mesh": (2,)}, TIMEOUT_S, prebuild=prebuild)
     first, last = (r["calls"] for r in sorted(results, key=lambda r: r["rank"]))
     i_calls = [c for c in last if c[0] == "I"]
     w_calls = [c for c in last if c[0] == "W"]
@@ -513,7 +517,7 @@ def test_open_config_choices_are_logged(caplog, capsys):
 
 def _memory_worker(rank, world, schedule, budget):
     import partitioner
-    model, inputs = _build("gpt", 4)
+    model, inputs = prebuilt("pipelined") or _build("gpt", 4)  # the parent's, its stages captured there
     try:
         runner = partitioner.auto_parallelize(model, inputs, mesh=(2,), cluster="h100", memory_budget=budget,
                                               pipeline={"degree": 2, "schedule": schedule, "microbatches": 8})
@@ -529,14 +533,19 @@ def test_stage_memory_counts_the_activations_its_schedule_keeps_alive():
     """Stage 0 of 2 with 8 microbatches holds 2 microbatches' activations under 1F1B and all 8
     under GPipe; its plan counts exactly that. A per-device budget between the two lets 1F1B
     run and makes GPipe fail on every rank with the planner's budget error (no hang)."""
-    first = run_on_ranks(_memory_worker, 2, "1f1b", None, timeout_s=120)[0]
-    assert first["copies"] == 2
-    one_copy = first["activations"] / 2
-    fixed = first["memory"] - first["activations"]          # parameters, gradients, optimizer state
-    budget = fixed + 5 * one_copy                           # room for 5 copies: 1F1B's 2, not GPipe's 8
-    fits = run_on_ranks(_memory_worker, 2, "1f1b", int(budget), timeout_s=120)
+    # one model built and its stages captured here serves the three forked runs (the schedule is no
+    # capture option: the stages are cut the same)
+    cfg = {"model": "gpt", "n_layer": 4, "pipeline": {"degree": 2, "schedule": "1f1b", "microbatches": 8}}
+    key, factory, options = _prebuild(cfg)
+    with built_in_parent({key: (factory, options)}):
+        first = run_on_ranks(_memory_worker, 2, "1f1b", None, timeout_s=120)[0]
+        assert first["copies"] == 2
+        one_copy = first["activations"] / 2
+        fixed = first["memory"] - first["activations"]          # parameters, gradients, optimizer state
+        budget = fixed + 5 * one_copy                           # room for 5 copies: 1F1B's 2, not GPipe's 8
+        fits = run_on_ranks(_memory_worker, 2, "1f1b", int(budget), timeout_s=120)
+        failed = run_on_ranks(_memory_worker, 2, "gpipe", int(budget), timeout_s=120)
     assert all(r["copies"] == 2 and r["memory"] <= budget and "error" not in r for r in fits), fits
-    failed = run_on_ranks(_memory_worker, 2, "gpipe", int(budget), timeout_s=120)
     # rank 0 planned and failed; rank 1 does not wait for plans that will not come: same error
     assert [r.get("error") for r in failed] == ["InfeasibleBudgetError"] * 2, failed
     assert all(re.search(r"no plan fits .* the least memory any plan needs", r["message"]) for r in failed), failed

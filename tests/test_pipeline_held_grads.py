@@ -24,7 +24,16 @@ import copy
 import functools
 from types import SimpleNamespace
 
-from parity_utils import Checks, adam_in_lockstep, call, check_grads_by_alias, loss_of, nested_approx_equal
+from parity_utils import (
+    Checks,
+    adam_in_lockstep,
+    built_in_parent,
+    call,
+    check_grads_by_alias,
+    loss_of,
+    nested_approx_equal,
+    prebuilt,
+)
 
 import partitioner
 from partitioner.models import gpt_demo
@@ -34,6 +43,13 @@ STEPS = 3
 MLP_WEIGHTS = ("h.*.mlp.c_fc.weight", "h.*.mlp.c_proj.weight")
 
 
+PIPELINE = {"degree": 2, "schedule": "1f1b", "microbatches": 4}
+
+
+def _model():
+    return gpt_demo(batch=8, seq=16, n_layer=2, n_embd=32, n_head=2, vocab_size=64)
+
+
 def _held_worker(rank, world, configs):
     from partitioner.plan_estimate import grad_sync_calls, per_step_comm, plan_collective_calls
     from passes.core.placements import is_shard
@@ -41,11 +57,11 @@ def _held_worker(rank, world, configs):
     from runtime.grad_sync import DeferredSyncs
 
     out = []
-    for pins in configs:
+    for i, pins in enumerate(configs):
         checks = Checks(rank)
-        model, inputs = gpt_demo(batch=8, seq=16, n_layer=2, n_embd=32, n_head=2, vocab_size=64)
+        model, inputs = prebuilt(i) or _model()  # the parent's, its stages captured there
         ref = copy.deepcopy(model)
-        pipeline = {"degree": 2, "schedule": "1f1b", "microbatches": 4}
+        pipeline = PIPELINE
         runner = partitioner.auto_parallelize(model, inputs, mesh=(2, 2), pins=pins, cluster="h100", pipeline=pipeline)
         seen, grads = [], []
         flush = DeferredSyncs.flush
@@ -111,7 +127,8 @@ def test_held_gradient_sums_and_communication_equal_the_estimate():
     microbatch, nothing held for them)."""
     dp = {"idx": ["S(0)"], "targets": ["S(0)"], "*": ["R"], "h.?": ["S(0)"], "ln_f": ["S(0)"], "lm_head": ["S(0)"]}
     mixed = dict(dp, **{MLP_WEIGHTS[0]: ["S(0)"], MLP_WEIGHTS[1]: ["S(1)"]})
-    per_rank = run_on_ranks(_held_worker, 4, [dp, mixed], timeout_s=180)
+    with built_in_parent({i: (_model, {"pipeline": PIPELINE}) for i in range(2)}):  # a model per config
+        per_rank = run_on_ranks(_held_worker, 4, [dp, mixed], timeout_s=180)
     failures = [f for runs in per_rank for r in runs for f in r["failures"]]
     assert not failures, f"{len(failures)} mismatches, first ones:\n" + "\n".join(failures[:12])
     for runs in per_rank:

@@ -29,7 +29,17 @@ import copy
 
 import pytest
 import torch
-from parity_utils import ADAM_EPS, LR, Checks, call, check_grads_by_alias, loss_of, nested_approx_equal
+from parity_utils import (
+    ADAM_EPS,
+    LR,
+    Checks,
+    built_in_parent,
+    call,
+    check_grads_by_alias,
+    loss_of,
+    nested_approx_equal,
+    prebuilt,
+)
 
 import partitioner
 from partitioner.models import gpt_demo
@@ -44,6 +54,13 @@ def _grad_bytes(tensors) -> int:
     return sum(t.grad.numel() * t.grad.element_size() for t in tensors if t.grad is not None)
 
 
+PIPELINE = {"degree": 2, "schedule": "zb-h1", "microbatches": MICROBATCHES}
+
+
+def _model():
+    return gpt_demo(batch=8, seq=16, n_layer=2, n_embd=32, n_head=2, vocab_size=64)
+
+
 def _zero1_worker(rank, world, _cfg):
     from partitioner.pipeline_plan import runner_plan
     from partitioner.plan_estimate import stage_step_comm
@@ -51,9 +68,9 @@ def _zero1_worker(rank, world, _cfg):
     from runtime.grad_sync import DeferredSyncs
 
     checks = Checks(rank)
-    model, inputs = gpt_demo(batch=8, seq=16, n_layer=2, n_embd=32, n_head=2, vocab_size=64)
+    model, inputs = prebuilt("gpt") or _model()  # the parent's, its stages captured there
     ref = copy.deepcopy(model)
-    pipeline = {"degree": 2, "schedule": "zb-h1", "microbatches": MICROBATCHES}
+    pipeline = PIPELINE
     runner = partitioner.auto_parallelize(
         model, inputs, mesh=(2, 2), pins=DATA_PARALLEL, cluster="h100", zero=1, pipeline=pipeline
     )
@@ -138,7 +155,8 @@ def _zero1_worker(rank, world, _cfg):
 
 
 def test_zero1_in_pipeline_stages_matches_one_device_and_its_estimate():
-    per_rank = run_on_ranks(_zero1_worker, 4, None, timeout_s=180)
+    with built_in_parent({"gpt": (_model, {"pipeline": PIPELINE})}):
+        per_rank = run_on_ranks(_zero1_worker, 4, None, timeout_s=180)
     failures = [f for r in per_rank for f in r["failures"]]
     assert not failures, f"{len(failures)} mismatches, first ones:\n" + "\n".join(failures[:12])
     for r in per_rank:

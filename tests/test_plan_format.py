@@ -27,6 +27,15 @@ def _unchanged(records: list) -> list:
     return [{k: v for k, v in r.items() if k not in CHANGED_SINCE} for r in records]
 
 
+def _options_but_memory(alternatives: dict) -> dict:
+    """The alternatives without the options' memory (the ILP's row has held a parameter gather's
+    copy back into order since the file was made: passes/plan/move_scratch.py)."""
+    return {
+        name: {**a, "options": [{k: v for k, v in o.items() if k != "memory"} for o in a["options"]]}
+        for name, a in alternatives.items()
+    }
+
+
 def _same_but_memory(old, fresh) -> None:
     """The estimates agree on everything but the peak (the old file's is the backward bound)."""
     a, b = old.estimate(), fresh.estimate()
@@ -48,8 +57,8 @@ def test_a_version_1_file_loads_as_the_plan_made_now(fresh):
     assert PLAN_VERSION == 2 and old.data["version"] == 2 and fresh.data["version"] == 2
     assert old.header == fresh.header
     assert _unchanged(old.data["records"]) == _unchanged(fresh.data["records"])
-    for key in ("alternatives", "blocks"):
-        assert old.data[key] == fresh.data[key], key
+    assert _options_but_memory(old.data["alternatives"]) == _options_but_memory(fresh.data["alternatives"])
+    assert old.data["blocks"] == fresh.data["blocks"]
     _same_but_memory(old, fresh)
     untimed = lambda plan: [  # noqa: E731
         line for line in plan.summary().splitlines() if "solved in" not in line and "memory" not in line

@@ -17,7 +17,7 @@ fake process group.
 
 import copy
 
-from parity_utils import Checks, check_step_like_one_device, run_checked, train_like_one_device
+from parity_utils import Checks, check_step_like_one_device, prebuilt, run_checked, train_like_one_device
 
 TIMEOUT_S = 240
 STEPS = 3
@@ -35,7 +35,7 @@ def memory_tp_worker(rank, world, cfg):
     from passes.core.placements import parse_spec
 
     checks = Checks(rank)
-    model, inputs = _gpt()
+    model, inputs = prebuilt("gpt") or _gpt()  # the parent's, captured there
     ref = copy.deepcopy(model)
     pm = partitioner.auto_parallelize(model, inputs, mesh=tuple(cfg["mesh"]), zero=cfg["zero"], **OPTIONS)
     # the layout under test: c_attn's weight stored cut along dim 1 on an axis where the matmul
@@ -55,7 +55,7 @@ def memory_tp_worker(rank, world, cfg):
 
 
 def test_fused_weight_stored_along_its_other_dim_matches_one_device():
-    run_checked(memory_tp_worker, {"mesh": [2, 2], "zero": 3}, TIMEOUT_S)
+    run_checked(memory_tp_worker, {"mesh": [2, 2], "zero": 3}, TIMEOUT_S, prebuild=("gpt", _gpt))
 
 
 def test_fused_weight_layout_builds_inside_a_pipeline(fake_process_group):

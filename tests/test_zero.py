@@ -22,8 +22,8 @@ checked in one process.
 """
 
 import pytest
-from parity_utils import build, run_checked
-from zero_utils import BUDGET, TIMEOUT_S, zero_worker
+from parity_utils import build
+from zero_utils import BUDGET, run_zero
 
 CONFIGS = [  # HF LLaMA's (its captures take longest): tests/test_zero_llama.py
     {"model": "gpt", "mesh": [4], "kind": "dp"},
@@ -35,7 +35,7 @@ CONFIGS = [  # HF LLaMA's (its captures take longest): tests/test_zero_llama.py
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c['model']}-{'x'.join(map(str, c['mesh']))}")
 def test_zero3_matches_one_device_and_saves_less_than_zero2(cfg):
-    results = run_checked(zero_worker, cfg, TIMEOUT_S)
+    results = run_zero(cfg)
     assert results[0]["regathered"] > 0
 
 

@@ -27,6 +27,7 @@ import copy
 import pytest
 import torch
 from parity_utils import (
+    MODELS,
     Checks,
     build,
     call,
@@ -34,6 +35,7 @@ from parity_utils import (
     check_step_like_one_device,
     free_weights,
     loss_of,
+    prebuilt,
     run_checked,
     train_like_one_device,
 )
@@ -61,7 +63,7 @@ def parity_worker(rank, world, cfg):
     counts = {}
     for name, mesh, kind in PARITY:
         label = f"{name} {mesh}"
-        model, inputs = build(name)
+        model, inputs = prebuilt(label) or build(name)  # the parent's, captured there
         ref = copy.deepcopy(model)
         pm = partitioner.auto_parallelize(model, inputs, mesh=mesh, cluster="h100", recompute="none", zero=1,
                                           pins=free_weights(name, kind, mesh))
@@ -98,7 +100,9 @@ class _Labelled:
 
 
 def test_zero1_matches_one_device():
-    results = run_checked(parity_worker, {"mesh": [4]}, TIMEOUT_S)
+    # each config's model built and captured once, before the ranks fork
+    prebuild = [(f"{name} {mesh}", MODELS[name]["factory"]) for name, mesh, _ in PARITY]
+    results = run_checked(parity_worker, {"mesh": [4]}, TIMEOUT_S, prebuild=prebuild)
     assert all(n > 0 for n in results[0]["zero1"].values()), results[0]["zero1"]
 
 
@@ -217,4 +221,4 @@ def test_budget_below_replicated_state_picks_zero1(fake_process_group):
     import torch.distributed as dist
 
     dist.destroy_process_group()
-    run_checked(known_answer_worker, {"mesh": [4]}, TIMEOUT_S)
+    run_checked(known_answer_worker, {"mesh": [4]}, TIMEOUT_S, prebuild=("gpt", MODELS["gpt"]["factory"]))

@@ -8,8 +8,7 @@ saved tensors within 5% of the estimate, parameters after 3 AdamW steps.
 """
 
 import pytest
-from parity_utils import run_checked
-from zero_utils import TIMEOUT_S, zero_worker
+from zero_utils import run_zero
 
 CONFIGS = [
     {"model": "llama", "mesh": [4], "kind": "free"},
@@ -19,5 +18,5 @@ CONFIGS = [
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "x".join(map(str, c["mesh"])))
 def test_llama_zero3_and_zero2_match_one_device(cfg):
-    results = run_checked(zero_worker, cfg, TIMEOUT_S)
+    results = run_zero(cfg)
     assert results[0]["regathered"] > 0

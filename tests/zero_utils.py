@@ -5,13 +5,29 @@
 
 import copy
 
-from parity_utils import Checks, build, check_step_like_one_device, free_weights, train_like_one_device
+from parity_utils import (
+    MODELS,
+    Checks,
+    build,
+    check_step_like_one_device,
+    free_weights,
+    prebuilt,
+    run_checked,
+    train_like_one_device,
+)
 from support import placement_axes
 
 TIMEOUT_S = 240
 STEPS = 3
 BUDGET = 0.5
 TOLERANCE = 0.05
+
+
+def run_zero(cfg):
+    """:func:`zero_worker` on ``cfg``'s mesh, the two models it parallelizes (ZeRO-3, ZeRO-2) built
+    and captured here before the ranks fork."""
+    factory = MODELS[cfg["model"]]["factory"]
+    return run_checked(zero_worker, cfg, TIMEOUT_S, prebuild=[(cfg["model"], factory), (f"{cfg['model']}/2", factory)])
 
 
 def zero_worker(rank, world, cfg):
@@ -32,7 +48,9 @@ def zero_worker(rank, world, cfg):
             pins.update({r["fqn"]: placement_axes(r["out"][0])
                          for r in plans[3].plan.records if r["kind"] == "param"})
         reference = copy.deepcopy(ref)
-        pm = partitioner.auto_parallelize(copy.deepcopy(ref), inputs, mesh=mesh, cluster="h100", recompute="none",
+        # the model built (ZeRO-3; unchanged: ref is its copy) and the parent's second one, each captured there
+        source = model if stage == 3 else (prebuilt(f"{cfg['model']}/2") or (copy.deepcopy(ref),))[0]
+        pm = partitioner.auto_parallelize(source, inputs, mesh=mesh, cluster="h100", recompute="none",
                                           zero=stage, memory_budget=budget if stage == 3 else None, pins=pins)
         label = f"{cfg['model']} {mesh} ZeRO-{stage}"
         measured = partitioner.measure_memory(pm, inputs)

@@ -68,6 +68,8 @@ class GradientsInBackward:
 
     during: dict = field(default_factory=dict)
     """Op -> bytes alive while its backward runs."""
+    before: dict = field(default_factory=dict)
+    """Op -> bytes alive when its backward starts, before it makes any gradient."""
     at_end: float = 0.0
     """The most alive while the open buckets are launched at the end of backward (at least every
     ``.grad``)."""
@@ -148,6 +150,7 @@ def gradients_in_backward(graph: fx.Graph, choices: dict, mesh_shape, out_spec, 
         # its backward makes the gradients; the buckets take them after it, its saved tensors
         # freed: a launch then is counted while the next op's backward starts
         found.during[c] = max(pending, before + made_here)
+        found.before[c] = before
         pending, waiting = 0.0, sum(whole for (_, whole), _, _ in launches)
         for (signature, whole), grad, alone in launches:  # ZeRO-3: reduce-scattered at once, alone
             waiting -= whole

@@ -22,9 +22,15 @@ keeps (:mod:`passes.analysis.saved_tensors` says what each op saves) and counts 
 * **Transients.** Forward: what a node allocates that nothing keeps (its output and its
   edges' buffers), alive while it runs. Backward: the gradients of its output and of its
   inputs that need one, alive while its backward runs.
+* **What moves hold while they run** (:mod:`passes.plan.move_scratch`): an op's forward transient
+  is the larger of its output with its edges' buffers and, per edge in input order, the buffers
+  of the edges before it, its result and what its moves hold beyond it (a weight stored on an
+  inner dim is copied back into order beside its gathered buffer).
 * **ZeRO-3 parameters** (``regather``): the copy an edge gathers for a consumer that keeps it
   is freed after forward (a forward transient) and gathered again while the consumer's
-  backward runs (a backward transient), outside recomputed layers.
+  backward runs (a backward transient), outside recomputed layers; the consumer's backward
+  unpacks them (with their moves' scratch) before it makes any gradient, a moment the walk
+  counts too; an op whose rule ``unpacks_in_turn`` holds one of them at a time.
 * **Activations gathered again** (``regather_activations``, :mod:`passes.plan.activation_regather`):
   the copy an edge gathers for a consumer that keeps it is a forward transient; the producer's
   shard is kept instead (a saved activation, once per storage); the copy is gathered again
@@ -36,7 +42,8 @@ keeps (:mod:`passes.analysis.saved_tensors` says what each op saves) and counts 
 * **Offloaded parameters** (``offload``): the compute copy and its gradient on the device; the
   tensor the optimizer steps, its gradient and its state in host memory (``offloaded``).
 * **Prefetched gathers** (:mod:`passes.lower.prefetch_gathers`): a weight's gather started ahead of
-  its use is a transient of every op it runs beside (forward, and ZeRO-3 regathers in backward).
+  its use (its buffer and the input copy it reads) is a transient of every op it runs beside
+  (forward, and ZeRO-3 regathers in backward).
 * **Parameter gradients in backward** (:mod:`passes.plan.bucket_memory`, a plan without a
   pipeline): the ``.grad`` made so far, the gradients held in the runtime's buckets until their
   bucket is sent, and the buckets' flat buffers: ``gradients_alive`` on each op, while its
@@ -58,7 +65,7 @@ import torch.fx as fx
 
 from passes.analysis.analyze import info
 from passes.core.node_info import grad_flows
-from passes.lower.prefetch_gathers import backward_windows, first_gather, forward_windows
+from passes.lower.prefetch_gathers import first_gather, prefetch_transients
 from passes.plan.activation_regather import regathers_activation
 from passes.plan.bucket_memory import gradients_in_backward
 from passes.plan.cost_model import (
@@ -69,6 +76,7 @@ from passes.plan.cost_model import (
     local_bytes,
     param_state_parts,
 )
+from passes.plan.move_scratch import edge_scratch, gather_in_flight
 from passes.plan.zero_storage import regathers as strategy_regathers
 from passes.rules import op_view, rule_for, tensor_input_nodes
 
@@ -129,7 +137,9 @@ class _StorageWalk:
         self.regather_activations = regather_activations
         self.kept: dict = {}  # storage key -> (bytes, owner node)
         self.edge_buffers: dict = {}  # consumer -> bytes of its edges' buffers
-        self.regathered: dict = {}  # consumer -> bytes of ZeRO-3 parameters gathered again for its backward
+        self.regathered: dict = {}  # consumer -> bytes of ZeRO-3 copies its backward holds gathered again at once
+        self.regather_scratch: dict = {}  # consumer -> the most its regathers hold beyond their copies
+        self.edges_running: dict = {}  # consumer -> the most alive while its edges run (their buffers, scratch)
         self.layer_kept: dict = {}  # recomputed layer -> {storage key: bytes}, rebuilt in its backward
         self.first_of: dict = {}  # recomputed layer -> its first node
 
@@ -158,6 +168,16 @@ class _StorageWalk:
         ):
             return None
         return ("edge", c, k), local_bytes(ui.shape or (), dst, self.mesh, dtype_bytes(ui.dtype))
+
+    def scratch(self, c, k) -> float:
+        """What the moves of the edge into input ``k`` of ``c`` hold beyond their result
+        (:mod:`passes.plan.move_scratch`)."""
+        u = tensor_input_nodes(c)[k]
+        mine, src = self.choices.get(c), self.out_spec(u)
+        if mine is None or src is None or k >= len(mine.ins) or mine.ins[k] is None:
+            return 0.0
+        ui = info(u)
+        return edge_scratch(src, mine.ins[k], ui.shape or (), self.mesh, dtype_bytes(ui.dtype), ui.requires_grad)
 
     def base(self, n, j=0):
         """The storage value ``n`` (output ``j``) lives in: (key, bytes, owner) or None (state, batch)."""
@@ -215,7 +235,12 @@ class _StorageWalk:
             for k in i.saves.inputs:
                 e = self.edge(c, k)
                 if e is not None and self.regathers(c, k, layer):
-                    self.regathered[c] = self.regathered.get(c, 0.0) + e[1]
+                    # gathered again as backward unpacks them: at once, or one at a time
+                    together = not rule_for(c).unpacks_in_turn
+                    self.regathered[c] = (
+                        self.regathered.get(c, 0.0) + e[1] if together else max(self.regathered.get(c, 0.0), e[1])
+                    )
+                    self.regather_scratch[c] = max(self.regather_scratch.get(c, 0.0), self.scratch(c, k))
                     if info(ins[k]).kind == "op":  # an activation: its shard is kept instead
                         self.keep(self.base(ins[k]), into)
                 elif e is not None:
@@ -232,8 +257,11 @@ class _StorageWalk:
                 into[("extra", c)] = (i.saves.extra_bytes * fraction, c)
             for k in range(len(ins)):
                 e = self.edge(c, k)
-                if e is not None and e[0] not in self.kept:
-                    self.edge_buffers[c] = self.edge_buffers.get(c, 0.0) + e[1]
+                unkept = e[1] if e is not None and e[0] not in self.kept else 0.0
+                self.edge_buffers[c] = self.edge_buffers.get(c, 0.0) + unkept
+                # while edge k runs: the unkept buffers of the edges before it, its result, its scratch
+                during = self.edge_buffers[c] + self.scratch(c, k)
+                self.edges_running[c] = max(self.edges_running.get(c, 0.0), during)
 
     def count_kept(self, fields: dict, activation_copies: int) -> None:
         """Each kept storage on its owner: gathered buffers (made by edges) or saved activations."""
@@ -266,14 +294,30 @@ class _StorageWalk:
                 continue
             aliased = i.saves is not None and i.saves.alias is not None
             own = 0.0 if aliased or n in kept_values else self.value_bytes(n)
-            f["transient_fwd"] = own + self.edge_buffers.get(n, 0.0)
+            f["transient_fwd"] = max(own + self.edge_buffers.get(n, 0.0), self.edges_running.get(n, 0.0))
             if i.requires_grad:
-                # a parameter's gradient: in gradients_alive where walked, else the plan's gradients too
-                ins = [u for u in tensor_input_nodes(n) if info(u).requires_grad]
-                grads_in = sum(self.value_bytes(u) for u in ins if grads is None or info(u).kind != "param")
-                f["transient_bwd"] = self.value_bytes(n) + grads_in + self.regathered.get(n, 0.0)
+                f["transient_bwd"] = self.backward_transient(n, grads)
             if grads is not None and n in grads.during:
                 f["gradients_alive"] = grads.during[n]
+
+    def backward_transient(self, n, grads) -> float:
+        """What ``n``'s backward holds beside what is kept: its output's gradient, its inputs'
+        (a parameter's: in ``gradients_alive`` where walked, else here too) and its ZeRO-3 copies
+        gathered again. Those are gathered when its backward starts, before it makes any
+        gradient: that moment (their moves' scratch beside them, the gradients alive before
+        ``n``'s, ``grads.before``) is folded in so that the walk's sum with ``gradients_alive``
+        (``grads.during``) is the larger of the two."""
+        ins = [u for u in tensor_input_nodes(n) if info(u).requires_grad]
+        grads_in = sum(self.value_bytes(u) for u in ins if grads is None or info(u).kind != "param")
+        regathered = self.regathered.get(n, 0.0)
+        held = self.value_bytes(n) + grads_in + regathered
+        scratch = self.regather_scratch.get(n, 0.0)
+        if not scratch:
+            return held
+        unpacking = self.value_bytes(n) + regathered + scratch
+        if grads is not None and n in grads.during:
+            unpacking -= grads.during[n] - grads.before.get(n, 0.0)
+        return max(held, unpacking)
 
     def placeholders(self, graph: fx.Graph, fields: dict, again: set, optimizer) -> None:
         """Each placeholder's state (a parameter: stored, compute copy, gradient, optimizer
@@ -336,32 +380,32 @@ class _StorageWalk:
 
 def _prefetched(graph: fx.Graph, choices: dict, mesh, recomputed: dict, fields: dict) -> None:
     """Add the weight gathers started ahead of their use (:mod:`passes.lower.prefetch_gathers`) to the
-    transients of the ops they run beside: forward gathers of top-level edges, and ZeRO-3
-    regathers in backward (their gathered buffer, alive from the start to the use)."""
+    transients of the ops they run beside: forward gathers, ZeRO-3 regathers in backward and
+    recomputed layers' rerun gathers (their gathered buffer, alive from the start to the use)."""
     ops = [n for n in graph.nodes if n.op == "call_function" and info(n).kind == "op"]
-    ahead: dict = {"transient_fwd": [], "transient_bwd": []}  # field -> [(op position, bytes)]
-    for j, c in enumerate(ops):
-        mine = choices.get(c)
+    entries = []  # per op: (its recomputed region or None, [(bytes gathered ahead, regathered)])
+    for c in ops:
+        mine, found = choices.get(c), []
+        layer = recomputed.get(c)
+        entries.append((layer, found))
         if mine is None or mine.strategy is None:
             continue
-        layer = recomputed.get(c)
         saves = info(c).saves
         saved = saves.inputs if saves is not None else ()
         for k, u in enumerate(tensor_input_nodes(c)):
             placed, ui = choices.get(u), info(u)
             if ui.kind != "param" or placed is None or placed.stored is not None or placed.offload:
                 continue
-            if k >= len(mine.ins) or mine.ins[k] is None or layer is not None:
+            if k >= len(mine.ins) or mine.ins[k] is None:
                 continue
             first = first_gather(placed.out[0], mine.ins[k], ui.shape or (), mesh, dtype_bytes(ui.dtype))
-            if first is None:
-                continue
-            ahead["transient_fwd"].append((j, first.payload_bytes))
-            if placed.regather and k in saved:
-                ahead["transient_bwd"].append((j, first.payload_bytes))
-    for name, windows in (("transient_fwd", forward_windows), ("transient_bwd", backward_windows)):
-        found = ahead[name]
-        for (_, nbytes), window in zip(found, windows([j for j, _ in found])):
-            for i in window:
-                f = fields.setdefault(ops[i].name, {})
-                f[name] = f.get(name, 0.0) + nbytes
+            if first is not None:
+                # the gathered buffer, and the input it reads while in flight (passes.plan.move_scratch)
+                nbytes = first.payload_bytes + gather_in_flight(
+                    placed.out[0], mine.ins[k], ui.shape or (), mesh, dtype_bytes(ui.dtype)
+                )
+                found.append((nbytes, bool(placed.regather and k in saved and layer is None)))
+    for name, placed_bytes in prefetch_transients(entries).items():
+        for i, nbytes in placed_bytes:
+            f = fields.setdefault(ops[i].name, {})
+            f[name] = f.get(name, 0.0) + nbytes

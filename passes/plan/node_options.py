@@ -33,6 +33,7 @@ from passes.plan.cost_model import (
     weight_pass_time,
 )
 from passes.plan.edge_costs import edge_collectives
+from passes.plan.move_scratch import edge_scratch
 from passes.plan.space_types import NodeChoice
 from passes.plan.zero_storage import regathers, zero1_collectives, zero1_placements, zero_mode
 from passes.rules import Strategy, expand_to_mesh, multidim_tp, op_view, rule_for, tensor_input_nodes
@@ -126,20 +127,26 @@ class SpaceBuilder:
         keeps that input for backward (see :func:`passes.plan.cost_model.edge_allocates`); none for a
         ZeRO-3 parameter's gathered copy (freed after forward, gathered again for backward); for
         an activation gathered again in backward, the shard it keeps instead
-        (:mod:`passes.plan.activation_regather`)."""
+        (:mod:`passes.plan.activation_regather`). A parameter's gather also holds, while it runs,
+        what its moves copy beside the result (a weight stored on an inner dim copied back into
+        order: :mod:`passes.plan.move_scratch`): a transient, held in the row as if kept, so
+        that the solver prefers the storage whose gather copies nothing."""
         saves = info(consumer).saves
         if saves is None or k not in saves.inputs or src is None or dst is None:
             return 0.0
         ui = info(u)
+        scratch = 0.0
+        if ui.kind == "param":
+            scratch = edge_scratch(src, dst, ui.shape or (), self.mesh, dtype_bytes(ui.dtype), ui.requires_grad)
         if regather and ui.kind == "op":
             if regathers_activation(consumer, k, u, src, dst, self.mesh):
                 return self.activation_copies * local_bytes(ui.shape or (), src, self.mesh, dtype_bytes(ui.dtype))
         elif regather and edge_gathers(src, dst, self.mesh):
-            return 0.0
+            return scratch
         grad = grad if ui.requires_grad else None
         if not edge_allocates(src, dst, grad, self.mesh, requires_grad=ui.requires_grad, from_param=ui.kind == "param"):
             return 0.0
-        return self.activation_copies * local_bytes(ui.shape or (), dst, self.mesh, dtype_bytes(ui.dtype))
+        return scratch + self.activation_copies * local_bytes(ui.shape or (), dst, self.mesh, dtype_bytes(ui.dtype))
 
     def regather_time(self, u, src, dst, consumer, k) -> float:
         """Seconds of gathering a ZeRO-3 parameter (or an activation kept as its shard) again in

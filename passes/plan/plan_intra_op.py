@@ -30,6 +30,7 @@ from passes.core.plan_records import NodeRecord
 from passes.lower.prefetch_gathers import credit_prefetch
 from passes.plan.activation_regather import regathers_activation
 from passes.plan.bucket_overlap import credit_bucket_overlap
+from passes.plan.budget_fit import fit_peak
 from passes.plan.collective_calls import StepLatencies, step_latencies
 from passes.plan.cost_model import (
     collective_time,
@@ -316,13 +317,13 @@ def plan_intra_op(
         log(f"recomputed in backward: {', '.join(f'{b} ({m})' for b, m in recomputed.items() if m != 'kept')}")
     log(f"solve: {t2 - t1:.2f} s, objective {result.objective * 1e3:.3f} ms{_proven(result)}")
 
-    records, overlap = _decoded_records(
+    records, (overlap, hidden) = _decoded_records(
         cap, space, result.choice, axis_names, redo, regions, optimizer, activation_copies, holds_gradient_sums
     )
 
     alternatives = _alternatives(space, result.choice, axis_names, redo)
     t3 = time.perf_counter()
-    stats = _stats(space, result, (t0, t1, t2, t3), n_opts, overlap, records, least, least_kept)
+    stats = _stats(space, result, (t0, t1, t2, t3), n_opts, (overlap, hidden), records, least, least_kept)
     typed = [NodeRecord.from_dict(r) for r in records]
     latencies = step_latencies(typed, mesh_shape, axis_names, cluster)
     return IntraOpResult(
@@ -337,7 +338,8 @@ def plan_intra_op(
 def _decoded_records(cap, space, choice, axis_names, redo, regions, optimizer, activation_copies, holds_gradient_sums):
     """The plan's records under the solver's ``choice``, with each node's exact memory fields
     (:func:`passes.plan.memory_accounting.memory_fields`), its grid labels, and the prefetched gathers'
-    credit: (records, seconds of gathers overlapped)."""
+    credit: (records, (seconds of gathers overlapped, seconds of gradient reductions hidden by
+    backward's compute))."""
     graph, blocks = cap.graph, space.blocks
     choices = _choices(graph, space, blocks, choice)
     records = _records(cap, space, blocks, choices, axis_names, redo, regions, activation_copies)
@@ -358,10 +360,11 @@ def _decoded_records(cap, space, choice, axis_names, redo, regions, optimizer, a
     multidim_tp.label_records(records, space.mesh_shape)
     # weight gathers started ahead of their use (passes/lower/prefetch_gathers.py), at the measured overlap
     overlap = credit_prefetch(records, getattr(space.cluster, "prefetch_overlap", 1.0))
+    hidden = 0.0
     if not holds_gradient_sums:  # buckets reduced beside backward (a pipeline stage holds its syncs)
-        credit_bucket_overlap(records, space.mesh_shape, axis_names)
-
-    return records, overlap
+        reductions = credit_bucket_overlap(records, space.mesh_shape, axis_names)
+        hidden = reductions.total_s - reductions.exposed_s
+    return records, (overlap, hidden)
 
 
 def _log_space(log, space, seconds: float) -> int:
@@ -403,10 +406,12 @@ def _no_plan(result, space, budget, host_budget, redo, time_limit, least) -> NoR
     )
 
 
-def _stats(space, result, times, n_opts, overlap, records, least, least_kept) -> dict:
+def _stats(space, result, times, n_opts, credits, records, least, least_kept) -> dict:
     """The plan's ``stats``: phase times (``times``: start, space built, solved, decoded), the
-    space's size, the solver's objective and gap, and the memory floors."""
+    space's size, the solver's objective and gap, the overlap credits (``credits``: prefetched
+    gathers, gradient reductions) and the memory floors."""
     t0, t1, t2, t3 = times
+    overlap, hidden = credits
     stats = {
         "build_s": t1 - t0,
         "solve_s": t2 - t1,
@@ -417,6 +422,7 @@ def _stats(space, result, times, n_opts, overlap, records, least, least_kept) ->
         "edges": len(space.edges),
         "objective_s": result.objective,
         "prefetch_overlap_s": overlap,
+        "bucket_overlap_s": hidden,
         "optimizer_step_s": sum(r.get("optimizer_step_s", 0.0) for r in records),
         "pruned_options": space.pruned,
         "least_memory": least,
@@ -709,38 +715,9 @@ def _without_zero3(budget, solve, redo, peak_of, zero1=True):
 
 
 def _fit_peak(result, budget, solve, peak_of, least_peak):
-    """The ILP row holds state, inputs and what backward keeps; the peak adds a transient (an
-    op's output and edge buffers in forward, gradients and ZeRO-3 weights gathered again in
-    backward). Re-solve with the budget less the largest transient seen until the plan's peak
-    fits; when that margin leaves no plan, with half of it (twice). Last, the plan that keeps the
-    least (``least_peak``: the memory objective, solved without the budget row, which bounds the
-    walked peak from above): if even its peak is over, InfeasibleBudgetError."""
-    margin = 0.0
-    for _ in range(4):
-        peak, transient = peak_of(result.choice)
-        if peak <= budget:
-            return result
-        margin = max(margin, transient)
-        retry = solve(budget - margin)
-        for _ in range(2):
-            if retry.choice is not None:
-                break
-            margin /= 2
-            retry = solve(budget - margin)
-        if retry.choice is None:
-            break
-        result = retry
-    peak, transient = peak_of(result.choice)
-    if peak <= budget:
-        return result
-    least = least_peak()
-    if least.choice is not None and peak_of(least.choice)[0] <= budget:
-        return least
-    raise InfeasibleBudgetError(
-        f"no plan found whose peak fits {budget / 2**30:.4f} GiB per device ({budget:.0f} bytes): the best needs "
-        f"{peak:.0f} bytes at its peak, {transient:.0f} of them transient (an op's output and gradients). Raise "
-        f"the budget, use a larger mesh, or a lighter optimizer (optimizer='sgd')."
-    )
+    """``result`` re-solved until its walked peak fits ``budget``: the row's limit tightened by the
+    transients seen, then relaxed toward the budget (:func:`passes.plan.budget_fit.fit_peak`)."""
+    return fit_peak(result, budget, solve, peak_of, least_peak, InfeasibleBudgetError)
 
 
 def _tie_aliases(cap, blocks) -> None:

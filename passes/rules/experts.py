@@ -196,6 +196,7 @@ class ExpertsRule(OpRule):
     contraction = True
     saves_inputs = True
     follower = False
+    unpacks_in_turn = True  # one product per stacked weight (runtime.expert_dispatch._GroupedLinear)
 
     def axis_strategies(self, op: OpView) -> list:
         tokens, k = op.in_shapes[1]

@@ -1,0 +1,113 @@
+"""Fitting a solved plan's peak memory into the budget: the ILP's row limit searched from both sides.
+
+The ILP's memory row holds state, inputs and what backward keeps; the plan's peak adds a
+transient no linear row holds (an op's output and edge buffers in forward, gradients and ZeRO-3
+weights gathered again in backward: :mod:`passes.plan.memory_peak`). So the solve is repeated with
+the row's limit ``L`` below the budget ``B`` until the plan's walked peak fits. The algorithm
+(:func:`fit_peak`):
+
+1. **Tighten.** ``L = B - m``, ``m`` the largest transient seen, while the plan's peak is over
+   (at most 4 rounds); where ``L`` leaves no plan, ``m`` is halved (twice). Each limit whose plan
+   is over is the new ``over``: a limit known too loose, with that plan's objective, a lower bound
+   of every plan's at tighter limits.
+2. **Relax.** The first plan that fits may be far below ``B``: ``m`` is one plan's transient, and
+   the plan chosen under ``B - m`` often has a smaller one. Bisect between the fitting limit and
+   ``over``: a plan whose peak fits raises the fitting limit (kept when faster than the best so
+   far), one over lowers ``over`` (and its objective the bound). Stop when the best fitting plan
+   is as fast as the bound (nothing between can be faster), the two limits are within 0.5% of
+   ``B``, or after :data:`MAX_RELAX_SOLVES` solves. So the plan taken is the cheapest fitting one
+   found, never slower than the tightening alone gives.
+3. **Last resort.** When no limit gives a plan that fits, the plan that keeps the least (the
+   memory objective, no row; the row bounds the walked peak from above) if its peak fits, else
+   :class:`InfeasibleBudgetError`.
+
+Each solve here is a re-solve of a nearby problem (the callers give it a small node limit); the
+number spent is logged, since the configuration search plans many candidates.
+"""
+
+from __future__ import annotations
+
+import logging
+
+__all__ = ["fit_peak", "MAX_RELAX_SOLVES"]
+
+logger = logging.getLogger(__name__)
+
+MAX_RELAX_SOLVES = 2
+"""Solves spent relaxing the limit of a plan that fits toward the budget (step 2)."""
+CLOSE = 0.005
+"""Limits within this fraction of the budget of each other are not bisected further."""
+SAME = 1e-6
+"""A fitting plan within this relative margin of the bound is taken as optimal."""
+
+
+def fit_peak(result, budget: float, solve, peak_of, least_peak, error):
+    """``result`` (an ILP result over budget ``budget``'s row) re-solved until its walked peak
+    fits (the module docstring). ``solve(limit)``: the ILP under that row limit; ``peak_of(choice)``:
+    (peak, transient); ``least_peak()``: the plan that keeps the least; ``error``: the exception
+    class to raise when nothing fits."""
+    peak, transient = peak_of(result.choice)
+    if peak <= budget:
+        return result
+    over, bound = budget, result.objective
+    fit, limit, margin, solves = None, budget, 0.0, 0
+    for _ in range(4):  # 1. tighten
+        margin = max(margin, transient)
+        retry, limit, tries = _solve_below(solve, budget, margin)
+        solves += tries
+        if retry is None:
+            break
+        peak, transient = peak_of(retry.choice)
+        result = retry
+        if peak <= budget:
+            fit = retry
+            break
+        over, bound = limit, retry.objective
+    if fit is None:
+        least = least_peak()
+        if least.choice is not None and peak_of(least.choice)[0] <= budget:
+            logger.info("peak over the budget after %d re-solves: the plan that keeps the least fits", solves)
+            return least
+        raise error(
+            f"no plan found whose peak fits {budget / 2**30:.4f} GiB per device ({budget:.0f} bytes): the best needs "
+            f"{peak:.0f} bytes at its peak, {transient:.0f} of them transient (an op's output and gradients). Raise "
+            f"the budget, use a larger mesh, or a lighter optimizer (optimizer='sgd')."
+        )
+    best, relaxed = _relax(fit, limit, over, bound, budget, solve, peak_of)
+    logger.info(
+        "peak fitted in %d re-solves (row limit %.0f of %.0f bytes), %d more relaxing it%s",
+        solves,
+        limit,
+        budget,
+        relaxed,
+        f": {fit.objective / best.objective:.3f}x faster" if best is not fit else "",
+    )
+    return best
+
+
+def _solve_below(solve, budget: float, margin: float) -> tuple:
+    """(the ILP under ``budget - margin``, halving ``margin`` twice where that leaves no plan, or
+    None; the limit; solves spent)."""
+    for tries in range(1, 4):
+        retry = solve(budget - margin)
+        if retry.choice is not None:
+            return retry, budget - margin, tries
+        margin /= 2
+    return None, budget, 3
+
+
+def _relax(fit, fit_limit: float, over: float, bound: float, budget: float, solve, peak_of) -> tuple:
+    """Step 2: bisect the row limit between ``fit_limit`` (its plan ``fit`` fits) and ``over``
+    (too loose; ``bound``: the objective there); (the best fitting plan, solves spent)."""
+    best, spent = fit, 0
+    while spent < MAX_RELAX_SOLVES and best.objective > bound * (1 + SAME) and over - fit_limit > CLOSE * budget:
+        mid = (fit_limit + over) / 2
+        tried = solve(mid)
+        spent += 1
+        if tried.choice is not None and peak_of(tried.choice)[0] <= budget:
+            fit_limit = mid
+            best = tried if tried.objective < best.objective else best
+        else:
+            over = mid
+            bound = tried.objective if tried.choice is not None else bound
+    return best, spent

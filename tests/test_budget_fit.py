@@ -1,0 +1,74 @@
+"""Fitting a plan's walked peak into the budget (passes/plan/budget_fit.py): the ILP's row limit is
+tightened by the transients seen, then relaxed toward the budget, keeping the cheapest plan that
+fits. A known answer on a made-up ILP, and GPT on (4,) under half the replicated state, where
+tightening alone over-shards."""
+
+import pytest
+from parity_utils import build
+
+from passes.plan import budget_fit
+from passes.plan.plan_intra_op import InfeasibleBudgetError
+
+
+class _Result:
+    def __init__(self, limit):
+        self.choice = limit if limit > 0 else None  # no plan fits an empty row
+        self.objective = 1000.0 / limit if limit > 0 else None  # a looser row: a faster plan
+
+
+def _made_up(transient_of):
+    """A made-up ILP: the plan under row limit ``L`` uses the whole row, its peak adds
+    ``transient_of(L)``; counts its solves."""
+    solves = []
+
+    def solve(limit):
+        solves.append(limit)
+        return _Result(limit)
+
+    def peak_of(limit):
+        return limit + transient_of(limit), transient_of(limit)
+
+    return solve, peak_of, solves
+
+
+def test_the_limit_is_relaxed_toward_the_budget_after_a_transient_too_large():
+    # the first plan (limit 100) peaks at 140: tightening by its transient (40) gives a plan at 60,
+    # whose own transient is only 10 (peak 70): far below the budget; two bisections find 80
+    # (peak 90 fits, faster), then stop at the solve limit
+    solve, peak_of, solves = _made_up(lambda limit: 40.0 if limit > 85 else 10.0)
+    got = budget_fit.fit_peak(_Result(100.0), 100.0, solve, peak_of, lambda: None, InfeasibleBudgetError)
+    assert solves == [60.0, 80.0, 90.0]
+    assert got.choice == 80.0 and peak_of(got.choice)[0] <= 100.0
+    # a plan as fast as the bound is not relaxed further: nothing between can be faster
+    solve, peak_of, solves = _made_up(lambda limit: 40.0)
+    got = budget_fit.fit_peak(_Result(100.0), 100.0, solve, peak_of, lambda: None, InfeasibleBudgetError)
+    assert got.choice == 60.0 and solves[0] == 60.0 and len(solves) <= 1 + budget_fit.MAX_RELAX_SOLVES
+
+
+def test_no_limit_fits_the_least_plan_or_a_clear_error():
+    solve, peak_of, _ = _made_up(lambda limit: 1000.0)
+    with pytest.raises(InfeasibleBudgetError, match="no plan found whose peak fits"):
+        budget_fit.fit_peak(_Result(100.0), 100.0, solve, peak_of, lambda: _Result(50.0), InfeasibleBudgetError)
+
+
+def test_gpt_under_half_the_state_takes_the_faster_plan_that_fits(fake_process_group, monkeypatch):
+    """GPT on (4,), h100 figures, budget half the replicated fp32 Adam state: tightening alone
+    stops at a plan whose peak fits; relaxing finds a faster one that fits too."""
+    import partitioner
+
+    fake_process_group(4)
+    model, inputs = build("gpt")
+    n_params = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
+    budget = int(0.5 * 16 * n_params)
+
+    def planned():
+        return partitioner.plan(model, inputs, mesh_shape=(4,), cluster="h100", recompute="none", memory_budget=budget)
+
+    monkeypatch.setattr(budget_fit, "MAX_RELAX_SOLVES", 0)
+    tightened = planned()
+    monkeypatch.undo()
+    relaxed = planned()
+    for plan in (tightened, relaxed):
+        assert plan.estimate().memory_bytes <= budget
+    faster = tightened.data["stats"]["objective_s"] / relaxed.data["stats"]["objective_s"]
+    assert faster > 1.05, faster
