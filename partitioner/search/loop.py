@@ -130,8 +130,7 @@ class PlanningLoop:
             cand.status = "pruned"
             cand.reason = (
                 f"its quick estimate {fmt_s(cand.quick_s)} x {floor:.2f} (the least planned / quick ratio of "
-                f"{slack_kind(cand.config)} plans here{' splitting the sequence' if cand.config.sequence > 1 else ''}) "
-                f"exceeds the best step {fmt_s(best.step_time_s)}"
+                f"{slack_kind(cand.config)} plans here) exceeds the best step {fmt_s(best.step_time_s)}"
             )
             return True
         if id(cand) in self.forced:  # a runner-up or a twin planned again: past the limit and the rule below
@@ -164,14 +163,14 @@ class PlanningLoop:
         the ZeRO-1 plan of the same degrees (1.20x). Whole-model plans stay at most 1: their
         quick estimates of sequence splits are coarser (a GPT at 4,096 tokens on 8 devices:
         sp 2 x tp 4 planned at 1.16x, and sp 4 x tp 2, at most 1.04x, would have been pruned)."""
-        kind = ratio_kind(c)
+        kind = slack_kind(c)
         ratios = [
             o.step_time_s / o.quick_s
             for o in self.cands
-            if o.plan is not None and o.quick_s > 0 and ratio_kind(o.config) == kind
+            if o.plan is not None and o.quick_s > 0 and slack_kind(o.config) == kind
         ]
         ratios = [r for r in ratios if r < FAR_ABOVE]
-        if kind[0] != "pipeline" or len(ratios) < LEAST_RATIO_PLANS:
+        if kind != "pipeline" or len(ratios) < LEAST_RATIO_PLANS:
             return min(ratios + [1.0])
         return min(ratios)
 
@@ -278,13 +277,6 @@ class PlanningLoop:
 def zero_pair(c: ParallelConfig) -> ParallelConfig:
     """What ``c``'s ZeRO-0 and ZeRO-1 twins share: ``c`` with its ZeRO stage left out."""
     return replace(c, zero="auto")
-
-
-def ratio_kind(c: ParallelConfig) -> tuple:
-    """Which planned / quick ratios bound ``c``'s (:meth:`PlanningLoop.least_ratio`): its
-    :func:`slack_kind` and whether it splits the sequence (Llama 3 8B on 64 A100: pipelines with
-    a sequence axis planned near their quick estimates said nothing of p4 d2 t8's)."""
-    return (slack_kind(c), c.sequence > 1)
 
 
 def slack_kind(c: ParallelConfig) -> str:
