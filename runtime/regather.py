@@ -89,11 +89,9 @@ class _Holder:
                     del pending  # its gather's buffers go before any copy below
                 else:
                     gathered = self.edge.regather_moves(self.shard.detach())
-                full = gathered
-                if gathered.size() != self.size or gathered.stride() != self.stride:  # the forward copy's layout
-                    full = torch.empty_strided(self.size, self.stride, dtype=gathered.dtype, device=gathered.device)
-                    full.copy_(gathered)
-                    del gathered
+                full = torch.empty_strided(self.size, self.stride, dtype=gathered.dtype, device=gathered.device)
+                full.copy_(gathered)
+                del gathered
             self.ref = weakref.ref(full)
             self.gathered = True
             self._start_previous()

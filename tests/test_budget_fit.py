@@ -33,12 +33,12 @@ def _made_up(transient_of):
 
 def test_the_limit_is_relaxed_toward_the_budget_after_a_transient_too_large():
     # the first plan (limit 100) peaks at 140: tightening by its transient (40) gives a plan at 60,
-    # whose own transient is only 10 (peak 70): far below the budget; two bisections find 80
-    # (peak 90 fits, faster), then stop at the solve limit
+    # whose own transient is only 10 (peak 70): far below the budget; the bisections find 80 (peak
+    # 90 fits, faster), 90 is over (transient 40), 85 fits (peak 95), 87.5 is over: the solve limit
     solve, peak_of, solves = _made_up(lambda limit: 40.0 if limit > 85 else 10.0)
     got = budget_fit.fit_peak(_Result(100.0), 100.0, solve, peak_of, lambda: None, InfeasibleBudgetError)
-    assert solves == [60.0, 80.0, 90.0]
-    assert got.choice == 80.0 and peak_of(got.choice)[0] <= 100.0
+    assert solves == [60.0, 80.0, 90.0, 85.0, 87.5]
+    assert got.choice == 85.0 and peak_of(got.choice)[0] <= 100.0
     # a plan as fast as the bound is not relaxed further: nothing between can be faster
     solve, peak_of, solves = _made_up(lambda limit: 40.0)
     got = budget_fit.fit_peak(_Result(100.0), 100.0, solve, peak_of, lambda: None, InfeasibleBudgetError)

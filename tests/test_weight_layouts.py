@@ -3,8 +3,8 @@
 A fused projection (GPT-2's ``c_attn``: q, k and v in one weight) whose output is split while
 sharded is computed from a weight in the strided layout: rank ``c`` holds block ``c`` of each of
 q, k and v (``passes/lower/lower_to_local.py``). A ZeRO-3 plan may store that weight cut along its
-*other* dim on the same mesh axis (the memory objective on (2, 2) with 1-D tensor parallelism
-does): there its stored blocks are contiguous, and the edge into the matmul all-to-alls them
+*other* dim on the same mesh axis (pinned here; the memory objective on (2, 2) with 1-D tensor
+parallelism chose it before a gather's copy back into order was counted): there its stored blocks are contiguous, and the edge into the matmul all-to-alls them
 into the strided shard (``runtime/collectives.py``). The loader must cut the stored blocks the
 way the edge reads them. One forked run on 4 ranks, with ``zero=3`` (the weights stored sharded,
 gathered for use and gathered again in backward; the layer norms, their hidden dim split, run
@@ -22,6 +22,9 @@ from parity_utils import Checks, check_step_like_one_device, prebuilt, run_check
 TIMEOUT_S = 240
 STEPS = 3
 OPTIONS = {"cluster": "h100", "objective": "memory", "tensor_parallel": "1d"}
+# the layout under test, pinned: the solver now prefers storing a weight along the dim its gather
+# needs no copy back into order for (passes/plan/move_scratch.py), where it chose this one before
+LAYOUT = {"h.*.attn.c_attn.weight": ["S(1)", "S(1)"]}
 
 
 def _gpt():
@@ -37,7 +40,7 @@ def memory_tp_worker(rank, world, cfg):
     checks = Checks(rank)
     model, inputs = prebuilt("gpt") or _gpt()  # the parent's, captured there
     ref = copy.deepcopy(model)
-    pm = partitioner.auto_parallelize(model, inputs, mesh=tuple(cfg["mesh"]), zero=cfg["zero"], **OPTIONS)
+    pm = partitioner.auto_parallelize(model, inputs, mesh=tuple(cfg["mesh"]), zero=cfg["zero"], pins=LAYOUT, **OPTIONS)
     # the layout under test: c_attn's weight stored cut along dim 1 on an axis where the matmul
     # reads it strided along dim 0 (so its stored blocks are contiguous, its bias's strided)
     fqn = "h.0.attn.c_attn.weight"

@@ -80,8 +80,9 @@ def test_zero_argument_is_checked(fake_process_group):
 
 
 def test_zero_per_weight_patterns(fake_process_group):
-    """``zero={"h.*.mlp.*": 3, "*": 2}`` under 0.55 of the replicated state: the MLP weights that are
-    gathered for use regather, no other weight does."""
+    """``zero={"h.*.mlp.*": 3, "*": 2}`` under 0.5 of the replicated state (under 0.55 the budget
+    fitting now finds a plan that gathers none for use): the MLP weights that are gathered for use
+    regather, no other weight does."""
     import partitioner
     from partitioner.plan_table import weight_storage
 
@@ -89,7 +90,7 @@ def test_zero_per_weight_patterns(fake_process_group):
     model, inputs = build("gpt")
     n_params = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
     plan = partitioner.plan(model, inputs, mesh_shape=(4,), cluster="h100", recompute="none",
-                            memory_budget=int(0.55 * 16 * n_params), zero={"h.*.mlp.*": 3, "*": 2})
+                            memory_budget=int(0.5 * 16 * n_params), zero={"h.*.mlp.*": 3, "*": 2})
     storage = weight_storage(plan)
     fqn = {r["name"]: r["fqn"] for r in plan.records if r["kind"] == "param"}
     zero3 = sorted(fqn[n] for n, kind in storage.items() if kind == "zero3")
