@@ -172,12 +172,12 @@ def test_a_searched_pipeline_saves_loads_and_dumps_each_stage_for_its_ranks(tmp_
     ``auto_parallelize`` does not replay it: refused, saying how to build it."""
     import passes.schedules as ps
     from partitioner.demo_clusters import meta_gpt
-    from tests.report_plans import searched_pipeline
+    from tests.report_plans import SEARCHED_GPT, searched_pipeline
 
     searched = searched_pipeline()
     plan = partitioner.ShardingPlan.load(searched.save(tmp_path / "pipe.json"))
     assert plan.to_dict() == searched.to_dict() and plan.estimate() == searched.estimate()
-    model, inputs = meta_gpt(4, 64, 4, 8, 32)
+    model, inputs = meta_gpt(*SEARCHED_GPT)
     files = partitioner.dump(plan, tmp_path / "dump", model=model, example_inputs=inputs)
     pipe = plan.data["pipeline"]
     schedule = ps.SCHEDULES[pipe["schedule"]].make(pipe["degree"], pipe["microbatches"], pipe["virtual_stages"])
