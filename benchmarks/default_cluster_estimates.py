@@ -283,10 +283,9 @@ def row(job: Job) -> dict:
         for rank_medians in r["cpu_s"]:
             for key, value in rank_medians.items():
                 cpu.setdefault(key, []).append(value)
-    actions = {  # the priced ones (sends and receives are not actions the plan prices)
-        key: {"cpu_s": statistics.median(values), "priced_s": prices[key]}
+    actions = {  # sends and receives too: not actions the plan prices (their priced_s is None)
+        key: {"cpu_s": statistics.median(values), "priced_s": prices.get(key)}
         for key, values in sorted(cpu.items())
-        if key in prices
     }
     return {
         "run": job.name,
@@ -302,8 +301,12 @@ def row(job: Job) -> dict:
     }
 
 
-def _ratio(cpu_s: float, priced_s: float) -> str:
+def _ratio(cpu_s: float, priced_s: float | None) -> str:
     return f"{cpu_s / priced_s:.2f}" if priced_s else "-"
+
+
+def _seconds(priced_s: float | None) -> str:
+    return "not priced" if priced_s is None else f"{priced_s:.4f}"
 
 
 def table(rows: list) -> str:
@@ -320,7 +323,7 @@ def table(rows: list) -> str:
         for r in rows
     ]
     actions = [
-        [r["run"], key, f"{a['cpu_s']:.4f}", f"{a['priced_s']:.4f}", _ratio(a["cpu_s"], a["priced_s"])]
+        [r["run"], key, f"{a['cpu_s']:.4f}", _seconds(a["priced_s"]), _ratio(a["cpu_s"], a["priced_s"])]
         for r in rows
         for key, a in r["actions"].items()
     ]

@@ -8,7 +8,8 @@ The cost model prices everything in seconds from these numbers (decision 4 in do
   products at ``backward_curve`` and ``weight_curve``), and
   ``bytes / memory_bandwidth`` for memory-bound ops (the larger of the two wins); an op with a
   measured rate (``op_rates``: attention, activations, normalisations) computes at that rate;
-  plus ``op_overhead_s`` per op (the framework's dispatch; 0 in the GPU presets), and
+  plus ``op_overhead_s`` per op (the framework's dispatch; 0 in the GPU presets) and
+  ``view_overhead_s`` per view, and
   ``fresh_page_s_per_byte`` per byte of each large tensor an op allocates where
   ``fresh_allocations`` (a CPU job under a memory budget);
 * a collective on a mesh axis of size n: ``collective_overhead_s + steps * latency_s +
@@ -114,6 +115,11 @@ class ClusterSpec:
     notes: str = ""
     op_overhead_s: float = 0.0
     """Fixed cost of one op that computes (dispatch, Python): what dominates tiny ops on CPUs."""
+    view_overhead_s: float = 0.0
+    """Fixed cost of one view (reshape, transpose, split: no data moved) in forward, and again in
+    backward where a gradient passes it: dispatch and autograd's view node, which an fx program
+    on a CPU pays per view (about 10 us on the 2-core CPU, like an elementwise op's); 0 in the GPU
+    presets and in files written before it was measured."""
     collective_efficiency: dict = field(default_factory=dict)
     """Fraction of the link bandwidth each collective kind reaches (absent: 1.0)."""
     matmul_curve: dict = field(default_factory=dict)
@@ -244,6 +250,7 @@ _UNSET_UNLESS_GIVEN = {
     "cores_per_node": None,
     "core_share": 1.0,
     "forward_curve": {},
+    "view_overhead_s": 0.0,
     "backward_curve": {},
     "weight_curve": {},
 }

@@ -65,6 +65,8 @@ def fit_compute(samples: dict) -> dict:
     ew, _ = _fit_nonnegative([[1.0, s["bytes"]] for s in elementwise], [s["s"] for s in elementwise], [0])
     call, per_byte = ew
     (_, per_op), _ = _fit_nonnegative([[1.0, s["ops"]] for s in chains], [s["s"] for s in chains], [0])
+    views = samples.get("view_chains", [])  # absent from files written before views were priced
+    per_view = _fit_nonnegative([[1.0, s["ops"]] for s in views], [s["s"] for s in views], [0])[0][1] if views else 0.0
     peaks, curves = {}, {}
     for dtype in sorted({s["dtype"] for s in samples["matmul"]}):
         rates: dict = {}  # intensity -> achieved FLOP/s (the mean where shapes share one)
@@ -84,6 +86,7 @@ def fit_compute(samples: dict) -> dict:
         "op_rates": op_rates(samples.get("ops", []), per_op / 2),
         "optimizer_steps": optimizer_steps(samples.get("optimizer", [])),
         "op_overhead_s": per_op / 2,
+        "view_overhead_s": per_view / 2,
         "memory_bandwidth": 1.0 / per_byte,
         "peak_flops": {**{d: peaks["float32"] for d in ("bfloat16", "float16")}, **peaks},
         "matmul_curve": curves,
@@ -100,9 +103,7 @@ def _curve(rates: dict, peak: float) -> list:
     return [[x, sum(r) / len(r) / peak] for x, r in sorted(rates.items())]
 
 
-def pass_curves(
-    samples: list, key: str, products: int, op_overhead_s: float, peaks: dict, *, fixed: int = 2
-) -> dict:
+def pass_curves(samples: list, key: str, products: int, op_overhead_s: float, peaks: dict, *, fixed: int = 2) -> dict:
     """``ClusterSpec.forward_curve`` (``key="forward_s"``, one product, ``fixed=1``: the op's own
     fixed cost), ``ClusterSpec.backward_curve`` (``"backward_s"``, two products: the input's and
     the weight's gradient, one fixed cost each) or ``ClusterSpec.weight_curve`` (``"weight_s"``,

@@ -21,8 +21,8 @@ So every matmul shape ``m x k x n`` is also timed as the runtime runs it: ``F.li
 with ``x`` (``m x k``), ``W`` (``n x k``) and ``b`` requiring grad:
 
 * ``forward_s``: the forward, each call on the next of as many distinct ``(x, W, b)`` as fill
-  :data:`COLD_BYTES` with their outputs (more than a core's own cache holds), the outputs kept
-  until the sets come round again;
+  :data:`~partitioner.calibration.timing.COLD_BYTES` with their outputs (more than a core's own
+  cache holds), the outputs kept until the sets come round again;
 
 and from the output gradient
 
@@ -42,20 +42,12 @@ model prices a contraction's forward, backward and weight products with
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
-import math
 from collections.abc import Callable
 
-from partitioner.calibration.timing import timed
+from partitioner.calibration.timing import cold_calls, timed
 
 logger = logging.getLogger(__name__)
-
-
-COLD_BYTES = 16 << 20
-"""Bytes of distinct operand sets (inputs and output) a forward sample cycles through: more than
-the private cache of one core of current CPUs (1-2 MiB of L2), so each call reads its weight and
-input from further out, as a step's forward does."""
 
 
 def matmul_shapes(sizes: dict) -> list:
@@ -100,22 +92,12 @@ def contraction_pass_samples(sizes: dict, sync=None, say: Callable[[str], None] 
 
 
 def _cold_forward(m: int, k: int, n: int, dtype, nbytes: int) -> Callable[[], None]:
-    """A call of ``F.linear`` recording for autograd on the next of the distinct operand sets that
-    fill :data:`COLD_BYTES`, its output kept until the sets come round again (module docstring)."""
+    """``F.linear`` recording for autograd, as :func:`~partitioner.calibration.timing.cold_calls`
+    runs it (the module docstring)."""
     import torch
     import torch.nn.functional as F
 
-    copies = max(2, math.ceil(COLD_BYTES / nbytes))
-    sets = [
-        tuple(torch.randn(*shape).to(dtype).requires_grad_() for shape in ((m, k), (n, k), (n,)))
-        for _ in range(copies)
-    ]
-    order, kept = itertools.cycle(range(copies)), []
+    def operands():
+        return tuple(torch.randn(*shape).to(dtype).requires_grad_() for shape in ((m, k), (n, k), (n,)))
 
-    def forward():
-        i = next(order)
-        if i == 0:
-            kept.clear()
-        kept.append(F.linear(*sets[i]))
-
-    return forward
+    return cold_calls(operands, F.linear, nbytes)
