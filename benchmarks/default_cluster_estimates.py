@@ -81,8 +81,9 @@ def _pipeline_prices(runner) -> dict:
         if "W" in kinds:
             prices[f"{s}I"], prices[f"{s}W"] = b[s] - w[s], w[s]
     stages = [plan.estimate() for plan in runner.plan["stages"]]
-    mine = sorted(int(s) for s in runner.stages)
-    prices[_optimizer_key(mine)] = sum(stages[s].optimizer_s for s in mine)
+    for actions in runner.schedule.actions:  # every rank's optimizer step: the stages it holds
+        held = sorted({int(a.stage) for a in actions})
+        prices[_optimizer_key(held)] = sum(stages[s].optimizer_s for s in held)
     cores = stage_plans_cores(runner.plan["stages"], runner.schedule.num_ranks)
     prices["step"] = simulate(runner.schedule, f, b, w, sync_time=sync, cores=cores).makespan
     return prices
@@ -284,8 +285,7 @@ def row(job: Job) -> dict:
             for key, value in rank_medians.items():
                 cpu.setdefault(key, []).append(value)
     actions = {  # sends and receives too: not actions the plan prices (their priced_s is None)
-        key: {"cpu_s": statistics.median(values), "priced_s": prices.get(key)}
-        for key, values in sorted(cpu.items())
+        key: {"cpu_s": statistics.median(values), "priced_s": prices.get(key)} for key, values in sorted(cpu.items())
     }
     return {
         "run": job.name,
@@ -332,10 +332,21 @@ def table(rows: list) -> str:
         for r in rows
         if r.get("cpu_replay_s")
     ]
-    step_columns = [("run", "l"), ("what ran", "l"), ("estimated s", "r"), ("measured s (median of rounds)", "r"),
-                    ("min-max over rounds", "l"), ("measured / estimated", "r"), ("in 0.8-1.25", "l")]
-    replay_columns = [("run", "l"), ("estimated s", "r"), ("schedule replayed with CPU s per action", "r"),
-                      ("replay / estimated", "r")]
+    step_columns = [
+        ("run", "l"),
+        ("what ran", "l"),
+        ("estimated s", "r"),
+        ("measured s (median of rounds)", "r"),
+        ("min-max over rounds", "l"),
+        ("measured / estimated", "r"),
+        ("in 0.8-1.25", "l"),
+    ]
+    replay_columns = [
+        ("run", "l"),
+        ("estimated s", "r"),
+        ("schedule replayed with CPU s per action", "r"),
+        ("replay / estimated", "r"),
+    ]
     action_columns = [("run", "l"), ("action", "l"), ("CPU s (median)", "r"), ("priced s", "r"), ("CPU / priced", "r")]
     return "\n".join(
         markdown_table(step_columns, steps)

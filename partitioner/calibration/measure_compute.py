@@ -3,12 +3,13 @@ of tiny ops, rated ops through autograd, optimizer steps and fresh allocations."
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
 
 from partitioner.calibration.measure_backward import contraction_pass_samples, matmul_shapes
-from partitioner.calibration.timing import cold_calls, timed
+from partitioner.calibration.timing import cold_calls, cold_sets, timed
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +33,8 @@ def compute_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = 
             say(f"matmul {dtype_name} {m}x{k} @ {k}x{n}: {t * 1e6:.1f} us, {flops / t / 1e9:.2f} GFLOP/s per rank")
     for numel in sizes["elementwise"]:
         nbytes = 3 * numel * 4
-        add = cold_calls(lambda numel=numel: (torch.randn(numel), torch.randn(numel)), torch.add, nbytes)
-        t = timed(add, seconds, trials, sync)
+        operands = cold_sets(functools.partial(_pair, numel), nbytes)
+        t = timed(cold_calls(operands, torch.add), seconds, trials, sync)
         out["elementwise"].append({"bytes": nbytes, "s": t})
         say(f"elementwise add of {nbytes} bytes: {t * 1e6:.1f} us, {nbytes / t / 1e9:.2f} GB/s per rank")
     for kind in ("chains", "view_chains"):
@@ -51,6 +52,13 @@ def compute_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = 
     if "optimizer" in sizes:
         out["optimizer"] = optimizer_samples(sizes, sync, say)
     return out
+
+
+def _pair(numel: int) -> tuple:
+    """Two float32 vectors of ``numel`` elements: an elementwise sample's operands."""
+    import torch
+
+    return torch.randn(numel), torch.randn(numel)
 
 
 OPTIMIZERS = {"adam": ("AdamW", {"lr": 1e-3}), "sgd": ("SGD", {"lr": 1e-3})}

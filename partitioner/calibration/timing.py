@@ -20,17 +20,30 @@ the private cache of one core of current CPUs (1-2 MiB of L2), so each call read
 writes its output further out, as a step's ops do."""
 
 
-def cold_calls(operands: Callable[[], tuple], op: Callable, nbytes: int) -> Callable[[], None]:
-    """A function that calls ``op`` on the next of as many distinct ``operands()`` sets as fill
-    :data:`COLD_BYTES` (``nbytes``: one call's inputs and output), its result kept until the sets
-    come round again. A timed loop of one call on the same operands, its result dropped, reads
-    them from the core's cache and writes its result into the block just freed, also cached; a
-    training step's op reads what the step streamed through the cache earlier and writes fresh
-    memory (autograd and the next op keep its output): on the 2-core CPU an add of two 256 KiB
-    activations took 19 us the first way and 55 us with its results kept."""
-    copies = max(2, math.ceil(COLD_BYTES / nbytes))
-    sets = [operands() for _ in range(copies)]
-    order, kept = itertools.cycle(range(copies)), []
+COLD_SETS = (2, 64)
+"""The fewest and the most operand sets :func:`cold_sets` makes: tiny operands (the tests' sizes,
+ops that cost their fixed cost) are not worth thousands of sets."""
+
+
+def cold_sets(operands: Callable[[], tuple], nbytes: int) -> list:
+    """As many distinct ``operands()`` sets as fill :data:`COLD_BYTES` (``nbytes``: one call's
+    inputs and output), within :data:`COLD_SETS`."""
+    fewest, most = COLD_SETS
+    return [operands() for _ in range(min(most, max(fewest, math.ceil(COLD_BYTES / nbytes))))]
+
+
+def cold_calls(sets: list, op: Callable) -> Callable[[], None]:
+    """A function that calls ``op`` on the next of ``sets`` (:func:`cold_sets`), its result kept
+    until the sets come round again. A timed loop of one call on the same operands, its result
+    dropped, reads them from the core's cache and writes its result into the block just freed,
+    also cached; a training step's op reads what the step streamed through the cache earlier and
+    writes fresh memory (autograd and the next op keep its output): on the 2-core CPU an add of
+    two 256 KiB activations took 19 us the first way and 55 us with its results kept. Every set
+    is called once first: a first call's one-off costs (autograd's first pass through a graph)
+    are not what a step pays."""
+    for operands in sets:
+        op(*operands)
+    order, kept = itertools.cycle(range(len(sets))), []
 
     def call():
         i = next(order)
