@@ -18,12 +18,15 @@ backward of the demo GPT's linears ran up to 2.2x their price on the 2-core CPU 
 zero-bubble weight pass up to 3.3x, the narrow and small shapes the furthest off.
 
 So every matmul shape ``m x k x n`` is also timed as the runtime runs it: ``F.linear(x, W, b)``
-with ``x`` (``m x k``), ``W`` (``n x k``) and ``b`` requiring grad, each call on the next of as
-many distinct ``(x, W, b, y, dy)`` as fill :data:`~partitioner.calibration.timing.COLD_BYTES`
-(more than a core's own cache holds), what it makes kept until the sets come round again
-(:func:`~partitioner.calibration.timing.cold_calls`):
+with ``x`` (``m x k``), ``W`` (``n x k``) and ``b`` requiring grad:
 
-* ``forward_s``: the forward, its output kept;
+* ``forward_s``: the forward, each call on the next of as many distinct ``(x, W, b)`` as fill
+  :data:`~partitioner.calibration.timing.COLD_BYTES` (more than a core's own cache holds), its
+  output kept until the sets come round again (:func:`~partitioner.calibration.timing.cold_calls`);
+
+and from the output gradient, on one set's graph, kept between calls (``retain_graph``: a loop
+times the backward alone, no forward):
+
 * ``backward_s``: ``autograd.backward(y, dy)``: both products, the bias sum, every ``.grad``
   stored fresh (as a step's first microbatch stores it; the sum into ``.grad`` of later
   microbatches is priced on its own, :func:`passes.plan.cost_model.grad_accumulate_time`);
@@ -31,10 +34,12 @@ many distinct ``(x, W, b, y, dy)`` as fill :data:`~partitioner.calibration.timin
   what the pipeline's ``W`` pass calls per op that meets a parameter
   (:meth:`runtime.pipeline.StageProgram.weight_meeting_points`).
 
-Each set's graph is kept between calls (``retain_graph``), so a loop times the backward alone, no
-forward. Timed on one set in the core's cache (before), the weight pass of a GPT d256 layer's
-linears read 1.05-1.4x faster than cycled so. :func:`partitioner.calibration.fit.pass_curves`
-turns the samples into the curves the cost model prices a contraction's forward, backward and
+The backward's samples stay on one set: cycled over sets as the forward is, the weight pass read
+1.05-2x slower and the whole backward about the same (under other jobs' load), which priced a
+split stage's ``I`` (its backward less ``W``) at half its former price, and the 4-stage GPT d256
+pipeline's ``I`` then ran 2.1x its price where it had run 0.94-0.99x.
+
+:func:`partitioner.calibration.fit.pass_curves` turns the samples into the curves the cost model prices a contraction's forward, backward and
 weight products with (``ClusterSpec.forward_curve``, ``ClusterSpec.backward_curve``,
 ``ClusterSpec.weight_curve``).
 """
@@ -75,10 +80,10 @@ def contraction_pass_samples(sizes: dict, sync=None, say: Callable[[str], None] 
                 return x, w, b, F.linear(x, w, b), torch.randn(m, n).to(dtype)
 
             graphs = cold_sets(linear_graph, nbytes)
-            loops = {
+            loops = {  # the backward's on one graph, in the core's cache (see the module docstring)
                 "forward_s": cold_calls([g[:3] for g in graphs], F.linear),
-                "backward_s": cold_calls(graphs, functools.partial(_backward, weights_only=False)),
-                "weight_s": cold_calls(graphs, functools.partial(_backward, weights_only=True)),
+                "backward_s": functools.partial(_backward, *graphs[0], weights_only=False),
+                "weight_s": functools.partial(_backward, *graphs[0], weights_only=True),
             }
             times = {key: timed(loop, sizes["seconds"], sizes["trials"], sync) for key, loop in loops.items()}
             out.append({"dtype": dtype_name, "m": m, "k": k, "n": n, "flops": flops, "bytes": nbytes} | times)
@@ -92,8 +97,7 @@ def contraction_pass_samples(sizes: dict, sync=None, say: Callable[[str], None] 
 def _backward(x, w, b, y, dy, *, weights_only: bool) -> tuple:
     """The backward of ``y = F.linear(x, w, b)`` from ``dy`` (the weight and bias gradients only
     with ``weights_only``: the ``W`` pass), its graph kept for the next call; returns the
-    gradients, taken off the tensors (as a step's later ops find them: stored, and the next call
-    writes fresh ones)."""
+    gradients, taken off the tensors (the next call stores fresh ones)."""
     import torch
 
     torch.autograd.backward(y, dy, inputs=[w, b] if weights_only else None, retain_graph=True)
