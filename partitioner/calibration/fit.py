@@ -58,7 +58,9 @@ def collective_design(kind: str, n: int, payload: float) -> list:
 
 
 def fit_compute(samples: dict) -> dict:
-    """``op_overhead_s``, ``memory_bandwidth`` and ``peak_flops`` from the compute samples."""
+    """The compute fields of the ClusterSpec (``op_overhead_s``, ``view_overhead_s``,
+    ``memory_bandwidth``, ``peak_flops``, the curves, rates and optimizer steps) from the compute
+    samples."""
     elementwise, chains = samples["elementwise"], samples["chains"]
     if len(elementwise) < 2 or len(chains) < 2 or not samples["matmul"]:
         raise ValueError("calibrate: the fit needs elementwise and program times at two sizes or more, and matmuls")

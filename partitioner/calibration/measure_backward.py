@@ -39,9 +39,9 @@ The backward's samples stay on one set: cycled over sets as the forward is, the 
 split stage's ``I`` (its backward less ``W``) at half its former price, and the 4-stage GPT d256
 pipeline's ``I`` then ran 2.1x its price where it had run 0.94-0.99x.
 
-:func:`partitioner.calibration.fit.pass_curves` turns the samples into the curves the cost model prices a contraction's forward, backward and
-weight products with (``ClusterSpec.forward_curve``, ``ClusterSpec.backward_curve``,
-``ClusterSpec.weight_curve``).
+:func:`partitioner.calibration.fit.pass_curves` turns the samples into the curves the cost model
+prices a contraction's forward, backward and weight products with (``ClusterSpec.forward_curve``,
+``ClusterSpec.backward_curve``, ``ClusterSpec.weight_curve``).
 """
 
 from __future__ import annotations
