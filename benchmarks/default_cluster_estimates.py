@@ -25,7 +25,9 @@ How it measures
    the ranks outnumber them (:mod:`partitioner.core_sharing`).
 5. **CPU time per action** (``time.thread_time()`` on the rank's main thread, one torch thread
    per rank), beside the seconds the plan prices for it: per stage ``F``, ``I``, ``W`` (or ``B``)
-   for a pipeline, forward / backward / optimizer for an intra-op plan. On a busy machine the
+   and every rank's optimizer step for a pipeline, its sends and receives too (listed as not
+   priced: the simulated timeline gives them no time), forward / backward / optimizer for an
+   intra-op plan (its communication is priced in the estimate, not timed apart). On a busy machine the
    wall-clock step is not comparable to the estimate; a thread's CPU time is much less distorted
    (what another process does is not counted), although cores shared with other work still run it
    slower (caches, SMT siblings). For a pipeline the schedule is also replayed as the estimate
