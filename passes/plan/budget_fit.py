@@ -14,7 +14,7 @@ the row's limit ``L`` below the budget ``B`` until the plan's walked peak fits. 
    the plan chosen under ``B - m`` often has a smaller one. Bisect between the fitting limit and
    ``over``: a plan whose peak fits raises the fitting limit (kept when faster than the best so
    far), one over lowers ``over`` (and its objective the bound). Stop when the best fitting plan
-   is as fast as the bound (nothing between can be faster), the two limits are within 0.5% of
+   is within 0.5% of the bound (nothing between can be faster by more), the two limits are within 0.5% of
    ``B``, or after :data:`MAX_RELAX_SOLVES` solves. So the plan taken is the cheapest fitting one
    found, never slower than the tightening alone gives.
 3. **Last resort.** When no limit gives a plan that fits, the plan that keeps the least (the
@@ -39,8 +39,10 @@ pipeline stage under the exact peak of its all-ZeRO-1 plan at a plan 36% slower 
 22% slower; the ZeRO-1 plan itself sits in a gap of the bisection)."""
 CLOSE = 0.005
 """Limits within this fraction of the budget of each other are not bisected further."""
-SAME = 1e-6
-"""A fitting plan within this relative margin of the bound is taken as optimal."""
+SAME = 0.005
+"""A fitting plan within this relative margin of the bound is kept: a bisection would win at most
+that. On Llama 3 8B's whole model on 64 devices each relax solve costs about 20 CPU seconds, and
+the search's first planning there spent 3 of its 4 for a bound 0.3% below its plan."""
 
 
 def fit_peak(result, budget: float, solve, peak_of, least_peak, error):
