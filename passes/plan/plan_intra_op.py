@@ -398,6 +398,7 @@ def _fit_budget(result, budget, solve: _Solves, redo, peak_of):
         lambda limit: solve(limit, redo, nodes=RETRY_NODES),
         peak_of,
         lambda: solve(None, redo, "memory"),
+        lambda limit, cap: solve(limit, redo, "memory", nodes=RETRY_NODES, time_cap=cap),
     )
 
 
@@ -482,7 +483,7 @@ class _Solves:
         )
         self.forced3 = 3 in (zero.values() if isinstance(zero, dict) else [zero])  # some weight must regather
 
-    def __call__(self, limit, redo, objective=None, zero3=True, nodes=NODE_LIMIT, zero1=True):
+    def __call__(self, limit, redo, objective=None, zero3=True, nodes=NODE_LIMIT, zero1=True, time_cap=None):
         space, host_budget = self.space, self.host_budget
         forbidden = ([] if zero3 else self.twins) + ([] if zero1 else self.shards)
         return solve_ilp(
@@ -496,6 +497,7 @@ class _Solves:
             forbidden=forbidden or None,
             node_limit=nodes,
             host=([g.host_memory for g in space.groups], host_budget) if host_budget is not None else None,
+            time_cap=time_cap,
         )
 
 
@@ -736,15 +738,16 @@ def _without_zero3(budget, solve, redo, peak_of, zero1=True):
             lambda limit: solve(limit, redo, zero3=False, nodes=RETRY_NODES, zero1=zero1),
             peak_of,
             lambda: solve(None, redo, "memory", zero3=False, zero1=zero1),
+            lambda limit, cap: solve(limit, redo, "memory", zero3=False, nodes=RETRY_NODES, zero1=zero1, time_cap=cap),
         )
     except InfeasibleBudgetError:
         return None
 
 
-def _fit_peak(result, budget, solve, peak_of, least_peak):
+def _fit_peak(result, budget, solve, peak_of, least_peak, least_as_fast=None):
     """``result`` re-solved until its walked peak fits ``budget``: the row's limit tightened by the
     transients seen, then relaxed toward the budget (:func:`passes.plan.budget_fit.fit_peak`)."""
-    return fit_peak(result, budget, solve, peak_of, least_peak, InfeasibleBudgetError)
+    return fit_peak(result, budget, solve, peak_of, least_peak, InfeasibleBudgetError, least_as_fast=least_as_fast)
 
 
 def _tie_aliases(cap, blocks) -> None:
