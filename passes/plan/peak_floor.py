@@ -12,18 +12,27 @@ decision's options alone (no edge between decisions is fixed, so the minima sepa
 * **backward's end**: the walk's last step holds every parameter gradient a consumer sends back
   (``gradients_in_backward``'s ``at_end``; a pipeline stage's bound holds all of them): the floor
   of that moment is the least of each parameter's state with its gradient;
-* **an op in forward**: while op ``c`` runs, its output exists (kept or transient; a single-output
-  op that is not a view) and so does each weight it reads: either its stored copy, or the buffer
-  its edge gathers beside that copy. Per option of ``c``, per weight, the least of (the weight's
-  state + the edge's buffer) over the weight's options, less the weight's least state (already in
-  the state's floor); the least over ``c``'s options.
+* **forward's end**: what the ops keep for backward (:class:`_KeptFloor`). A saved value is kept
+  as its own storage or as a buffer an edge makes (into the saving op, or into a view on the way,
+  as the walk's ``base`` follows them): at least the least of those; one value saved several
+  times counts once, at its largest save's floor, from its last save on. Ops a repeated block may
+  recompute are left out unless ``recompute="none"`` (their saves are rebuilt, not kept);
+* **an op's moment**, with what the ops before it keep. In forward, while op ``c`` runs: its output
+  (a single-output op that is not a view) and each weight it reads, either its stored copy or the
+  buffer its edge gathers beside that copy: per option of ``c``, per weight, the least of (the
+  weight's state + the edge's buffer) over the weight's options, less the weight's least state
+  (already in the state's floor); the least over ``c``'s options. In backward: its output's
+  gradient, its activation inputs' gradients, and the gradients of the parameters read after it
+  (made before its backward runs).
 
-The floor is the state's floor plus the larger of the gradients' and the largest op's term. Each
-term is one the walk counts at that moment (``memory_accounting``'s forward transient holds the
-op's output and its edges' buffers, kept or not), so no plan's walked peak is below it: a budget
-under the floor is refused without solving, and no budget a plan fits is. What it leaves out
-(saved activations, activation edges, scratch, prefetches) only adds to a real peak.
-Repeated blocks share their representative's options and shapes: each op kind is bounded once.
+The floor is the state's floor plus the largest of the other terms. Each term is one the walk
+counts at that moment (``memory_accounting``'s forward transient holds the op's output and its
+edges' buffers, kept or not; its backward transient the gradients; the walk's step adds what is
+kept up to the op and the parameter gradients alive), so no plan's walked peak is below it: a
+budget under the floor is refused without solving, and no budget a plan fits is. What it leaves
+out (activation edges' buffers, saved buffers of an op's own, scratch, prefetches, regathers)
+only adds to a real peak. Repeated blocks share their representative's options and shapes: each
+op kind is bounded once.
 """
 
 from __future__ import annotations
