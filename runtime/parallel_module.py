@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from passes.core.placements import format_spec
 from runtime.collectives import MeshComm
+from runtime.input_checks import refuse_meta_inputs
 from runtime.pretrained_io import PretrainedIO
 from runtime.reshard import Reshard
 from runtime.sharded_io import ShardedCheckpointIO
@@ -312,6 +313,7 @@ class ParallelModule(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
         return (bool(training), tuple(shapes))
 
     def _flatten(self, args, kwargs):
+        refuse_meta_inputs(args, kwargs)
         in_spec = self._base.captured.exported_program.call_spec.in_spec
         if kwargs and in_spec is not None:
             from torch.export._tree_utils import reorder_kwargs

@@ -65,6 +65,7 @@ from torch.utils import _pytree as pytree
 from passes.core.placements import replicated
 from runtime.collectives import MeshComm
 from runtime.grad_sync import DeferredSyncs
+from runtime.input_checks import refuse_meta_inputs
 from runtime.optimizer_shards import ZERO1_KEY, OptimizerShards
 from runtime.parallel_module import run_under_autocast
 from runtime.pretrained_io import PretrainedIO
@@ -436,6 +437,7 @@ class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
         ``B % m`` one sample more): (microbatches by input name, the variant key of each, each
         one's share of the samples). Shapes other than the captured ones get their programs here."""
         args, kwargs = (batch, {}) if isinstance(batch, (tuple, list)) else ((), dict(batch))
+        refuse_meta_inputs(args, kwargs)
         if kwargs and self.in_spec is not None:
             from torch.export._tree_utils import reorder_kwargs
 

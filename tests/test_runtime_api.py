@@ -329,12 +329,23 @@ def _gathered_outputs(rank, world):
         message = None
     except TypeError as e:
         message = str(e)
-    return tuple(out.logits.shape), whole.logits, ref(**inputs).logits.detach(), whole.loss.item(), message
+    try:  # a batch made under `with torch.device("meta")` is named before any collective
+        pm(**{k: v.to("meta") for k, v in inputs.items()})
+        meta_message = None
+    except ValueError as e:
+        meta_message = str(e)
+    return (tuple(out.logits.shape), whole.logits, ref(**inputs).logits.detach(), whole.loss.item(), message,
+            meta_message)
 
 
 def test_outputs_gather_whole_and_wrong_keywords_are_named():
-    for local_shape, logits, ref_logits, loss, message in run_on_ranks(_gathered_outputs, 2, timeout_s=90):
+    for local_shape, logits, ref_logits, loss, message, meta_message in run_on_ranks(
+        _gathered_outputs, 2, timeout_s=90
+    ):
         assert local_shape == (4, 16, 64), local_shape       # vocabulary-parallel head: each rank half the vocab
         torch.testing.assert_close(logits, ref_logits)
         assert loss > 0
         assert message is not None and "missing ['labels']" in message, message
+        assert meta_message is not None and "input ['input_ids'] is a tensor on the meta device" in meta_message, (
+            meta_message
+        )
