@@ -30,6 +30,11 @@ Mixture-of-experts rows (HF Mixtral / Qwen3-MoE on ``meta``, ``ep``: the publish
 degree, the experts over ``ep`` data ranks) count ``model`` FLOPs with the *active* parameters
 (the non-expert ones plus ``k / E`` of the experts), as Megatron-Core counts the routed experts.
 
+The models are built as the runs computed them where it changes the price: the GPT rows whose
+runs predate fused attention kernels (Megatron-LM 2021, BLOOM 2022) compute attention unfused
+(``GPTConfig.attention="eager"``: the ``heads x seq^2`` scores written, masked, softmaxed and
+dropped out, each a pass over memory, and kept for backward), the others with one fused op.
+
 Everything plans on ``meta`` (nothing is allocated) with the row's cluster preset, bf16 and Adam.
 
     python benchmarks/published_runs.py --json out.json --markdown out.md
@@ -66,12 +71,16 @@ BRIDGE_MOE = (
 )
 
 # family: "gpt" (partitioner.models.gpt_block) or "llama" (HF LlamaForCausalLM on meta).
+# attention (gpt): "eager" where the run computed attention unfused (Megatron-LM in 2021 and
+# Megatron-DeepSpeed for BLOOM in 2022, before FlashAttention: a batched matmul for q k^T, a fused
+# scale-mask-softmax, dropout, a batched matmul with v), "sdpa" (default) for one fused op.
 # tp, pp, dp, cp: the published degrees; mb: samples per microbatch per data-parallel rank;
 # recompute: the published activation checkpointing; count: how the throughput is counted (above).
 RUNS = {
     "megatron-18.4b": dict(
         source=f"{MEGATRON}, Table 1 row 4 (seq 2048, vocab 51,200; 135 TFLOP/s per GPU)",
         family="gpt",
+        attention="eager",
         cluster="a100",
         layers=40,
         hidden=6144,
@@ -91,6 +100,7 @@ RUNS = {
     "megatron-145.6b": dict(
         source=f"{MEGATRON}, Table 1 row 7 (148 TFLOP/s per GPU)",
         family="gpt",
+        attention="eager",
         cluster="a100",
         layers=80,
         hidden=12288,
@@ -110,6 +120,7 @@ RUNS = {
     "megatron-1t": dict(
         source=f"{MEGATRON}, Table 1 row 10 (163 TFLOP/s per GPU)",
         family="gpt",
+        attention="eager",
         cluster="a100",
         layers=128,
         hidden=25600,
@@ -131,6 +142,7 @@ RUNS = {
         "48 nodes of 8 A100 80GB, TP4 PP12 DP8, micro-batch 2, global batch 2048 x 2048 tokens, "
         "about 150 TFLOP/s per GPU in training (156 in the fastest configuration)",
         family="gpt",
+        attention="eager",
         cluster="a100",
         layers=70,
         hidden=14336,
@@ -282,6 +294,7 @@ def build(run: dict):
             n_head=run["heads"],
             n_layer=run["layers"],
             vocab=run["vocab"],
+            attention=run.get("attention", "sdpa"),
         )
     return models.llama_meta(
         n_layer=run["layers"],
