@@ -25,7 +25,9 @@ How it measures
    the ranks outnumber them (:mod:`partitioner.core_sharing`).
 5. **CPU time per action** (``time.thread_time()`` on the rank's main thread, one torch thread
    per rank), beside the seconds the plan prices for it: per stage ``F``, ``I``, ``W`` (or ``B``)
-   for a pipeline, forward / backward / optimizer for an intra-op plan. On a busy machine the
+   and every rank's optimizer step for a pipeline, its sends and receives too (listed as not
+   priced: the simulated timeline gives them no time), forward / backward / optimizer for an
+   intra-op plan (its communication is priced in the estimate, not timed apart). On a busy machine the
    wall-clock step is not comparable to the estimate; a thread's CPU time is much less distorted
    (what another process does is not counted), although cores shared with other work still run it
    slower (caches, SMT siblings). For a pipeline the schedule is also replayed as the estimate
@@ -81,8 +83,9 @@ def _pipeline_prices(runner) -> dict:
         if "W" in kinds:
             prices[f"{s}I"], prices[f"{s}W"] = b[s] - w[s], w[s]
     stages = [plan.estimate() for plan in runner.plan["stages"]]
-    mine = sorted(int(s) for s in runner.stages)
-    prices[_optimizer_key(mine)] = sum(stages[s].optimizer_s for s in mine)
+    for actions in runner.schedule.actions:  # every rank's optimizer step: the stages it holds
+        held = sorted({int(a.stage) for a in actions})
+        prices[_optimizer_key(held)] = sum(stages[s].optimizer_s for s in held)
     cores = stage_plans_cores(runner.plan["stages"], runner.schedule.num_ranks)
     prices["step"] = simulate(runner.schedule, f, b, w, sync_time=sync, cores=cores).makespan
     return prices
@@ -283,10 +286,8 @@ def row(job: Job) -> dict:
         for rank_medians in r["cpu_s"]:
             for key, value in rank_medians.items():
                 cpu.setdefault(key, []).append(value)
-    actions = {  # the priced ones (sends and receives are not actions the plan prices)
-        key: {"cpu_s": statistics.median(values), "priced_s": prices[key]}
-        for key, values in sorted(cpu.items())
-        if key in prices
+    actions = {  # sends and receives too: not actions the plan prices (their priced_s is None)
+        key: {"cpu_s": statistics.median(values), "priced_s": prices.get(key)} for key, values in sorted(cpu.items())
     }
     return {
         "run": job.name,
@@ -302,8 +303,12 @@ def row(job: Job) -> dict:
     }
 
 
-def _ratio(cpu_s: float, priced_s: float) -> str:
+def _ratio(cpu_s: float, priced_s: float | None) -> str:
     return f"{cpu_s / priced_s:.2f}" if priced_s else "-"
+
+
+def _seconds(priced_s: float | None) -> str:
+    return "not priced" if priced_s is None else f"{priced_s:.4f}"
 
 
 def table(rows: list) -> str:
@@ -320,7 +325,7 @@ def table(rows: list) -> str:
         for r in rows
     ]
     actions = [
-        [r["run"], key, f"{a['cpu_s']:.4f}", f"{a['priced_s']:.4f}", _ratio(a["cpu_s"], a["priced_s"])]
+        [r["run"], key, f"{a['cpu_s']:.4f}", _seconds(a["priced_s"]), _ratio(a["cpu_s"], a["priced_s"])]
         for r in rows
         for key, a in r["actions"].items()
     ]
@@ -329,10 +334,21 @@ def table(rows: list) -> str:
         for r in rows
         if r.get("cpu_replay_s")
     ]
-    step_columns = [("run", "l"), ("what ran", "l"), ("estimated s", "r"), ("measured s (median of rounds)", "r"),
-                    ("min-max over rounds", "l"), ("measured / estimated", "r"), ("in 0.8-1.25", "l")]
-    replay_columns = [("run", "l"), ("estimated s", "r"), ("schedule replayed with CPU s per action", "r"),
-                      ("replay / estimated", "r")]
+    step_columns = [
+        ("run", "l"),
+        ("what ran", "l"),
+        ("estimated s", "r"),
+        ("measured s (median of rounds)", "r"),
+        ("min-max over rounds", "l"),
+        ("measured / estimated", "r"),
+        ("in 0.8-1.25", "l"),
+    ]
+    replay_columns = [
+        ("run", "l"),
+        ("estimated s", "r"),
+        ("schedule replayed with CPU s per action", "r"),
+        ("replay / estimated", "r"),
+    ]
     action_columns = [("run", "l"), ("action", "l"), ("CPU s (median)", "r"), ("priced s", "r"), ("CPU / priced", "r")]
     return "\n".join(
         markdown_table(step_columns, steps)

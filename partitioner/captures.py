@@ -32,6 +32,12 @@ number of stages), and :func:`partitioner.pipeline_parallelize.capture_pipeline`
 parent.
 
 Outside the block nothing is kept: every call captures afresh, as it always did.
+
+MoE routing (:func:`passes.analysis.expert_routing.measure_routing`: a forward pass of the whole
+model on the example batch) is what a plan prices expert parallelism by; lowering a plan reads
+none of it. So it is measured only where a plan is made: :func:`captured` measures it unless
+asked not to (``routing=False``: the ranks that receive rank 0's plan, a plan serving another
+input shape), and :func:`with_routing` measures it later on a capture made without it, once.
 """
 
 from __future__ import annotations
@@ -46,13 +52,13 @@ from torch.utils import _pytree as pytree
 
 from partitioner.options import PlanOptions
 from passes.analysis.analyze import analyze
-from passes.analysis.expert_routing import measure_routing
+from passes.analysis.expert_routing import measure_routing, routing_of
 from passes.capture.capture import describe_captured
 from passes.capture.capture_blocks import capture_model
 from passes.capture.eager_attention import fuse_for
 from passes.plan.split_stages import assign_stages, split_stages
 
-__all__ = ["capture", "captured", "captured_stages", "keep_captures", "kept"]
+__all__ = ["capture", "captured", "captured_stages", "keep_captures", "kept", "with_routing"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,20 +102,36 @@ def captured(
     autocast_dtype,
     sequence_parallel,
     expert_capacity=None,
+    routing: bool = True,
     timings: dict | None = None,
 ):
     """Export, analyse and fuse ``model`` (or reuse the capture kept for the same call, see the
-    module). ``timings`` (if given) receives ``capture_s`` and ``analysis_s``."""
+    module), its MoE routing measured if ``routing``. ``timings`` (if given) receives
+    ``capture_s`` and ``analysis_s``."""
     sequence_parallel = sequence_parallel or "auto"
     made = []
 
     def make():
         made.append(True)
-        return _capture(model, example_inputs, layers, autocast_dtype, sequence_parallel, expert_capacity, timings)
+        return _capture(
+            model, example_inputs, layers, autocast_dtype, sequence_parallel, expert_capacity, routing, timings
+        )
 
     cap = kept(model, example_inputs, ("whole", layers, autocast_dtype, sequence_parallel, expert_capacity), make)
-    if not made and timings is not None:
-        timings.update(capture_s=0.0, analysis_s=0.0)
+    if not made:
+        if routing:  # kept by a call that did not measure it
+            with_routing(model, example_inputs, cap)
+        if timings is not None:
+            timings.update(capture_s=0.0, analysis_s=0.0)
+    return cap
+
+
+def with_routing(model, example_inputs, cap):
+    """``cap`` with its MoE layers' routing on ``example_inputs`` measured, unless it already is
+    (a capture made by :func:`captured` with ``routing=False``; see the module). Call it with
+    ``model`` in the mode ``cap`` was captured in."""
+    if not routing_of(cap.graph):
+        measure_routing(model, example_inputs, cap)
     return cap
 
 
@@ -151,8 +173,8 @@ def kept(model, example_inputs, what: tuple, make):
     return value
 
 
-def _capture(model, example_inputs, layers, autocast_dtype, sequence_parallel, expert_capacity, timings):
-    """Export, analyse, measure routing and fuse: one capture, timed into ``timings``."""
+def _capture(model, example_inputs, layers, autocast_dtype, sequence_parallel, expert_capacity, routing, timings):
+    """Export, analyse, measure routing (if ``routing``) and fuse: one capture, timed into ``timings``."""
     t0 = time.perf_counter()
     logger.info("capturing %s with torch.export ...", type(model).__name__)
     cap = capture_model(
@@ -161,7 +183,8 @@ def _capture(model, example_inputs, layers, autocast_dtype, sequence_parallel, e
     t1 = time.perf_counter()
     logger.info("capture: %.2f s (%s)", t1 - t0, describe_captured(cap))
     analyze(cap)
-    measure_routing(model, example_inputs, cap)
+    if routing:
+        measure_routing(model, example_inputs, cap)
     fuse_for(cap, sequence_parallel)
     t2 = time.perf_counter()
     logger.info("analysis: %.2f s", t2 - t1)

@@ -4,10 +4,12 @@ The cost model prices everything in seconds from these numbers (decision 4 in do
 
 * compute: ``flops / (peak_flops[dtype] * matmul_efficiency)`` for contractions (or the
   fraction of peak ``matmul_curve`` gives at the op's FLOPs per byte, where measured; their
-  backward and weight-pass products at ``backward_curve`` and ``weight_curve``), and
+  forward as a training step runs it at ``forward_curve``, their backward and weight-pass
+  products at ``backward_curve`` and ``weight_curve``), and
   ``bytes / memory_bandwidth`` for memory-bound ops (the larger of the two wins); an op with a
   measured rate (``op_rates``: attention, activations, normalisations) computes at that rate;
-  plus ``op_overhead_s`` per op (the framework's dispatch; 0 in the GPU presets), and
+  plus ``op_overhead_s`` per op (the framework's dispatch; 0 in the GPU presets) and
+  ``view_overhead_s`` per view, and
   ``fresh_page_s_per_byte`` per byte of each large tensor an op allocates where
   ``fresh_allocations`` (a CPU job under a memory budget);
 * a collective on a mesh axis of size n: ``collective_overhead_s + steps * latency_s +
@@ -113,6 +115,11 @@ class ClusterSpec:
     notes: str = ""
     op_overhead_s: float = 0.0
     """Fixed cost of one op that computes (dispatch, Python): what dominates tiny ops on CPUs."""
+    view_overhead_s: float = 0.0
+    """Fixed cost of one view (reshape, transpose, split: no data moved) in forward, and again in
+    backward where a gradient passes it: dispatch and autograd's view node, which an fx program
+    on a CPU pays per view (about 10 us on the 2-core CPU, like an elementwise op's); 0 in the GPU
+    presets and in files written before it was measured."""
     collective_efficiency: dict = field(default_factory=dict)
     """Fraction of the link bandwidth each collective kind reaches (absent: 1.0)."""
     matmul_curve: dict = field(default_factory=dict)
@@ -121,6 +128,13 @@ class ClusterSpec:
     ...]`` in increasing intensity, read piecewise linearly in log intensity, flat beyond the
     ends (:func:`passes.plan.cost_model.matmul_fraction`). Measured by ``partitioner calibrate``;
     empty (the presets): ``matmul_efficiency`` for every shape."""
+    forward_curve: dict = field(default_factory=dict)
+    """Per dtype, as :attr:`matmul_curve` (fractions of ``peak_flops`` by the product's intensity):
+    the rate of a contraction's forward product as a training step runs it, timed as a linear
+    layer's forward recording for autograd, its bias added, its operands read from beyond the
+    core's cache and its output kept (``partitioner calibrate``:
+    :mod:`partitioner.calibration.measure_backward`); empty (the presets, files written before
+    it): :attr:`matmul_curve`."""
     backward_curve: dict = field(default_factory=dict)
     """Per dtype, as :attr:`matmul_curve` (fractions of ``peak_flops`` by the forward product's
     intensity): the rate of each of a contraction's backward products (input and weight
@@ -205,7 +219,7 @@ class ClusterSpec:
         return self.intra_node if span <= self.devices_per_node else self.inter_node
 
     def to_dict(self) -> dict:
-        """The spec as JSON data; the host's cores and the backward's curves only where recorded (a
+        """The spec as JSON data; the host's cores and the forward's and backward's curves only where recorded (a
         file or plan written before they were reads back as the same spec, and writes the same JSON)."""
         data = dataclasses.asdict(self)
         for name, default in _UNSET_UNLESS_GIVEN.items():
@@ -232,7 +246,14 @@ class ClusterSpec:
         return cls(**data)
 
 
-_UNSET_UNLESS_GIVEN = {"cores_per_node": None, "core_share": 1.0, "backward_curve": {}, "weight_curve": {}}
+_UNSET_UNLESS_GIVEN = {
+    "cores_per_node": None,
+    "core_share": 1.0,
+    "forward_curve": {},
+    "view_overhead_s": 0.0,
+    "backward_curve": {},
+    "weight_curve": {},
+}
 """Fields :meth:`ClusterSpec.to_dict` leaves out at their defaults."""
 
 

@@ -66,6 +66,7 @@ def shared_cluster(spec: ClusterSpec, ranks: int) -> ClusterSpec:
         peak_flops={dtype: rate / slower for dtype, rate in spec.peak_flops.items()},
         memory_bandwidth=spec.memory_bandwidth / slower,
         op_overhead_s=spec.op_overhead_s * slower,
+        view_overhead_s=spec.view_overhead_s * slower,
         op_rates={
             dtype: {op: _scaled_rate(rate, 1.0 / slower) for op, rate in ops.items()}
             for dtype, ops in spec.op_rates.items()

@@ -155,6 +155,8 @@ def plan_captured(
     try:
         result = solve()
     except InfeasibleBudgetError as refused:
+        if refused.floor is not None:  # under every plan's peak, activations kept as shards or not
+            raise
         # activations kept as their shard only add time (a gather again in backward): tried
         # when nothing fits without (passes/plan/activation_regather.py). They lower no bound of
         # the ILP's memory row, but the walked peak that row bounds from above: tried after a

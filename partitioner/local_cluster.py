@@ -161,19 +161,12 @@ def _single_rank_cpu() -> ClusterSpec:
     link = LinkSpec(bandwidth=compute["memory_bandwidth"] / 8, latency_s=0.0)
     spec = ClusterSpec(
         name="cpu",
-        peak_flops=compute["peak_flops"],
-        memory_bandwidth=compute["memory_bandwidth"],
+        **compute,  # every compute figure fit_compute gives is a field of the spec
         memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         devices_per_node=1,
         intra_node=link,
         inter_node=link,
         collective_overhead_s=0.0,
-        matmul_curve=compute["matmul_curve"],
-        backward_curve=compute["backward_curve"],
-        weight_curve=compute["weight_curve"],
-        op_rates=compute["op_rates"],
-        optimizer_steps=compute["optimizer_steps"],
-        op_overhead_s=compute["op_overhead_s"],
         cores_per_node=host_cores(),
         notes="compute measured in a one-rank job (partitioner.local_cluster); no link measured",
     )

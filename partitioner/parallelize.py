@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from partitioner.api import plan_captured
 from partitioner.axis_uses import describe_config
-from partitioner.captures import captured
+from partitioner.captures import captured, with_routing
 from partitioner.local_cluster import for_memory_budget, job_cluster
 from partitioner.mesh import MeshSpec
 from partitioner.moe_capacity import EXPERT_CAPACITY_PER_BATCH, EXPERT_CAPACITY_SEARCH
@@ -217,7 +217,12 @@ def _on_mesh(model, example_inputs, mesh, mesh_axis_names, plan, opts: PlanOptio
         )
     with in_mode(model, training):
         cap = _capture(model, example_inputs, opts)
-    plan = _plan_or_replay(cap, type(model).__name__, comm, plan, opts)
+
+    def routed():  # rank 0's planning prices MoE layers by their routing on the example batch
+        with in_mode(model, training):
+            return with_routing(model, example_inputs, cap)
+
+    plan = _plan_or_replay(routed, cap, type(model).__name__, comm, plan, opts)
     logger.info("planned in %.2f s", time.perf_counter() - t0)
     module = _loaded(_build_module(cap, plan, comm, source, device, local_inputs), source, model)
     module.attach_specializer(
@@ -395,7 +400,8 @@ def _capture(model, example_inputs, opts: PlanOptions):
     """Capture: every rank exports the model (the graph is needed to lower) and analyses it;
     eager attention becomes one op where ring or Ulysses is forced (``passes.capture.eager_attention``).
     A capture kept by ``partitioner.captures.keep_captures`` (e.g. made by the parent that
-    forked this rank) is reused."""
+    forked this rank) is reused. MoE routing is not measured here: only rank 0 plans, and it
+    measures it then (:func:`partitioner.captures.with_routing`)."""
     return captured(
         model,
         example_inputs,
@@ -403,15 +409,18 @@ def _capture(model, example_inputs, opts: PlanOptions):
         autocast_dtype=opts.precision_policy.autocast_dtype,
         sequence_parallel=opts.sequence_parallel,
         expert_capacity=opts.expert_capacity,
+        routing=False,
     )
 
 
-def _plan_or_replay(cap, model_name, comm, plan, options: PlanOptions) -> ShardingPlan:
+def _plan_or_replay(routed, cap, model_name, comm, plan, options: PlanOptions) -> ShardingPlan:
     """Plan: rank 0 searches and broadcasts (the cost model may time this machine, and ranks
-    must agree on one plan); a given plan is checked against the graph and the mesh instead."""
+    must agree on one plan), on ``routed()`` (``cap`` with its MoE routing measured); a given plan
+    is checked against the graph and the mesh instead."""
     if plan is None:
 
         def make_plan():
+            routed()
             return plan_captured(
                 cap, model_name=model_name, mesh_shape=comm.shape, mesh_axis_names=comm.axis_names, options=options
             ).to_json()

@@ -5,7 +5,8 @@ time a :class:`runtime.parallel_module.ParallelModule` is called with another (m
 shapes) pair, it asks a :class:`Specializer` for a program that serves it, and keeps it:
 
 1. capture the user's model in that mode on inputs of those shapes (its mode is put back after;
-   :func:`partitioner.captures.captured`, so inside ``keep_captures`` a parent may have made it);
+   :func:`partitioner.captures.captured`, so inside ``keep_captures`` a parent may have made it),
+   without measuring MoE routing (a forward pass of the whole model): step 2 reads none;
 2. if the graph has the plan's structure (the same ops and wiring: another batch or sequence
    size), the plan's own records serve it, once :func:`passes.analysis.shape_check.check_servable` has
    found every rank a piece of each sharded dim (a dim that no longer divides is cut unevenly,
@@ -15,7 +16,8 @@ shapes) pair, it asks a :class:`Specializer` for a program that serves it, and k
    new graph with every parameter and buffer pinned to the placement it is stored in, so the
    weights the optimizer holds serve every program, and every node the two graphs share (same
    name, op and shapes) pinned to its placement in the plan, so only what changed is decided
-   anew; the layouts of fused projections must agree too, or the call is refused;
+   anew; the layouts of fused projections must agree too, or the call is refused (rank 0
+   measures the routing on the call's inputs first: the new plan prices expert parallelism by it);
 4. lower the records for this rank.
 
 Every rank makes the same calls in the same order (SPMD), so the re-plan's broadcast lines up.
@@ -29,7 +31,7 @@ import logging
 
 import torch
 
-from partitioner.captures import captured
+from partitioner.captures import captured, with_routing
 from passes.analysis.analyze import info
 from passes.analysis.shape_check import check_servable
 from passes.capture.capture import graph_fingerprint
@@ -72,14 +74,16 @@ class Specializer:
                 "a call with both positional and keyword arguments cannot be captured again; pass the "
                 "inputs the way the example inputs were passed"
             )
+        inputs = dict(kwargs) if kwargs else tuple(args)
         with in_mode(self.model, training):
             cap = captured(
                 self.model,
-                dict(kwargs) if kwargs else tuple(args),
+                inputs,
                 layers=self.layers,
                 autocast_dtype=self.plan.precision.autocast_dtype,
                 sequence_parallel=self.plan.data.get("sequence_parallel"),
                 expert_capacity=self.plan.data.get("expert_capacity"),
+                routing=False,
             )
         shapes = {info(n).name: info(n).shape for n in cap.graph.nodes if info(n).kind == "input"}
         mode = "train" if training else "eval"
@@ -88,16 +92,18 @@ class Specializer:
             check_servable(cap, records, self.comm.shape, self.comm.axis_names)
             logger.info("serving %s mode, inputs %s, with the plan made for %s", mode, shapes, self.plan.data["inputs"])
         else:
-            records = self._replan(cap, mode)
+            records = self._replan(cap, training, inputs)
         program = lower_to_local(cap.graph, records, self.comm, device=self.device, bucket_grads=True)
         specs = {name: parse_spec(records[name]["out"][0], self.comm.ndim) for name in cap.user_inputs}
         return Variant(program, cap, specs)
 
-    def _replan(self, cap, mode: str) -> dict:
-        """Plan ``cap`` on rank 0 with the weights pinned where they are stored."""
+    def _replan(self, cap, training: bool, inputs) -> dict:
+        """Plan ``cap`` (captured in ``training`` mode on ``inputs``) on rank 0 with the weights
+        pinned where they are stored."""
         from partitioner.api import plan_captured
         from partitioner.sharding_plan import ShardingPlan
 
+        mode = "train" if training else "eval"
         old = self.plan.node_by_name
         shared = {}
         for node in cap.graph.nodes:
@@ -123,6 +129,9 @@ class Specializer:
         logger.info("planning the %s-mode program with the weights where they are stored", mode)
 
         def make_plan():
+            with in_mode(self.model, training):
+                with_routing(self.model, inputs, cap)
+
             def solve(fixed):
                 return plan_captured(
                     cap,

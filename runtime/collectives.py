@@ -48,6 +48,7 @@ __all__ = [
     "record_collective",
     "grad_sync_scope",
     "all_reduce_",
+    "reduce_op_of",
     "on_rank0",
 ]
 
@@ -201,7 +202,8 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _reduce_op(p):
+def reduce_op_of(p):
+    """The ``dist.ReduceOp`` a ``Partial`` placement's values are combined with."""
     op = getattr(p, "reduce_op", "sum")
     return {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
 
@@ -274,12 +276,12 @@ def _move(x, axis, p, q, comm: MeshComm, phase, src_pieces=None, dst_pieces=None
             x = _strided_order(x, q.dim, dst_pieces, n)
         inp = x.movedim(q.dim, 0).contiguous()
         out = inp.new_empty((inp.shape[0] // n,) + tuple(inp.shape[1:]))
-        _reduce_scatter_single(out, inp, op=_reduce_op(p), group=group)
+        _reduce_scatter_single(out, inp, op=reduce_op_of(p), group=group)
         return out.movedim(0, q.dim)
     if is_partial(p):  # all_reduce
         record_collective("all_reduce", name, _nbytes(x), phase)
         out = x.contiguous().clone()
-        dist.all_reduce(out, op=_reduce_op(p), group=group)
+        dist.all_reduce(out, op=reduce_op_of(p), group=group)
         return out
     if is_shard(q):  # local slice
         if dst_pieces:
@@ -302,12 +304,17 @@ def _check_divides(x, axis, p, q, n):
         )
 
 
-def run_steps(x: torch.Tensor, steps, comm: MeshComm, phase: str, strided_src=None, strided_dst=None) -> torch.Tensor:
+def run_steps(
+    x: torch.Tensor, steps, comm: MeshComm, phase: str, strided_src=None, strided_dst=None, special=None
+) -> torch.Tensor:
     """Perform ``steps``. ``strided_src`` / ``strided_dst``: ``{axis: pieces}`` for the axes whose
-    shard is strided in the source / destination placement (see :func:`_move`)."""
+    shard is strided in the source / destination placement (see :func:`_move`). ``special``: a
+    ``(x, axis, p, q) -> tensor or None`` that performs the moves it returns a tensor for (a dim
+    cut into unequal pieces: :mod:`runtime.uneven_moves`)."""
     held = dict(strided_src or {})  # axis -> pieces, for the shards now in strided order
     for axis, p, q in steps:
-        x = _step(x, axis, p, q, comm, phase, held, strided_dst)
+        moved = special(x, axis, p, q) if special is not None and comm.shape[axis] > 1 else None
+        x = moved if moved is not None else _step(x, axis, p, q, comm, phase, held, strided_dst)
     return x
 
 

@@ -318,7 +318,7 @@ class ParallelModule(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
         if kwargs and in_spec is not None:
             from torch.export._tree_utils import reorder_kwargs
 
-            expected = set(in_spec.children_specs[1].context)
+            expected = set(in_spec.child(1).context)
             if set(kwargs) != expected:
                 raise TypeError(
                     f"the parallel model was captured with the keyword arguments {sorted(expected)}; got "

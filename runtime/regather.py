@@ -13,7 +13,14 @@ parameter the plan marks ``regather`` (ZeRO-3), the edge instead:
    and offset), so the copy is freed as soon as forward no longer uses it;
 3. when backward unpacks the recipe, the edge gathers the shard again (the same collectives as
    forward, counted in phase ``bwd``) and the view is rebuilt on the new copy. Tensors saved
-   from one copy share one regather while its result is alive;
+   from one copy share one regather while its result is alive. The gathered tensor is used as it
+   comes when it has the forward copy's size and strides and is its storage's whole from its
+   start; else it is copied into that layout first. The recipe rebuilds a view with
+   ``as_strided``, whose offset counts from the *storage's* start: on a tensor that is a view
+   into a larger buffer (the moves' last step a local slice, ``narrow``, of a gathered buffer:
+   same size and strides, storage offset ``coord * block``) it would read rank 0's block on
+   every rank. That was the silent wrong answer of serving it uncopied on size and strides alone
+   (a fused weight stored on its other dim, ZeRO-3, trained off one device from the second step);
 4. **prefetch**: the copies saved are chained in the order forward saved them; backward unpacks
    them in about the reverse order, so when a copy is gathered again, the regather of the copy
    saved just before it is started asynchronously (when its edge's first move that sends data is
@@ -53,7 +60,7 @@ _COPIES: dict = {}  # id(copy) -> (weakref to the copy, edge, shard, holder)
 
 def remember(copy: torch.Tensor, edge, shard: torch.Tensor) -> None:
     """Register ``copy``, gathered by ``edge`` from ``shard``, as one backward may gather again."""
-    if copy.storage_offset() != 0 or copy.untyped_storage().nbytes() != copy.numel() * copy.element_size():
+    if not _owns_its_storage(copy):
         return  # not a dense buffer of its own: saved views of it could not be rebuilt on a new one
     key = id(copy)
 
@@ -61,6 +68,11 @@ def remember(copy: torch.Tensor, edge, shard: torch.Tensor) -> None:
         _COPIES.pop(key, None)
 
     _COPIES[key] = (weakref.ref(copy, forget), edge, shard, _Holder(copy.size(), copy.stride(), edge, shard))
+
+
+def _owns_its_storage(t: torch.Tensor) -> bool:
+    """``t`` is its storage's whole, from its start: ``as_strided`` offsets on it are offsets in it."""
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 class _Holder:
@@ -89,9 +101,11 @@ class _Holder:
                     del pending  # its gather's buffers go before any copy below
                 else:
                     gathered = self.edge.regather_moves(self.shard.detach())
-                full = torch.empty_strided(self.size, self.stride, dtype=gathered.dtype, device=gathered.device)
-                full.copy_(gathered)
-                del gathered
+                full = gathered
+                if gathered.size() != self.size or gathered.stride() != self.stride or not _owns_its_storage(gathered):
+                    full = torch.empty_strided(self.size, self.stride, dtype=gathered.dtype, device=gathered.device)
+                    full.copy_(gathered)
+                    del gathered
             self.ref = weakref.ref(full)
             self.gathered = True
             self._start_previous()

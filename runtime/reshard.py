@@ -31,6 +31,7 @@ from runtime.collectives import MeshComm, PendingMoves, gather_first, grad_sync_
 from runtime.grad_sync import reduce_moves
 from runtime.prefetch import take_prefetched
 from runtime.regather import remember
+from runtime.uneven_moves import move_uneven, touches_uneven
 
 if TYPE_CHECKING:
     from runtime.grad_sync import DeferredSyncs, GradientBuckets
@@ -42,7 +43,8 @@ class _ReshardFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, module):
         ctx.module = module
-        out = module._forward_moves(x)
+        ctx.sizes = {}  # unequal pieces' sizes a forward join found, for the backward's split
+        out = module._forward_moves(x, sizes=ctx.sizes)
         # A slice of the input (Replicate -> Shard) or the input itself would leave autograd a
         # view made inside a custom Function, which the model may not modify in place (Falcon's
         # ``mlp_output += attention_output``): hand out a tensor of its own. A parameter that
@@ -67,7 +69,7 @@ class _ReshardFn(torch.autograd.Function):
             return None, None
         if module.backward_steps is None:
             return None, None
-        return module.backward_moves(grad), None
+        return module.backward_moves(grad, ctx.sizes), None
 
 
 class Reshard(torch.nn.Module):
@@ -97,6 +99,10 @@ class Reshard(torch.nn.Module):
         self.regather = False  # set by lowering: a ZeRO-3 parameter's edge (runtime/regather.py)
         self.weight_name: str | None = None  # set by lowering: the parameter's FQN (errors, logs)
         self.pending = None  # a prefetched forward gather: (input, its version, PendingMoves)
+        # set by lowering: dims of this edge's tensor cut into unequal pieces at the shapes it was
+        # lowered for, which its moves join or split (runtime/uneven_moves.py)
+        self.uneven: frozenset = frozenset()
+        self.uneven_units: dict = {}  # per such dim, the elements of one sample (cuts keep samples whole)
 
     @property
     def forward_communicates(self) -> bool:
@@ -117,9 +123,23 @@ class Reshard(torch.nn.Module):
         every microbatch instead of holding it whole (:mod:`runtime.pipeline`)."""
         return gradient_shrinks(self.grad, self.grad_dst, self.comm.shape)
 
-    def backward_moves(self, grad: torch.Tensor) -> torch.Tensor:
+    def _special(self, phase: str, sizes: dict | None):
+        """The moves of dims cut into unequal pieces, for :func:`runtime.collectives.run_steps`."""
+        if not self.uneven:
+            return None
+        found = {} if sizes is None else sizes
+
+        def move(x, axis, p, q):
+            if not touches_uneven(p, q, self.uneven):
+                return None
+            return move_uneven(x, axis, p, q, self.comm, phase, found, self.uneven_units)
+
+        return move
+
+    def backward_moves(self, grad: torch.Tensor, sizes: dict | None = None) -> torch.Tensor:
         """The gradient moved from the consumer's placement to the dual of the producer's (a
-        parameter's edge: counted as a gradient sync)."""
+        parameter's edge: counted as a gradient sync). ``sizes``: the unequal pieces the
+        forward joined (:mod:`runtime.uneven_moves`)."""
         sync = grad_sync_scope() if self.param_edge is not None else contextlib.nullcontext()
         dtype = self.reduce_dtype if self.param_edge is not None and self.reduce_dtype is not None else grad.dtype
         with sync:
@@ -130,6 +150,7 @@ class Reshard(torch.nn.Module):
                 "bwd",
                 self._strided_of(self.grad, self.strided),
                 self._strided_of(self.grad_dst, self.src_strided),
+                self._special("bwd", sizes),
             )
         moved = moved.to(grad.dtype)
         # a parameter's gradient cut out of a whole one (Replicate -> Shard) is a view: the
@@ -164,7 +185,7 @@ class Reshard(torch.nn.Module):
             what=self.weight_name or self.param_edge or "a tensor",
         )
 
-    def _forward_moves(self, x, phase="fwd"):
+    def _forward_moves(self, x, phase="fwd", sizes=None):
         if phase == "fwd" and self.pending is not None:  # started ahead (runtime/prefetch.py)
             out = take_prefetched(self, x)
             if out is not None:
@@ -176,6 +197,7 @@ class Reshard(torch.nn.Module):
             phase,
             self._strided_of(self.src, self.src_strided),
             self._strided_of(self.dst, self.strided),
+            self._special(phase, sizes),
         )
 
     def regather_moves(self, x):
@@ -202,4 +224,6 @@ class Reshard(torch.nn.Module):
             text += "; gradient all-reduce bucketed"
         if self.regather:
             text += "; freed after forward, gathered again in backward (ZeRO-3)"
+        if self.uneven:
+            text += f"; unequal pieces on dims {sorted(self.uneven)}"
         return text

@@ -7,8 +7,8 @@ axes kept (``torch.tensor_split``'s blocks where a dim does not divide; in the s
 fused projection split after its matmul, the same block of each fused piece). :func:`shard_tensor`
 cuts a whole tensor so and :func:`read_runs` reads those runs from anything indexable (a
 checkpoint file's slices), so a cut piece and a read piece are one definition.
-:func:`gather_tensor` is the way back, a collective: the moves to ``Replicate`` in reverse (the
-pieces padded to the largest and cut again where they are unequal).
+:func:`gather_tensor` is the way back, a collective: the moves to ``Replicate`` in reverse (where
+pieces are unequal, their sizes exchanged, each padded to the largest and the padding cut off).
 
 :class:`runtime.parallel_module.ParallelModule`, the pipeline runner and the global view of
 their state for checkpoints (:mod:`runtime.sharded_state`) all move state with these; the module
@@ -22,8 +22,9 @@ import logging
 import torch
 import torch.distributed as dist
 
-from passes.core.placements import rank_local_shape, replicated, shard_degree, split_size, split_start, transition_steps
+from passes.core.placements import replicated, shard_degree, split_size, split_start, transition_steps
 from runtime.collectives import MeshComm, run_steps
+from runtime.uneven_moves import gather_uneven
 
 __all__ = ["shard_runs", "read_runs", "shard_tensor", "gather_tensor"]
 
@@ -101,7 +102,7 @@ def gather_tensor(local: torch.Tensor, spec, comm: MeshComm, strided=None, whole
         and not strided
         and any(size % shard_degree(spec, comm.shape, d) for d, size in enumerate(whole_shape))
     ):
-        return _gather_unequal(local, spec, comm, tuple(whole_shape))
+        return _gather_unequal(local, spec, comm)
     if not strided:
         return run_steps(local, transition_steps(spec, replicated(comm.ndim)), comm, "state")
     cur = local
@@ -121,20 +122,13 @@ def gather_tensor(local: torch.Tensor, spec, comm: MeshComm, strided=None, whole
     return cur
 
 
-def _gather_unequal(local: torch.Tensor, spec, comm: MeshComm, whole_shape) -> torch.Tensor:
-    """:func:`gather_tensor` for pieces cut like ``torch.tensor_split``: inner axis first, each
-    piece padded to the largest one on that axis, gathered, and the padding cut off."""
-    cur, held = local, list(spec)
-    for axis, p, _q in transition_steps(spec, replicated(comm.ndim)):
-        n = comm.shape[axis]
-        if n == 1 or getattr(p, "dim", None) is None:
-            continue
-        d = p.dim
-        held[axis] = replicated(1)[0]
-        level = rank_local_shape(whole_shape, held, comm.shape, comm.coords)[d]  # the size once joined
-        sizes = [split_size(level, n, j) for j in range(n)]
-        padded = torch.nn.functional.pad(cur.movedim(d, -1), (0, sizes[0] - cur.shape[d])).movedim(-1, d)
-        pieces = [torch.empty_like(padded) for _ in range(n)]
-        dist.all_gather(pieces, padded.contiguous(), group=comm.groups[axis])
-        cur = torch.cat([piece.narrow(d, 0, size) for piece, size in zip(pieces, sizes)], dim=d)
+def _gather_unequal(local: torch.Tensor, spec, comm: MeshComm) -> torch.Tensor:
+    """:func:`gather_tensor` for unequal pieces: inner axis first, each axis's pieces joined
+    whatever their sizes (:func:`runtime.uneven_moves.gather_uneven`), partial values summed."""
+    cur = local
+    for axis, p, q in transition_steps(spec, replicated(comm.ndim)):
+        if comm.shape[axis] > 1 and getattr(p, "dim", None) is not None:
+            cur = gather_uneven(cur, axis, p.dim, comm, "state")
+        else:
+            cur = run_steps(cur, ((axis, p, q),), comm, "state")
     return cur

@@ -339,7 +339,7 @@ def adam_in_lockstep(params, ref, inputs, steps, parallel_step, checks):
     """``steps`` AdamW steps on the parallel ``params`` and the single-device ``ref`` side by side.
     The first step uses the gradients both already hold; before each later one, gradients are
     cleared and recomputed (``parallel_step()`` runs forward + backward and returns the loss) and
-    the two losses compared."""
+    the two losses compared. Returns the parallel side's optimizer."""
     opt = torch.optim.AdamW(params, lr=LR, eps=ADAM_EPS)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=ADAM_EPS)
     for step in range(steps):
@@ -352,6 +352,35 @@ def adam_in_lockstep(params, ref, inputs, steps, parallel_step, checks):
             checks.close(f"loss at step {step}", step_loss.detach(), step_ref.detach())
         opt.step()
         ref_opt.step()
+    return opt
+
+
+def pipeline_like_one_device(runner, ref, inputs, loss, checks, *, steps, one_name=True, label=""):
+    """The pipelined ``runner`` against the single-device ``ref`` after the runner's first
+    ``train_step(inputs)`` (which returned ``loss``): the reference's loss and every gradient (tied
+    weights under exactly one of their names with ``one_name``), ``steps`` AdamW steps in lockstep
+    (:func:`adam_in_lockstep`, each later ``train_step`` inside a :class:`CommCounter`), then every
+    parameter of ``ref`` against the runner's full state dict. Returns (the runner's optimizer,
+    the last step's counter, or None for one step)."""
+    prefix = f"{label}: " if label else ""
+    ref_loss = loss_of(call(ref, inputs))
+    ref_loss.backward()
+    checks.close(f"{prefix}loss", loss.detach(), ref_loss.detach())
+    key_of = check_grads_by_alias(runner.full_grads(), ref, checks, one_name=one_name)
+    counters = []
+
+    def counted_step():
+        with CommCounter() as counter:
+            step_loss = runner.train_step(inputs)
+        counters.append(counter)
+        return step_loss
+
+    opt = adam_in_lockstep(runner.parameters(), ref, inputs, steps, counted_step, checks)
+    state = runner.full_state_dict()
+    for name, p in ref.named_parameters():
+        if name in key_of:
+            checks.close(f"{prefix}parameter {name} after {steps} AdamW steps", state[key_of[name]], p.detach())
+    return opt, counters[-1] if counters else None
 
 
 def _check_local_inputs(pm, inputs, grads, loss, cfg, checks):

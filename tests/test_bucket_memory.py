@@ -22,10 +22,21 @@ gradients: the gap was largest), activations pinned data parallel:
   buffer back into the dims' order, which the estimate counts (``passes/plan/move_scratch.py``);
   parity, then the measured peak within 5% of the estimate on every rank.
 
+The models are built and captured in the parent before it forks the ranks (``built_in_parent``).
+
 The walk's arithmetic is checked in one process.
 """
 
-from parity_utils import Checks, build, call, check_step_like_one_device, free_weights, loss_of
+from parity_utils import (
+    MODELS,
+    Checks,
+    built_in_parent,
+    call,
+    check_step_like_one_device,
+    free_weights,
+    loss_of,
+    prebuilt,
+)
 
 from runtime.launch import run_on_ranks
 
@@ -142,7 +153,7 @@ def peak_worker(rank, world):
     _flat_reduce_matches_one_by_one(rank, world, checks)
     report = []
     for zero, fraction in PLANS:
-        model, inputs = build("gpt")
+        model, inputs = prebuilt(f"gpt zero={zero}") or MODELS["gpt"]["factory"]()  # the parent's, captured there
         n_params = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
         label = f"zero={zero}"
         net, est, row = _plan_and_measure(model, inputs, label, rank, checks, mesh=(world,), zero=zero,
@@ -154,7 +165,7 @@ def peak_worker(rank, world):
                     zero != 3 or any("sync_s" in c and c["time_s"] < c["sync_s"] for r in net.plan.records
                                      for c in r.get("comm") or ()))
         report.append(row)
-    model, inputs = _moe_experts_heavy()
+    model, inputs = prebuilt("moe") or _moe_experts_heavy()
     net, _, row = _plan_and_measure(model, inputs, "MoE, ZeRO-3 experts on inner dims", rank, checks, mesh=(world,),
                                     zero=3, expert_parallel="off", pins=EXPERTS_STORED)
     stored = {r["name"]: r["out"][0] for r in net.plan.records if r.get("regather")}
@@ -165,7 +176,9 @@ def peak_worker(rank, world):
 
 
 def test_zero_step_peak_equals_the_estimate():
-    results = run_on_ranks(peak_worker, 4, timeout_s=TIMEOUT_S, collective_timeout_s=150)
+    models = {f"gpt zero={zero}": (MODELS["gpt"]["factory"], {}) for zero, _ in PLANS}
+    with built_in_parent({**models, "moe": (_moe_experts_heavy, {})}):
+        results = run_on_ranks(peak_worker, 4, timeout_s=TIMEOUT_S, collective_timeout_s=150)
     for label, measured, estimated in results[0]["report"]:
         print(f"{label}: measured peak {measured} B, estimated {estimated:.0f} B ({estimated / measured:.3f})")
     failures = [f for r in results for f in r["failures"]]

@@ -45,6 +45,24 @@ def test_the_limit_is_relaxed_toward_the_budget_after_a_transient_too_large():
     assert got.choice == 60.0 and solves[0] == 60.0 and len(solves) <= 1 + budget_fit.MAX_RELAX_SOLVES
 
 
+def test_a_tie_that_keeps_less_is_taken_in_one_re_solve():
+    # the plan under the budget's row (limit 100) peaks at 140; a plan 0.05% slower keeps less and
+    # fits: the tie step finds it (the least row among plans as fast within TIE), no bisection
+    solve, peak_of, solves = _made_up(lambda limit: 40.0)
+    asked = []
+
+    def least_as_fast(limit, seconds):
+        asked.append((limit, seconds))
+        tie = _Result(50.0)
+        tie.objective = 10.0 * 1.0005  # within TIE of the plan over (10.0)
+        return tie
+
+    got = budget_fit.fit_peak(
+        _Result(100.0), 100.0, solve, peak_of, lambda: None, InfeasibleBudgetError, least_as_fast=least_as_fast
+    )
+    assert got.choice == 50.0 and solves == [] and asked == [(100.0, pytest.approx(10.0 * (1 + budget_fit.TIE)))]
+
+
 def test_no_limit_fits_the_least_plan_or_a_clear_error():
     solve, peak_of, _ = _made_up(lambda limit: 1000.0)
     with pytest.raises(InfeasibleBudgetError, match="no plan found whose peak fits"):

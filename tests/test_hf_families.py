@@ -35,6 +35,7 @@ from parity_utils import (
     check_grads_by_alias,
     loss_of,
     nested_approx_equal,
+    pipeline_like_one_device,
     prebuilt,
     run_checked,
 )
@@ -115,15 +116,7 @@ def family_worker(rank, world, cfg):
         ref = copy.deepcopy(model)
         runner = partitioner.auto_parallelize(model, inputs, mesh=(2, 2), cluster="h100", pipeline=PIPELINE)
         loss = runner.train_step(inputs)
-        ref_loss = loss_of(call(ref, inputs))
-        ref_loss.backward()
-        checks.close("pipeline loss", loss.detach(), ref_loss.detach())
-        key_of = check_grads_by_alias(runner.full_grads(), ref, checks)
-        adam_in_lockstep(runner.parameters(), ref, inputs, STEPS, lambda: runner.train_step(inputs), checks)
-        state = runner.full_state_dict()
-        for name, p in ref.named_parameters():
-            if name in key_of:
-                checks.close(f"pipeline parameter {name} after {STEPS} AdamW steps", state[key_of[name]], p.detach())
+        pipeline_like_one_device(runner, ref, inputs, loss, checks, steps=STEPS, one_name=False, label="pipeline")
     return result
 
 

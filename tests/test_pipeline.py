@@ -46,12 +46,11 @@ import torch
 import torch.distributed as dist
 from parity_utils import (
     Checks,
-    adam_in_lockstep,
     built_in_parent,
     call,
-    check_grads_by_alias,
     loss_of,
     nested_approx_equal,
+    pipeline_like_one_device,
     prebuilt,
     run_checked,
     slow_tier,
@@ -180,19 +179,10 @@ def pipeline_worker(rank, world, cfg):
     own = [runner.plan["stages"][int(key)].estimate().grad_sync_bytes for key in runner.stages]
     result["grad_sync"] = (sum(counter.grad_sync_dict().get("all_reduce", {}).values()),
                            sum(v for syncs in own for v in syncs.get("all_reduce", {}).values()))
-    ref_loss = loss_of(call(ref, inputs))
-    ref_loss.backward()
     result["loss"] = loss.item()
-    checks.close("loss", loss.detach(), ref_loss.detach())
-    # tied weights (GPT-2's wte / lm_head) come back under exactly one of their names
-    key_of = check_grads_by_alias(runner.full_grads(), ref, checks, one_name=True)
-
-    # 2. three AdamW steps on both (the first reuses the gradients above)
-    adam_in_lockstep(runner.parameters(), ref, inputs, STEPS, lambda: runner.train_step(inputs), checks)
-    state = runner.full_state_dict()
-    for name, p in ref.named_parameters():
-        if name in key_of:
-            checks.close(f"parameter {name} after {STEPS} AdamW steps", state[key_of[name]], p.detach())
+    # 2. the loss, every gradient (tied weights, GPT-2's wte / lm_head, under exactly one of their
+    # names), three AdamW steps on both (the first reuses the gradients above), the parameters
+    pipeline_like_one_device(runner, ref, inputs, loss, checks, steps=STEPS)
     return result
 
 

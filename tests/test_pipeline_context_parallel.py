@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import copy
 
-import torch
-from parity_utils import ADAM_EPS, LR, Checks, call, check_grads_by_alias, loss_of, nested_approx_equal, prebuilt
+from parity_utils import Checks, nested_approx_equal, pipeline_like_one_device, prebuilt
 
 import partitioner
 from partitioner.models import hf_llama
@@ -35,7 +34,6 @@ def _llama():
 
 def _pipelined_ring_worker(rank, world, _cfg):
     from partitioner.plan_estimate import stage_step_comm
-    from runtime.collectives import CommCounter
 
     checks = Checks(rank)
     model, inputs = prebuilt("llama-cp") or _llama()
@@ -48,29 +46,7 @@ def _pipelined_ring_worker(rank, world, _cfg):
                 bool(attention) and all((r.get("notes") or {}).get("sp") == "ring" for r in attention))
 
     loss = runner.train_step(inputs)
-    ref_loss = loss_of(call(ref, inputs))
-    ref_loss.backward()
-    checks.close("loss", loss.detach(), ref_loss.detach())
-    key_of = check_grads_by_alias(runner.full_grads(), ref, checks, one_name=True)
-
-    opt = torch.optim.AdamW(runner.parameters(), lr=LR, eps=ADAM_EPS)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=ADAM_EPS)
-    opt.step()
-    ref_opt.step()
-    opt.zero_grad(set_to_none=True)
-    ref_opt.zero_grad(set_to_none=True)
-    with CommCounter() as counter:
-        step_loss = runner.train_step(inputs)
-    step_ref = loss_of(call(ref, inputs))
-    step_ref.backward()
-    checks.close("loss at step 1", step_loss.detach(), step_ref.detach())
-    opt.step()
-    ref_opt.step()
-    state = runner.full_state_dict()
-    for name, p in ref.named_parameters():
-        if name in key_of:
-            checks.close(f"parameter {name} after 2 AdamW steps", state[key_of[name]], p.detach())
-
+    _, counter = pipeline_like_one_device(runner, ref, inputs, loss, checks, steps=2)
     want_bytes, want_calls = stage_step_comm(plan, MICROBATCHES)
     sent = counter.phase_dict()
     checks.true(f"stage {key}: no send_recv on sp counted ({sent})",

@@ -21,19 +21,9 @@ stages are one device each) sends nothing, so its plan lists no collective.
 from __future__ import annotations
 
 import copy
-import functools
 from types import SimpleNamespace
 
-from parity_utils import (
-    Checks,
-    adam_in_lockstep,
-    built_in_parent,
-    call,
-    check_grads_by_alias,
-    loss_of,
-    nested_approx_equal,
-    prebuilt,
-)
+from parity_utils import Checks, built_in_parent, nested_approx_equal, pipeline_like_one_device, prebuilt
 
 import partitioner
 from partitioner.models import gpt_demo
@@ -93,15 +83,7 @@ def _held_worker(rank, world, configs):
             want = per_step_comm(kinds, held_calls if phase == "bwd" else {}, pipeline["microbatches"])
             for diff in nested_approx_equal(counter.calls_phase_dict().get(phase, {}), want):
                 checks.true(f"{phase} collective calls over the step: {diff}", False)
-        ref_loss = loss_of(call(ref, inputs))
-        ref_loss.backward()
-        checks.close("loss", loss.detach(), ref_loss.detach())
-        key_of = check_grads_by_alias(runner.full_grads(), ref, checks, one_name=True)
-        adam_in_lockstep(runner.parameters(), ref, inputs, STEPS, functools.partial(runner.train_step, inputs), checks)
-        state = runner.full_state_dict()
-        for name, p in ref.named_parameters():
-            if name in key_of:
-                checks.close(f"parameter {name} after {STEPS} AdamW steps", state[key_of[name]], p.detach())
+        pipeline_like_one_device(runner, ref, inputs, loss, checks, steps=STEPS)
         out.append(
             {
                 "held": seen,

@@ -29,17 +29,7 @@ import copy
 
 import pytest
 import torch
-from parity_utils import (
-    ADAM_EPS,
-    LR,
-    Checks,
-    built_in_parent,
-    call,
-    check_grads_by_alias,
-    loss_of,
-    nested_approx_equal,
-    prebuilt,
-)
+from parity_utils import Checks, built_in_parent, nested_approx_equal, pipeline_like_one_device, prebuilt
 
 import partitioner
 from partitioner.models import gpt_demo
@@ -64,7 +54,6 @@ def _model():
 def _zero1_worker(rank, world, _cfg):
     from partitioner.pipeline_plan import runner_plan
     from partitioner.plan_estimate import stage_step_comm
-    from runtime.collectives import CommCounter
     from runtime.grad_sync import DeferredSyncs
 
     checks = Checks(rank)
@@ -96,29 +85,7 @@ def _zero1_worker(rank, world, _cfg):
         loss = runner.train_step(inputs)
     finally:
         DeferredSyncs.flush = flush
-    ref_loss = loss_of(call(ref, inputs))
-    ref_loss.backward()
-    checks.close("loss", loss.detach(), ref_loss.detach())
-    key_of = check_grads_by_alias(runner.full_grads(), ref, checks, one_name=True)
-
-    opt = torch.optim.AdamW(runner.parameters(), lr=LR, eps=ADAM_EPS)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=ADAM_EPS)
-    counter = None
-    for step in range(STEPS):
-        if step > 0:
-            opt.zero_grad(set_to_none=True)
-            ref_opt.zero_grad(set_to_none=True)
-            with CommCounter() as counter:
-                step_loss = runner.train_step(inputs)
-            step_ref = loss_of(call(ref, inputs))
-            step_ref.backward()
-            checks.close(f"loss at step {step}", step_loss.detach(), step_ref.detach())
-        opt.step()
-        ref_opt.step()
-    state = runner.full_state_dict()
-    for name, p in ref.named_parameters():
-        if name in key_of:
-            checks.close(f"parameter {name} after {STEPS} AdamW steps", state[key_of[name]], p.detach())
+    opt, counter = pipeline_like_one_device(runner, ref, inputs, loss, checks, steps=STEPS)
 
     est = plan.estimate()
     want_bytes, want_calls = stage_step_comm(plan, MICROBATCHES)
@@ -228,6 +195,9 @@ def test_a_stage_prices_zero1_once_per_step_and_chooses_it_when_the_budget_needs
     stored = set(weight_storage(tight).values())
     assert "zero1" in stored and not stored & {"zero2", "zero3"}, stored
     assert tight.estimate().memory_bytes <= est.memory_bytes
+    # and it is the ZeRO-1 plan's step: the budget fitting tries the ties of a plan over the
+    # budget (passes/plan/budget_fit.py), where bisecting the row limit stepped over it (22% slower)
+    assert tight.estimate().step_time_s == pytest.approx(est.step_time_s, rel=1e-9)
 
 
 def test_a_zero_0_plan_far_above_its_quick_estimate_is_planned_again_with_zero_1():

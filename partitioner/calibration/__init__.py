@@ -21,14 +21,20 @@ Algorithm
    intensity), which the cost model reads piecewise linearly in ``log I``: a narrow product (a
    tensor-parallel shard, a small head dimension) is priced at the rate its shape reaches, not at
    the square matmuls' peak.
-   **A contraction's backward.** Every matmul shape is also timed as a linear layer's backward
-   and zero-bubble weight pass through autograd (:mod:`~partitioner.calibration.measure_backward`:
+   **As a step meets them.** The elementwise samples and a linear layer's forward run on the next
+   of distinct operand sets that fill more than a core's cache, what each call makes kept
+   (:func:`~partitioner.calibration.timing.cold_calls`): a step's ops read what it streamed through
+   the cache earlier and write fresh memory; fx programs of views give ``view_overhead_s`` as those
+   of tiny ops give ``op_overhead_s``.
+   **A contraction's forward and backward.** Every matmul shape is also timed as a linear layer's
+   forward recording for autograd (the bias added, the node kept), backward and zero-bubble weight
+   pass through autograd (:mod:`~partitioner.calibration.measure_backward`:
    transposed operands, a reduction over the tokens, the bias sum, ``.grad`` stores, autograd's
-   own work), and each gives a curve of the same kind, ``backward_curve`` and ``weight_curve``
-   (:func:`~partitioner.calibration.fit.pass_curves`): the rate of each backward product (the
-   forward's FLOPs) beyond the fixed cost the cost model adds to it, as a fraction of the same
-   peak, by the forward product's intensity. The cost model prices a contraction's backward
-   products and its ``W`` pass at them (``compute_time(..., product="backward" / "weight")``).
+   own work), and each gives a curve of the same kind, ``forward_curve``, ``backward_curve`` and
+   ``weight_curve`` (:func:`~partitioner.calibration.fit.pass_curves`): the rate of each product
+   (the forward's FLOPs) beyond the fixed cost the cost model adds to it, as a fraction of the same
+   peak, by the forward product's intensity. The cost model prices a contraction's forward, its
+   backward products and its ``W`` pass at them (``compute_time(..., product=...)``).
    **Rated ops.** Ops that reach neither the matmul curve nor memory bandwidth (on a CPU:
    activations whose ``erf``, ``exp`` or ``tanh`` dominate, normalisations with several passes
    over their input, a fused attention's blocked kernel) are timed forward + backward through

@@ -51,6 +51,7 @@ def calibrate(
     say(
         f"fitted: matmul {', '.join(f'{d} {v / 1e9:.2f}' for d, v in sorted(spec.peak_flops.items()))} GFLOP/s, "
         f"memory {spec.memory_bandwidth / 1e9:.2f} GB/s, op overhead {spec.op_overhead_s * 1e6:.1f} us, "
+        f"view overhead {spec.view_overhead_s * 1e6:.1f} us, "
         f"collective overhead {spec.collective_overhead_s * 1e6:.1f} us + {spec.intra_node.latency_s * 1e6:.1f} us "
         f"per ring step, link {spec.intra_node.bandwidth / 1e9:.2f} GB/s; matmul fraction of peak by FLOPs per byte "
         f"{', '.join(f'{x:.0f}: {y:.2f}' for x, y in spec.matmul_curve.get('float32', []))}; a fresh allocation "

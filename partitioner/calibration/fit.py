@@ -58,13 +58,17 @@ def collective_design(kind: str, n: int, payload: float) -> list:
 
 
 def fit_compute(samples: dict) -> dict:
-    """``op_overhead_s``, ``memory_bandwidth`` and ``peak_flops`` from the compute samples."""
+    """The compute fields of the ClusterSpec (``op_overhead_s``, ``view_overhead_s``,
+    ``memory_bandwidth``, ``peak_flops``, the curves, rates and optimizer steps) from the compute
+    samples."""
     elementwise, chains = samples["elementwise"], samples["chains"]
     if len(elementwise) < 2 or len(chains) < 2 or not samples["matmul"]:
         raise ValueError("calibrate: the fit needs elementwise and program times at two sizes or more, and matmuls")
     ew, _ = _fit_nonnegative([[1.0, s["bytes"]] for s in elementwise], [s["s"] for s in elementwise], [0])
     call, per_byte = ew
     (_, per_op), _ = _fit_nonnegative([[1.0, s["ops"]] for s in chains], [s["s"] for s in chains], [0])
+    views = samples.get("view_chains", [])  # absent from files written before views were priced
+    per_view = _fit_nonnegative([[1.0, s["ops"]] for s in views], [s["s"] for s in views], [0])[0][1] if views else 0.0
     peaks, curves = {}, {}
     for dtype in sorted({s["dtype"] for s in samples["matmul"]}):
         rates: dict = {}  # intensity -> achieved FLOP/s (the mean where shapes share one)
@@ -84,9 +88,11 @@ def fit_compute(samples: dict) -> dict:
         "op_rates": op_rates(samples.get("ops", []), per_op / 2),
         "optimizer_steps": optimizer_steps(samples.get("optimizer", [])),
         "op_overhead_s": per_op / 2,
+        "view_overhead_s": per_view / 2,
         "memory_bandwidth": 1.0 / per_byte,
         "peak_flops": {**{d: peaks["float32"] for d in ("bfloat16", "float16")}, **peaks},
         "matmul_curve": curves,
+        "forward_curve": pass_curves(passes, "forward_s", 1, per_op / 2, peaks, fixed=1),
         "backward_curve": pass_curves(passes, "backward_s", 2, per_op / 2, peaks),
         "weight_curve": pass_curves(passes, "weight_s", 1, per_op / 2, peaks),
         "fresh_page_s_per_byte": max(fresh_per_byte, 0.0),
@@ -99,19 +105,23 @@ def _curve(rates: dict, peak: float) -> list:
     return [[x, sum(r) / len(r) / peak] for x, r in sorted(rates.items())]
 
 
-def pass_curves(samples: list, key: str, products: int, op_overhead_s: float, peaks: dict) -> dict:
-    """``ClusterSpec.backward_curve`` (``key="backward_s"``, two products: the input's and the
-    weight's gradient) or ``ClusterSpec.weight_curve`` (``"weight_s"``, the weight's product) from
+def pass_curves(samples: list, key: str, products: int, op_overhead_s: float, peaks: dict, *, fixed: int = 2) -> dict:
+    """``ClusterSpec.forward_curve`` (``key="forward_s"``, one product, ``fixed=1``: the op's own
+    fixed cost), ``ClusterSpec.backward_curve`` (``"backward_s"``, two products: the input's and
+    the weight's gradient, one fixed cost each) or ``ClusterSpec.weight_curve`` (``"weight_s"``,
+    the weight's product; its fixed cost and the weight pass's call's,
+    :func:`passes.plan.cost_model.weight_pass_time`) from
     :func:`~partitioner.calibration.measure_backward.contraction_pass_samples`: per dtype, the
-    fraction of the dtype's matmul peak at which a product of the forward's FLOPs ran, beyond
-    the fixed cost the cost model adds per product (``op_overhead_s``; the weight pass's call one
-    more, :func:`passes.plan.cost_model.weight_pass_time`), by the forward product's intensity,
-    so the cost model prices every sample at the time it took (the test checks it). A sample
-    that is all fixed cost (95% or more) rates nothing; a dtype without a float32 peak of its
-    own reads float32's."""
+    fraction of the dtype's matmul peak at which a product of the forward's FLOPs ran beyond
+    ``fixed`` times the fixed cost the cost model adds per op (``op_overhead_s``), by the forward
+    product's intensity, so the cost model prices every sample at the time it took (the test
+    checks it). A sample without ``key`` (a file written before it was measured) or all fixed cost
+    (95% or more) rates nothing; a dtype without a float32 peak of its own reads float32's."""
     rates: dict = {}
     for s in samples:
-        work = s[key] - 2 * op_overhead_s  # backward: one per product; the W pass: its product's and its call's
+        if key not in s:
+            continue
+        work = s[key] - fixed * op_overhead_s
         if work <= 0.05 * s[key]:
             continue
         rates.setdefault(s["dtype"], {}).setdefault(matmul_intensity(s), []).append(products * s["flops"] / work)
@@ -187,21 +197,13 @@ def fit(samples: dict, *, ranks: int, name: str = "calibrated", memory_bytes: in
         memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
     return ClusterSpec(
         name=name,
-        peak_flops=compute["peak_flops"],
-        memory_bandwidth=compute["memory_bandwidth"],
         memory_bytes=int(memory_bytes),
         devices_per_node=ranks,
         intra_node=link,
         inter_node=link,
         collective_overhead_s=overhead,
         matmul_efficiency=1.0,
-        matmul_curve=compute["matmul_curve"],
-        backward_curve=compute["backward_curve"],
-        weight_curve=compute["weight_curve"],
-        op_rates=compute["op_rates"],
-        optimizer_steps=compute["optimizer_steps"],
-        fresh_page_s_per_byte=compute["fresh_page_s_per_byte"],
-        op_overhead_s=compute["op_overhead_s"],
+        **compute,  # every compute figure fit_compute gives is a field of the spec
         prefetch_overlap=prefetch_overlap(samples.get("overlap")),
         arrival_wait=arrival_wait(samples.get("arrival")),
         cores_per_node=samples.get("cores"),

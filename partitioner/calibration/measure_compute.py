@@ -3,12 +3,13 @@ of tiny ops, rated ops through autograd, optimizer steps and fresh allocations."
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
 
 from partitioner.calibration.measure_backward import contraction_pass_samples, matmul_shapes
-from partitioner.calibration.timing import timed
+from partitioner.calibration.timing import cold_calls, cold_sets, timed
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +21,7 @@ def compute_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = 
 
     say = say or (lambda message: None)
     seconds, trials = sizes["seconds"], sizes["trials"]
-    out: dict = {"matmul": [], "elementwise": [], "chains": []}
+    out: dict = {"matmul": [], "elementwise": []}
     shapes = matmul_shapes(sizes)
     for dtype_name in sizes["dtypes"]:
         dtype = getattr(torch, dtype_name)
@@ -31,23 +32,33 @@ def compute_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = 
             out["matmul"].append({"dtype": dtype_name, "m": m, "k": k, "n": n, "flops": flops, "bytes": nbytes, "s": t})
             say(f"matmul {dtype_name} {m}x{k} @ {k}x{n}: {t * 1e6:.1f} us, {flops / t / 1e9:.2f} GFLOP/s per rank")
     for numel in sizes["elementwise"]:
-        x, y = torch.randn(numel), torch.randn(numel)
-        t = timed(lambda x=x, y=y: torch.add(x, y), seconds, trials, sync)
         nbytes = 3 * numel * 4
+        operands = cold_sets(functools.partial(_pair, numel), nbytes)
+        t = timed(cold_calls(operands, torch.add), seconds, trials, sync)
         out["elementwise"].append({"bytes": nbytes, "s": t})
         say(f"elementwise add of {nbytes} bytes: {t * 1e6:.1f} us, {nbytes / t / 1e9:.2f} GB/s per rank")
-    for ops in sizes["chains"]:
-        program = _chain(ops)
-        x = torch.randn(8, requires_grad=True)
-        t = timed(lambda program=program, x=x: program(x).sum().backward(), seconds, trials, sync)
-        out["chains"].append({"ops": ops, "s": t})
-        say(f"fx program of {ops} tiny ops, forward + backward: {t * 1e6:.1f} us, {t / ops * 1e6:.1f} us per op")
+    for kind in ("chains", "view_chains"):
+        out[kind] = []
+        for ops in sizes["chains"]:
+            program = _chain(ops, views=kind == "view_chains")
+            x = torch.randn(8, requires_grad=True)
+            t = timed(lambda program=program, x=x: program(x).sum().backward(), seconds, trials, sync)
+            out[kind].append({"ops": ops, "s": t})
+            what = "views" if kind == "view_chains" else "tiny ops"
+            say(f"fx program of {ops} {what}, forward + backward: {t * 1e6:.1f} us, {t / ops * 1e6:.1f} us per op")
     out["contraction_passes"] = contraction_pass_samples(sizes, sync, say)
     if "op_tokens" in sizes:
         out["ops"] = op_samples(sizes, sync, say)
     if "optimizer" in sizes:
         out["optimizer"] = optimizer_samples(sizes, sync, say)
     return out
+
+
+def _pair(numel: int) -> tuple:
+    """Two float32 vectors of ``numel`` elements: an elementwise sample's operands."""
+    import torch
+
+    return torch.randn(numel), torch.randn(numel)
 
 
 OPTIMIZERS = {"adam": ("AdamW", {"lr": 1e-3}), "sgd": ("SGD", {"lr": 1e-3})}
@@ -180,15 +191,21 @@ def op_samples(sizes: dict, sync=None, say: Callable[[str], None] | None = None)
     return out
 
 
-def _chain(ops: int):
-    """An fx program of ``ops`` elementwise ops on a tiny tensor: each costs its overhead only."""
+def _chain(ops: int, views: bool = False):
+    """An fx program of ``ops`` elementwise ops on a tiny tensor, each costing its overhead only;
+    with ``views``, of ``ops`` views (``[8] -> [2, 4] -> [8]``: dispatch, the view's metadata
+    and autograd's view node, in forward and backward)."""
     import torch
     import torch.fx
 
+    aten = torch.ops.aten
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     for i in range(ops):
-        x = graph.call_function(torch.ops.aten.mul.Tensor if i % 2 else torch.ops.aten.add.Tensor, (x, 1.0))
+        if views:
+            x = graph.call_function(aten.view.default, (x, [8] if i % 2 else [2, 4]))
+        else:
+            x = graph.call_function(aten.mul.Tensor if i % 2 else aten.add.Tensor, (x, 1.0))
     graph.output(x)
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 

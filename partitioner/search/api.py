@@ -135,6 +135,7 @@ def search_config(
     planner = Planner(model, inputs, batch, spec=spec, budget=budget, precision=precision, options=opts)
     facts = planner.facts = ModelFacts.of(model, planner.capture(batch), batch)
     bounds = Bounds(facts, spec, precision, opts.optimizer, batch, host_budget=opts.host_memory_budget)
+    planner.time_bound = bounds.time
     configs = searched_configs(devices, batch, inputs, facts, spec, bounds, budget, opts, pipelines, pipeline_recompute)
     cands = [Candidate(c, bounds.memory(c), bounds.time(c), bounds.quick(c)) for c in configs]
     for cand in cands:

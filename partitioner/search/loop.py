@@ -288,11 +288,12 @@ def rule_of_thumb(cands: list, devices_per_node: int, bounds: Bounds, budget: fl
     """The usual recipe (Megatron's): tensor parallel across the node, the fewest pipeline stages
     whose memory bound fits, one sample per microbatch per data-parallel rank, 1F1B, and
     recomputation in a pipeline; None when no candidate is of that form."""
+    widest = max((c.config.tensor for c in cands), default=1)  # once: the list holds thousands
     fits = [
         c
         for c in cands
         if c.memory_lb <= budget
-        and c.config.tensor == max(x.config.tensor for x in cands)
+        and c.config.tensor == widest
         and c.config.tensor <= devices_per_node
         and (
             c.config.pipeline == 1

@@ -1,6 +1,6 @@
 """Step 5 of :mod:`partitioner.search`: the real plan of one candidate configuration. A
 configuration without a pipeline is the intra-op ILP (:func:`partitioner.intra_op.plan_captured`)
-on its ``(d, s, t)`` mesh; a pipelined one is planned stage class by stage class
+on its ``(d, s, t)`` mesh (:mod:`partitioner.search.whole_model`); a pipelined one is planned stage class by stage class
 (:mod:`partitioner.search.pipeline_candidate`). Captures (by batch size), model cuts, stage
 splits, schedules and fingerprints are cached, so a search captures each microbatch size once."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -18,7 +19,8 @@ from partitioner.options import PlanOptions
 from partitioner.parallel_config import ParallelConfig
 from partitioner.search.facts import ModelFacts, at_batch
 from partitioner.search.pipeline_candidate import plan_pipeline
-from partitioner.search.zero_modes import planner_zero, zero_stage_of
+from partitioner.search.whole_model import plan_whole_model
+from partitioner.search.zero_modes import zero_stage_of
 from partitioner.sharding_plan import ShardingPlan
 from passes.analysis.analyze import analyze
 from passes.analysis.expert_routing import measure_routing
@@ -54,6 +56,7 @@ class Planner:
         self.share_schedules = True  # 1F1B and ZB-H1 share stage plans (the search); False: exact
         self.plannings = 0
         self.facts: ModelFacts | None = None
+        self.time_bound: Callable[[ParallelConfig], float] | None = None  # the search's Bounds.time, once known
 
     def fingerprints(self, cap) -> dict:
         """The whole model's fingerprints a pipelined plan records (computed once per capture)."""
@@ -141,17 +144,7 @@ class Planner:
         """The real plan for ``c`` (raises InfeasibleBudgetError when nothing fits); its config
         records the ZeRO stage the plan's weights use (:func:`zero_stage_of`)."""
         if c.pipeline == 1:
-            self.plannings += 1
-            made = self.plan_graph(
-                self.capture(self.batch),
-                self.name,
-                c.stage_mesh_shape,
-                c.stage_axis_names,
-                recompute=c.recompute,
-                zero=planner_zero(c.zero),
-                sequence_parallel=c.sequence_parallel,
-                config=c,
-            )
+            made = plan_whole_model(self, c)
         else:
             made = plan_pipeline(self, c)
         if c.zero != "auto":

@@ -141,8 +141,9 @@ class LowerCall:
 class _UnevenPieces:
     """Which dims of which values are cut into unequal pieces at these shapes.
 
-    An input's dim is uneven where its size does not divide by its pieces; the mesh axes cutting
-    such a dim are the *uneven axes*. Pieces of a value computed from the inputs may then differ
+    A dim of a value computed from the inputs (or of an input) is uneven where its size does not
+    divide by its pieces, as it is produced or as an op reads it (a batch kept whole, cut later);
+    the mesh axes cutting such a dim are the *uneven axes*. Pieces of a value computed from the inputs may then differ
     in size along every dim those axes cut (a flattened batch x sequence dim divides while its
     pieces, whole samples, do not), so every such dim counts as uneven, as does any dim whose
     size does not divide. Values computed from weights alone (their gathers and gradient syncs)
@@ -152,16 +153,53 @@ class _UnevenPieces:
         self.mesh = comm.shape
         self.from_inputs: set = set()
         self.axes: set = set()
+        self.samples: set = set()  # the sizes of the dims cut unevenly (the batch)
         for node in graph.nodes:
             if node.op == "placeholder":
                 if info(node).kind == "input":
                     self.from_inputs.add(node)
-                    spec = parse_spec(records[node.name].out[0], comm.ndim)
-                    for d in uneven_dims(info(node).out_shapes[0], spec, self.mesh):
-                        self.axes.update(a for a, p in enumerate(spec) if getattr(p, "dim", None) == d)
+                    self._cut_unevenly(node, records[node.name].out[0], comm.ndim)
             elif any(u in self.from_inputs for u in tensor_input_nodes(node)):
                 self.from_inputs.add(node)
+                rec = records.get(node.name)
+                if rec is None:
+                    continue
+                self._cut_unevenly(node, (rec.out or [None])[0], comm.ndim)
+                for u, text in zip(tensor_input_nodes(node), rec.ins or ()):
+                    if u in self.from_inputs:  # where the op reads it (a batch replicated, cut later)
+                        self._cut_unevenly(u, text, comm.ndim)
         self.specs: dict = {}
+
+    def _cut_unevenly(self, node: fx.Node, text, ndim: int) -> None:
+        """Add the mesh axes that cut a dim of ``node``'s output placed ``text`` unevenly."""
+        shape = info(node).out_shapes[0] if info(node).out_shapes else None
+        if text is None or shape is None:
+            return
+        spec = parse_spec(text, ndim)
+        for d in uneven_dims(shape, spec, self.mesh):
+            self.axes.update(a for a, p in enumerate(spec) if getattr(p, "dim", None) == d)
+            self.samples.add(int(shape[d]))
+
+    def sample_sizes(self, node: fx.Node, dims) -> dict:
+        """Per dim of ``dims``, the elements of one sample along it: where ``node`` flattens a
+        batch cut unevenly with the dims after it (``[B, S, H] -> [B * S, H]``), ``S`` for its dim
+        0, so that a cut of the flat dim keeps whole samples together as the batch's own cut
+        does; 1 elsewhere (cut like ``torch.tensor_split``)."""
+        out = {d: 1 for d in dims}
+        if node.target not in _SIZED_VIEWS or 0 not in out or not info(node).out_shapes:
+            return out
+        source = tensor_input_nodes(node)[0] if tensor_input_nodes(node) else None
+        before = info(source).out_shapes[0] if source is not None and info(source).out_shapes else None
+        flat = int(info(node).out_shapes[0][0])
+        if before is None or len(before) < 2 or int(before[0]) not in self.samples:
+            return out
+        merged = 1
+        for size in before:
+            merged *= int(size)
+            if merged == flat:
+                out[0] = flat // int(before[0])
+                break
+        return out
 
     def of(self, node: fx.Node, spec=None) -> set:
         """The uneven dims of ``node``'s (first) output, placed ``spec`` (default: as produced)."""
@@ -224,24 +262,27 @@ def _joins_or_splits(steps, dims: set) -> bool:
     return False
 
 
-def _check_uneven_edge(node, producer, src, dst, grad, uneven: _UnevenPieces) -> None:
-    """Refuse an edge whose collectives would join or split a dim cut into unequal pieces
-    (collectives move equal pieces); local slices and all-reduces are fine."""
-    shape = info(producer).out_shapes[0]
+def _uneven_edge_dims(node, producer, src, dst, grad, strided, src_strided, uneven: _UnevenPieces) -> frozenset:
+    """The dims cut into unequal pieces that this edge's collectives join or split (its moves of
+    them run in :mod:`runtime.uneven_moves`); refused where such a dim is also strided (a fused
+    projection's layout, which those moves do not keep)."""
     dims = uneven.of(producer, src) | uneven.of(producer, dst)
     if grad is not None:
         dims |= uneven.of(producer, grad)
     if not dims:
-        return
+        return frozenset()
     forward = _joins_or_splits(transition_steps(tuple(src), tuple(dst)), dims)
     backward = grad is not None and _joins_or_splits(transition_steps(tuple(grad), dual_spec(tuple(src))), dims)
-    if forward or backward:
+    if not (forward or backward):
+        return frozenset()
+    layouts = [(spec, axes) for spec, axes in ((dst, strided), (src, src_strided)) if axes]
+    if any(getattr(spec[a], "dim", None) in dims for spec, axes in layouts for a in axes):
         raise LoweringError(
-            f"node {node.name} ({node.target}) reads {producer.name} (shape {list(shape)}) moved from "
-            f"{format_spec(src)} to {format_spec(dst)}, a collective along dim {sorted(dims)}, which these input "
-            f"shapes cut into unequal pieces; use sizes that divide the mesh axes cutting it, or make the "
-            f"parallel model for this shape"
+            f"node {node.name} ({node.target}) reads {producer.name} moved from {format_spec(src)} to "
+            f"{format_spec(dst)} in a strided (fused) layout along a dim these input shapes cut into unequal "
+            f"pieces; use sizes that divide the mesh axes cutting it, or make the parallel model for this shape"
         )
+    return frozenset(dims)
 
 
 def _replace_devices(obj, device):
@@ -453,8 +494,8 @@ class _Lowering:
         if dst is None or src is None:
             return value
         grad = grad if grad_flows(u, node) else None
-        _check_uneven_edge(node, u, src, dst, grad, self.b.uneven)
         strided, src_strided = _edge_strided(node, u, src, dst, self.chains, self.comm)
+        uneven = _uneven_edge_dims(node, u, src, dst, grad, strided, src_strided, self.b.uneven)
         made = self.b.reshard(
             value,
             src,
@@ -466,6 +507,11 @@ class _Lowering:
             producer=u.name,
             grad_dst=self.grad_dst.get(u),
         )
+        if made is not value and uneven:
+            edge = self.b.root.get_submodule(str(made.target))
+            assert isinstance(edge, Reshard), edge
+            edge.uneven = uneven
+            edge.uneven_units = self.b.uneven.sample_sizes(u, uneven)
         if made is not value and k in (self.record(node).regather_inputs or ()):
             # an activation kept as its shard, gathered again in backward (passes/plan/activation_regather.py)
             edge = self.b.root.get_submodule(str(made.target))

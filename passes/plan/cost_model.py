@@ -215,19 +215,23 @@ def compute_time(
     product: str = "forward",
 ) -> float:
     """Roofline: the slower of math and memory traffic, plus the cluster's fixed cost of one op
-    (an op that neither computes nor moves memory, a view, costs nothing). A contraction runs at
+    (an op that neither computes nor moves memory costs nothing here: a view's fixed cost is the
+    cluster's ``view_overhead_s``, which the planner adds). A contraction runs at
     the fraction of peak the cluster's curve for ``product`` gives at its FLOPs per byte
-    (``flops / mem_bytes``; :func:`matmul_fraction`): ``"forward"``, or one of the backward's
-    products (``"backward"``, ``"weight"``: priced at the forward's FLOPs and bytes). An op the
+    (``flops / mem_bytes``; :func:`matmul_fraction`): ``"forward"`` (a training step's, as a
+    linear layer runs it), or one of the backward's products (``"backward"``, ``"weight"``: priced
+    at the forward's FLOPs and bytes). An op the
     cluster has a measured rate for (``op_rates[dtype][op]``, ``op`` its name as
     :func:`passes.rules.base.rate_key` gives it: a fused attention, an activation whose ``erf``
-    or ``exp`` costs more than its memory traffic on a CPU) computes at that rate instead; a rate
-    measured over a grid of shapes is read at ``shape`` (:func:`measured_rate`)."""
+    or ``exp`` costs more than its memory traffic on a CPU) computes at that rate instead, its
+    memory traffic included (the rate was timed with it; a roofline's memory term beside it
+    counted the traffic twice); a rate measured over a grid of shapes is read at ``shape``
+    (:func:`measured_rate`)."""
     name = str(dtype).replace("torch.", "") if dtype is not None else "float32"
     rate = measured_rate(cluster, name, op, shape) if op else None
-    if rate:
-        peak = rate
-    elif contraction:
+    if rate and flops > 0:  # timed with its memory traffic: the rate is the whole price
+        return flops / rate + cluster.op_overhead_s
+    if contraction:
         intensity = flops / mem_bytes if mem_bytes else math.inf
         peak = cluster.flops_for(name) * matmul_fraction(cluster, name, intensity, product)
     else:
@@ -335,14 +339,14 @@ def grad_accumulate_time(grad_bytes: float, microbatches: int, cluster) -> float
     return add * (microbatches - 1) / microbatches
 
 
-_PRODUCT_CURVES = {"forward": "matmul_curve", "backward": "backward_curve", "weight": "weight_curve"}
+_PRODUCT_CURVES = {"forward": "forward_curve", "backward": "backward_curve", "weight": "weight_curve"}
 """The cluster's curve for each product of a contraction (:func:`compute_time`'s ``product``)."""
 
 
 def matmul_fraction(cluster, dtype_name: str, intensity: float, product: str = "forward") -> float:
     """The fraction of peak a contraction's ``product`` (see :func:`compute_time`) of ``intensity``
-    FLOPs per byte reaches: the cluster's curve for it and the dtype (else float32's; a backward
-    product without a curve of its own: the forward's), piecewise linear in log intensity between
+    FLOPs per byte reaches: the cluster's curve for it and the dtype (else float32's; a product
+    without a curve of its own: the bare ``mm``'s ``matmul_curve``), piecewise linear in log intensity between
     its points and flat beyond them; ``matmul_efficiency`` without a curve."""
     if product not in _PRODUCT_CURVES:
         raise ValueError(f"unknown contraction product {product!r}: one of {sorted(_PRODUCT_CURVES)}")

@@ -82,11 +82,14 @@ def solve_ilp(
     node_limit: int = NODE_LIMIT,
     forbidden: list | None = None,
     host: tuple | None = None,
+    time_cap: float | None = None,
 ) -> IlpResult:
     """``edges``: list of (g, h, cls_g, cls_h, matrix) as numpy arrays; ``links``: list of
     (g, options of g, h, options of h) whose sums of ``x`` must be equal; ``forbidden``: (g, i)
     pairs whose ``x`` is fixed at 0 (options left out of this solve); ``host``: (host-memory bytes
-    per group and option, host budget), a second memory row (offloaded optimizer state)."""
+    per group and option, host budget), a second memory row (offloaded optimizer state);
+    ``time_cap``: a row holding the plan's seconds at most this (with ``objective="memory"``: the
+    plan that keeps the least among those as fast as a given one)."""
     offsets = np.cumsum([0] + [len(c) for c in node_costs])
     n_x = int(offsets[-1])
     flow_offsets = [n_x]
@@ -105,6 +108,10 @@ def solve_ilp(
         mem_row[:n_x] = x_mem
         mem_row[n_x:] = flow_mem
         constraints.append(LinearConstraint(mem_row.reshape(1, -1), -np.inf, budget))
+    if time_cap is not None and time_cap > 0:
+        time_row = np.concatenate([np.concatenate(node_costs)] + [edge[4].ravel() for edge in edges])
+        # in units of the cap: HiGHS's absolute feasibility tolerance (1e-6) is then a relative one
+        constraints.append(LinearConstraint(time_row.reshape(1, -1) / time_cap, -np.inf, 1.0))
     if host is not None and any(np.any(h) for h in host[0]):
         host_row = np.zeros(n)
         host_row[:n_x] = np.concatenate(host[0])

@@ -80,7 +80,7 @@ from passes.plan.move_scratch import edge_scratch, gather_in_flight
 from passes.plan.zero_storage import regathers as strategy_regathers
 from passes.rules import op_view, rule_for, tensor_input_nodes
 
-__all__ = ["memory_fields"]
+__all__ = ["memory_fields", "placeholder_memory", "edge_buffer_bytes"]
 
 
 def memory_fields(
@@ -128,6 +128,33 @@ def memory_fields(
     return {name: f for name, f in fields.items() if f}
 
 
+def placeholder_memory(n: fx.Node, choice, mesh_shape, optimizer) -> dict:
+    """The memory fields of placeholder ``n`` placed by ``choice`` (its NodeChoice): a parameter's
+    state (stored, compute copy, gradient, optimizer state; offloaded parts apart), else its batch
+    or buffer bytes."""
+    i, spec = info(n), choice.out[0]
+    if i.kind != "param":
+        return {"input_bytes": local_bytes(i.shape, spec, mesh_shape, dtype_bytes(i.dtype))}
+    stored = choice.stored  # ZeRO-1: the optimizer steps a shard placed so
+    numel = local_bytes(i.shape, spec if stored is None else stored, mesh_shape, 1)
+    p, g, s = param_state_parts(numel, dtype_bytes(i.dtype), optimizer)
+    whole = local_bytes(i.shape, spec, mesh_shape, dtype_bytes(i.dtype))
+    if choice.offload:  # on the device: the compute copy and its gradient only
+        return {"parameters": whole, "gradients": whole, "optimizer_state": 0.0, "offloaded": p + g + s}
+    if stored is not None:  # and the compute copy, with its gradient, is whole
+        p, g = p + whole, g + whole
+    return {"parameters": p, "gradients": g, "optimizer_state": s}
+
+
+def edge_buffer_bytes(u: fx.Node, src, dst, grad, mesh_shape) -> float | None:
+    """Bytes of the buffer the edge moving ``u`` from ``src`` to ``dst`` (its gradient back from
+    ``grad``, None when none flows) allocates, or None when it allocates none (the module docstring)."""
+    ui = info(u)
+    if not edge_allocates(src, dst, grad, mesh_shape, requires_grad=ui.requires_grad, from_param=ui.kind == "param"):
+        return None
+    return local_bytes(ui.shape or (), dst, mesh_shape, dtype_bytes(ui.dtype))
+
+
 class _StorageWalk:
     """The storages a solved plan's nodes and edges make, and which of them are kept for
     backward (the module docstring's rules), for :func:`memory_fields`."""
@@ -156,18 +183,13 @@ class _StorageWalk:
 
     def edge(self, c, k):
         """(key, bytes) of the buffer the edge into input ``k`` of ``c`` allocates, or None."""
-        u = tensor_input_nodes(c)[k]
-        mine = self.choices.get(c)
-        if mine is None or mine.strategy is None or k >= len(mine.ins) or mine.ins[k] is None:
+        u, mine = tensor_input_nodes(c)[k], self.choices.get(c)
+        src = self.out_spec(u)
+        if src is None or mine is None or mine.strategy is None or k >= len(mine.ins) or mine.ins[k] is None:
             return None
-        src, dst = self.out_spec(u), mine.ins[k]
-        ui = info(u)
         grad = mine.strategy.grad_spec(k) if grad_flows(u, c) else None
-        if src is None or not edge_allocates(
-            src, dst, grad, self.mesh, requires_grad=ui.requires_grad, from_param=ui.kind == "param"
-        ):
-            return None
-        return ("edge", c, k), local_bytes(ui.shape or (), dst, self.mesh, dtype_bytes(ui.dtype))
+        nbytes = edge_buffer_bytes(u, src, mine.ins[k], grad, self.mesh)
+        return None if nbytes is None else (("edge", c, k), nbytes)
 
     def scratch(self, c, k) -> float:
         """What the moves of the edge into input ``k`` of ``c`` hold beyond their result
@@ -324,24 +346,9 @@ class _StorageWalk:
         state; ``again``: a tied name, counted on its first) or batch bytes."""
         choices, mesh = self.choices, self.mesh
         for n in graph.nodes:
-            i = info(n)
-            spec = self.out_spec(n)
-            if n.op != "placeholder" or spec is None or n.name in again:
+            if n.op != "placeholder" or self.out_spec(n) is None or n.name in again:
                 continue
-            f = fields.setdefault(n.name, {})
-            if i.kind != "param":
-                f["input_bytes"] = local_bytes(i.shape, spec, mesh, dtype_bytes(i.dtype))
-                continue
-            stored = choices[n].stored  # ZeRO-1: the optimizer steps a shard placed so
-            numel = local_bytes(i.shape, spec if stored is None else stored, mesh, 1)
-            p, g, s = param_state_parts(numel, dtype_bytes(i.dtype), optimizer)
-            whole = local_bytes(i.shape, spec, mesh, dtype_bytes(i.dtype))
-            if choices[n].offload:  # on the device: the compute copy and its gradient only
-                f.update(parameters=whole, gradients=whole, optimizer_state=0.0, offloaded=p + g + s)
-                continue
-            if stored is not None:  # and the compute copy, with its gradient, is whole
-                p, g = p + whole, g + whole
-            f.update(parameters=p, gradients=g, optimizer_state=s)
+            fields.setdefault(n.name, {}).update(placeholder_memory(n, choices[n], mesh, optimizer))
 
     def held_gradients(self, graph: fx.Graph, fields: dict, tied) -> None:
         """A pipeline stage: the gradient sums its parameter edges hold back over a step's

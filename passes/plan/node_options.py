@@ -210,7 +210,7 @@ class SpaceBuilder:
                     alloc_fwd += allocation_time(nbytes, self.cluster)
         work = (i.flops / split * rule.work_scale(op, strategy, self.mesh), mem_bytes, i.dtype, rule.contraction)
         where = (self.cluster, i.rate_key, rule.rate_shape(op, strategy, self.mesh))
-        fwd = compute_time(*work, *where)
+        fwd = self.cluster.view_overhead_s if getattr(rule, "is_view", False) else compute_time(*work, *where)
         bwd = weight = 0.0
         if i.requires_grad:  # a contraction's backward products at their own measured rates
             grads_in = sum(1 for a in self.inputs_of(node) if info(a).requires_grad)

@@ -47,6 +47,7 @@ from passes.plan.ilp_solver import NODE_LIMIT, TIME_LIMIT_S, min_memory, solve_i
 from passes.plan.memory_accounting import memory_fields
 from passes.plan.memory_peak import memory_breakdown
 from passes.plan.output_placement import required_output_spec
+from passes.plan.peak_floor import PeakFloor, peak_floor
 from passes.plan.recompute import (
     RecomputeChoice,
     add_recompute_options,
@@ -64,9 +65,12 @@ CHOICE_KEY = "partita.choice"
 
 class InfeasibleBudgetError(ValueError):
     """No plan fits the memory budget. ``by_bound``: refused by the least memory of the decisions'
-    own terms, before solving (what no edge's buffer, kept or not, changes)."""
+    own terms, before solving (what no edge's buffer, kept or not, changes). ``floor``: refused by
+    the floor of every plan's walked peak (:mod:`passes.plan.peak_floor`), which keeping
+    activations as shards does not lower either."""
 
     by_bound = False
+    floor: PeakFloor | None = None
 
 
 @dataclass
@@ -302,6 +306,12 @@ def plan_intra_op(
     t1 = time.perf_counter()
     n_opts = _log_space(log, space, t1 - t0)
 
+    floor = None
+    if budget is not None:  # refused before any solve when under every plan's walked peak
+        floor = peak_floor(
+            graph, space, tied=tied_placeholders(cap), recompute=recompute, activation_copies=activation_copies
+        )
+        _refuse_below_floor(floor, space.mesh_shape, budget)
     solve = _Solves(space, objective=objective, zero=zero, time_limit=time_limit, host_budget=host_budget)
     result, redo, peak_of, least, least_kept = _solve_within_budget(
         solve, cap, budget, recompute, activation_copies, holds_gradient_sums, mesh_shape
@@ -324,6 +334,8 @@ def plan_intra_op(
     alternatives = _alternatives(space, result.choice, axis_names, redo)
     t3 = time.perf_counter()
     stats = _stats(space, result, (t0, t1, t2, t3), n_opts, (overlap, hidden), records, least, least_kept)
+    if floor is not None:
+        stats["peak_floor"] = floor.total
     typed = [NodeRecord.from_dict(r) for r in records]
     latencies = step_latencies(typed, mesh_shape, axis_names, cluster)
     return IntraOpResult(
@@ -386,6 +398,7 @@ def _fit_budget(result, budget, solve: _Solves, redo, peak_of):
         lambda limit: solve(limit, redo, nodes=RETRY_NODES),
         peak_of,
         lambda: solve(None, redo, "memory"),
+        lambda limit, cap: solve(limit, redo, "memory", nodes=RETRY_NODES, time_cap=cap),
     )
 
 
@@ -470,7 +483,7 @@ class _Solves:
         )
         self.forced3 = 3 in (zero.values() if isinstance(zero, dict) else [zero])  # some weight must regather
 
-    def __call__(self, limit, redo, objective=None, zero3=True, nodes=NODE_LIMIT, zero1=True):
+    def __call__(self, limit, redo, objective=None, zero3=True, nodes=NODE_LIMIT, zero1=True, time_cap=None):
         space, host_budget = self.space, self.host_budget
         forbidden = ([] if zero3 else self.twins) + ([] if zero1 else self.shards)
         return solve_ilp(
@@ -484,6 +497,7 @@ class _Solves:
             forbidden=forbidden or None,
             node_limit=nodes,
             host=([g.host_memory for g in space.groups], host_budget) if host_budget is not None else None,
+            time_cap=time_cap,
         )
 
 
@@ -537,6 +551,21 @@ def _solve_within_budget(solve: _Solves, cap, budget, recompute, activation_copi
             if plain.choice is not None and plain.objective <= result.objective * (1 + 1e-9):
                 result = plain
     return result, redo, peak_of, least, least_kept
+
+
+def _refuse_below_floor(floor: PeakFloor, mesh_shape, budget) -> None:
+    """Refuse, before any solve, a budget under the floor of every plan's walked peak."""
+    if floor.total <= budget:
+        return
+    refused = InfeasibleBudgetError(
+        f"no plan fits {budget / 2**30:.4f} GiB per device ({budget:.0f} bytes) on mesh {tuple(mesh_shape)}: the "
+        f"least memory any plan needs is {floor.total / 2**30:.4f} GiB ({floor.total:.0f} bytes) at its peak, at "
+        f"least: {floor.explain()}. Recomputation does not lower this floor. Raise the budget, use a larger mesh "
+        f"(more devices to shard over), offload optimizer state to the host (host_memory_budget=...), or a lighter "
+        f"optimizer (optimizer='sgd')."
+    )
+    refused.by_bound, refused.floor = True, floor
+    raise refused
 
 
 def _least_if_it_fits(solve: _Solves, redo, budget, peak_of):
@@ -709,15 +738,16 @@ def _without_zero3(budget, solve, redo, peak_of, zero1=True):
             lambda limit: solve(limit, redo, zero3=False, nodes=RETRY_NODES, zero1=zero1),
             peak_of,
             lambda: solve(None, redo, "memory", zero3=False, zero1=zero1),
+            lambda limit, cap: solve(limit, redo, "memory", zero3=False, nodes=RETRY_NODES, zero1=zero1, time_cap=cap),
         )
     except InfeasibleBudgetError:
         return None
 
 
-def _fit_peak(result, budget, solve, peak_of, least_peak):
+def _fit_peak(result, budget, solve, peak_of, least_peak, least_as_fast=None):
     """``result`` re-solved until its walked peak fits ``budget``: the row's limit tightened by the
     transients seen, then relaxed toward the budget (:func:`passes.plan.budget_fit.fit_peak`)."""
-    return fit_peak(result, budget, solve, peak_of, least_peak, InfeasibleBudgetError)
+    return fit_peak(result, budget, solve, peak_of, least_peak, InfeasibleBudgetError, least_as_fast=least_as_fast)
 
 
 def _tie_aliases(cap, blocks) -> None:
