@@ -58,6 +58,11 @@ class GPTConfig:
     n_embd: int = 64
     dropout: float = 0.0
     bias: bool = True
+    attention: str = "sdpa"
+    """``"sdpa"``: one fused causal attention op (FlashAttention-style); ``"eager"``: attention as
+    it was computed before fused kernels (Megatron-LM 2021, Megatron-DeepSpeed): the scores
+    ``q k^T`` of every head materialised by a batched matmul, masked, softmax, dropout, times
+    ``v``: the ``heads x seq^2`` scores are written and read by each step and kept for backward."""
 
 
 class CausalSelfAttention(nn.Module):
@@ -68,6 +73,9 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.dropout = cfg.dropout
+        if cfg.attention not in ("sdpa", "eager"):
+            raise ValueError(f"GPTConfig.attention must be 'sdpa' or 'eager', got {cfg.attention!r}")
+        self.eager = cfg.attention == "eager"
 
     def forward(self, x):
         b, t, c = x.shape
@@ -75,9 +83,21 @@ class CausalSelfAttention(nn.Module):
         q = q.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
         k = k.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
         v = v.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        if self.eager:
+            y = self._eager_attention(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            )
         y = y.transpose(1, 2).contiguous().view(b, t, c)
         return self.resid_dropout(self.c_proj(y))
+
+    def _eager_attention(self, q, k, v):
+        t = q.shape[-2]
+        scores = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-2, -1)
+        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        probs = F.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        return F.dropout(probs, self.dropout, self.training) @ v
 
 
 class Block(nn.Module):
@@ -146,9 +166,11 @@ def gpt_demo(batch=8, seq=64, **overrides):
     return model, (ids, torch.roll(ids, -1, dims=1))
 
 
-def gpt_block(batch=8, seq=128, n_embd=1024, n_head=16, n_layer=1, vocab=1024, device="meta"):
-    """A GPT at planning scale, on ``meta`` by default."""
-    cfg = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+def gpt_block(batch=8, seq=128, n_embd=1024, n_head=16, n_layer=1, vocab=1024, device="meta", attention="sdpa"):
+    """A GPT at planning scale, on ``meta`` by default (``attention``: :attr:`GPTConfig.attention`)."""
+    cfg = GPTConfig(
+        vocab_size=vocab, block_size=seq, n_layer=n_layer, n_head=n_head, n_embd=n_embd, attention=attention
+    )
     with torch.device(device):
         model = GPT(cfg)
     ids = _tokens(batch, seq, vocab, device)
