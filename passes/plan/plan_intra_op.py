@@ -306,12 +306,7 @@ def plan_intra_op(
     t1 = time.perf_counter()
     n_opts = _log_space(log, space, t1 - t0)
 
-    floor = None
-    if budget is not None:  # refused before any solve when under every plan's walked peak
-        floor = peak_floor(
-            graph, space, tied=tied_placeholders(cap), recompute=recompute, activation_copies=activation_copies
-        )
-        _refuse_below_floor(floor, space.mesh_shape, budget)
+    floor = _floor_within(budget, graph, space, cap, recompute, activation_copies)
     solve = _Solves(space, objective=objective, zero=zero, time_limit=time_limit, host_budget=host_budget)
     result, redo, peak_of, least, least_kept = _solve_within_budget(
         solve, cap, budget, recompute, activation_copies, holds_gradient_sums, mesh_shape
@@ -553,14 +548,30 @@ def _solve_within_budget(solve: _Solves, cap, budget, recompute, activation_copi
     return result, redo, peak_of, least, least_kept
 
 
-def _refuse_below_floor(floor: PeakFloor, mesh_shape, budget) -> None:
+def _floor_within(budget, graph, space, cap, recompute: str, activation_copies: int) -> PeakFloor | None:
+    """The floor of every plan's walked peak under a budget (None without one); a budget under it
+    is refused here, before any solve."""
+    if budget is None:
+        return None
+    floor = peak_floor(
+        graph, space, tied=tied_placeholders(cap), recompute=recompute, activation_copies=activation_copies
+    )
+    _refuse_below_floor(floor, space.mesh_shape, budget, recompute)
+    return floor
+
+
+def _refuse_below_floor(floor: PeakFloor, mesh_shape, budget, recompute: str = "auto") -> None:
     """Refuse, before any solve, a budget under the floor of every plan's walked peak."""
     if floor.total <= budget:
         return
+    if recompute == "none":  # the floor counts the activations every block keeps
+        remedy = "With recompute='none' every block's activations are kept; recompute='auto' or 'all' may lower it."
+    else:
+        remedy = "Recomputation does not lower this floor."
     refused = InfeasibleBudgetError(
         f"no plan fits {budget / 2**30:.4f} GiB per device ({budget:.0f} bytes) on mesh {tuple(mesh_shape)}: the "
         f"least memory any plan needs is {floor.total / 2**30:.4f} GiB ({floor.total:.0f} bytes) at its peak, at "
-        f"least: {floor.explain()}. Recomputation does not lower this floor. Raise the budget, use a larger mesh "
+        f"least: {floor.explain()}. {remedy} Raise the budget, use a larger mesh "
         f"(more devices to shard over), offload optimizer state to the host (host_memory_budget=...), or a lighter "
         f"optimizer (optimizer='sgd')."
     )
