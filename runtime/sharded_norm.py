@@ -81,6 +81,11 @@ class _NormFn(torch.autograd.Function):
 class ShardedNorm(torch.nn.Module):
     """``layer_norm(x, [C], w, b, eps)`` / ``rms_norm(x, [C], w, eps)`` with C split over ``axes``."""
 
+    # Rows cut into unequal pieces (a batch the data axes do not divide) are fine: the statistics
+    # are reduced over ``axes``, whose ranks differ only in their coordinates on ``axes``, which
+    # cut C, so they hold the same rows.
+    uneven_pieces_ok = True
+
     def __init__(self, comm: MeshComm, axes, width: int, eps, rms: bool):
         super().__init__()
         self.comm, self.axes, self.width, self.eps, self.rms = comm, list(axes), int(width), eps, rms
