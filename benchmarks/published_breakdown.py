@@ -76,22 +76,17 @@ def rung(run: dict, model, inputs, what: str, layout: dict, given: dict, publish
 
     cfg = configuration(run, given)
     plan = plan_config(model, inputs, cfg, cluster=run["cluster"], precision="bf16", optimizer="adam", **layout)
-    est = plan.estimate()
+    parts = published_runs.components(plan)  # the estimate's components, as the published rows report them
     counted = run.get("tflops", 0.0) * published_s  # the published count's TFLOP per device per step
+    shared = ("step_s", "compute_s", "comm_s", "bubble_s", "grad_sync_s", "optimizer_s", "memory_gib")
     return {
         "what": what,
         "config": cfg.describe(),
         "layout": layout.get("tensor_parallel", "free"),
-        "step_s": est.step_time_s,
-        "ratio": est.step_time_s / published_s,
-        "compute_s": est.compute_s,
-        "comm_s": est.comm_s,
-        "bubble_s": est.bubble_s,
-        "grad_sync_s": est.grad_sync_s,
-        "optimizer_s": est.optimizer_s,
-        "memory_gib": est.memory_bytes / 2**30,
-        "implied_tflops": counted / est.step_time_s,
-        "implied_compute_tflops": counted / est.compute_s,
+        "ratio": parts["step_s"] / published_s,
+        **{key: parts[key] for key in shared},
+        "implied_tflops": counted / parts["step_s"],
+        "implied_compute_tflops": counted / parts["compute_s"],
         "busiest_compute_by_op": busiest_compute(plan),
     }
 
