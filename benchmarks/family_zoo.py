@@ -155,7 +155,9 @@ def runs(args) -> list:
     for family in families:
         kind = ZOO[family][3]
         if args.fp32:
-            todo.append((family, "fp32 (2, 2) memory" + (" + pipeline" if kind == "causal" else ""), lambda f=family: _fp32(f)))
+            todo.append(
+                (family, "fp32 (2, 2) memory" + (" + pipeline" if kind == "causal" else ""), lambda f=family: _fp32(f))
+            )
         if args.bf16 and kind == "causal":
             todo += [(family, k, lambda f=family, o=o: _other(bf16_worker, 4, f, o)) for k, o in BF16_LAYOUTS.items()]
         if args.serve and kind in ("causal", "masked"):

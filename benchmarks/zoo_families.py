@@ -33,6 +33,17 @@ BART_LIKE = dict(
     eos_token_id=2,
     decoder_start_token_id=2,
 )
+# two-stage hierarchical vision transformers (SegFormer's naming)
+STAGES = dict(
+    IMAGE,
+    num_encoder_blocks=2,
+    depths=[1, 1],
+    sr_ratios=[2, 1],
+    hidden_sizes=[16, 32],
+    num_attention_heads=[1, 2],
+    patch_sizes=[7, 3],
+    strides=[4, 2],
+)
 T5_LIKE = dict(num_layers=2, d_model=64, d_ff=128, num_heads=4, d_kv=16, decoder_start_token_id=0)
 
 DECODERS = {
@@ -93,7 +104,7 @@ DECODERS = {
     "helium": ("HeliumConfig", "HeliumForCausalLM", dict(KV, head_dim=16, **IDS), "causal"),
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(KV, sliding_window=8, **IDS), "causal"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(KV, **IDS), "causal"),
-    "ministral": ("MinistralConfig", "MinistralForCausalLM", dict(KV, sliding_window=8, **IDS), "causal"),
+    "ministral": ("MinistralConfig", "MinistralForCausalLM", dict(KV, head_dim=16, sliding_window=8, **IDS), "causal"),
     "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", dict(KV, head_dim=16, **IDS), "causal"),
     "arcee": ("ArceeConfig", "ArceeForCausalLM", dict(KV, **IDS), "causal"),
     "apertus": ("ApertusConfig", "ApertusForCausalLM", dict(KV, **IDS), "causal"),
@@ -256,13 +267,13 @@ VISION = {
     "convnext": (
         "ConvNextConfig",
         "ConvNextForImageClassification",
-        dict(IMAGE, hidden_sizes=[16, 32], depths=[1, 1]),
+        dict(IMAGE, hidden_sizes=[16, 32], depths=[1, 1], num_stages=2),
         "image",
     ),
     "convnextv2": (
         "ConvNextV2Config",
         "ConvNextV2ForImageClassification",
-        dict(IMAGE, hidden_sizes=[16, 32], depths=[1, 1]),
+        dict(IMAGE, hidden_sizes=[16, 32], depths=[1, 1], num_stages=2),
         "image",
     ),
     "bit": (
@@ -274,22 +285,27 @@ VISION = {
     "poolformer": (
         "PoolFormerConfig",
         "PoolFormerForImageClassification",
-        dict(IMAGE, num_encoder_blocks=2, depths=[1, 1], hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2],
-             padding=[2, 1]),
+        dict(
+            IMAGE,
+            num_encoder_blocks=2,
+            depths=[1, 1],
+            hidden_sizes=[16, 32],
+            patch_sizes=[7, 3],
+            strides=[4, 2],
+            padding=[2, 1],
+        ),
         "image",
     ),
     "segformer": (
         "SegformerConfig",
         "SegformerForImageClassification",
-        dict(IMAGE, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
-             num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2]),
+        STAGES,
         "image",
     ),
     "pvt_v2": (
         "PvtV2Config",
         "PvtV2ForImageClassification",
-        dict(IMAGE, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
-             num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2]),
+        dict(STAGES, mlp_ratios=[2, 2]),
         "image",
     ),
     "mobilevit": (
@@ -301,8 +317,14 @@ VISION = {
     "levit": (
         "LevitConfig",
         "LevitForImageClassification",
-        dict(IMAGE, image_size=64, hidden_sizes=[32, 48, 64], num_attention_heads=[2, 2, 2], depths=[1, 1, 1],
-             key_dim=[8, 8, 8]),
+        dict(
+            IMAGE,
+            image_size=64,
+            hidden_sizes=[32, 48, 64],
+            num_attention_heads=[2, 2, 2],
+            depths=[1, 1, 1],
+            key_dim=[8, 8, 8],
+        ),
         "image",
     ),
     "cvt": (
@@ -320,7 +342,7 @@ VISION = {
     "efficientnet": (
         "EfficientNetConfig",
         "EfficientNetForImageClassification",
-        dict(IMAGE, width_coefficient=0.25, depth_coefficient=0.25, hidden_dim=64),
+        dict(IMAGE, width_coefficient=0.25, depth_coefficient=0.25, hidden_dim=320),
         "image",
     ),
     "mobilenet_v2": (

@@ -54,6 +54,9 @@ _DROPOUT_KEYS = (
     "drop_path_rate",  # stochastic depth (BEiT, Swin): whole residual branches dropped at random
 )
 
+# any other config key ending so is a dropout probability too (SeedOss's ``residual_dropout``)
+_DROPOUT_ENDINGS = ("dropout", "_pdrop", "dropout_prob", "dropout_rate")
+
 _VISION_SIZES = dict(
     num_hidden_layers=2,
     hidden_size=64,
@@ -323,7 +326,8 @@ def build(
                 overrides[key] = n_layer
     defaults = config_cls()
     if dropout is not None:
-        overrides.update({key: dropout for key in _DROPOUT_KEYS if isinstance(getattr(defaults, key, None), float)})
+        keys = set(_DROPOUT_KEYS) | {key for key in vars(defaults) if key.endswith(_DROPOUT_ENDINGS)}
+        overrides.update({key: dropout for key in sorted(keys) if isinstance(getattr(defaults, key, None), float)})
     config = config_cls(**overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config)
