@@ -352,4 +352,8 @@ VISION = {
         "image",
     ),
 }
+# decoders whose layers are not one repeated block (recurrent and attention layers mixed, RWKV's
+# first block with its own norm): pipeline stages are cut at repeated layers, so the pipeline is
+# refused for them (a clear ValueError); the zoo runs them without it
+UNPIPELINED = ("rwkv", "recurrent_gemma", "lfm2", "bamba")
 ZOO = {**DECODERS, **RECURRENT, **ENCODERS, **ENCODER_DECODERS, **VISION}
