@@ -247,3 +247,31 @@ def test_type_as_moves_nothing_for_the_tensor_it_reads_the_dtype_of():
     (node,) = [n for n in cap.graph.nodes if n.target is torch.ops.aten.type_as.default]
     strategies = rule_for(node).axis_strategies(op_view(node))
     assert strategies and all(s.ins[1] is None and s.ins[0] is not None for s in strategies), strategies
+
+
+class ZerosBeside(torch.nn.Module):
+    """``cat([zeros_like(y), y])`` (Mamba-2's padded chunk states): the zeros lend only a shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        y = self.a(x)
+        return torch.cat([torch.zeros_like(y), y], dim=1).sum()
+
+
+def test_a_factory_like_op_needs_no_gradient():
+    """``zeros_like`` of a value that needs a gradient needs none itself: its edges' backward
+    moves were priced (Mamba-2 under the memory objective estimated 2 all-to-alls more than its
+    run sent); a factory's output is marked as needing no gradient."""
+    from passes.analysis.analyze import analyze, info
+    from passes.capture.capture import capture
+
+    cap = capture(ZerosBeside(), (torch.randn(4, WIDTH),))
+    analyze(cap)
+    by_target = {n.target: n for n in cap.graph.nodes}
+    assert info(by_target[torch.ops.aten.linear.default]).requires_grad
+    assert not info(by_target[torch.ops.aten.zeros_like.default]).requires_grad
+    assert info(by_target[torch.ops.aten.cat.default]).requires_grad
+
