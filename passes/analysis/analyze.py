@@ -69,7 +69,7 @@ def analyze(cap: CapturedGraph) -> None:
         else:
             rule = rule_for(node)
             grads = any(isinstance(a, fx.Node) and info(a).requires_grad for a in node.all_input_nodes)
-            floating = dtype is not None and dtype.is_floating_point
+            floating = dtype is not None and (dtype.is_floating_point or dtype.is_complex)  # fft: complex grads
             node.meta[META_KEY] = NodeInfo(
                 "op",
                 node.name,
