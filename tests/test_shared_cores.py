@@ -12,6 +12,7 @@ from partitioner.cluster import PRESETS, ClusterSpec, LinkSpec
 from partitioner.core_sharing import core_share, pipeline_cores, shared_cluster
 from passes.plan.cost_model import compute_time, optimizer_step_time
 from passes.schedules import SCHEDULES, add_communication, gpipe, simulate, zb_h1
+from passes.schedules.shared_cores import SharedCores
 
 # a 2-core host measured with 4 ranks (a rank's figures: a core to itself)
 HOST = ClusterSpec(
@@ -30,22 +31,56 @@ HOST = ClusterSpec(
 )
 
 
-def test_two_ranks_on_one_core_run_one_action_at_a_time():
-    # GPipe, 2 ranks, 2 microbatches, F = 1 s, B = 2 s, one core. By hand (ready ties: lower rank
-    # first): r0 F0 0-1, r0 F1 1-2, r1 F0 2-3, r1 F1 3-4, r1 B0 4-6, then r0 B0 and r1 B1 are both
-    # ready at 6: r0 B0 6-8, r1 B1 8-10, r0 B1 10-12. Every second of the 12 s of work, one core.
+def test_two_ranks_on_one_core_share_it():
+    # GPipe, 2 ranks, 2 microbatches, F = 1 s, B = 2 s, one core shared by the busy ranks. By hand:
+    # r0 F0 0-1 alone; r0 F1 and r1 F0 both busy from 1, each at half a core: 1-3; r1 F1 3-4,
+    # r1 B0 4-6 alone; r1 B1 and r0 B0 from 6 at half a core: 6-10; r0 B1 10-12. Every second of
+    # the 12 s of work, one core.
     result = simulate(gpipe(2, 2), 1.0, 2.0, cores=1)
     assert result.makespan == pytest.approx(12.0)
     spans = {r: [(str(t.action), t.start, t.end) for t in ts] for r, ts in result.timelines.items()}
-    assert spans[0] == [("0F0", 0, 1), ("0F1", 1, 2), ("0B0", 6, 8), ("0B1", 10, 12)]
-    assert spans[1] == [("1F0", 2, 3), ("1F1", 3, 4), ("1B0", 4, 6), ("1B1", 8, 10)]
+    assert spans[0] == [("0F0", 0, 1), ("0F1", 1, 3), ("0B0", 6, 10), ("0B1", 10, 12)]
+    assert spans[1] == [("1F0", 1, 3), ("1F1", 3, 4), ("1B0", 4, 6), ("1B1", 6, 10)]
     assert simulate(gpipe(2, 2), 1.0, 2.0).makespan == pytest.approx(9.0)  # a core each: (p-1+m)(F+B)
 
 
-def test_a_ranks_tail_waits_for_a_core_too():
-    # as above with 0.5 s of gradient reduction and optimizer step per stage: r1's tail is ready
-    # at 10 but the core runs r0 B1 (ready at 10 as well, lower rank) until 12: r1's tail 12-12.5,
-    # r0's 12.5-13
+def test_time_sliced_work_takes_the_slowdown_only_while_ranks_outnumber_the_cores():
+    # as above, the work done while both ranks are busy (F 1+1 s, B 2+2 s) taking 1.5x its CPU
+    # time: r0 F1 and r1 F0 run 1-4 at a third of a core, r1 F1 4-5 and r1 B0 5-7 alone, the two
+    # backwards 7-13 at a third, r0 B1 13-15: 12 s of work + 3 s of slowdown
+    result = simulate(gpipe(2, 2), 1.0, 2.0, cores=SharedCores(1, 1.5))
+    assert result.makespan == pytest.approx(15.0)
+    spans = {r: [(str(t.action), t.start, t.end) for t in ts] for r, ts in result.timelines.items()}
+    assert spans[0] == [("0F0", 0, 1), ("0F1", 1, 4), ("0B0", 7, 13), ("0B1", 13, 15)]
+    assert spans[1] == [("1F0", 1, 4), ("1F1", 4, 5), ("1B0", 5, 7), ("1B1", 7, 13)]
+    # a core each: no rank ever shares one, so no slowdown
+    assert simulate(gpipe(2, 2), 1.0, 2.0, cores=SharedCores(2, 1.5)).makespan == pytest.approx(9.0)
+    with pytest.raises(ValueError, match="slowdown of time-sliced cores must be >= 1"):
+        SharedCores(2, 0.9)
+
+
+def test_sends_and_receives_are_priced_on_their_ranks():
+    # GPipe, 2 ranks, 2 microbatches, F = 1 s, B = 2 s, every send and receive 0.25 s of its rank's
+    # time (the compute-only schedule is lowered with its sends). By hand: r0 F0 0-1, SEND 1-1.25,
+    # F1 1.25-2.25, SEND 2.25-2.5; r1 RECV 1.25-1.5, F0 1.5-2.5, RECV 2.5-2.75, F1 2.75-3.75,
+    # B0 3.75-5.75, SEND 5.75-6, B1 6-8, SEND 8-8.25; r0 RECV 6-6.25, B0 6.25-8.25, RECV 8.25-8.5,
+    # B1 8.5-10.5: six messages on the critical path, 1.5 s over the 9 s unpriced
+    result = simulate(gpipe(2, 2), 1.0, 2.0, transfer_time=0.25)
+    assert result.makespan == pytest.approx(10.5)
+    spans = {r: [(str(t.action), t.start, t.end) for t in ts] for r, ts in result.timelines.items()}
+    assert spans[0] == [("0F0", 0, 1), ("0F1", 1.25, 2.25), ("0B0", 6.25, 8.25), ("0B1", 8.5, 10.5)]
+    assert spans[1] == [("1F0", 1.5, 2.5), ("1F1", 2.75, 3.75), ("1B0", 3.75, 5.75), ("1B1", 6, 8)]
+    lowered = add_communication(gpipe(2, 2))
+    assert simulate(lowered, 1.0, 2.0, transfer_time=0.25).makespan == pytest.approx(10.5)
+    assert simulate(lowered, 1.0, 2.0, transfer_time=0.0).makespan == pytest.approx(9.0)
+    # on one shared core the messages are work too: 12 s of compute + 8 messages x 0.25 s
+    assert simulate(gpipe(2, 2), 1.0, 2.0, transfer_time=0.25, cores=1).makespan == pytest.approx(14.0)
+
+
+def test_a_ranks_tail_shares_the_core_too():
+    # as above with 0.5 s of gradient reduction and optimizer step per stage: r1's tail and r0 B1
+    # both start at 10 at half a core: the tail ends at 11, B1 (1.5 s left) at 12.5 alone, then
+    # r0's tail 12.5-13
     result = simulate(gpipe(2, 2), 1.0, 2.0, sync_time=0.5, cores=1)
     assert result.makespan == pytest.approx(13.0)
     assert simulate(gpipe(2, 2), 1.0, 2.0, sync_time=0.5).makespan == pytest.approx(9.5)
@@ -61,18 +96,17 @@ def test_enough_cores_change_nothing(name):
 
 
 @pytest.mark.parametrize("lowered", [False, True])
-def test_four_ranks_on_two_cores_never_compute_more_than_two_at_once(lowered):
+def test_four_ranks_on_two_cores_do_the_work_on_two_cores(lowered):
     schedule = zb_h1(4, 8)
     if lowered:
         schedule = add_communication(schedule)
     result = simulate(schedule, 1.0, 2.0, weight_time=1.0, cores=2)
-    spans = [(t.start, t.end) for ts in result.timelines.values() for t in ts if t.end > t.start]
-    for t in {s for s, _ in spans}:
-        assert sum(1 for s, e in spans if s <= t < e) <= 2
     work = 4 * 8 * 3.0
     assert result.makespan >= work / 2  # two cores do the 96 s of work at best
     assert result.makespan > simulate(schedule, 1.0, 2.0, weight_time=1.0).makespan
     assert sum(result.busy.values()) == pytest.approx(work)
+    slowed = simulate(schedule, 1.0, 2.0, weight_time=1.0, cores=SharedCores(2, 1.2)).makespan
+    assert result.makespan < slowed <= 1.2 * result.makespan + 1e-9
 
 
 def test_core_count_is_validated():
