@@ -5,11 +5,15 @@ Fixed cluster descriptions and hand-computed schedules only: no timing, no measu
 
 import dataclasses
 import itertools
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from partitioner.calibration.fit import message_cpu, time_slice_slowdown
 from partitioner.cluster import PRESETS, ClusterSpec, LinkSpec
-from partitioner.core_sharing import core_share, pipeline_cores, shared_cluster
+from partitioner.core_sharing import core_share, message_cpu_time, pipeline_cores, shared_cluster
+from partitioner.pipeline_simulation import largest_message, message_prices
 from passes.plan.cost_model import compute_time, optimizer_step_time
 from passes.schedules import SCHEDULES, add_communication, gpipe, simulate, zb_h1
 from passes.schedules.shared_cores import SharedCores
@@ -141,7 +145,50 @@ def test_ranks_that_all_compute_share_the_cores():
 def test_pipeline_cores(pipeline, stage_ranks, expected):
     # 4 one-rank stages on 2 cores: two at once; 2 stages of 2 ranks: one stage at once (its two
     # ranks take both cores); 2 ranks: no limit; 8 ranks span more than the host's 4
-    assert pipeline_cores(HOST, pipeline, stage_ranks) == expected
+    sliced = dataclasses.replace(HOST, time_slice_slowdown=1.25)
+    for spec, slowdown in ((HOST, 1.0), (sliced, 1.25)):
+        got = pipeline_cores(spec, pipeline, stage_ranks)
+        assert got == (None if expected is None else SharedCores(expected, slowdown))
+
+
+def test_time_sliced_ranks_that_all_compute_pay_the_slowdown_too():
+    sliced = dataclasses.replace(HOST, time_slice_slowdown=1.25)
+    shared = shared_cluster(sliced, 4)  # half a core each, 1.25x the CPU time: 2.5x a core's time
+    alone = compute_time(1e9, 1e6, None, True, sliced)
+    assert compute_time(1e9, 1e6, None, True, shared) == pytest.approx(2.5 * alone)
+    assert shared_cluster(shared, 4) == shared and shared_cluster(sliced, 2) is sliced  # cores suffice: as measured
+
+
+def test_a_message_costs_its_cpu_at_each_end_and_its_link_time_between():
+    spec = dataclasses.replace(HOST, message_cpu_s=1e-4, message_cpu_s_per_byte=2e-10)
+    assert message_cpu_time(spec, 0) == 0.0 and message_cpu_time(HOST, 1 << 20) == 0.0  # GPU presets: none
+    link_s, cpu_s = message_prices(spec, (4, 1), 1 << 20)
+    assert cpu_s == pytest.approx(1e-4 + 2e-10 * (1 << 20))
+    assert link_s == pytest.approx((1 << 20) / 1e9 + 1e-5)  # the intra-node link's latency and bandwidth
+    assert message_prices(spec, (4, 1), 0) == (0.0, 0.0)
+    # the largest message a stage receives, as the runner's receive buffers hold it
+    graphs = [SimpleNamespace(receives=[]), SimpleNamespace(receives=["h"]), SimpleNamespace(receives=["h2", "ids"])]
+    carried = {
+        "h": ((2, 128, 256), torch.float32),
+        "h2": ((2, 128, 256), torch.bfloat16),
+        "ids": ((2, 128), torch.int64),
+    }
+    assert largest_message(graphs, carried) == 2 * 128 * 256 * 4
+
+
+def test_the_sharing_figures_fit_and_round_trip():
+    samples = [{"bytes": 4096, "s": 1.1e-4}, {"bytes": 4096 + 1_000_000, "s": 3.1e-4}]
+    fitted = message_cpu(samples)
+    assert fitted["message_cpu_s_per_byte"] == pytest.approx(2e-10)
+    assert fitted["message_cpu_s"] == pytest.approx(1.1e-4 - 4096 * 2e-10)
+    assert message_cpu(None) == {} and message_cpu(samples[:1]) == {}
+    assert time_slice_slowdown({"alone_s": 0.010, "shared_s": 0.012}) == pytest.approx(1.2)
+    assert time_slice_slowdown({"alone_s": 0.010, "shared_s": 0.009}) == 1.0  # never faster than alone
+    assert time_slice_slowdown(None) == 1.0
+    spec = dataclasses.replace(HOST, time_slice_slowdown=1.2, **fitted)
+    assert ClusterSpec.from_dict(spec.to_dict()) == spec
+    unset = HOST.to_dict()  # files written before these figures read back as written
+    assert not {"time_slice_slowdown", "message_cpu_s", "message_cpu_s_per_byte"} & set(unset)
 
 
 def test_every_pair_of_options_of_a_tiny_schedule_is_consistent():
