@@ -95,6 +95,18 @@ def _per_stage(value: StageTime, what: str, num_stages: int) -> list:
     return times
 
 
+def _with_sends(schedule: Schedule) -> Schedule:
+    """``schedule`` lowered with its sends and receives, kept on it (as its checked index is: the
+    configuration search replays one schedule with many stage times)."""
+    lowered = schedule.__dict__.get("_with_sends")
+    if lowered is None:
+        from passes.schedules.lowering import add_communication
+
+        lowered = add_communication(schedule)
+        object.__setattr__(schedule, "_with_sends", lowered)
+    return lowered
+
+
 def _transfer(transfers: list | None, action: Action) -> float:
     """Seconds of a send or receive across its boundary (the lower of its stage and its peer)."""
     if transfers is None or action.peer is None:
@@ -136,9 +148,7 @@ def simulate(
     if transfers is not None and not any(transfers):
         transfers = None
     if transfers is not None and not schedule.has_communication:
-        from passes.schedules.lowering import add_communication
-
-        schedule = add_communication(schedule)
+        schedule = _with_sends(schedule)
     index = checked_index(schedule)
     S = schedule.num_stages
     fwd = _per_stage(forward_time, "forward_time", S)
