@@ -222,3 +222,46 @@ def test_the_search_prices_every_candidate_on_the_shared_cores():
     intra_op = partitioner.plan(model, inputs, mesh_shape=(4,), cluster=host)  # how the search plans a candidate
     assert intra_op.data["cluster"]["core_share"] == 0.5  # priced at half a core per rank
     assert pipe or searched.data["cluster"]["core_share"] == 0.5
+
+
+def test_a_planned_pipeline_prices_its_messages_and_time_slicing_in_one_step_everywhere():
+    # a 4-stage GPT pipeline planned as the search plans a candidate, on the 2-core host whose
+    # time-sliced work takes 1.2x and whose messages cost CPU at each end: the plan's step, its
+    # report timeline and the simulation with those prices are one number, and each figure adds
+    from partitioner.models import gpt_demo
+    from partitioner.parallel_config import ParallelConfig
+    from partitioner.report.timeline import simulate_plan
+    from partitioner.search import plan_config
+    from passes.schedules import stage_durations, stage_syncs
+
+    model, inputs = gpt_demo(8, 32, n_layer=4, n_embd=64, n_head=4, vocab_size=128)
+    host = dataclasses.replace(
+        HOST, memory_bytes=8 << 30, time_slice_slowdown=1.2, message_cpu_s=1e-4, message_cpu_s_per_byte=1e-10
+    )
+    config = ParallelConfig(pipeline=4, microbatches=4, schedule="zb-h1", recompute="none")
+    plan = plan_config(model, inputs, config, cluster=host)
+    pipe = plan.data["pipeline"]
+    largest = 2 * 32 * 64 * 4  # a microbatch's hidden state, float32
+    assert pipe["message_cpu_s"] == pytest.approx(message_cpu_time(host, largest))
+    assert simulate_plan(plan)["step_s"] == pytest.approx(pipe["step_time_s"], rel=1e-12)
+    assert plan.estimate().step_time_s == pytest.approx(pipe["step_time_s"], rel=1e-12)
+    assert f"{pipe['message_cpu_s'] * 1e6:.1f} us of CPU at each end" in plan.summary()
+    estimates = [stage.estimate() for stage in plan.stage_plans]
+    f, b, w = stage_durations(estimates, pipe["takes_activations"])
+    schedule = SCHEDULES["zb-h1"].make(4, 4, 1)
+
+    def step(slowdown, messages):
+        return simulate(
+            schedule,
+            f,
+            b,
+            w,
+            comm_time=pipe["p2p_time_s"],
+            sync_time=stage_syncs(estimates),
+            cores=SharedCores(2, slowdown),
+            transfer_time=pipe["message_cpu_s"] if messages else None,
+        ).makespan
+
+    assert step(1.2, True) == pytest.approx(pipe["step_time_s"], rel=1e-12)
+    assert step(1.0, False) < step(1.0, True) < step(1.2, True)
+    assert step(1.0, False) < step(1.2, False) < step(1.2, True)
