@@ -267,7 +267,11 @@ MOE_FAMILIES = {
     ),
 }
 # family -> names of parameters its init leaves at zero that start random here (module docstring)
-_ZERO_INITIALISED = {"deit_distilled": ("cls_token", "distillation_token", "position_embeddings")}
+# (``deit``: DeiT's single-head classifier, a held-out family of benchmarks/family_zoo.py)
+_ZERO_INITIALISED = {
+    "deit_distilled": ("cls_token", "distillation_token", "position_embeddings"),
+    "deit": ("cls_token", "position_embeddings"),
+}
 DECODER_ONLY = tuple(name for name, (*_, kind) in FAMILIES.items() if kind == "causal")
 
 

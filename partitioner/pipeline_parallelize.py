@@ -353,6 +353,7 @@ def _build_stages(graphs, plans, schedule, pp_coord, sub, source, cap, tied, dev
             strided,
             activations=g.activation_inputs,
             autocast_dtype=g.captured.autocast_dtype,
+            frozen=g.captured.frozen_params(),
         )
         if precision is not None:  # ZeRO-1 weights' reductions too
             stage.optimizer_shards.reduce_dtype = precision.grad_reduce_dtype

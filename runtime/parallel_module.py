@@ -127,13 +127,14 @@ class ParallelModule(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
         # (pinned on CUDA), so the user's optimizer keeps their state and runs their step there
         self._device = next((v.device for v in local_params.values()), torch.device("cpu"))
         host = _offloaded(program, captured)
+        frozen = captured.frozen_params()
         shared = {}  # tied weights come as one local tensor under several FQNs: one Parameter
         for fqn, value in local_params.items():
             key = id(value)
             if key not in shared:
                 if fqn in host and value.device.type != "cpu":
                     value = value.to("cpu").pin_memory() if torch.cuda.is_available() else value.to("cpu")
-                shared[key] = torch.nn.Parameter(value)
+                shared[key] = torch.nn.Parameter(value, requires_grad=fqn not in frozen)
             self._owner(fqn).register_parameter(fqn.rpartition(".")[2], shared[key])
         for fqn, value in local_buffers.items():
             self._owner(fqn).register_buffer(fqn.rpartition(".")[2], value)

@@ -114,6 +114,7 @@ class StageProgram(torch.nn.Module):
         strided=None,
         activations=(),
         autocast_dtype=None,
+        frozen=(),
     ):
         super().__init__()
         self.autocast_dtype = autocast_dtype  # the graph was captured, and runs, under autocast in it
@@ -134,7 +135,8 @@ class StageProgram(torch.nn.Module):
         for placeholder, (fqn, value) in params.items():
             if id(value) not in shared:
                 shared[id(value)] = fqn.replace(".", "__")
-                self.weights[shared[id(value)]] = torch.nn.Parameter(value)
+                # a parameter of requires_grad=False (``frozen``: FQNs) stays so: never trained
+                self.weights[shared[id(value)]] = torch.nn.Parameter(value, requires_grad=fqn not in frozen)
             self._keys[placeholder] = shared[id(value)]
         for placeholder, (fqn, value) in buffers.items():
             key = "buf__" + fqn.replace(".", "__")

@@ -275,3 +275,27 @@ def test_a_factory_like_op_needs_no_gradient():
     assert not info(by_target[torch.ops.aten.zeros_like.default]).requires_grad
     assert info(by_target[torch.ops.aten.cat.default]).requires_grad
 
+
+
+class FourierMix(torch.nn.Module):
+    """FNet's token mixing: the real part of a 2-D FFT, complex in between."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return torch.fft.fftn(self.a(x), dim=(1, 2)).real.sum()
+
+
+def test_a_complex_value_passes_its_gradient_on():
+    """A complex value computed from one that needs a gradient needs one too: the FFT's output was
+    marked as needing none (not floating point), so the edge into it moved no gradient back and
+    FNet's embeddings and first layers trained on wrong gradients (a silent wrong answer)."""
+    from passes.analysis.analyze import analyze, info
+    from passes.capture.capture import capture
+
+    cap = capture(FourierMix(), (torch.randn(2, 4, WIDTH),))
+    analyze(cap)
+    ffts = [n for n in cap.graph.nodes if "fft" in str(n.target)]
+    assert ffts and all(info(n).requires_grad for n in ffts), [(n.target, info(n).requires_grad) for n in ffts]

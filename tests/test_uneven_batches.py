@@ -3,8 +3,8 @@
 A plan made at batch 8, sequence 32 serves batch 6 and sequence 24 on a (4,) data-parallel mesh
 (pieces of 2, 2, 1, 1 samples) and batches 6 and 5 on a (2, 2) data x tensor mesh (5 as 3 and
 2 samples), and a plan made at batch 8, sequence 16 whose memory layout cuts the batch over both axes
-and grouped-query attention's key/value heads over one serves batch 6, sequence 24 (a dim counts as
-uneven only where it carries the batch's pieces), with parity against one device: the loss, every gradient, the gathered logits, and the
+and grouped-query attention's key/value heads over one serves batch 6, sequence 24 (its views of
+pieces unequal on two dims take their sizes from each rank's input), with parity against one device: the loss, every gradient, the gathered logits, and the
 parameters after AdamW steps on the new shape. The loss is a mean over the valid tokens of the
 whole batch (the sharded cross-entropy all-reduces (sum, count)), and the gradients are summed,
 not averaged, over the data-parallel ranks, so unequal pieces weigh exactly as one device does.
@@ -28,13 +28,22 @@ from parity_utils import (
     train_like_one_device,
 )
 
-from partitioner import models
+from partitioner import hf_families, models
 from passes.core.placements import Shard, rank_local_shape, split_size
 
 TIMEOUT_S = 240
+# a LLaMA-sized Starcoder2 (grouped-query attention, biased projections, LayerNorm), built from its config
+STARCODER2 = (
+    "Starcoder2Config",
+    "Starcoder2ForCausalLM",
+    dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+         bos_token_id=0, eos_token_id=0),
+    "causal",
+)
 FACTORIES = {
     "gpt2": lambda: models.hf_gpt2(batch=8, seq=32),
     "llama": lambda: models.hf_llama(batch=8, seq=32, kv_heads=2),
+    "starcoder2": lambda: hf_families.build("starcoder2", spec=STARCODER2, batch=8, seq=16),
 }
 
 
@@ -167,10 +176,11 @@ def test_uneven_pieces_move_through_collectives_on_the_solvers_own_layout():
 
 def test_a_batch_cut_on_both_axes_serves_values_cut_on_two_dims():
     # planned at batch 8, seq 16, the solver cuts the batch over both axes somewhere and the
-    # key/value heads over one: only the dims carrying the batch count as uneven
-    # (passes/analysis/sample_dims.py), so grouped-query attention's expand and reshape of
-    # [B, kv, rep, S, D] lower (they were refused: every dim cut on either axis counted as uneven)
-    results = _check({"model": "llama", "kind": "memory", "mesh": (2, 2), "planned": (8, 16), "shapes": [(6, 24)]})
+    # key/value heads over one: grouped-query attention's expand and reshape of [B, kv, rep, S, D]
+    # then hold pieces of unknown size on two dims, each taken from the rank's own input
+    # (runtime/uneven_views.py; they were refused)
+    cfg = {"model": "starcoder2", "kind": "memory", "mesh": (2, 2), "planned": (8, 16), "shapes": [(6, 24)]}
+    results = _check(cfg)
     assert all(r["uneven_edges"] > 0 for r in results), [r["uneven_edges"] for r in results]
 
 

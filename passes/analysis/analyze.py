@@ -55,7 +55,10 @@ def analyze(cap: CapturedGraph) -> None:
         if node.op == "placeholder":
             if node.name in cap.params:
                 fqn = cap.params[node.name]
-                node.meta[META_KEY] = NodeInfo("param", fqn, fqn.rpartition(".")[0], shapes, dtype, requires_grad=True)
+                frozen = not getattr(val, "requires_grad", True)  # requires_grad=False: no gradient, no training
+                node.meta[META_KEY] = NodeInfo(
+                    "param", fqn, fqn.rpartition(".")[0], shapes, dtype, requires_grad=not frozen
+                )
             elif node.name in cap.buffers:
                 fqn = cap.buffers[node.name]
                 node.meta[META_KEY] = NodeInfo("buffer", fqn, fqn.rpartition(".")[0], shapes, dtype)
@@ -69,7 +72,7 @@ def analyze(cap: CapturedGraph) -> None:
         else:
             rule = rule_for(node)
             grads = any(isinstance(a, fx.Node) and info(a).requires_grad for a in node.all_input_nodes)
-            floating = dtype is not None and dtype.is_floating_point
+            floating = dtype is not None and (dtype.is_floating_point or dtype.is_complex)  # fft: complex grads
             node.meta[META_KEY] = NodeInfo(
                 "op",
                 node.name,

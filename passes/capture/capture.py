@@ -68,6 +68,15 @@ class CapturedGraph:
     def graph(self) -> fx.Graph:
         return self.graph_module.graph
 
+    def frozen_params(self) -> set:
+        """FQNs of the parameters that need no gradient (``requires_grad=False``: frozen, or a
+        fixed table such as Marian's sinusoidal positions): they are neither trained nor synced."""
+        return {
+            self.params[n.name]
+            for n in self.graph.nodes
+            if n.op == "placeholder" and n.name in self.params and not getattr(n.meta.get("val"), "requires_grad", True)
+        }
+
     @property
     def exported_program(self) -> torch.export.ExportedProgram:
         """``exported``, for a capture of a whole model (a pipeline stage's piece has none)."""

@@ -42,7 +42,6 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from passes.analysis.analyze import info
-from passes.analysis.sample_dims import carried_dims
 from passes.analysis.shape_check import uneven_dims
 from passes.core.node_info import grad_flows
 from passes.core.placements import (
@@ -154,19 +153,16 @@ class _UnevenPieces:
     A dim of a value computed from the inputs (or of an input) is uneven where its size does not
     divide by its pieces, as it is produced or as an op reads it (a batch kept whole, cut later);
     the mesh axes cutting such a dim are the *uneven axes*. Pieces of a value computed from the inputs may then differ
-    in size along every dim those axes cut that carries such a dim's pieces (a flattened batch x
-    sequence dim divides while its pieces, whole samples, do not; a batch joined along one axis
-    holds what the other axes' pieces summed to: :mod:`passes.analysis.sample_dims`), so every such
-    dim counts as uneven, as does any dim whose size does not divide. Dims that carry none (heads,
-    features, a sequence that divides) are cut like ``torch.tensor_split`` on any axis. Values
-    computed from weights alone (their gathers and gradient syncs) are never uneven."""
+    in size along every dim those axes cut (a flattened batch x sequence dim divides while its
+    pieces, whole samples, do not), so every such dim counts as uneven, as does any dim whose
+    size does not divide. Values computed from weights alone (their gathers and gradient syncs)
+    are never uneven."""
 
     def __init__(self, graph: fx.Graph, records: dict[str, NodeRecord], comm: MeshComm):
         self.mesh = comm.shape
         self.from_inputs: set = set()
         self.axes: set = set()
         self.samples: set = set()  # the sizes of the dims cut unevenly (the batch)
-        self.sources: dict = {}  # node -> its dims cut unevenly somewhere
         for node in graph.nodes:
             if node.op == "placeholder":
                 if info(node).kind == "input":
@@ -181,7 +177,6 @@ class _UnevenPieces:
                 for u, text in zip(tensor_input_nodes(node), rec.ins or ()):
                     if u in self.from_inputs:  # where the op reads it (a batch replicated, cut later)
                         self._cut_unevenly(u, text, comm.ndim)
-        self.carried = carried_dims(graph, self.sources)
         self.specs: dict = {}
 
     def _cut_unevenly(self, node: fx.Node, text, ndim: int) -> None:
@@ -193,7 +188,6 @@ class _UnevenPieces:
         for d in uneven_dims(shape, spec, self.mesh):
             self.axes.update(a for a, p in enumerate(spec) if getattr(p, "dim", None) == d)
             self.samples.add(int(shape[d]))
-            self.sources.setdefault(node, set()).add(d)
 
     def sample_sizes(self, node: fx.Node, dims) -> dict:
         """Per dim of ``dims``, the elements of one sample along it: where ``node`` flattens a
@@ -223,8 +217,9 @@ class _UnevenPieces:
         if spec is None or shape is None:
             return set()
         dims = uneven_dims(shape, spec, self.mesh)
-        carried = self.carried.get(node, ()) if node in self.from_inputs else ()
-        return dims | {p.dim for a, p in enumerate(spec) if a in self.axes and getattr(p, "dim", None) in carried}
+        if node in self.from_inputs:
+            dims |= {p.dim for a, p in enumerate(spec) if a in self.axes and getattr(p, "dim", None) is not None}
+        return dims
 
 
 class _Builder:
