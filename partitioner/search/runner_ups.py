@@ -58,6 +58,14 @@ def left_out(c: Candidate) -> bool:
     return c.status == "not planned" and (c.reason.startswith(LIMIT) or c.reason.startswith(SAME_DEGREES))
 
 
+def planned_as(cands: list) -> set:
+    """The configurations planned, as their plans ran (a ZeRO stage asked of the solver is recorded
+    as the one its weights use): a candidate of one of them would replan a plan the search has
+    (Llama 3 70B: p8 sp4 t2 asked ZeRO-3 ran as ZeRO-2, and its ZeRO-2 twin, planned again past
+    the limit, cost 250 s for the same step)."""
+    return {c.config for c in cands if c.plan is not None}
+
+
 def runner_up(cands: list, best, allowed: bool):
     """The candidate left out (:func:`left_out`) whose quick estimate, scaled by
     :func:`expected_ratio`, beats the best step found by most (planned next, past the limit);
@@ -65,7 +73,10 @@ def runner_up(cands: list, best, allowed: bool):
     if best is None or not allowed:
         return None
     ratios, median = ratios_by_degrees(cands), planned_over_quick(cands)
-    scored = [(c.quick_s * expected_ratio(c, ratios, median)[0], c) for c in cands if left_out(c)]
+    done = planned_as(cands)
+    scored = [
+        (c.quick_s * expected_ratio(c, ratios, median)[0], c) for c in cands if left_out(c) and c.config not in done
+    ]
     scored = [(e, c) for e, c in scored if e < best.step_time_s]
     if not scored:
         return None
@@ -90,8 +101,14 @@ def explain_runner_ups(cands: list, best) -> None:
     chosen step, why it was not planned: the quick estimate scaled by :func:`expected_ratio`,
     against the step."""
     ratios, median = ratios_by_degrees(cands), planned_over_quick(cands)
+    done = planned_as(cands)
     for c in cands:
         if not left_out(c) or c.quick_s >= best.step_time_s:
+            continue
+        if c.config in done:
+            c.reason += (
+                ", below the chosen step; its configuration is one planned (a higher ZeRO stage asked ran as it)"
+            )
             continue
         ratio, what = expected_ratio(c, ratios, median)
         expected = c.quick_s * ratio
