@@ -90,3 +90,21 @@ def test_gpt_under_half_the_state_takes_the_faster_plan_that_fits(fake_process_g
         assert plan.estimate().memory_bytes <= budget
     faster = tightened.data["stats"]["objective_s"] / relaxed.data["stats"]["objective_s"]
     assert faster > 1.05, faster
+
+
+def test_a_plan_keeping_more_than_its_row_tightens_by_its_excess_not_the_same_limit_again():
+    # the walk keeps 20 more than the row (limit) holds, with a transient of 10: tightening by the
+    # transient alone would solve limit 90 again and again (the same plan, peak 120); the excess
+    # over the budget lowers it to 70, whose plan (peak 100) fits
+    solves = []
+
+    def solve(limit):
+        solves.append(limit)
+        return _Result(limit)
+
+    def peak_of(limit):
+        return limit + 20.0 + 10.0, 10.0
+
+    got = budget_fit.fit_peak(_Result(100.0), 100.0, solve, peak_of, lambda: None, InfeasibleBudgetError)
+    assert solves[:2] == [90.0, 70.0] and len(set(solves)) == len(solves)
+    assert peak_of(got.choice)[0] <= 100.0

@@ -20,7 +20,11 @@ the row's limit ``L`` below the budget ``B`` until the plan's walked peak fits. 
    3 70B's whole model at data 8 x tensor 8: 59 CPU seconds, for a plan whose 67 GB transient
    (the loss over 8 samples of a 128k vocabulary) no tie could fit under 80 GB).
 1. **Tighten.** ``L = B - m``, ``m`` the largest transient seen, while the plan's peak is over
-   (at most 4 rounds); where ``L`` leaves no plan, ``m`` is halved (twice). Each limit whose plan
+   (at most 4 rounds); where ``L`` leaves no plan, ``m`` is halved (twice). A plan over the budget
+   whose transient is within ``m`` keeps more than the row holds (the walk counts what the row
+   leaves out): ``m`` then grows to its peak less ``L``, as the same limit would give the same
+   plan again (Llama 3 70B's stage classes solved one limit four times, then took the plan that
+   keeps the least). Each limit whose plan
    is over is the new ``over``: a limit known too loose, with that plan's objective, a lower bound
    of every plan's at tighter limits.
 2. **Relax.** The first plan that fits may be far below ``B``: ``m`` is one plan's transient, and
@@ -90,7 +94,9 @@ def fit_peak(result, budget: float, solve, peak_of, least_peak, error, *, least_
         if peak <= budget:
             fit = retry
             break
-        over, bound = limit, retry.objective
+        over, bound, margin = limit, retry.objective, budget - limit
+        if transient <= margin:  # the walk keeps more than the row holds: the same limit gives the same plan
+            margin = peak - limit
     if fit is None:
         least = least_peak()
         if least.choice is not None and peak_of(least.choice)[0] <= budget:
