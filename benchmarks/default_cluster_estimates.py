@@ -21,18 +21,22 @@ How it measures
 4. **The estimate** is the plan's: ``plan.estimate().step_time_s`` (optimizer step included) for an
    intra-op plan; for a pipeline, its schedule simulated with the stage plans' estimates
    (:func:`partitioner.pipeline_simulation.stage_times`), the gradient reductions and optimizer
-   step included (the simulation's makespan), at most the host's cores computing at once where
-   the ranks outnumber them (:mod:`partitioner.core_sharing`).
+   step included (the simulation's makespan), its messages priced on the link and as CPU on each
+   rank (:func:`partitioner.pipeline_simulation.runner_messages`), the busy ranks sharing the
+   host's cores where they outnumber them, slowed by the measured time slicing
+   (:mod:`partitioner.core_sharing`). The job's plan (``runner_plan``) is printed beside it: the
+   same number.
 5. **CPU time per action** (``time.thread_time()`` on the rank's main thread, one torch thread
-   per rank), beside the seconds the plan prices for it: per stage ``F``, ``I``, ``W`` (or ``B``)
-   and every rank's optimizer step for a pipeline, its sends and receives too (listed as not
-   priced: the simulated timeline gives them no time), forward / backward / optimizer for an
-   intra-op plan (its communication is priced in the estimate, not timed apart). On a busy machine the
-   wall-clock step is not comparable to the estimate; a thread's CPU time is much less distorted
-   (what another process does is not counted), although cores shared with other work still run it
-   slower (caches, SMT siblings). For a pipeline the schedule is also replayed as the estimate
-   simulates it with those CPU times in place of the prices (:func:`cpu_replay`): the step a quiet
-   machine would take if every action cost its CPU time.
+   per rank), beside the seconds the plan prices for it: per stage ``F``, ``I``, ``W`` (or ``B``),
+   its sends and receives (priced at a message's CPU at one end; the thread's time leaves out
+   gloo's own threads, which the price counts) and every rank's optimizer step for a pipeline,
+   forward / backward / optimizer for an intra-op plan (its communication is priced in the
+   estimate, not timed apart). On a busy machine the wall-clock step is not comparable to the
+   estimate; a thread's CPU time is much less distorted (what another process does is not
+   counted), although cores shared with other work still run it slower (caches, SMT siblings).
+   For a pipeline the schedule is also replayed as the estimate simulates it with those CPU
+   times in place of the prices (:func:`cpu_replay`, no time-slicing slowdown: the CPU times
+   include it): the step a quiet machine would take if every action cost its CPU time.
 
 Usage: ``PYTHONPATH=. python benchmarks/default_cluster_estimates.py [--rounds 5] [--steps 4]
 [--out FILE.json]`` (about 3-5 minutes on the 2-core machine when nothing else runs). On a machine
@@ -68,12 +72,15 @@ def _action_kind(action) -> str:
 
 
 def _pipeline_prices(runner) -> dict:
-    """``"<stage><kind>"`` -> seconds priced per action, and ``"step"``: the simulated makespan."""
+    """``"<stage><kind>"`` -> seconds priced per action (sends and receives: a message's CPU at its
+    end), and ``"step"``: the simulated makespan, as :func:`partitioner.pipeline_simulation.simulated_timeline`
+    simulates it."""
     from partitioner.core_sharing import stage_plans_cores
-    from partitioner.pipeline_simulation import stage_times
+    from partitioner.pipeline_simulation import runner_messages, stage_times
     from passes.schedules import simulate
 
     f, b, w, sync = stage_times(runner)
+    link_s, message_cpu_s = runner_messages(runner)
     kinds = {_action_kind(a) for acts in runner.schedule.actions for a in acts}
     prices = {}
     for s in f:
@@ -82,12 +89,18 @@ def _pipeline_prices(runner) -> dict:
             prices[f"{s}B"] = b[s]
         if "W" in kinds:
             prices[f"{s}I"], prices[f"{s}W"] = b[s] - w[s], w[s]
+        for kind in ("SEND_F", "RECV_F", "SEND_B", "RECV_B"):
+            if kind in kinds:
+                prices[f"{s}{kind}"] = message_cpu_s
     stages = [plan.estimate() for plan in runner.plan["stages"]]
     for actions in runner.schedule.actions:  # every rank's optimizer step: the stages it holds
         held = sorted({int(a.stage) for a in actions})
         prices[_optimizer_key(held)] = sum(stages[s].optimizer_s for s in held)
     cores = stage_plans_cores(runner.plan["stages"], runner.schedule.num_ranks)
-    prices["step"] = simulate(runner.schedule, f, b, w, sync_time=sync, cores=cores).makespan
+    prices["step"] = simulate(
+        runner.schedule, f, b, w, comm_time=link_s, sync_time=sync, cores=cores, transfer_time=message_cpu_s
+    ).makespan
+    prices["link_s"] = link_s
     return prices
 
 
@@ -175,13 +188,23 @@ def job_rank(rank, world, width, batch, steps, commands, replies):
         _step(pm, opt, ids, targets, cpu)
     if rank == 0:
         label = f"pipeline {pm.schedule.name}" if pipelined and hasattr(pm.schedule, "name") else type(pm).__name__
-        ready = {"planned_s": planned_s, "kind": label, "prices": prices}
+        cluster = (pm.plan["stages"][0].data if pipelined else pm.plan.data)["cluster"]
+        figures = ("cores_per_node", "time_slice_slowdown", "message_cpu_s", "message_cpu_s_per_byte")
+        ready = {
+            "planned_s": planned_s,
+            "kind": label,
+            "prices": prices,
+            "cluster": {k: cluster.get(k) for k in figures},
+        }
         if pipelined:  # for the replay of the schedule with the measured CPU times (:func:`cpu_replay`)
             from partitioner.core_sharing import stage_plans_cores
             from passes.schedules import format_schedule
 
+            from partitioner.pipeline_plan import runner_plan
+
             ready["schedule"] = format_schedule(pm.schedule)
             ready["cores"] = stage_plans_cores(pm.plan["stages"], pm.schedule.num_ranks)
+            ready["plan_step"] = runner_plan(pm).estimate().step_time_s  # what the job's plan says
         else:
             ready["core_share"] = pm.plan.data["cluster"].get("core_share", 1.0)
         replies.put(("ready", ready))
@@ -251,12 +274,16 @@ class Job:
 
 
 def cpu_replay(ready: dict, actions: dict) -> float | None:
-    """A pipeline's schedule simulated as the estimate is (at most the host's cores computing at
-    once), with each action's measured CPU seconds in place of its price and each rank's measured
-    optimizer step as its tail; an intra-op plan's forward, backward and optimizer CPU seconds
-    over the ranks' share of a core, plus its priced communication: the step a quiet machine
-    would take if the work cost what it cost in CPU time. On a loaded machine it tells a wrong
-    timeline model from wrong prices."""
+    """A pipeline's schedule simulated as the estimate is (the busy ranks sharing the host's cores),
+    with each action's measured CPU seconds in place of its price (a boundary's sends and receives:
+    the mean of theirs), each rank's measured optimizer step as its tail, the link's priced time
+    between ranks, and no slowdown for time-sliced cores (the CPU seconds measured there include
+    it); an intra-op plan's forward, backward and optimizer CPU seconds over the ranks' share of
+    a core, plus its priced communication: the step a quiet machine would take if the work cost
+    what it cost in CPU time. On a loaded machine it tells a wrong timeline model from wrong
+    prices."""
+    import dataclasses
+
     from passes.schedules import parse_schedule, simulate
 
     if "schedule" not in ready:
@@ -271,7 +298,23 @@ def cpu_replay(ready: dict, actions: dict) -> float | None:
     weight = {s: cpu.get(f"{s}W", 0.0) for s in stages}
     backward = {s: cpu.get(f"{s}B", cpu.get(f"{s}I", 0.0) + weight[s]) for s in stages}
     tail = {s: cpu.get(_optimizer_key([s]), 0.0) for s in stages}
-    return simulate(schedule, forward, backward, weight, sync_time=tail, cores=ready.get("cores")).makespan
+    messages = {}
+    for s in stages:  # boundary s: stage s sends forward and receives backward, stage s + 1 the other way
+        ends = [cpu.get(f"{s}SEND_F"), cpu.get(f"{s}RECV_B"), cpu.get(f"{s + 1}RECV_F"), cpu.get(f"{s + 1}SEND_B")]
+        ends = [t for t in ends if t is not None]
+        messages[s] = statistics.mean(ends) if ends else 0.0
+    cores = ready.get("cores")
+    cores = dataclasses.replace(cores, slowdown=1.0) if cores is not None else None
+    return simulate(
+        schedule,
+        forward,
+        backward,
+        weight,
+        comm_time=ready["prices"].get("link_s", 0.0),
+        sync_time=tail,
+        cores=cores,
+        transfer_time=messages,
+    ).makespan
 
 
 def row(job: Job) -> dict:
@@ -286,7 +329,7 @@ def row(job: Job) -> dict:
         for rank_medians in r["cpu_s"]:
             for key, value in rank_medians.items():
                 cpu.setdefault(key, []).append(value)
-    actions = {  # sends and receives too: not actions the plan prices (their priced_s is None)
+    actions = {  # sends and receives priced at a message's CPU at one end
         key: {"cpu_s": statistics.median(values), "priced_s": prices.get(key)} for key, values in sorted(cpu.items())
     }
     return {
@@ -300,6 +343,8 @@ def row(job: Job) -> dict:
         "actions": actions,
         "cpu_replay_s": cpu_replay(job.ready, actions),
         "planned_s": job.ready["planned_s"],
+        "plan_step_s": job.ready.get("plan_step"),
+        "cluster": job.ready.get("cluster"),
     }
 
 
@@ -395,7 +440,12 @@ def main(argv=None):
     try:
         for ranks, width, batch in JOBS:
             jobs.append(Job(ranks, width, batch, args.steps))
-            say(f"{jobs[-1].name}: ready ({jobs[-1].ready['kind']}, planned in {jobs[-1].ready['planned_s']:.0f} s)")
+            ready = jobs[-1].ready
+            say(
+                f"{jobs[-1].name}: ready ({ready['kind']}, planned in {ready['planned_s']:.0f} s; estimate "
+                f"{ready['prices']['step']:.4f} s, the job's plan says {ready.get('plan_step') or ready['prices']['step']:.4f} s; "
+                f"'cpu': {ready['cluster']})"
+            )
         for r in range(args.rounds):
             for job in jobs:
                 step = statistics.median(job.run_round()["steps_s"])

@@ -202,6 +202,18 @@ class ClusterSpec:
     core_share: float = 1.0
     """The share of a core each rank's compute figures assume: 1.0 as measured; less in the spec a
     plan whose ranks outnumber the cores is priced with (:func:`partitioner.core_sharing.shared_cluster`)."""
+    time_slice_slowdown: float = 1.0
+    """How much more CPU time a rank's work takes while more of the host's ranks are busy than it
+    has cores (the cores time-sliced: a rank that gets one back finds its caches holding another
+    rank's data) than on a core of its own; >= 1. Measured by ``partitioner calibrate`` where its
+    ranks outnumber the cores (:mod:`partitioner.calibration.measure_sharing`); 1.0 elsewhere."""
+    message_cpu_s: float = 0.0
+    """CPU seconds one point-to-point message (a pipeline's activation or gradient) costs its rank
+    at either end beyond its bytes: the call and the transport's threads (gloo on a CPU), which
+    ranks sharing cores pay out of their compute's cores. 0 on the GPU presets (a copy engine's)."""
+    message_cpu_s_per_byte: float = 0.0
+    """CPU seconds per byte of a point-to-point message at either end (the copies through the
+    transport); with :attr:`message_cpu_s`, :func:`partitioner.core_sharing.message_cpu_time`."""
 
     def host(self) -> LinkSpec:
         """:attr:`host_link`, or this device's memory when there is none (see there)."""
@@ -253,6 +265,9 @@ _UNSET_UNLESS_GIVEN = {
     "view_overhead_s": 0.0,
     "backward_curve": {},
     "weight_curve": {},
+    "time_slice_slowdown": 1.0,
+    "message_cpu_s": 0.0,
+    "message_cpu_s_per_byte": 0.0,
 }
 """Fields :meth:`ClusterSpec.to_dict` leaves out at their defaults."""
 

@@ -8,14 +8,17 @@ the ``"cpu"`` cluster: this machine's) holds compute figures of a rank with a co
 * **Every rank computes at once** (an intra-op plan: data, tensor or sequence parallel ranks run
   the same program side by side). ``r`` ranks on ``C < r`` cores each get ``C / r`` of a core, so
   the plan is priced with :func:`shared_cluster`: every compute figure slowed by ``r / C``
-  (FLOP/s, memory bandwidth, measured op rates and the optimizer's stream divided by it, the
-  fixed costs per op, per tensor and per fresh byte multiplied). Collectives keep their figures:
-  they were measured with all of the host's ranks taking part.
+  and by :attr:`~partitioner.cluster.ClusterSpec.time_slice_slowdown` (the time-sliced cores'
+  caches; FLOP/s, memory bandwidth, measured op rates and the optimizer's stream divided by it,
+  the fixed costs per op, per tensor and per fresh byte multiplied). Collectives keep their
+  figures: they were measured with all of the host's ranks taking part.
 * **Ranks take turns** (a pipeline: a stage's rank computes while others wait for its
   activations). Its stages are priced as above for their own rank groups, and the schedule is
-  simulated with at most :func:`pipeline_cores` actions computing at once
-  (:func:`passes.schedules.simulate`'s ``cores``): an action whose inputs have arrived waits for
-  a free core, the first ready first.
+  simulated with the busy ranks sharing the cores (:func:`pipeline_cores`, a
+  :class:`passes.schedules.SharedCores` for :func:`passes.schedules.simulate`'s ``cores``): while
+  ``n`` ranks are busy each runs at ``min(1, C / n)`` of a core, slowed by the time slicing's
+  factor while ``n > C``. Its sends and receives cost CPU on both ranks
+  (:func:`message_cpu_time`, the simulator's ``transfer_time``).
 
 A spec records the share of a core its figures assume (``core_share``), so pricing an already
 shared spec again for the same ranks changes nothing. Only a job on one host is shared this way
@@ -28,8 +31,9 @@ import dataclasses
 import logging
 
 from partitioner.cluster import ClusterSpec
+from passes.schedules import SharedCores
 
-__all__ = ["core_share", "shared_cluster", "pipeline_cores"]
+__all__ = ["core_share", "shared_cluster", "pipeline_cores", "stage_plans_cores", "message_cpu_time"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +51,7 @@ def core_share(spec: ClusterSpec, ranks: int) -> float:
 def shared_cluster(spec: ClusterSpec, ranks: int) -> ClusterSpec:
     """``spec`` as ``ranks`` ranks that all compute at once see it (see the module docstring)."""
     share = core_share(spec, ranks)
-    slower = spec.core_share / share
+    slower = _cpu_time_factor(spec, share) / _cpu_time_factor(spec, spec.core_share)
     if abs(slower - 1.0) < 1e-12:
         return spec
     logger.info(
@@ -78,6 +82,12 @@ def shared_cluster(spec: ClusterSpec, ranks: int) -> ClusterSpec:
     )
 
 
+def _cpu_time_factor(spec: ClusterSpec, share: float) -> float:
+    """Seconds of a rank's work at ``share`` of a core per second on a core of its own: ``1 / share``,
+    times the slowdown of time-sliced cores where ``share < 1``."""
+    return (1.0 / share) * (spec.time_slice_slowdown if share < 1.0 else 1.0)
+
+
 def _scaled_rate(rate, factor: float):
     """An ``op_rates`` entry (a number, or a grid ``{"axes", "rates"}`` of nested lists) times ``factor``."""
     if isinstance(rate, dict):
@@ -87,19 +97,28 @@ def _scaled_rate(rate, factor: float):
     return rate * factor
 
 
-def pipeline_cores(spec: ClusterSpec, pipeline_ranks: int, stage_ranks: int = 1) -> int | None:
-    """The most pipeline ranks (each a group of ``stage_ranks`` ranks) that compute at once on the
-    host, for :func:`passes.schedules.simulate`'s ``cores``; None: no limit (the cores are not
-    recorded, suffice for every rank, or the pipeline spans hosts)."""
+def pipeline_cores(spec: ClusterSpec, pipeline_ranks: int, stage_ranks: int = 1) -> SharedCores | None:
+    """How the host's cores are shared by ``pipeline_ranks`` pipeline ranks (each a group of
+    ``stage_ranks`` ranks), for :func:`passes.schedules.simulate`'s ``cores``: as many groups as
+    compute at once at full speed, and the slowdown of time-sliced cores; None: no sharing (the
+    cores are not recorded, suffice for every rank, or the pipeline spans hosts)."""
     cores = spec.cores_per_node
     total = pipeline_ranks * max(1, stage_ranks)
     if not cores or total <= cores or total > spec.devices_per_node:
         return None
     at_once = max(1, cores // max(1, stage_ranks))
-    return at_once if at_once < pipeline_ranks else None
+    return SharedCores(at_once, spec.time_slice_slowdown) if at_once < pipeline_ranks else None
 
 
-def stage_plans_cores(stage_plans, pipeline_ranks: int) -> int | None:
+def message_cpu_time(spec: ClusterSpec, nbytes: float) -> float:
+    """CPU seconds a point-to-point message of ``nbytes`` costs its rank at either end (0 for no
+    message, and on clusters that record no such cost: the GPU presets)."""
+    if nbytes <= 0:
+        return 0.0
+    return spec.message_cpu_s + nbytes * spec.message_cpu_s_per_byte
+
+
+def stage_plans_cores(stage_plans, pipeline_ranks: int) -> SharedCores | None:
     """:func:`pipeline_cores` for a pipeline whose stages are ``stage_plans`` (their header's
     cluster and mesh: every stage on a mesh of one size), ``pipeline_ranks`` pipeline ranks."""
     import math

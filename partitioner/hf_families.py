@@ -54,6 +54,9 @@ _DROPOUT_KEYS = (
     "drop_path_rate",  # stochastic depth (BEiT, Swin): whole residual branches dropped at random
 )
 
+# any other config key ending so is a dropout probability too (SeedOss's ``residual_dropout``)
+_DROPOUT_ENDINGS = ("dropout", "_pdrop", "dropout_prob", "dropout_rate")
+
 _VISION_SIZES = dict(
     num_hidden_layers=2,
     hidden_size=64,
@@ -301,14 +304,18 @@ def build(
     dropout: float | None = 0.0,
     n_layer: int | None = None,
     seed: int = 0,
+    spec: tuple | None = None,
 ):
-    """``(model, example_inputs)`` for ``family`` (a key of :data:`FAMILIES`), in train mode."""
+    """``(model, example_inputs)`` for ``family`` (a key of :data:`FAMILIES`), in train mode.
+
+    ``spec``: ``(config class, model class, size overrides, kind)`` of a family that is not one of
+    these (the held-out families of ``benchmarks/family_zoo.py``), built the same way."""
     import transformers
 
     families = {**FAMILIES, **MOE_FAMILIES}
-    if family not in families:
+    if spec is None and family not in families:
         raise ValueError(f"unknown family {family!r}; choose one of {sorted(families)}")
-    config_name, model_name, sizes, kind = families[family]
+    config_name, model_name, sizes, kind = spec or families[family]
     config_cls = getattr(transformers, config_name)
     overrides: dict[str, object] = dict(sizes)  # sizes, the vocabulary, layers and dropout
     if not kind.startswith("image"):
@@ -319,7 +326,8 @@ def build(
                 overrides[key] = n_layer
     defaults = config_cls()
     if dropout is not None:
-        overrides.update({key: dropout for key in _DROPOUT_KEYS if isinstance(getattr(defaults, key, None), float)})
+        keys = set(_DROPOUT_KEYS) | {key for key in vars(defaults) if key.endswith(_DROPOUT_ENDINGS)}
+        overrides.update({key: dropout for key in sorted(keys) if isinstance(getattr(defaults, key, None), float)})
     config = config_cls(**overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config)

@@ -27,6 +27,7 @@ from partitioner.core_sharing import stage_plans_cores
 from partitioner.intra_op import plan_captured, resolve_pins
 from partitioner.options import PlanOptions
 from partitioner.pipeline_shapes import StageShapes, receive_buffers
+from partitioner.pipeline_simulation import largest_message, stage_plans_messages
 from partitioner.sharding_plan import ShardingPlan
 from partitioner.stage_boundaries import plan_stages_in_turn, shared_weights
 from partitioner.weights import load_local_weights
@@ -97,13 +98,15 @@ def _make_schedule(cfg: PipelineConfig, name: str):
     return sched
 
 
-def _choose(config: PipelineConfig, plans, graphs):
-    """The schedule simulated fastest with the stage plans' cost estimates."""
+def _choose(config: PipelineConfig, plans, graphs, carried: dict):
+    """The schedule simulated fastest with the stage plans' cost estimates and messages
+    (``carried``: the receive buffers, :func:`partitioner.pipeline_simulation.largest_message`)."""
     estimates = [plan.estimate() for plan in plans]
     forward, backward, weight = ps.stage_durations(estimates, [g.takes_activations for g in graphs])
     logger.debug(
         "pipeline: stage seconds per microbatch: forward %s, backward %s, weight %s", forward, backward, weight
     )
+    link_s, message_cpu_s = stage_plans_messages(plans, config.degree, largest_message(graphs, carried))
     name, steps = ps.choose_schedule(
         config.degree,
         config.microbatches,
@@ -112,6 +115,8 @@ def _choose(config: PipelineConfig, plans, graphs):
         weight,
         ps.stage_syncs(estimates),
         cores=stage_plans_cores(plans, config.degree),
+        comm_time=link_s,
+        transfer_time=message_cpu_s,
     )
     logger.info(
         "pipeline: schedule %s chosen (simulated step with the stage estimates: %s)",
@@ -172,8 +177,9 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, options: PlanO
         model_name=type(model).__name__,
         options=options.replace(recompute="none", pins=None, precision=precision),
     )
+    carried = receive_buffers(graphs, plans, sub)
     if schedule is None:
-        config, schedule = _choose(config, plans, graphs)
+        config, schedule = _choose(config, plans, graphs, carried)
     stages = _build_stages(graphs, plans, schedule, full.coords[0], sub, source, cap, tied, device, precision)
     return PipelineRunner(
         stages=stages,
@@ -185,7 +191,7 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, options: PlanO
         input_names=list(cap.user_inputs),
         in_spec=cap.exported.call_spec.in_spec,
         loss_name=_loss_name(graphs[-1]),
-        carried_meta=receive_buffers(graphs, plans, sub),
+        carried_meta=carried,
         plan={"stages": plans, "schedule": schedule, "layers": runs},
         tied=_tied_groups(tied, graphs, schedule, full),
         specialize=StageShapes(

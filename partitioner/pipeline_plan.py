@@ -5,14 +5,16 @@ timeline) reads a job built with ``auto_parallelize(..., pipeline=...)`` too.
 
 The step is simulated as :func:`partitioner.pipeline_simulation.simulated_timeline` simulates it: the
 runner's schedule with each stage's forward, backward and weight-gradient time from its plan
-and its once-per-step gradient reduction and optimizer step, no time for the point-to-point
-sends (``p2p_time_s = 0``: the runner's plans do not price them), the ranks taking turns on a
-CPU host's cores where they outnumber them (:mod:`partitioner.core_sharing`).
+and its once-per-step gradient reduction and optimizer step, its point-to-point messages priced as
+the configuration search prices them (:func:`partitioner.pipeline_simulation.runner_messages`:
+``p2p_time_s`` on the link, ``message_cpu_s`` on each rank), the busy ranks sharing a CPU host's
+cores where they outnumber them (:mod:`partitioner.core_sharing`).
 """
 
 from __future__ import annotations
 
 from partitioner.core_sharing import stage_plans_cores
+from partitioner.pipeline_simulation import runner_messages
 from partitioner.sharding_plan import ShardingPlan
 
 __all__ = ["runner_plan"]
@@ -40,13 +42,16 @@ def runner_plan(runner) -> ShardingPlan:
     estimates = [plan.estimate() for plan in plans]
     takes = [graph.takes_activations for graph in runner.stage_graphs]
     forward, backward, weight = ps.stage_durations(estimates, takes)
+    link_s, message_cpu_s = runner_messages(runner)
     sim = ps.simulate(
         ps.SCHEDULES[name].make(schedule.num_ranks, m, virtual),
         forward,
         backward,
         weight,
+        comm_time=link_s,
         sync_time=ps.stage_syncs(estimates),
         cores=stage_plans_cores(plans, schedule.num_ranks),
+        transfer_time=message_cpu_s,
     )
     per_rank = [0.0] * schedule.num_ranks
     for s, est in enumerate(estimates):
@@ -75,7 +80,8 @@ def runner_plan(runner) -> ShardingPlan:
             "step_time_s": sim.makespan,
             "bubble_fraction": sim.bubble_fraction,
             "busy_s": max(sim.busy.values()),
-            "p2p_time_s": 0.0,
+            "p2p_time_s": link_s,
+            "message_cpu_s": message_cpu_s,
             "p2p_bytes": 0.0,
             "memory_bytes": max(per_rank),
             "busiest_stage": max(range(len(estimates)), key=lambda s: estimates[s].step_time_s),

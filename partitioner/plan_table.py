@@ -457,6 +457,7 @@ def pipeline_table(plan, *, width: int = WIDTH) -> str:
         f"schedule {pipe['schedule']}: {pipe['microbatches']} microbatches, simulated step "
         f"{_fmt_time(pipe['step_time_s'])}, bubble {100 * pipe['bubble_fraction']:.1f}% of rank-time, "
         f"point-to-point {_fmt_time(pipe['p2p_time_s'])} per message"
+        + (f" (+ {_fmt_time(pipe['message_cpu_s'])} of CPU at each end)" if pipe.get("message_cpu_s") else "")
     )
     lines.append(f"{'stage':>5}  {'layers':<16} {'per microbatch: step':>22} {'memory (in flight)':>20}  shared with")
     first_of: dict = {}

@@ -66,10 +66,12 @@ def tiered(families) -> list:
 
 
 def family_worker(rank, world, cfg):
+    """One family's checks on this rank; ``cfg["spec"]``: a family outside ``FAMILIES``
+    (``benchmarks/family_zoo.py``'s held-out ones)."""
     import partitioner
 
     checks = Checks(rank)
-    model, inputs = prebuilt(cfg["family"]) or hf_families.build(cfg["family"])
+    model, inputs = prebuilt(cfg["family"]) or hf_families.build(cfg["family"], spec=cfg.get("spec"))
     ref = copy.deepcopy(model)
     n_params = sum(p.numel() for p in model.parameters())
     with fallback_warnings() as caught:
@@ -112,7 +114,7 @@ def family_worker(rank, world, cfg):
     }
 
     if cfg["pipeline"]:
-        model, inputs = prebuilt(f"{cfg['family']} pipelined") or hf_families.build(cfg["family"])
+        model, inputs = prebuilt(f"{cfg['family']} pipelined") or hf_families.build(cfg["family"], spec=cfg.get("spec"))
         ref = copy.deepcopy(model)
         runner = partitioner.auto_parallelize(model, inputs, mesh=(2, 2), cluster="h100", pipeline=PIPELINE)
         loss = runner.train_step(inputs)

@@ -52,6 +52,9 @@ def test_outside_a_job_cpu_is_measured_on_forked_ranks_of_the_plans_count_and_ca
     assert (empty_cache / "cpu_cluster-3ranks.json").exists()
     assert spec.devices_per_node == 3 and spec.name == "cpu"
     assert spec.cores_per_node == host_cores()  # the cores the ranks share, for the planner to price
+    samples = json.loads((empty_cache / "cpu_cluster-3ranks.json").read_text())["samples"]
+    assert spec.message_cpu_s > 0  # a pipeline message's CPU at each end, measured
+    assert (samples["time_slice"] is not None) == (3 > host_cores()) and spec.time_slice_slowdown >= 1.0
     said = [r.getMessage() for r in caplog.records if "measured this CPU for 3 ranks in" in r.getMessage()]
     assert said and str(empty_cache / "cpu_cluster-3ranks.json") in said[0]  # how long, and where it went
     assert local_cluster.get_cluster("cpu", ranks=3) == spec

@@ -13,6 +13,8 @@ failed in backward. Here:
   through a slice and a select, then masked in place and read): the planner keeps that alias
   class replicated (a sharded slice of it was a copy, the writes were lost), and a small model
   doing it trains like one device; ``x += y; return x`` (Falcon) is left free;
+* a softmax whose reduced dim both axes cut (``[S(1), S(1)]``, XGLM's attention under the memory
+  objective): its row statistics sent what the estimate says (it had halved them);
 * Mistral planned with ``objective="memory"`` on (2, 2): loss and every gradient equal the
   single-device model's, and the communication counted at run time equals the plan's estimate.
 """
@@ -138,6 +140,38 @@ def _shifted_labels_checks(checks):
     check_grads_by_alias(pm.full_grads(), ref, checks)
 
 
+class SoftmaxRows(torch.nn.Module):
+    """A softmax whose reduced dim two mesh axes cut (XGLM's attention under the memory objective)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.softmax = torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.Softmax(dim=-1)
+
+    def forward(self, x):
+        return (self.softmax(self.proj(x)) * torch.arange(4.0 * WIDTH)).sum()
+
+
+def _softmax_rows_checks(checks):
+    """Its row statistics are all-reduced over each axis at their full row count: the estimate
+    had divided them by the other axis too (as if it cut the rows); counted = estimate."""
+    import partitioner
+    from runtime.collectives import CommCounter
+
+    torch.manual_seed(0)
+    model, x = SoftmaxRows(), torch.randn(4, WIDTH)
+    ref = copy.deepcopy(model)
+    pm = partitioner.auto_parallelize(model, (x,), mesh=(2, 2), cluster="h100", pins={"softmax": ["S(1)", "S(1)"]})
+    with CommCounter() as counter:
+        loss = pm(x)
+        loss.backward()
+    ref_loss = ref(x)
+    ref_loss.backward()
+    checks.close("softmax rows: loss", loss.detach(), ref_loss.detach())
+    check_grads_by_alias(pm.full_grads(), ref, checks)
+    for diff in nested_approx_equal(counter.as_dict(), pm.plan.estimate().comm_bytes):
+        checks.true(f"softmax rows: communication: {diff}", False)
+
+
 def memory_objective_worker(rank, world, cfg):
     import partitioner
     from partitioner.parallelize import _device_mesh
@@ -147,6 +181,7 @@ def memory_objective_worker(rank, world, cfg):
     if cfg.get("small_cases", True):
         _edge_checks(MeshComm(_device_mesh(cfg["mesh"], ("a0", "a1"), "cpu")), checks)
         _shifted_labels_checks(checks)
+        _softmax_rows_checks(checks)
     model, inputs = prebuilt(cfg["family"]) or hf_families.build(cfg["family"])
     ref = copy.deepcopy(model)
     pm = partitioner.auto_parallelize(
@@ -212,3 +247,31 @@ def test_type_as_moves_nothing_for_the_tensor_it_reads_the_dtype_of():
     (node,) = [n for n in cap.graph.nodes if n.target is torch.ops.aten.type_as.default]
     strategies = rule_for(node).axis_strategies(op_view(node))
     assert strategies and all(s.ins[1] is None and s.ins[0] is not None for s in strategies), strategies
+
+
+class ZerosBeside(torch.nn.Module):
+    """``cat([zeros_like(y), y])`` (Mamba-2's padded chunk states): the zeros lend only a shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        y = self.a(x)
+        return torch.cat([torch.zeros_like(y), y], dim=1).sum()
+
+
+def test_a_factory_like_op_needs_no_gradient():
+    """``zeros_like`` of a value that needs a gradient needs none itself: its edges' backward
+    moves were priced (Mamba-2 under the memory objective estimated 2 all-to-alls more than its
+    run sent); a factory's output is marked as needing no gradient."""
+    from passes.analysis.analyze import analyze, info
+    from passes.capture.capture import capture
+
+    cap = capture(ZerosBeside(), (torch.randn(4, WIDTH),))
+    analyze(cap)
+    by_target = {n.target: n for n in cap.graph.nodes}
+    assert info(by_target[torch.ops.aten.linear.default]).requires_grad
+    assert not info(by_target[torch.ops.aten.zeros_like.default]).requires_grad
+    assert info(by_target[torch.ops.aten.cat.default]).requires_grad
+

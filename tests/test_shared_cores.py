@@ -5,13 +5,18 @@ Fixed cluster descriptions and hand-computed schedules only: no timing, no measu
 
 import dataclasses
 import itertools
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from partitioner.calibration.fit import message_cpu, time_slice_slowdown
 from partitioner.cluster import PRESETS, ClusterSpec, LinkSpec
-from partitioner.core_sharing import core_share, pipeline_cores, shared_cluster
+from partitioner.core_sharing import core_share, message_cpu_time, pipeline_cores, shared_cluster
+from partitioner.pipeline_simulation import largest_message, message_prices
 from passes.plan.cost_model import compute_time, optimizer_step_time
 from passes.schedules import SCHEDULES, add_communication, gpipe, simulate, zb_h1
+from passes.schedules.shared_cores import SharedCores
 
 # a 2-core host measured with 4 ranks (a rank's figures: a core to itself)
 HOST = ClusterSpec(
@@ -30,22 +35,56 @@ HOST = ClusterSpec(
 )
 
 
-def test_two_ranks_on_one_core_run_one_action_at_a_time():
-    # GPipe, 2 ranks, 2 microbatches, F = 1 s, B = 2 s, one core. By hand (ready ties: lower rank
-    # first): r0 F0 0-1, r0 F1 1-2, r1 F0 2-3, r1 F1 3-4, r1 B0 4-6, then r0 B0 and r1 B1 are both
-    # ready at 6: r0 B0 6-8, r1 B1 8-10, r0 B1 10-12. Every second of the 12 s of work, one core.
+def test_two_ranks_on_one_core_share_it():
+    # GPipe, 2 ranks, 2 microbatches, F = 1 s, B = 2 s, one core shared by the busy ranks. By hand:
+    # r0 F0 0-1 alone; r0 F1 and r1 F0 both busy from 1, each at half a core: 1-3; r1 F1 3-4,
+    # r1 B0 4-6 alone; r1 B1 and r0 B0 from 6 at half a core: 6-10; r0 B1 10-12. Every second of
+    # the 12 s of work, one core.
     result = simulate(gpipe(2, 2), 1.0, 2.0, cores=1)
     assert result.makespan == pytest.approx(12.0)
     spans = {r: [(str(t.action), t.start, t.end) for t in ts] for r, ts in result.timelines.items()}
-    assert spans[0] == [("0F0", 0, 1), ("0F1", 1, 2), ("0B0", 6, 8), ("0B1", 10, 12)]
-    assert spans[1] == [("1F0", 2, 3), ("1F1", 3, 4), ("1B0", 4, 6), ("1B1", 8, 10)]
+    assert spans[0] == [("0F0", 0, 1), ("0F1", 1, 3), ("0B0", 6, 10), ("0B1", 10, 12)]
+    assert spans[1] == [("1F0", 1, 3), ("1F1", 3, 4), ("1B0", 4, 6), ("1B1", 6, 10)]
     assert simulate(gpipe(2, 2), 1.0, 2.0).makespan == pytest.approx(9.0)  # a core each: (p-1+m)(F+B)
 
 
-def test_a_ranks_tail_waits_for_a_core_too():
-    # as above with 0.5 s of gradient reduction and optimizer step per stage: r1's tail is ready
-    # at 10 but the core runs r0 B1 (ready at 10 as well, lower rank) until 12: r1's tail 12-12.5,
-    # r0's 12.5-13
+def test_time_sliced_work_takes_the_slowdown_only_while_ranks_outnumber_the_cores():
+    # as above, the work done while both ranks are busy (F 1+1 s, B 2+2 s) taking 1.5x its CPU
+    # time: r0 F1 and r1 F0 run 1-4 at a third of a core, r1 F1 4-5 and r1 B0 5-7 alone, the two
+    # backwards 7-13 at a third, r0 B1 13-15: 12 s of work + 3 s of slowdown
+    result = simulate(gpipe(2, 2), 1.0, 2.0, cores=SharedCores(1, 1.5))
+    assert result.makespan == pytest.approx(15.0)
+    spans = {r: [(str(t.action), t.start, t.end) for t in ts] for r, ts in result.timelines.items()}
+    assert spans[0] == [("0F0", 0, 1), ("0F1", 1, 4), ("0B0", 7, 13), ("0B1", 13, 15)]
+    assert spans[1] == [("1F0", 1, 4), ("1F1", 4, 5), ("1B0", 5, 7), ("1B1", 7, 13)]
+    # a core each: no rank ever shares one, so no slowdown
+    assert simulate(gpipe(2, 2), 1.0, 2.0, cores=SharedCores(2, 1.5)).makespan == pytest.approx(9.0)
+    with pytest.raises(ValueError, match="slowdown of time-sliced cores must be >= 1"):
+        SharedCores(2, 0.9)
+
+
+def test_sends_and_receives_are_priced_on_their_ranks():
+    # GPipe, 2 ranks, 2 microbatches, F = 1 s, B = 2 s, every send and receive 0.25 s of its rank's
+    # time (the compute-only schedule is lowered with its sends). By hand: r0 F0 0-1, SEND 1-1.25,
+    # F1 1.25-2.25, SEND 2.25-2.5; r1 RECV 1.25-1.5, F0 1.5-2.5, RECV 2.5-2.75, F1 2.75-3.75,
+    # B0 3.75-5.75, SEND 5.75-6, B1 6-8, SEND 8-8.25; r0 RECV 6-6.25, B0 6.25-8.25, RECV 8.25-8.5,
+    # B1 8.5-10.5: six messages on the critical path, 1.5 s over the 9 s unpriced
+    result = simulate(gpipe(2, 2), 1.0, 2.0, transfer_time=0.25)
+    assert result.makespan == pytest.approx(10.5)
+    spans = {r: [(str(t.action), t.start, t.end) for t in ts] for r, ts in result.timelines.items()}
+    assert spans[0] == [("0F0", 0, 1), ("0F1", 1.25, 2.25), ("0B0", 6.25, 8.25), ("0B1", 8.5, 10.5)]
+    assert spans[1] == [("1F0", 1.5, 2.5), ("1F1", 2.75, 3.75), ("1B0", 3.75, 5.75), ("1B1", 6, 8)]
+    lowered = add_communication(gpipe(2, 2))
+    assert simulate(lowered, 1.0, 2.0, transfer_time=0.25).makespan == pytest.approx(10.5)
+    assert simulate(lowered, 1.0, 2.0, transfer_time=0.0).makespan == pytest.approx(9.0)
+    # on one shared core the messages are work too: 12 s of compute + 8 messages x 0.25 s
+    assert simulate(gpipe(2, 2), 1.0, 2.0, transfer_time=0.25, cores=1).makespan == pytest.approx(14.0)
+
+
+def test_a_ranks_tail_shares_the_core_too():
+    # as above with 0.5 s of gradient reduction and optimizer step per stage: r1's tail and r0 B1
+    # both start at 10 at half a core: the tail ends at 11, B1 (1.5 s left) at 12.5 alone, then
+    # r0's tail 12.5-13
     result = simulate(gpipe(2, 2), 1.0, 2.0, sync_time=0.5, cores=1)
     assert result.makespan == pytest.approx(13.0)
     assert simulate(gpipe(2, 2), 1.0, 2.0, sync_time=0.5).makespan == pytest.approx(9.5)
@@ -61,18 +100,17 @@ def test_enough_cores_change_nothing(name):
 
 
 @pytest.mark.parametrize("lowered", [False, True])
-def test_four_ranks_on_two_cores_never_compute_more_than_two_at_once(lowered):
+def test_four_ranks_on_two_cores_do_the_work_on_two_cores(lowered):
     schedule = zb_h1(4, 8)
     if lowered:
         schedule = add_communication(schedule)
     result = simulate(schedule, 1.0, 2.0, weight_time=1.0, cores=2)
-    spans = [(t.start, t.end) for ts in result.timelines.values() for t in ts if t.end > t.start]
-    for t in {s for s, _ in spans}:
-        assert sum(1 for s, e in spans if s <= t < e) <= 2
     work = 4 * 8 * 3.0
     assert result.makespan >= work / 2  # two cores do the 96 s of work at best
     assert result.makespan > simulate(schedule, 1.0, 2.0, weight_time=1.0).makespan
     assert sum(result.busy.values()) == pytest.approx(work)
+    slowed = simulate(schedule, 1.0, 2.0, weight_time=1.0, cores=SharedCores(2, 1.2)).makespan
+    assert result.makespan < slowed <= 1.2 * result.makespan + 1e-9
 
 
 def test_core_count_is_validated():
@@ -107,7 +145,50 @@ def test_ranks_that_all_compute_share_the_cores():
 def test_pipeline_cores(pipeline, stage_ranks, expected):
     # 4 one-rank stages on 2 cores: two at once; 2 stages of 2 ranks: one stage at once (its two
     # ranks take both cores); 2 ranks: no limit; 8 ranks span more than the host's 4
-    assert pipeline_cores(HOST, pipeline, stage_ranks) == expected
+    sliced = dataclasses.replace(HOST, time_slice_slowdown=1.25)
+    for spec, slowdown in ((HOST, 1.0), (sliced, 1.25)):
+        got = pipeline_cores(spec, pipeline, stage_ranks)
+        assert got == (None if expected is None else SharedCores(expected, slowdown))
+
+
+def test_time_sliced_ranks_that_all_compute_pay_the_slowdown_too():
+    sliced = dataclasses.replace(HOST, time_slice_slowdown=1.25)
+    shared = shared_cluster(sliced, 4)  # half a core each, 1.25x the CPU time: 2.5x a core's time
+    alone = compute_time(1e9, 1e6, None, True, sliced)
+    assert compute_time(1e9, 1e6, None, True, shared) == pytest.approx(2.5 * alone)
+    assert shared_cluster(shared, 4) == shared and shared_cluster(sliced, 2) is sliced  # cores suffice: as measured
+
+
+def test_a_message_costs_its_cpu_at_each_end_and_its_link_time_between():
+    spec = dataclasses.replace(HOST, message_cpu_s=1e-4, message_cpu_s_per_byte=2e-10)
+    assert message_cpu_time(spec, 0) == 0.0 and message_cpu_time(HOST, 1 << 20) == 0.0  # GPU presets: none
+    link_s, cpu_s = message_prices(spec, (4, 1), 1 << 20)
+    assert cpu_s == pytest.approx(1e-4 + 2e-10 * (1 << 20))
+    assert link_s == pytest.approx((1 << 20) / 1e9 + 1e-5)  # the intra-node link's latency and bandwidth
+    assert message_prices(spec, (4, 1), 0) == (0.0, 0.0)
+    # the largest message a stage receives, as the runner's receive buffers hold it
+    graphs = [SimpleNamespace(receives=[]), SimpleNamespace(receives=["h"]), SimpleNamespace(receives=["h2", "ids"])]
+    carried = {
+        "h": ((2, 128, 256), torch.float32),
+        "h2": ((2, 128, 256), torch.bfloat16),
+        "ids": ((2, 128), torch.int64),
+    }
+    assert largest_message(graphs, carried) == 2 * 128 * 256 * 4
+
+
+def test_the_sharing_figures_fit_and_round_trip():
+    samples = [{"bytes": 4096, "s": 1.1e-4}, {"bytes": 4096 + 1_000_000, "s": 3.1e-4}]
+    fitted = message_cpu(samples)
+    assert fitted["message_cpu_s_per_byte"] == pytest.approx(2e-10)
+    assert fitted["message_cpu_s"] == pytest.approx(1.1e-4 - 4096 * 2e-10)
+    assert message_cpu(None) == {} and message_cpu(samples[:1]) == {}
+    assert time_slice_slowdown({"alone_s": 0.010, "shared_s": 0.012}) == pytest.approx(1.2)
+    assert time_slice_slowdown({"alone_s": 0.010, "shared_s": 0.009}) == 1.0  # never faster than alone
+    assert time_slice_slowdown(None) == 1.0
+    spec = dataclasses.replace(HOST, time_slice_slowdown=1.2, **fitted)
+    assert ClusterSpec.from_dict(spec.to_dict()) == spec
+    unset = HOST.to_dict()  # files written before these figures read back as written
+    assert not {"time_slice_slowdown", "message_cpu_s", "message_cpu_s_per_byte"} & set(unset)
 
 
 def test_every_pair_of_options_of_a_tiny_schedule_is_consistent():
@@ -141,3 +222,46 @@ def test_the_search_prices_every_candidate_on_the_shared_cores():
     intra_op = partitioner.plan(model, inputs, mesh_shape=(4,), cluster=host)  # how the search plans a candidate
     assert intra_op.data["cluster"]["core_share"] == 0.5  # priced at half a core per rank
     assert pipe or searched.data["cluster"]["core_share"] == 0.5
+
+
+def test_a_planned_pipeline_prices_its_messages_and_time_slicing_in_one_step_everywhere():
+    # a 4-stage GPT pipeline planned as the search plans a candidate, on the 2-core host whose
+    # time-sliced work takes 1.2x and whose messages cost CPU at each end: the plan's step, its
+    # report timeline and the simulation with those prices are one number, and each figure adds
+    from partitioner.models import gpt_demo
+    from partitioner.parallel_config import ParallelConfig
+    from partitioner.report.timeline import simulate_plan
+    from partitioner.search import plan_config
+    from passes.schedules import stage_durations, stage_syncs
+
+    model, inputs = gpt_demo(8, 32, n_layer=4, n_embd=64, n_head=4, vocab_size=128)
+    host = dataclasses.replace(
+        HOST, memory_bytes=8 << 30, time_slice_slowdown=1.2, message_cpu_s=1e-4, message_cpu_s_per_byte=1e-10
+    )
+    config = ParallelConfig(pipeline=4, microbatches=4, schedule="zb-h1", recompute="none")
+    plan = plan_config(model, inputs, config, cluster=host)
+    pipe = plan.data["pipeline"]
+    largest = 2 * 32 * 64 * 4  # a microbatch's hidden state, float32
+    assert pipe["message_cpu_s"] == pytest.approx(message_cpu_time(host, largest))
+    assert simulate_plan(plan)["step_s"] == pytest.approx(pipe["step_time_s"], rel=1e-12)
+    assert plan.estimate().step_time_s == pytest.approx(pipe["step_time_s"], rel=1e-12)
+    assert f"{pipe['message_cpu_s'] * 1e6:.1f} us of CPU at each end" in plan.summary()
+    estimates = [stage.estimate() for stage in plan.stage_plans]
+    f, b, w = stage_durations(estimates, pipe["takes_activations"])
+    schedule = SCHEDULES["zb-h1"].make(4, 4, 1)
+
+    def step(slowdown, messages):
+        return simulate(
+            schedule,
+            f,
+            b,
+            w,
+            comm_time=pipe["p2p_time_s"],
+            sync_time=stage_syncs(estimates),
+            cores=SharedCores(2, slowdown),
+            transfer_time=pipe["message_cpu_s"] if messages else None,
+        ).makespan
+
+    assert step(1.2, True) == pytest.approx(pipe["step_time_s"], rel=1e-12)
+    assert step(1.0, False) < step(1.0, True) < step(1.2, True)
+    assert step(1.0, False) < step(1.2, False) < step(1.2, True)

@@ -2,7 +2,9 @@
 
 A plan made at batch 8, sequence 32 serves batch 6 and sequence 24 on a (4,) data-parallel mesh
 (pieces of 2, 2, 1, 1 samples) and batches 6 and 5 on a (2, 2) data x tensor mesh (5 as 3 and
-2 samples), with parity against one device: the loss, every gradient, the gathered logits, and the
+2 samples), and a plan made at batch 8, sequence 16 whose memory layout cuts the batch over both axes
+and grouped-query attention's key/value heads over one serves batch 6, sequence 24 (a dim counts as
+uneven only where it carries the batch's pieces), with parity against one device: the loss, every gradient, the gathered logits, and the
 parameters after AdamW steps on the new shape. The loss is a mean over the valid tokens of the
 whole batch (the sharded cross-entropy all-reduces (sum, count)), and the gradients are summed,
 not averaged, over the data-parallel ranks, so unequal pieces weigh exactly as one device does.
@@ -45,8 +47,8 @@ def _parallelize(model, cfg):
     import partitioner
 
     if cfg["kind"] == "memory":  # the solver's own layout, no pins: the one that holds least
-        return partitioner.auto_parallelize(model, _batch(8, 32), mesh=cfg["mesh"], cluster="h100",
-                                            objective="memory")
+        return partitioner.auto_parallelize(model, _batch(*cfg.get("planned", (8, 32))), mesh=cfg["mesh"],
+                                            cluster="h100", objective="memory")
     pins = pins_for(cfg["model"], cfg["kind"], cfg.get("pins_mesh", cfg["mesh"]))
     pins.update(cfg.get("weight_pins", {}))  # after the "*" pin: the more specific wins
     return partitioner.auto_parallelize(model, _batch(8, 32), mesh=cfg["mesh"], cluster="h100", pins=pins,
@@ -120,7 +122,7 @@ def _check(cfg, refusal=("input 'input_ids'", "dim 0", "no element")):
     def made():
         model = FACTORIES[cfg["model"]]()[0]
         capture_served(model, [_batch(b, s) for b, s in shapes], **options)
-        return model, _batch(8, 32)
+        return model, _batch(*cfg.get("planned", (8, 32)))
 
     prebuild = ("uneven", made, options)
     results = run_checked(uneven_worker, cfg, TIMEOUT_S, prebuild=prebuild)
@@ -161,6 +163,28 @@ def test_uneven_pieces_move_through_collectives_on_the_solvers_own_layout():
     # and cuts back (runtime/uneven_moves.py), with parity
     results = _check({"model": "llama", "kind": "memory", "mesh": (2, 2), "shapes": [(6, 24), (5, 32)]})
     assert all(r["uneven_edges"] > 0 for r in results), [r["uneven_edges"] for r in results]
+
+
+def test_a_batch_cut_on_both_axes_serves_values_cut_on_two_dims():
+    # planned at batch 8, seq 16, the solver cuts the batch over both axes somewhere and the
+    # key/value heads over one: only the dims carrying the batch count as uneven
+    # (passes/analysis/sample_dims.py), so grouped-query attention's expand and reshape of
+    # [B, kv, rep, S, D] lower (they were refused: every dim cut on either axis counted as uneven)
+    results = _check({"model": "llama", "kind": "memory", "mesh": (2, 2), "planned": (8, 16), "shapes": [(6, 24)]})
+    assert all(r["uneven_edges"] > 0 for r in results), [r["uneven_edges"] for r in results]
+
+
+def test_a_reshape_of_pieces_unequal_on_two_dims_takes_each_size_from_its_run_of_dims():
+    from passes.rules.views import view_groups
+    from runtime.uneven_views import reshape_by_groups
+
+    groups = view_groups((6, 2, 2, 24, 16), (6, 4, 24, 16))
+    assert groups == [((0,), (0,)), ((1, 2), (1,)), ((3,), (2,)), ((4,), (3,))]
+    assert view_groups((8, 2, 1, 16), (8, 2, 16)) == [((0,), (0,)), ((1, 2), (1,)), ((3,), (2,))]
+    assert view_groups((6, 24, 64), (144, 64)) == [((0, 1), (0,)), ((2,), (1,))]
+    piece = torch.randn(2, 1, 2, 12, 16)  # a rank's piece: 2 of 6 samples, 1 of 2 kv heads
+    out = reshape_by_groups(piece, [-1, -1, 12, 16], groups)
+    torch.testing.assert_close(out, piece.reshape(2, 2, 12, 16))
 
 
 def test_uneven_pieces_follow_tensor_split_axis_by_axis():

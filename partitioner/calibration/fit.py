@@ -207,6 +207,8 @@ def fit(samples: dict, *, ranks: int, name: str = "calibrated", memory_bytes: in
         prefetch_overlap=prefetch_overlap(samples.get("overlap")),
         arrival_wait=arrival_wait(samples.get("arrival")),
         cores_per_node=samples.get("cores"),
+        time_slice_slowdown=time_slice_slowdown(samples.get("time_slice")),
+        **message_cpu(samples.get("messages")),
         collective_efficiency={k: per_wire["all_reduce"] / v for k, v in per_wire.items() if k != "all_reduce"},
         notes=f"measured by `partitioner calibrate` on {ranks} gloo ranks of {platform.node() or 'this machine'}",
     )
@@ -247,6 +249,26 @@ def arrival_wait(samples: list | None) -> list:
         top = max(top, x["s"] - ordered[0]["s"])
         curve.append([x["compute_s"], top])
     return curve
+
+
+def time_slice_slowdown(sample: dict | None) -> float:
+    """``ClusterSpec.time_slice_slowdown`` from :func:`~partitioner.calibration.measure_sharing.time_slice_sample`:
+    the work's CPU time with every rank busy over its time on a core of its own, at least 1; 1.0
+    unmeasured (the cores suffice)."""
+    if not sample or not sample.get("alone_s"):
+        return 1.0
+    return max(1.0, sample["shared_s"] / sample["alone_s"])
+
+
+def message_cpu(samples: list | None) -> dict:
+    """``message_cpu_s`` and ``message_cpu_s_per_byte`` of a :class:`ClusterSpec` from
+    :func:`~partitioner.calibration.measure_sharing.message_samples`: the line through the smallest and the
+    largest message's CPU seconds, both terms >= 0; nothing where unmeasured."""
+    if not samples or len(samples) < 2:
+        return {}
+    small, large = min(samples, key=lambda x: x["bytes"]), max(samples, key=lambda x: x["bytes"])
+    per_byte = max(0.0, (large["s"] - small["s"]) / max(large["bytes"] - small["bytes"], 1))
+    return {"message_cpu_s": max(0.0, small["s"] - per_byte * small["bytes"]), "message_cpu_s_per_byte": per_byte}
 
 
 def prefetch_overlap(sample: dict | None) -> float:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from partitioner.calibration.measure_collectives import arrival_samples, collective_call, overlap_sample
 from partitioner.calibration.measure_compute import compute_samples, fresh_rank, on_own_cores
+from partitioner.calibration.measure_sharing import message_samples, time_slice_sample
 from partitioner.calibration.sizes import COLLECTIVES, DEFAULT_SIZES
 from partitioner.calibration.timing import timed_after
 
@@ -83,7 +84,26 @@ def rank_samples(rank: int, world: int, sizes: dict, progress: bool = False) -> 
         f"all-gather of {o['payload']} bytes started before {o['compute_s'] * 1e3:.2f} ms of matmuls: "
         f"{o['both_s'] * 1e3:.2f} ms together, {o['gather_s'] * 1e3:.2f} ms alone"
     )
+    _sharing_samples(rank, world, out, say)
     return out
+
+
+def _sharing_samples(rank: int, world: int, out: dict, say) -> None:
+    """The messages' CPU and the slowdown of time-sliced cores (:mod:`~partitioner.calibration.measure_sharing`)."""
+    start = time.perf_counter()
+    out["messages"] = message_samples(rank)
+    out["time_slice"] = time_slice_sample(rank, world, out["cores"])
+    say(
+        "a message's CPU per end: "
+        + ", ".join(f"{m['bytes']} bytes {m['s'] * 1e6:.0f} us" for m in out["messages"])
+        + (
+            f"; work with every rank busy {out['time_slice']['shared_s'] / out['time_slice']['alone_s']:.2f}x "
+            "its CPU time on a core of its own"
+            if out["time_slice"]
+            else ""
+        )
+        + f" ({time.perf_counter() - start:.1f} s)"
+    )
 
 
 def _compute_on_own_cores(rank: int, world: int, sizes: dict, say) -> dict:

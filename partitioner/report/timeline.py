@@ -57,6 +57,7 @@ def simulate_plan(plan) -> dict | None:
         comm_time=pipe.get("p2p_time_s", 0.0),
         sync_time=ps.stage_syncs(estimates),
         cores=stage_plans_cores(plan.stage_plans, pipe["degree"]),
+        transfer_time=pipe.get("message_cpu_s", 0.0),
     )
     syncs = ps.stage_syncs(estimates)
     timeline = {}

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import passes.schedules as ps
-from partitioner.core_sharing import stage_plans_cores
+from partitioner.core_sharing import message_cpu_time, stage_plans_cores
 from partitioner.mesh import MeshSpec
 from partitioner.parallel_config import ParallelConfig
 from partitioner.search.facts import bytes_of
@@ -160,10 +160,20 @@ def plan_pipeline(planner: Planner, c: ParallelConfig) -> ShardingPlan:
     ests = [class_ests[r] for r in stage_map]
     takes = [graphs[r].takes_activations for r in stage_map]
     forward, backward, weight = ps.stage_durations(ests, takes)
-    _, p2p_s, p2p_bytes = boundary_messages(planner, c, graphs, sent_as)
+    largest, p2p_s, p2p_bytes = boundary_messages(planner, c, graphs, sent_as)
+    message_cpu_s = message_cpu_time(planner.spec, largest)  # a CPU host's ranks pay each message's CPU
     sched = planner.schedule(c)
-    cores = stage_plans_cores(plans, c.pipeline)  # ranks outnumbering a CPU host's cores take turns
-    sim = ps.simulate(sched, forward, backward, weight, comm_time=p2p_s, sync_time=ps.stage_syncs(ests), cores=cores)
+    cores = stage_plans_cores(plans, c.pipeline)  # ranks outnumbering a CPU host's cores share them
+    sim = ps.simulate(
+        sched,
+        forward,
+        backward,
+        weight,
+        comm_time=p2p_s,
+        sync_time=ps.stage_syncs(ests),
+        cores=cores,
+        transfer_time=message_cpu_s,
+    )
     per_rank_memory = [0.0] * c.pipeline
     for s, est in enumerate(ests):
         per_rank_memory[sched.stage_to_rank[s]] += est.memory_bytes
@@ -204,6 +214,7 @@ def plan_pipeline(planner: Planner, c: ParallelConfig) -> ShardingPlan:
             "bubble_fraction": sim.bubble_fraction,
             "busy_s": max(sim.busy.values()),
             "p2p_time_s": p2p_s,
+            "message_cpu_s": message_cpu_s,
             "p2p_bytes": p2p_bytes,
             "memory_bytes": memory,
             "busiest_stage": max(range(len(ests)), key=lambda s: ests[s].step_time_s),

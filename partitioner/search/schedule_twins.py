@@ -134,6 +134,7 @@ def expected_step(planner: Planner, planned: Candidate, twin) -> float:
         comm_time=pipe["p2p_time_s"],
         sync_time=syncs,
         cores=stage_plans_cores(stage_plans, twin.pipeline),
+        transfer_time=pipe.get("message_cpu_s", 0.0),
     )
     return sim.makespan
 

@@ -77,7 +77,7 @@ def analyze(cap: CapturedGraph) -> None:
                 shapes,
                 dtype,
                 flops=rule.flops(op_view(node)),
-                requires_grad=grads and floating,
+                requires_grad=grads and floating and rule.differentiable,
                 rate_key=rate_key(node),
             )
     prune_unreached_gradients(cap.graph)

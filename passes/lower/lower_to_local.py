@@ -42,6 +42,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from passes.analysis.analyze import info
+from passes.analysis.sample_dims import carried_dims
 from passes.analysis.shape_check import uneven_dims
 from passes.core.node_info import grad_flows
 from passes.core.placements import (
@@ -58,6 +59,7 @@ from passes.core.plan_records import NodeRecord, typed_by_name
 from passes.lower.prefetch_gathers import prefetch_gathers
 from passes.plan.output_placement import required_output_spec
 from passes.rules import op_view, rule_for, tensor_input_nodes
+from passes.rules.views import view_groups
 from runtime.collectives import MeshComm
 from runtime.optimizer_shards import ZERO1_KEY
 from runtime.recompute import CheckpointRegion
@@ -116,7 +118,8 @@ class LowerCall:
         if not getattr(module, "uneven_pieces_ok", False) and self.uneven():
             raise LoweringError(
                 f"node {self.node.name} ({self.node.target}) runs the local kernel {type(module).__name__}, "
-                f"which needs equal pieces, on a dim these input shapes cut unevenly; use sizes that divide "
+                f"which needs equal pieces, on a dim these input shapes cut unevenly ({self._uneven_text()}); "
+                f"use sizes that divide "
                 f"the mesh axes cutting it, or make the parallel model for this shape"
             )
         return self.builder.call_module(module, tuple(args), kwargs or {}, name or self.node.name)
@@ -129,6 +132,13 @@ class LowerCall:
         return bool(self.builder.uneven.of(self.node)) or any(
             self.builder.uneven.of(u, spec) for u, spec in zip(tensor_input_nodes(self.node), self.in_specs)
         )
+
+    def _uneven_text(self) -> str:
+        """Which dims of which tensor are cut unevenly, as an error names them."""
+        parts = [f"input {k} dims {sorted(self.uneven_in(k))}" for k in range(len(self.in_specs)) if self.uneven_in(k)]
+        if self.builder.uneven.of(self.node):
+            parts.append(f"output dims {sorted(self.builder.uneven.of(self.node))}")
+        return ", ".join(parts)
 
     def uneven_in(self, k: int) -> set:
         """The dims of input ``k``, as this op reads it, that are cut into unequal pieces."""
@@ -144,16 +154,19 @@ class _UnevenPieces:
     A dim of a value computed from the inputs (or of an input) is uneven where its size does not
     divide by its pieces, as it is produced or as an op reads it (a batch kept whole, cut later);
     the mesh axes cutting such a dim are the *uneven axes*. Pieces of a value computed from the inputs may then differ
-    in size along every dim those axes cut (a flattened batch x sequence dim divides while its
-    pieces, whole samples, do not), so every such dim counts as uneven, as does any dim whose
-    size does not divide. Values computed from weights alone (their gathers and gradient syncs)
-    are never uneven."""
+    in size along every dim those axes cut that carries such a dim's pieces (a flattened batch x
+    sequence dim divides while its pieces, whole samples, do not; a batch joined along one axis
+    holds what the other axes' pieces summed to: :mod:`passes.analysis.sample_dims`), so every such
+    dim counts as uneven, as does any dim whose size does not divide. Dims that carry none (heads,
+    features, a sequence that divides) are cut like ``torch.tensor_split`` on any axis. Values
+    computed from weights alone (their gathers and gradient syncs) are never uneven."""
 
     def __init__(self, graph: fx.Graph, records: dict[str, NodeRecord], comm: MeshComm):
         self.mesh = comm.shape
         self.from_inputs: set = set()
         self.axes: set = set()
         self.samples: set = set()  # the sizes of the dims cut unevenly (the batch)
+        self.sources: dict = {}  # node -> its dims cut unevenly somewhere
         for node in graph.nodes:
             if node.op == "placeholder":
                 if info(node).kind == "input":
@@ -168,6 +181,7 @@ class _UnevenPieces:
                 for u, text in zip(tensor_input_nodes(node), rec.ins or ()):
                     if u in self.from_inputs:  # where the op reads it (a batch replicated, cut later)
                         self._cut_unevenly(u, text, comm.ndim)
+        self.carried = carried_dims(graph, self.sources)
         self.specs: dict = {}
 
     def _cut_unevenly(self, node: fx.Node, text, ndim: int) -> None:
@@ -179,6 +193,7 @@ class _UnevenPieces:
         for d in uneven_dims(shape, spec, self.mesh):
             self.axes.update(a for a, p in enumerate(spec) if getattr(p, "dim", None) == d)
             self.samples.add(int(shape[d]))
+            self.sources.setdefault(node, set()).add(d)
 
     def sample_sizes(self, node: fx.Node, dims) -> dict:
         """Per dim of ``dims``, the elements of one sample along it: where ``node`` flattens a
@@ -208,9 +223,8 @@ class _UnevenPieces:
         if spec is None or shape is None:
             return set()
         dims = uneven_dims(shape, spec, self.mesh)
-        if node in self.from_inputs:
-            dims |= {p.dim for a, p in enumerate(spec) if a in self.axes and getattr(p, "dim", None) is not None}
-        return dims
+        carried = self.carried.get(node, ()) if node in self.from_inputs else ()
+        return dims | {p.dim for a, p in enumerate(spec) if a in self.axes and getattr(p, "dim", None) in carried}
 
 
 class _Builder:
@@ -250,6 +264,20 @@ _SIZED_VIEWS = (
     torch.ops.aten.expand.default,
     torch.ops.aten.unflatten.int,
 )
+
+
+def _sizes_follow(node: fx.Node, dims: set) -> bool:
+    """Can a view with unknown local sizes on ``dims`` of its output take them from its input?
+    An expand keeps each such dim's size where its input has the dim whole (not broadcast); a
+    reshape computes each from its run of dims (:func:`runtime.uneven_views.reshape_by_groups`),
+    one unknown per run."""
+    in_shape, out_shape = info(tensor_input_nodes(node)[0]).out_shapes[0], info(node).out_shapes[0]
+    if node.target is torch.ops.aten.expand.default:
+        lead = len(out_shape) - len(in_shape)
+        return all(d >= lead and in_shape[d - lead] == out_shape[d] for d in dims)
+    if node.target is torch.ops.aten.unflatten.int:
+        return False
+    return all(len(dims.intersection(outs)) <= 1 for _, outs in view_groups(in_shape, out_shape))
 
 
 def _joins_or_splits(steps, dims: set) -> bool:
@@ -530,10 +558,11 @@ class _Lowering:
             else [-1 if d in uneven_out else n for d, n in enumerate(rank_local_shape(s, sp, comm.shape, comm.coords))]
             for s, sp in zip(info(node).out_shapes, outs)
         ]
-        if len(uneven_out) > 1 and node.target in _SIZED_VIEWS:
+        if len(uneven_out) > 1 and node.target in _SIZED_VIEWS and not _sizes_follow(node, uneven_out):
             raise LoweringError(
                 f"node {node.name} ({node.target}) reshapes a tensor cut into unequal pieces on dims "
-                f"{sorted(uneven_out)}; use sizes that divide the mesh axes cutting them"
+                f"{sorted(uneven_out)}, which no local size determines; use sizes that divide the mesh axes "
+                f"cutting them"
             )
         return local_shapes
 

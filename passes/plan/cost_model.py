@@ -406,6 +406,20 @@ def extra_payload(elements, scaling, itemsize, n_axis, split) -> float:
     return float(elements * itemsize)
 
 
+def _same_cut_degree(axes, ax: int, mesh_shape) -> int:
+    """The devices of the other mesh axes whose strategy cuts the op's first input on the same dim
+    as axis ``ax`` (two axes cutting a softmax's or a norm's reduced dim): they split the work
+    (``split``) but not the rows a ``"work"`` collective sums."""
+    first = axes[ax].ins[0] if axes[ax].ins else None
+    if not is_shard(first):
+        return 1
+    degree = 1
+    for other, b in enumerate(axes):
+        if other != ax and b.ins and b.ins[0] == first:
+            degree *= mesh_shape[other]
+    return degree
+
+
 def own_collectives(axes, itemsize, mesh_shape, cluster, split, forward_s, backward_s) -> list:
     """The collectives inside an op (``AxisStrategy.extra`` of each axis in ``axes``) as
     ``(Collective, phase, seconds)``, ``forward_s`` / ``backward_s`` being the op's compute.
@@ -418,7 +432,9 @@ def own_collectives(axes, itemsize, mesh_shape, cluster, split, forward_s, backw
     out = []
     for ax, a in enumerate(axes):
         for kind, phase, elements, scaling in a.extra:
-            c = Collective(kind, ax, extra_payload(elements, scaling, itemsize, mesh_shape[ax], split))
+            # row statistics: the axes cutting the same reduced dim do not shrink the rows
+            same = _same_cut_degree(axes, ax, mesh_shape) if scaling == "work" else 1
+            c = Collective(kind, ax, extra_payload(elements, scaling, itemsize, mesh_shape[ax], split) * same)
             out.append([c, phase, scaling == "ring", collective_time(c, mesh_shape, cluster)])
     for phase, compute in (("fwd", forward_s), ("bwd", backward_s)):
         ring = [e for e in out if e[2] and e[1] == phase]

@@ -62,6 +62,20 @@ __all__ = ["AttentionRule", "forced_pins", "SEQUENCE_PARALLEL_MODES", "SEQUENCE_
 SEQUENCE_ALGORITHMS = ("ring", "ulysses")
 
 
+def _batch_pieces_only(call, axis: int) -> bool:
+    """May ring or Ulysses on mesh axis ``axis`` run on these unequal pieces? Yes where only the
+    batch (dim 0) of q, k, v, the mask and the output is cut unevenly, and not by ``axis``: the
+    ranks that pass blocks along ``axis`` then hold the same samples, and the sequence and head
+    dims they exchange are cut evenly."""
+    dims = set(call.builder.uneven.of(call.node))
+    for k in range(len(call.in_specs)):
+        if call.in_specs[k] is not None:
+            dims |= call.uneven_in(k)
+            if 0 in call.uneven_in(k) and getattr(call.in_specs[k][axis], "dim", None) == 0:
+                return False
+    return dims <= {0} and getattr(call.out_spec[axis], "dim", None) != 0
+
+
 def _is_causal(op: OpView) -> bool:
     return bool(op.arg(5, "is_causal", False))
 
@@ -273,6 +287,7 @@ class AttentionRule(OpRule):
                 from runtime.ulysses_attention import UlyssesAttention
 
                 module = UlyssesAttention(call.comm, axis, call.in_specs[0], causal=causal, scale=scale)
+            module.uneven_pieces_ok = _batch_pieces_only(call, axis)
             return call.call_module(module, call.args, call.kwargs)
         p = view.arg(4, "dropout_p", 0.0)
         if not p:

@@ -220,6 +220,9 @@ class OpRule(abc.ABC):
     """May merge into its producer's decision when all its data inputs come from one group."""
     contraction: bool = False
     """Compute-bound (FLOPs run at matmul speed) and costs 2x forward in backward."""
+    differentiable: bool = True
+    """Its output passes gradients back to its inputs (False: ``zeros_like`` and the other
+    factories, whose inputs lend only a shape: no gradient leaves them, none is priced)."""
     unpacks_in_turn: bool = False
     """Its backward is several autograd nodes, each unpacking one saved weight and freeing it
     before the next (the experts op's products): ZeRO-3 copies gathered again one at a time."""

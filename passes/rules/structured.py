@@ -72,6 +72,7 @@ class FactoryRule(OpRule):
     """No data inputs: any placement of the output costs nothing."""
 
     follower = False
+    differentiable = False
 
     def axis_strategies(self, op: OpView) -> list:
         ins = tuple(None for _ in op.in_shapes)

@@ -19,10 +19,11 @@ import torch
 
 from passes.core.placements import P, R, Shard
 from passes.rules.base import AxisStrategy, OpRule, OpView, register
+from runtime.uneven_views import reshape_by_groups
 
 aten = torch.ops.aten
 
-__all__ = ["view_dim_map", "DimMapRule"]
+__all__ = ["view_dim_map", "view_groups", "DimMapRule"]
 
 
 def view_dim_map(in_shape, out_shape) -> dict:
@@ -45,6 +46,40 @@ def view_dim_map(in_shape, out_shape) -> dict:
         if fi is not None and fj is not None:
             mapping[fi] = fj
     return mapping
+
+
+def view_groups(in_shape, out_shape) -> list:
+    """The runs of dims a reshape ``in_shape -> out_shape`` maps onto each other: ``[(input dims,
+    output dims)]`` with equal products, covering every dim of both (size-1 dims join the run
+    before them, or the first): ``[B, kv, rep, S, D] -> [B, kv * rep, S, D]`` is ``[((0,), (0,)),
+    ((1, 2), (1,)), ((3,), (2,)), ((4,), (3,))]``."""
+    groups: list = []
+    i = j = 0
+    while i < len(in_shape) or j < len(out_shape):
+        ins, outs, pi, pj = [], [], 1, 1
+        while True:
+            balanced = bool(ins) and bool(outs) and pi == pj
+            if balanced:  # a run is closed; size-1 dims next to it join it, nothing else
+                if i < len(in_shape) and in_shape[i] == 1:
+                    ins.append(i)
+                    i += 1
+                elif j < len(out_shape) and out_shape[j] == 1:
+                    outs.append(j)
+                    j += 1
+                else:
+                    break
+            elif i < len(in_shape) and (not ins or pi < pj or j >= len(out_shape)):
+                ins.append(i)
+                pi *= in_shape[i]
+                i += 1
+            elif j < len(out_shape):
+                outs.append(j)
+                pj *= out_shape[j]
+                j += 1
+            else:
+                break
+        groups.append((tuple(ins), tuple(outs)))
+    return groups
 
 
 def _norm(dim, rank):
@@ -70,6 +105,10 @@ class DimMapRule(OpRule):
         target, args = call.node.target, list(call.args)
         if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default):
             args[1] = list(call.local_out_shape)
+            if target is not aten.expand.default and args[1].count(-1) > 1:
+                # pieces of unequal size on several dims: each unknown size from its own run of dims
+                groups = view_groups(call.view.in_shapes[0], call.view.out_shapes[0])
+                return call.emit(target=reshape_by_groups, args=(args[0], args[1], groups))
             if target is aten.view.default:
                 # capture saw one device's strides (export drops a .contiguous() it found
                 # redundant there); a rank's local input may come from a collective or a kernel

@@ -12,6 +12,7 @@ per idea:
 * :mod:`~passes.schedules.execution`: the symbolic execution the checker and simulator share;
 * :mod:`~passes.schedules.checker`: :func:`check_schedule`, static rules and deadlocks;
 * :mod:`~passes.schedules.simulator`: :func:`simulate`, timelines and the bubble;
+* :mod:`~passes.schedules.shared_cores`: ranks sharing a CPU host's cores (:class:`SharedCores`);
 * :mod:`~passes.schedules.in_flight`: activations alive per rank and per stage;
 * :mod:`~passes.schedules.schedule_choice`: stage durations from the cost model, and the
   schedule they favour.
@@ -33,6 +34,7 @@ from passes.schedules.schedule import (
     v_shape_stage_to_rank,
 )
 from passes.schedules.schedule_choice import choose_schedule, stage_durations, stage_syncs
+from passes.schedules.shared_cores import SharedCores
 from passes.schedules.simulator import SimulationResult, TimedAction, simulate
 
 __all__ = [
@@ -55,6 +57,7 @@ __all__ = [
     "check_schedule",
     "assert_valid",
     "simulate",
+    "SharedCores",
     "peak_in_flight",
     "stage_in_flight",
     "stage_durations",

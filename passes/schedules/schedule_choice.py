@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from passes.schedules.in_flight import peak_in_flight
 from passes.schedules.registry import AUTO_SCHEDULES, SCHEDULES
+from passes.schedules.shared_cores import SharedCores
 from passes.schedules.simulator import StageTime, simulate
 
 logger = logging.getLogger(__name__)
@@ -49,17 +50,28 @@ def choose_schedule(
     backward: StageTime,
     weight: StageTime,
     sync: StageTime | None = None,
-    cores: int | None = None,
+    cores: int | SharedCores | None = None,
+    comm_time: float = 0.0,
+    transfer_time: StageTime | None = None,
 ) -> tuple:
     """The fastest one-stage-per-rank schedule for these stage durations: each of
     :data:`AUTO_SCHEDULES` is simulated; the shortest step wins, then the fewest microbatches in
     flight on any rank (activation memory), then the order of :data:`AUTO_SCHEDULES`.
-    ``cores``: at most that many ranks compute at once (:func:`simulate`).
+    ``cores``, ``comm_time``, ``transfer_time``: as :func:`simulate` takes them.
     Returns (name, {name: simulated step seconds})."""
     steps, keys = {}, {}
     for order, name in enumerate(AUTO_SCHEDULES):
         sched = SCHEDULES[name].make(p, m, 1)
-        result = simulate(sched, forward, backward, weight, sync_time=sync, cores=cores)
+        result = simulate(
+            sched,
+            forward,
+            backward,
+            weight,
+            comm_time=comm_time,
+            sync_time=sync,
+            cores=cores,
+            transfer_time=transfer_time,
+        )
         steps[name] = result.makespan
         keys[name] = (round(result.makespan, 12), max(peak_in_flight(sched).values()), order)
     return min(AUTO_SCHEDULES, key=keys.__getitem__), steps

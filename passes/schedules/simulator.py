@@ -15,7 +15,7 @@ from passes.schedules.actions import Action, ActionKind
 from passes.schedules.checker import checked_index, deadlock_issues, raise_for_issues
 from passes.schedules.execution import execute_flat
 from passes.schedules.schedule import Schedule
-from passes.schedules.shared_cores import execute_shared
+from passes.schedules.shared_cores import SharedCores, execute_shared
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,26 @@ def _per_stage(value: StageTime, what: str, num_stages: int) -> list:
     return times
 
 
+def _with_sends(schedule: Schedule) -> Schedule:
+    """``schedule`` lowered with its sends and receives, kept on it (as its checked index is: the
+    configuration search replays one schedule with many stage times)."""
+    lowered = schedule.__dict__.get("_with_sends")
+    if lowered is None:
+        from passes.schedules.lowering import add_communication
+
+        lowered = add_communication(schedule)
+        object.__setattr__(schedule, "_with_sends", lowered)
+    return lowered
+
+
+def _transfer(transfers: list | None, action: Action) -> float:
+    """Seconds of a send or receive across its boundary (the lower of its stage and its peer)."""
+    if transfers is None or action.peer is None:
+        return 0.0
+    boundary = min(action.stage, action.peer)
+    return transfers[boundary] if boundary < len(transfers) else 0.0
+
+
 def simulate(
     schedule: Schedule,
     forward_time: StageTime,
@@ -102,7 +122,8 @@ def simulate(
     weight_time: StageTime | None = None,
     comm_time: float = 0.0,
     sync_time: StageTime | None = None,
-    cores: int | None = None,
+    cores: int | SharedCores | None = None,
+    transfer_time: StageTime | None = None,
 ) -> SimulationResult:
     """Replay a valid schedule with durations in seconds.
 
@@ -112,13 +133,22 @@ def simulate(
     dependency that crosses ranks. ``sync_time``: the stage's parameter-gradient reduction, once
     per step, after its rank's last action (:class:`runtime.pipeline.PipelineRunner` moves the
     held sums once the rank has issued everything: no other stage waits for them); it counts as
-    busy time of the rank. Sends and receives
-    take no compute time, but a receive blocks its rank until the message arrives. ``cores``: at
-    most that many actions (and sync tails) compute at once, the rest wait for a core
-    (:mod:`passes.schedules.shared_cores`: ranks that outnumber a CPU host's cores); None: every
-    rank has a device of its own. Raises ``ValueError`` (as :func:`assert_valid`) for an invalid
-    schedule.
+    busy time of the rank. A receive blocks its rank until the message arrives. ``transfer_time``:
+    per boundary ``s`` (between stages ``s`` and ``s + 1``), the seconds a send or a receive of one
+    message across it takes on its rank (a CPU host's gloo messages cost CPU; the schedule is
+    lowered with :func:`add_communication` for them where it has no sends); None: sends and
+    receives take no time. ``cores``: the busy ranks share that many cores (an int, or
+    :class:`SharedCores` with the slowdown of time-sliced cores), each at ``min(1, cores / busy)``
+    of a core (:mod:`passes.schedules.shared_cores`: ranks that outnumber a CPU host's cores);
+    None: every rank has a device of its own. Raises ``ValueError`` (as :func:`assert_valid`) for
+    an invalid schedule.
     """
+    sharing = SharedCores(cores) if isinstance(cores, int) else cores
+    transfers = None if transfer_time is None else _per_stage(transfer_time, "transfer_time", schedule.num_stages)
+    if transfers is not None and not any(transfers):
+        transfers = None
+    if transfers is not None and not schedule.has_communication:
+        schedule = _with_sends(schedule)
     index = checked_index(schedule)
     S = schedule.num_stages
     fwd = _per_stage(forward_time, "forward_time", S)
@@ -131,16 +161,18 @@ def simulate(
     syncs = [0.0] * S if sync_time is None else _per_stage(sync_time, "sync_time", S)
 
     offsets, _, compute = index.flat
-    durations = [table[a.kind][a.stage] if a.is_compute else 0.0 for acts in schedule.actions for a in acts]
+    durations = [
+        table[a.kind][a.stage] if a.is_compute else _transfer(transfers, a) for acts in schedule.actions for a in acts
+    ]
     synced = [sum(syncs[s] for s in schedule.stages_of(r)) for r in range(schedule.num_ranks)]
-    if cores is None:
+    if sharing is None:
         start, end, ptr = execute_flat(schedule, index, durations, comm_time)
     else:
-        start, end, ptr, finish = execute_shared(schedule, index, durations, comm_time, cores, synced)
+        start, end, ptr, finish = execute_shared(schedule, index, durations, comm_time, sharing, synced)
     if any(ptr[r] < len(acts) for r, acts in enumerate(schedule.actions)):
         raise_for_issues(schedule, deadlock_issues(schedule, index))
     stops = offsets[1:] + [len(end)]
-    if cores is None:
+    if sharing is None:
         finish = [max(end[offsets[r] : stops[r]], default=0.0) + synced[r] for r in range(schedule.num_ranks)]
     makespan = max([e for e, c in zip(end, compute) if c] + finish, default=0.0)
     busy = {r: sum(durations[offsets[r] : stops[r]]) + synced[r] for r in range(schedule.num_ranks)}
