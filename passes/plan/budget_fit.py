@@ -22,7 +22,8 @@ the row's limit ``L`` below the budget ``B`` until the plan's walked peak fits. 
 1. **Tighten.** ``L = B - m``, ``m`` the largest transient seen, while the plan's peak is over
    (at most 4 rounds); where ``L`` leaves no plan, ``m`` is halved (twice). A plan over the budget
    whose transient is within ``m`` keeps more than the row holds (the walk counts what the row
-   leaves out): ``m`` then grows to its peak less ``L``, as the same limit would give the same
+   leaves out): ``m`` then grows to its peak less its row's value (``result.row``, else ``L``),
+   so the next limit is below that plan's row by its excess, as the same limit would give the same
    plan again (Llama 3 70B's stage classes solved one limit four times, then took the plan that
    keeps the least). Each limit whose plan
    is over is the new ``over``: a limit known too loose, with that plan's objective, a lower bound
@@ -96,7 +97,7 @@ def fit_peak(result, budget: float, solve, peak_of, least_peak, error, *, least_
             break
         over, bound, margin = limit, retry.objective, budget - limit
         if transient <= margin:  # the walk keeps more than the row holds: the same limit gives the same plan
-            margin = peak - limit
+            margin = peak - getattr(retry, "row", limit)
     if fit is None:
         least = least_peak()
         if least.choice is not None and peak_of(least.choice)[0] <= budget:

@@ -483,7 +483,7 @@ class _Solves:
     def __call__(self, limit, redo, objective=None, zero3=True, nodes=NODE_LIMIT, zero1=True, time_cap=None):
         space, host_budget = self.space, self.host_budget
         forbidden = ([] if zero3 else self.twins) + ([] if zero1 else self.shards)
-        return solve_ilp(
+        result = solve_ilp(
             [g.cost for g in space.groups],
             [g.memory for g in space.groups],
             [(e.src, e.dst, e.src_class, e.dst_class, e.matrix, e.memory) for e in space.edges],
@@ -496,6 +496,18 @@ class _Solves:
             host=([g.host_memory for g in space.groups], host_budget) if host_budget is not None else None,
             time_cap=time_cap,
         )
+        if result.choice is not None:  # the memory row's value (the budget fitting tightens below it)
+            result.row = _row_of(space, result.choice)
+        return result
+
+
+def _row_of(space, choice: list) -> float:
+    """The ILP's memory row at ``choice``: each decision's option and each edge's kept buffers."""
+    row = sum(float(g.memory[i]) for g, i in zip(space.groups, choice))
+    for e in space.edges:
+        if e.memory is not None:
+            row += float(e.memory[e.src_class[choice[e.src]], e.dst_class[choice[e.dst]]])
+    return row
 
 
 def _solve_within_budget(solve: _Solves, cap, budget, recompute, activation_copies, holds_gradient_sums, mesh_shape):
