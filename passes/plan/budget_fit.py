@@ -110,12 +110,14 @@ def fit_peak(result, budget: float, solve, peak_of, least_peak, error, *, least_
         )
     best, relaxed = _relax(fit, limit, over, bound, budget, solve, peak_of, ties)
     logger.info(
-        "peak fitted in %d re-solves (row limit %.0f of %.0f bytes), %d more relaxing it%s",
+        "peak fitted in %d re-solves (row limit %.0f of %.0f bytes), %d more relaxing it%s; ties: %d solved, %d fit",
         solves,
         limit,
         budget,
         relaxed,
         f": {fit.objective / best.objective:.3f}x faster" if best is not fit else "",
+        ties.solves,
+        ties.fits,
     )
     return best
 
@@ -160,7 +162,7 @@ class _Ties:
 
     def __init__(self, least_as_fast, peak_of, budget: float, least_kept: float):
         self.least_as_fast, self.peak_of, self.budget, self.least_kept = least_as_fast, peak_of, budget, least_kept
-        self.solves = 0
+        self.solves = self.fits = 0
 
     def that_fits(self, over, limit: float, peak: float, transient: float):
         """The tie of ``over`` (peak ``peak``, of which ``transient`` transient) under row limit
@@ -169,4 +171,7 @@ class _Ties:
             return None
         self.solves += 1
         tie = self.least_as_fast(limit, over.objective * (1 + TIE))
-        return tie if tie.choice is not None and self.peak_of(tie.choice)[0] <= self.budget else None
+        if tie.choice is None or self.peak_of(tie.choice)[0] > self.budget:
+            return None
+        self.fits += 1
+        return tie
