@@ -29,7 +29,8 @@ How it measures
 5. **CPU time per action** (``time.thread_time()`` on the rank's main thread, one torch thread
    per rank), beside the seconds the plan prices for it: per stage ``F``, ``I``, ``W`` (or ``B``),
    its sends and receives (priced at a message's CPU at one end; the thread's time leaves out
-   gloo's own threads, which the price counts) and every rank's optimizer step for a pipeline,
+   gloo's own threads, which the price counts), every rank's optimizer step and the step's CPU
+   outside its actions (:data:`OUTSIDE`, not priced apart) for a pipeline,
    forward / backward / optimizer for an intra-op plan (its communication is priced in the
    estimate, not timed apart). On a busy machine the wall-clock step is not comparable to the
    estimate; a thread's CPU time is much less distorted (what another process does is not
@@ -121,14 +122,23 @@ def _intra_op_prices(pm) -> dict:
     }
 
 
+OUTSIDE = "train_step outside its actions"
+"""The CPU seconds of a pipeline's ``train_step`` beyond its actions (the interpreter's loop, the
+receives posted, the held reductions and the loss broadcast): not priced apart."""
+
+
 def _timed_pipeline(runner, cpu: dict):
-    """Wrap the runner's action interpreter: CPU seconds per ``<stage><kind>`` into ``cpu``."""
+    """Wrap the runner's action interpreter: CPU seconds per ``<stage><kind>`` into ``cpu``, and
+    their sum over the step in ``runner.bench_in_actions`` (for :data:`OUTSIDE`)."""
     run = runner._run
+    runner.bench_in_actions = 0.0
 
     def timed(action, step, posted):
         t0 = time.thread_time()
         run(action, step, posted)
-        cpu.setdefault(f"{action.stage}{_action_kind(action)}", []).append(time.thread_time() - t0)
+        spent = time.thread_time() - t0
+        cpu.setdefault(f"{action.stage}{_action_kind(action)}", []).append(spent)
+        runner.bench_in_actions += spent
 
     runner._run = timed
 
@@ -140,7 +150,9 @@ def _step(pm, opt, ids, targets, cpu: dict) -> float:
     start = time.perf_counter()
     opt.zero_grad()
     if hasattr(pm, "train_step"):
+        pm.bench_in_actions, t0 = 0.0, time.thread_time()
         pm.train_step((ids, targets))
+        cpu.setdefault(OUTSIDE, []).append(time.thread_time() - t0 - pm.bench_in_actions)
     else:
         t0 = time.thread_time()
         loss = pm(ids, targets)

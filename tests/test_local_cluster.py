@@ -27,8 +27,14 @@ def empty_cache(tmp_path, monkeypatch):
 
 
 def _job_rank(rank, world):
+    import torch
+
+    torch.manual_seed(5)
     spec = local_cluster.job_cluster("cpu")
     again = local_cluster.job_cluster("cpu")  # cached now: read, not measured
+    drawn = torch.rand(3)
+    torch.manual_seed(5)
+    assert torch.equal(drawn, torch.rand(3)), "measuring in the job moved its random number generator"
     return spec.to_dict(), again.to_dict()
 
 

@@ -153,11 +153,15 @@ def measure_in_group(sizes: dict | None = None, *, progress: bool = False) -> di
     """:func:`measure` by the ranks of the running job's default process group (collective: every
     rank calls it), without forking: rank 0's view of the slowest rank. The fresh-allocation
     samples are left out (they fix glibc's mmap threshold, which a running job must not have
-    changed under it), so ``fresh_page_s_per_byte`` fits to 0."""
+    changed under it), so ``fresh_page_s_per_byte`` fits to 0. The job's random number generator
+    is left as it was: the samples' random operands come from a forked state (ranks draw different
+    amounts, and the user's next draws must not depend on whether a measurement ran)."""
+    import torch
     import torch.distributed as dist
 
     merged = dict(DEFAULT_SIZES, **(sizes or {}))
-    return rank_samples(dist.get_rank(), dist.get_world_size(), merged, progress)
+    with torch.random.fork_rng(devices=[]):
+        return rank_samples(dist.get_rank(), dist.get_world_size(), merged, progress)
 
 
 def median_samples(passes: list):
