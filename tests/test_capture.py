@@ -1,6 +1,7 @@
 """Capture: nn.Module + example inputs -> aten-level fx graph, clear errors, fingerprints."""
 from __future__ import annotations
 
+import logging
 import resource
 
 import pytest
@@ -94,6 +95,31 @@ def test_export_failure_is_a_clear_capture_error(model_cls, x):
 def test_plan_reports_capture_error():
     with pytest.raises(partitioner.CaptureError, match="BranchOnValue"):
         partitioner.plan(BranchOnValue(), (torch.randn(2, 4),), mesh_shape=(2,))
+
+
+class RecordsTorchLogging(nn.Module):
+    """Records, while it is exported, which torch loggers would still print an error."""
+
+    def __init__(self, names):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.names, self.loud = names, set()
+
+    def forward(self, x):
+        self.loud |= {n for n in self.names if logging.getLogger(n).isEnabledFor(logging.ERROR)}
+        return self.lin(x)
+
+
+def test_capture_silences_every_torch_logger_and_restores_their_levels():
+    own = logging.getLogger("torch._partita_test.own_level")  # a level of its own, and a child without one
+    own.setLevel(logging.INFO)
+    names = ["torch", "torch._dynamo", "torch._partita_test.own_level", "torch._partita_test.own_level.child"]
+    before = {n: logging.getLogger(n).level for n in names}
+    model = RecordsTorchLogging(names)
+    capture(model, (torch.randn(2, 4),))
+    assert model.loud == set()
+    assert {n: logging.getLogger(n).level for n in names} == before
+    assert logging.getLogger("torch._partita_test.own_level.child").isEnabledFor(logging.INFO)
 
 
 @pytest.mark.parametrize("bad", [42, "input_ids", None])
