@@ -63,6 +63,31 @@ def test_a_tie_that_keeps_less_is_taken_in_one_re_solve():
     assert got.choice == 50.0 and solves == [] and asked == [(100.0, pytest.approx(10.0 * (1 + budget_fit.TIE)))]
 
 
+def test_no_tie_is_solved_where_the_kept_bytes_it_can_give_up_do_not_cover_the_excess():
+    # peak 140 at limit 100 (transient 40): over the budget by 40; every plan keeps at least 80, so a
+    # tie (which changes what is kept, not the transient) gives up at most 20: not solved; with a
+    # least of 50 it could give up 50, and it is solved
+    for least_kept, solved in ((80.0, 0), (50.0, 1)):
+        solve, peak_of, _ = _made_up(lambda limit: 40.0)
+        asked = []
+
+        def least_as_fast(limit, seconds):
+            asked.append(limit)
+            return _Result(0.0)  # no tie found
+
+        budget_fit.fit_peak(
+            _Result(100.0),
+            100.0,
+            solve,
+            peak_of,
+            lambda: None,
+            InfeasibleBudgetError,
+            least_as_fast=least_as_fast,
+            least_kept=least_kept,
+        )
+        assert asked[:1] == [100.0] * solved and (solved or not asked)
+
+
 def test_no_limit_fits_the_least_plan_or_a_clear_error():
     solve, peak_of, _ = _made_up(lambda limit: 1000.0)
     with pytest.raises(InfeasibleBudgetError, match="no plan found whose peak fits"):
@@ -90,3 +115,21 @@ def test_gpt_under_half_the_state_takes_the_faster_plan_that_fits(fake_process_g
         assert plan.estimate().memory_bytes <= budget
     faster = tightened.data["stats"]["objective_s"] / relaxed.data["stats"]["objective_s"]
     assert faster > 1.05, faster
+
+
+def test_a_plan_keeping_more_than_its_row_tightens_by_its_excess_not_the_same_limit_again():
+    # the walk keeps 20 more than the row (limit) holds, with a transient of 10: tightening by the
+    # transient alone would solve limit 90 again and again (the same plan, peak 120); the excess
+    # over the budget lowers it to 70, whose plan (peak 100) fits
+    solves = []
+
+    def solve(limit):
+        solves.append(limit)
+        return _Result(limit)
+
+    def peak_of(limit):
+        return limit + 20.0 + 10.0, 10.0
+
+    got = budget_fit.fit_peak(_Result(100.0), 100.0, solve, peak_of, lambda: None, InfeasibleBudgetError)
+    assert solves[:2] == [90.0, 70.0] and len(set(solves)) == len(solves)
+    assert peak_of(got.choice)[0] <= 100.0

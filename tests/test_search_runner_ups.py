@@ -149,3 +149,21 @@ def test_the_least_ratio_of_a_kind_prunes_only_after_two_of_its_plans_and_zero_1
     loop = PlanningLoop(None, bounds, 80.0, [zero0, zero1, other], 5)
     loop.pair_zero_twins(loop.cands)
     assert sorted([zero0, other, zero1], key=loop.order) == [zero1, zero0, other]
+
+
+def test_a_runner_up_expected_within_the_gain_or_already_planned_is_explained_not_planned():
+    from dataclasses import replace
+
+    from partitioner.search.runner_ups import GAIN
+
+    best = _cand(1, 1.0, step=1.5)  # 1.5x: the median ratio
+    marginal = _cand(2, 1.0 - GAIN / 3)  # expected 1.5 * (1 - GAIN / 3): within GAIN of the best step
+    asked = _cand(4, 0.5, step=0.75)  # planned (1.5x): asked ZeRO-3, ran as ZeRO-2 (its config records it)
+    asked.config = replace(asked.config, zero=2)
+    same = _cand(8, 0.5)  # expected 0.75 < 1.5, but the configuration asked ran as
+    same.config = asked.config
+    cands = [best, marginal, asked, same]
+    assert runner_up(cands, best, allowed=True) is None
+    explain_runner_ups(cands, best)
+    assert f"within {GAIN:.0%} of the chosen step 1.500 s" in marginal.reason
+    assert "its configuration is one planned" in same.reason
