@@ -15,6 +15,9 @@ failed in backward. Here:
   doing it trains like one device; ``x += y; return x`` (Falcon) is left free;
 * a softmax whose reduced dim both axes cut (``[S(1), S(1)]``, XGLM's attention under the memory
   objective): its row statistics sent what the estimate says (it had halved them);
+* a value written in place into a tensor made from nothing that needs a gradient
+  (RecurrentGemma's scan: ``out = zeros_like(x)``, ``out[:, t] = h``): that tensor carries a
+  gradient, so a partial one sent back to it is summed (it was not: wrong gradients upstream);
 * Mistral planned with ``objective="memory"`` on (2, 2): loss and every gradient equal the
   single-device model's, and the communication counted at run time equals the plan's estimate.
 """
@@ -26,6 +29,7 @@ import pytest
 import torch
 from parity_utils import Checks, call, check_grads_by_alias, loss_of, nested_approx_equal, prebuilt, run_checked
 
+from benchmarks.zoo_families import RECURRENT
 from partitioner import hf_families
 from passes.core.placements import P, R, Shard, format_spec, spec_fits, transition_steps
 
@@ -182,7 +186,7 @@ def memory_objective_worker(rank, world, cfg):
         _edge_checks(MeshComm(_device_mesh(cfg["mesh"], ("a0", "a1"), "cpu")), checks)
         _shifted_labels_checks(checks)
         _softmax_rows_checks(checks)
-    model, inputs = prebuilt(cfg["family"]) or hf_families.build(cfg["family"])
+    model, inputs = prebuilt(cfg["family"]) or hf_families.build(cfg["family"], spec=cfg.get("spec"))
     ref = copy.deepcopy(model)
     pm = partitioner.auto_parallelize(
         model, inputs, mesh=cfg["mesh"], cluster="h100", recompute="none", zero=2, objective="memory"
@@ -276,7 +280,6 @@ def test_a_factory_like_op_needs_no_gradient():
     assert info(by_target[torch.ops.aten.cat.default]).requires_grad
 
 
-
 class FourierMix(torch.nn.Module):
     """FNet's token mixing: the real part of a 2-D FFT, complex in between."""
 
@@ -299,3 +302,40 @@ def test_a_complex_value_passes_its_gradient_on():
     analyze(cap)
     ffts = [n for n in cap.graph.nodes if "fft" in str(n.target)]
     assert ffts and all(info(n).requires_grad for n in ffts), [(n.target, info(n).requires_grad) for n in ffts]
+
+
+class ScanInto(torch.nn.Module):
+    """RecurrentGemma's scan: each step written in place into a ``zeros_like``, which is read on."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        h = self.a(x)
+        out = torch.zeros_like(h)
+        for t in range(h.shape[1]):
+            out[:, t] = h[:, t] * 2
+        return (out * x).sum()
+
+
+# the held-out zoo's RecurrentGemma: a recurrent block (its scan is ScanInto's), an attention block
+RECURRENT_GEMMA = RECURRENT["recurrent_gemma"]
+
+
+def test_a_tensor_written_with_a_gradient_carries_one():
+    """``zeros_like`` needs no gradient of its own, but one written into it in place makes it,
+    its views and the ops reading it carry one: the edges out of it moved no gradient back, and
+    RecurrentGemma planned with ``objective="memory"`` on (2, 2) (``x_branch * y_branch`` partial,
+    its partial gradient sent into the scan unsummed) trained its embedding and recurrent block on
+    wrong gradients, a silent wrong answer; there, loss and every gradient now equal one device's."""
+    from passes.analysis.analyze import analyze, info
+    from passes.capture.capture import capture
+
+    cap = capture(ScanInto(), (torch.randn(2, 3, WIDTH),))
+    analyze(cap)
+    (zeros,) = [n for n in cap.graph.nodes if n.target is torch.ops.aten.zeros_like.default]
+    assert info(zeros).requires_grad and all(info(u).requires_grad for u in zeros.users), list(zeros.users)
+    cfg = {"family": "recurrent_gemma", "spec": RECURRENT_GEMMA, "mesh": (2, 2), "small_cases": False}
+    build = lambda: hf_families.build("recurrent_gemma", spec=RECURRENT_GEMMA, seq=8)  # noqa: E731
+    run_checked(memory_objective_worker, cfg, TIMEOUT_S, prebuild=("recurrent_gemma", build))

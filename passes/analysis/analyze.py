@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from passes.analysis.gradient_reach import prune_unreached_gradients
+from passes.analysis.mutated_aliases import alias_classes
 from passes.analysis.saved_tensors import saves_of
 from passes.capture.capture import CapturedGraph
 from passes.core.node_info import META_KEY, NodeInfo, info
@@ -71,8 +72,6 @@ def analyze(cap: CapturedGraph) -> None:
             node.meta[META_KEY] = NodeInfo("ignored", node.name, module_path_of(node), (), None)
         else:
             rule = rule_for(node)
-            grads = any(isinstance(a, fx.Node) and info(a).requires_grad for a in node.all_input_nodes)
-            floating = dtype is not None and (dtype.is_floating_point or dtype.is_complex)  # fft: complex grads
             node.meta[META_KEY] = NodeInfo(
                 "op",
                 node.name,
@@ -80,9 +79,10 @@ def analyze(cap: CapturedGraph) -> None:
                 shapes,
                 dtype,
                 flops=rule.flops(op_view(node)),
-                requires_grad=grads and floating and rule.differentiable,
+                requires_grad=_gets_grad(node, dtype),
                 rate_key=rate_key(node),
             )
+    _grads_through_writes(cap.graph)
     prune_unreached_gradients(cap.graph)
     autocast = getattr(cap, "autocast_dtype", None)
     for node in cap.graph.nodes:
@@ -99,6 +99,39 @@ def analyze(cap: CapturedGraph) -> None:
             info(storage_owner(inputs[k])).saved = True
         if saves.outputs:
             info(node).saved = True
+
+
+def _floating(dtype) -> bool:
+    return dtype is not None and (dtype.is_floating_point or dtype.is_complex)  # fft: complex grads
+
+
+def _gets_grad(node: fx.Node, dtype) -> bool:
+    """Autograd records ``node``: an input needs a gradient, its output is floating point, its rule
+    passes one back."""
+    grads = any(isinstance(a, fx.Node) and info(a).requires_grad for a in node.all_input_nodes)
+    return grads and _floating(dtype) and rule_for(node).differentiable
+
+
+def _grads_through_writes(graph: fx.Graph) -> None:
+    """A value that needs a gradient written in place into another tensor (RecurrentGemma's scan:
+    ``out = zeros_like(x)``, ``out[:, t] = h``) makes that tensor and every alias of it carry
+    one, though it was made from nothing that needs one; so do, in turn, the ops reading them.
+    Without this the edges out of ``out`` carry no gradient and a partial one sent back along
+    them is never summed: a silently wrong gradient upstream. Repeated until nothing changes."""
+    classes, writers = alias_classes(graph)
+    changed = True
+    while changed:
+        changed = False
+        for node in graph.nodes:
+            i = info(node)
+            if i.kind == "op" and not i.requires_grad and _gets_grad(node, i.dtype):
+                i.requires_grad = changed = True
+        for writer in writers:
+            if info(writer).requires_grad:
+                for member in classes[writer]:
+                    m = info(member)
+                    if m.kind == "op" and not m.requires_grad and _floating(m.dtype):
+                        m.requires_grad = changed = True
 
 
 def storage_owner(node: fx.Node) -> fx.Node:

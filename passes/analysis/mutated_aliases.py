@@ -27,7 +27,7 @@ from passes.core.placements import replicated
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["mutated_alias_pins"]
+__all__ = ["alias_classes", "mutated_alias_pins"]
 
 
 def _schema(node: fx.Node):
@@ -65,8 +65,8 @@ def _observed(writer: fx.Node, aliases: list, order: dict) -> bool:
     return any(order[user] > order[writer] for member in aliases if member is not writer for user in member.users)
 
 
-def mutated_alias_pins(graph: fx.Graph, mesh_ndim: int) -> dict:
-    """``{node: replicated spec}`` for every node aliasing a tensor some op writes in place."""
+def alias_classes(graph: fx.Graph) -> tuple[dict, list]:
+    """``({node: the nodes sharing its storage, in graph order}, [nodes writing an argument in place])``."""
     parent: dict = {}
 
     def find(n):
@@ -84,12 +84,21 @@ def mutated_alias_pins(graph: fx.Graph, mesh_ndim: int) -> dict:
             parent[find(node)] = find(base)
         if _written_arguments(node, schema):
             writers.append(node)
-    order = {n: k for k, n in enumerate(graph.nodes)}
-    classes: dict = {}
+    by_root: dict = {}
     for node in graph.nodes:
-        classes.setdefault(find(node), []).append(node)
-    roots = {find(w) for w in writers if _observed(w, classes[find(w)], order)}
-    members = [n for n in graph.nodes if find(n) in roots and isinstance(n.meta.get("val"), torch.Tensor)]
+        by_root.setdefault(find(node), []).append(node)
+    return {node: by_root[find(node)] for node in graph.nodes}, writers
+
+
+def mutated_alias_pins(graph: fx.Graph, mesh_ndim: int) -> dict:
+    """``{node: replicated spec}`` for every node aliasing a tensor some op writes in place."""
+    classes, writers = alias_classes(graph)
+    order = {n: k for k, n in enumerate(graph.nodes)}
+    pinned: dict = {}
+    for w in writers:
+        if _observed(w, classes[w], order):
+            pinned.update({id(n): n for n in classes[w]})
+    members = [n for n in graph.nodes if id(n) in pinned and isinstance(n.meta.get("val"), torch.Tensor)]
     if members:
         logger.info("kept replicated, written in place through aliases: %s", ", ".join(n.name for n in members))
     return {n: replicated(mesh_ndim) for n in members}
