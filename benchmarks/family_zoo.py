@@ -82,6 +82,17 @@ def bf16_worker(rank, world, cfg):
     return {"failures": checks.failures, "fallbacks": []}
 
 
+def _step_matches(pm, ref, inputs, checks, label: str) -> None:
+    """One forward and backward of the parallel model and of its one-device copy on ``inputs``:
+    the loss (as ``label``) and every gradient compared in ``checks``."""
+    loss = loss_of(call(pm, inputs))
+    loss.backward()
+    ref_loss = loss_of(call(ref, inputs))
+    ref_loss.backward()
+    checks.close(label, loss.detach(), ref_loss.detach())
+    check_grads_by_alias(pm.full_grads(), ref, checks)
+
+
 def serve_worker(rank, world, cfg):
     import partitioner
 
@@ -90,12 +101,7 @@ def serve_worker(rank, world, cfg):
     ref = copy.deepcopy(model)
     pm = partitioner.auto_parallelize(model, inputs, **cfg["options"])
     _, other = hf_families.build(cfg["family"], spec=cfg["spec"], batch=6, seq=24, seed=3)
-    loss = loss_of(call(pm, other))
-    loss.backward()
-    ref_loss = loss_of(call(ref, other))
-    ref_loss.backward()
-    checks.close("loss at batch 6, seq 24", loss.detach(), ref_loss.detach())
-    check_grads_by_alias(pm.full_grads(), ref, checks)
+    _step_matches(pm, ref, other, checks, "loss at batch 6, seq 24")
     return {"failures": checks.failures, "fallbacks": []}
 
 
@@ -106,12 +112,7 @@ def grid_worker(rank, world, cfg):
     model, inputs = hf_families.build(cfg["family"], spec=cfg["spec"], batch=2)
     ref = copy.deepcopy(model)
     pm = partitioner.auto_parallelize(model, inputs, mesh=(2, 2, 2), cluster="h100", tensor_parallel=cfg["options"])
-    loss = loss_of(call(pm, inputs))
-    loss.backward()
-    ref_loss = loss_of(call(ref, inputs))
-    ref_loss.backward()
-    checks.close("loss", loss.detach(), ref_loss.detach())
-    check_grads_by_alias(pm.full_grads(), ref, checks)
+    _step_matches(pm, ref, inputs, checks, "loss")
     grids = sorted({r["tensor_parallel"] for r in pm.plan.records if r.get("tp_roles")})
     checks.true(f"no {cfg['options']} matmul in the plan (grids {grids})", cfg["options"] in grids)
     return {"failures": checks.failures, "fallbacks": []}
