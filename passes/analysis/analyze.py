@@ -119,6 +119,8 @@ def _grads_through_writes(graph: fx.Graph) -> None:
     Without this the edges out of ``out`` carry no gradient and a partial one sent back along
     them is never summed: a silently wrong gradient upstream. Repeated until nothing changes."""
     classes, writers = alias_classes(graph)
+    if not writers:  # nothing written in place: the forward walk in analyze() already settled every node
+        return
     changed = True
     while changed:
         changed = False
