@@ -54,11 +54,14 @@ def test_keep_mask_drops_beyond_capacity_first_choices_first():
 def test_dropped_pairs_contribute_nothing():
     g = torch.Generator().manual_seed(2)
     experts, hidden, inner, tokens, k = 4, 8, 6, 12, 2
-    x = torch.randn(tokens, hidden, generator=g, requires_grad=True)
+    # float64: the two calls sum an expert's rows in different groupings, and float32's rounding
+    # of that (a few 1e-5 on some machines' kernels) is not what is checked
+    f64 = dict(dtype=torch.float64, generator=g)
+    x = torch.randn(tokens, hidden, **f64, requires_grad=True)
     index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
-    weights = torch.rand(tokens, k, generator=g)
-    gate_up = torch.randn(experts, 2 * inner, hidden, generator=g, requires_grad=True)
-    down = torch.randn(experts, hidden, inner, generator=g, requires_grad=True)
+    weights = torch.rand(tokens, k, **f64)
+    gate_up = torch.randn(experts, 2 * inner, hidden, **f64, requires_grad=True)
+    down = torch.randn(experts, hidden, inner, **f64, requires_grad=True)
     dropped = drop_over_capacity(index, experts, 0.5)
     assert 0 < int((dropped == experts).sum()) < tokens * k
     ours = experts_forward(x, dropped, weights, gate_up, down, "silu")
