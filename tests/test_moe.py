@@ -323,7 +323,10 @@ def test_replicated_experts_cannot_meet_the_search_budget():
 def searched_worker(rank, world, cfg):
     checks = Checks(rank)
     model, inputs, budget = _one_layer_moe()
-    pm, ref = parallel_beside_one_device(model, inputs, memory_budget=budget)  # no mesh: searched
+    # no mesh: searched; recompute="none": what is searched here is the expert degree (replicated
+    # experts miss the budget with or without recomputation), and each recompute mode is a planning
+    # of every configuration (test_search_whole_model.py searches the modes)
+    pm, ref = parallel_beside_one_device(model, inputs, memory_budget=budget, recompute="none")
     counted, estimated = first_step_like_one_device(pm, ref, inputs, checks), pm.plan.estimate().comm_bytes
     sent = dict(counted.get("all_to_all", {}))
     counted = {k: v for k, v in counted.items() if k != "all_to_all"}
