@@ -207,8 +207,7 @@ def pipeline_case(model, mesh, schedule, microbatches, *, n_layer=4, virtual_sta
 CONFIGS = [
     # hand-written GPT: every schedule on 2 stages, and 8 stages interleaved on 4 ranks
     pipeline_case("gpt", (2,), "gpipe", 4),
-    # 1F1B on 2 stages with more microbatches than stages runs in the everyday tier as captured-by-blocks
-    slow_tier(pipeline_case("gpt", (2,), "1f1b", 8)),
+    pipeline_case("gpt", (2,), "1f1b", 8),
     pipeline_case("gpt", (2,), "interleaved", 4, virtual_stages=2),
     pipeline_case("gpt", (2,), "zb-h1", 4),
     pipeline_case("gpt", (2,), "1f1b", 4, layers="blocks", note="captured-by-blocks"),
