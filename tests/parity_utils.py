@@ -32,6 +32,7 @@ import torch.export._trace  # noqa: F401
 import transformers  # noqa: F401,E402
 from support import is_replicated
 from transformers import BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM, ViTForImageClassification  # noqa: F401,E402
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping  # noqa: E402
 
 # Import everything the ranks use before forking: every forked worker would otherwise import
 # torch.export / dynamo / sympy / scipy / transformers on its own (about 15 s on 2 cores).
@@ -40,6 +41,11 @@ from partitioner import models
 from partitioner.captures import capture, keep_captures
 from partitioner.pipeline_parallelize import capture_pipeline
 from runtime.collectives import CommCounter
+
+# Every rank's auto_parallelize reads the keys transformers renames in checkpoints
+# (partitioner.state_names); transformers builds its table of them (thousands of regular
+# expressions, 0.09 CPU-s) on first use. Built here once, each forked rank inherits it.
+get_checkpoint_conversion_mapping("gpt2")
 
 # ------------------------------------------------------------------------------------ models
 
