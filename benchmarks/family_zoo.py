@@ -27,7 +27,8 @@ one forked group of gloo ranks:
 One line per family and layout: ``OK``, ``FAIL`` with the first mismatches, or ``ERROR`` with the
 message; with ``--out PREFIX`` also ``PREFIX.json`` (every row) and ``PREFIX.md`` (the table). The
 rows hold the seconds each run took and the machine's load average when it ended: these are CPU
-timings on a shared machine, context only. Results: ``benchmarks/results/2026-12-03-family_zoo.md``.
+timings on a shared machine, context only. Results: ``benchmarks/results/2026-12-03-family_zoo.md``,
+``benchmarks/results/2026-12-04-family_zoo-reference.md`` (the float64 judge).
 """
 
 from __future__ import annotations

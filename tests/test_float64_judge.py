@@ -96,7 +96,7 @@ def test_the_judge_accepts_batch_norm_rounding_and_rejects_a_gradient_one_percen
     assert len(clean["ratios"]) == STEPS + STEPS * params + params, sorted(clean["ratios"])
 
     assert f"grad of {DEFECT}" in defect["fp32_failures"], defect["fp32_failures"]
-    assert defect["verdict"].startswith("float64 judge rejected"), defect["verdict"]
+    assert defect["verdict"].startswith("float64 judge rejected ("), defect["verdict"]
     scaled = defect["ratios"][f"grad of {DEFECT} at step 0"]
     assert scaled > 10 * FACTOR, scaled
     assert any(f"float64 judge: grad of {DEFECT} at step 0" in f for f in defect["failures"]), defect["failures"]
