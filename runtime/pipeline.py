@@ -177,11 +177,13 @@ class StageProgram(torch.nn.Module):
                 yield placeholder, p
 
     def gathered(self, grads: bool) -> dict:
-        """Whole parameters (or their gradients) of this stage, gathered over its sub-mesh."""
+        """Whole parameters (or their gradients) of this stage, gathered over its sub-mesh; with
+        ``grads``, a parameter no gradient reached has no entry (its ``.grad`` is None)."""
         out = {}
         for placeholder, fqn, p in self._distinct_params():
-            value = (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p.detach()
-            out[fqn] = gather_tensor(value, self.input_specs[placeholder], self.comm, self.strided.get(fqn))
+            value = p.grad if grads else p.detach()
+            if value is not None:  # the same on every rank of the stage: they run one program
+                out[fqn] = gather_tensor(value, self.input_specs[placeholder], self.comm, self.strided.get(fqn))
         return out
 
     def state_layouts(self) -> dict:
