@@ -383,6 +383,8 @@ class _Step:
 class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
     """Runs a schedule's actions for this rank; ``train_step(batch)`` -> the batch loss."""
 
+    unstaged: UnstagedState
+
     def __init__(
         self,
         *,
