@@ -83,8 +83,25 @@ def resolve_pins(cap, pins: dict, ndim: int) -> dict:
                 f"look like {module_paths[:3]}"
             )
         for node in targets:
+            _check_pin_fits(key, value, spec, node)
             resolved[node] = spec
     return resolved
+
+
+def _check_pin_fits(key: str, value, spec, node) -> None:
+    """A pin that shards a dim its tensor lacks (a glob that also matches a 0-d buffer such as
+    ``num_batches_tracked``) is refused here, naming the pin and the tensor: the planner would
+    fail deep inside with an index error."""
+    shape = info(node).shape
+    ndim = len(shape) if shape is not None else 0
+    for p in spec:
+        dim = getattr(p, "dim", None)
+        if dim is not None and not 0 <= dim < ndim:
+            raise ValueError(
+                f"pin {key!r} = {value!r} shards dim {dim} of {info(node).name or node.name!r}, whose shape is "
+                f"{tuple(shape or ())}: it has no dim {dim}; narrow the pattern (e.g. '*.weight') or pin that "
+                "tensor on its own"
+            )
 
 
 def plan_captured(

@@ -30,13 +30,16 @@ from partitioner.pipeline_shapes import StageShapes, receive_buffers
 from partitioner.pipeline_simulation import largest_message, stage_plans_messages
 from partitioner.sharding_plan import ShardingPlan
 from partitioner.stage_boundaries import plan_stages_in_turn, shared_weights
+from partitioner.state_names import tied_names
 from partitioner.weights import load_local_weights
 from passes.analysis.analyze import info
+from passes.core.placements import replicated
 from passes.lower.lower_to_local import lower_to_local
 from passes.rules import tensor_input_nodes
 from runtime.collectives import MeshComm, on_rank0
 from runtime.pipeline import PipelineRunner, StageProgram
 from runtime.reshard import Reshard
+from runtime.unstaged_state import UnstagedState
 
 __all__ = ["PipelineConfig", "build_pipeline", "capture_pipeline"]
 
@@ -181,6 +184,7 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, options: PlanO
     if schedule is None:
         config, schedule = _choose(config, plans, graphs, carried)
     stages = _build_stages(graphs, plans, schedule, full.coords[0], sub, source, cap, tied, device, precision)
+    unstaged = _unstaged_state(model, graphs, source, sub if full.coords[0] == 0 else None, device, cap.exported)
     return PipelineRunner(
         stages=stages,
         schedule=schedule,
@@ -194,6 +198,7 @@ def build_pipeline(model, example_inputs, *, device_mesh, config, options: PlanO
         carried_meta=carried,
         plan={"stages": plans, "schedule": schedule, "layers": runs},
         tied=_tied_groups(tied, graphs, schedule, full),
+        unstaged=unstaged,
         specialize=StageShapes(
             model,
             graphs=graphs,
@@ -358,6 +363,31 @@ def _build_stages(graphs, plans, schedule, pp_coord, sub, source, cap, tied, dev
         if precision is not None:  # ZeRO-1 weights' reductions too
             stage.optimizer_shards.reduce_dtype = precision.grad_reduce_dtype
     return owned
+
+
+def _unstaged_state(model, graphs, source, first_stage_mesh, device, exported) -> UnstagedState:
+    """The model's ``state_dict()`` names no stage reads (:mod:`runtime.unstaged_state`): a tied
+    name whose other name a stage holds is an alias of it; the rest, unread state, is loaded whole
+    on the first pipeline rank (``first_stage_mesh``: its stage mesh; None on the other ranks)."""
+    names = tuple(model.state_dict(keep_vars=True))
+    staged = {fqn for g in graphs for fqn in (*g.captured.params.values(), *g.captured.buffers.values())}
+    others = tied_names(model)
+    aliases, unread = {}, []
+    for name in names:
+        if name in staged:
+            continue
+        held = next((o for o in others.get(name, []) if o in staged), None)
+        if held is not None:
+            aliases[name] = held
+        else:
+            unread.append(name)
+    if unread:
+        logger.info("pipeline: %d tensors no stage reads, held by the first stage: %s", len(unread), unread[:5])
+    if first_stage_mesh is None:
+        return UnstagedState(names, aliases)
+    spec = replicated(first_stage_mesh.ndim)
+    tensors = {name: source.piece(name, spec, first_stage_mesh, {}, exported)[0].to(device) for name in unread}
+    return UnstagedState(names, aliases, tensors, first_stage_mesh)
 
 
 def _loss_name(last) -> str:

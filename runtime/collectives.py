@@ -220,6 +220,18 @@ def all_reduce_(x: torch.Tensor, comm: MeshComm, axis: int, phase: str, op=dist.
     return x
 
 
+def all_gather_stacked(x: torch.Tensor, comm: MeshComm, axis: int, phase: str) -> torch.Tensor:
+    """Every rank's ``x`` on one mesh axis, stacked along a new first dim in coordinate order
+    (counted: the gathered bytes)."""
+    n = comm.shape[axis]
+    if n == 1:
+        return x.unsqueeze(0)
+    out = x.new_empty(n * x.numel())
+    record_collective("all_gather", comm.axis_names[axis], _nbytes(out), phase)
+    _all_gather_single(out, x.contiguous().view(-1), group=comm.groups[axis])
+    return out.view((n,) + tuple(x.shape))
+
+
 def _strided_order(x, dim, pieces, n, inverse=False):
     """Reorder ``dim`` (``pieces`` equal pieces, each cut in ``n`` blocks) so that block ``c`` of
     every piece lies in the ``c``-th contiguous ``1/n`` of the dim (``inverse``: back)."""

@@ -11,8 +11,9 @@ issue are the ones the rules priced (``AxisStrategy.extra``):
 * :class:`ShardedCrossEntropy`: class-sharded logits (all-reduce row max, sum of exponentials
   and target logit) and/or batch-sharded rows (all-reduce the (loss sum, target count) pair
   once, so means over ``ignore_index``-masked targets stay exact).
-* :class:`SyncBatchNorm`: batch-sharded training batch norm: all-reduce per-channel sum and
-  sum of squares forward, the two gradient sums backward.
+* :class:`SyncBatchNorm`: batch-sharded training batch norm: all-gather each rank's per-channel
+  mean and variance and combine them (Chan's parallel combination: stable where the mean is
+  large beside the spread), forward; all-reduce the two gradient sums backward.
 * :class:`RankDropout`: dropout whose mask depends on the step, the node, and this rank's
   coordinates on the axes where the tensor is sharded (Megatron's RNG-tracker rule: ranks
   holding the same data draw the same mask).
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from runtime.collectives import MeshComm, all_reduce_
+from runtime.collectives import MeshComm, all_gather_stacked, all_reduce_
 
 __all__ = [
     "VocabParallelEmbedding",
@@ -222,25 +223,52 @@ class ShardedCrossEntropy(torch.nn.Module):
         return f"classes split on axes {self.class_axes}, rows split on axes {self.batch_axes}"
 
 
+def _channel_sums(t, dims):
+    """``t`` summed over ``dims`` per channel, accumulated as one device's batch norm accumulates
+    (ATen's CPU kernels in float64, CUDA's in float32), in that accumulation dtype."""
+    return t.sum(dims, dtype=torch.float64 if t.device.type == "cpu" else torch.promote_types(t.dtype, torch.float32))
+
+
+def combined_moments(mean, var, comm: MeshComm, axes, phase: str = "fwd") -> tuple:
+    """The mean and (biased) variance per channel over every rank's piece on ``axes``, from each
+    rank's own of equally many values (Chan et al.'s parallel combination): one all-gather of the
+    (mean, variance) pairs per axis, then ``mean = avg(mean_i)`` and ``var = avg(var_i) +
+    avg((mean_i - mean)^2)``. Each term is a deviation or a variance, never a difference of two
+    large sums of squares, so no digits cancel where the mean is large beside the spread."""
+    for axis in axes:
+        means, variances = all_gather_stacked(torch.cat([mean, var]), comm, axis, phase).chunk(2, dim=1)
+        mean = means.mean(0)
+        var = variances.mean(0) + (means - mean).square().mean(0)
+    return mean, var
+
+
 class _SyncBatchNormFn(torch.autograd.Function):
+    """Batch statistics over every rank's piece: each rank's per-channel mean and variance of its
+    own piece (two passes over it: the mean, then the squared deviations from it), combined over
+    the ranks by :func:`combined_moments` in one collective per axis. ``E[x^2] - E[x]^2`` from an
+    all-reduce of the two sums cancels catastrophically where a channel's mean is large beside its
+    spread (its rounding error grows with ``mean^2 / var``). Backward: one all-reduce of the two
+    gradient sums (``g`` and ``g * xhat``, both of centred values)."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, comm, axes):
         dims = [0] + list(range(2, x.dim()))
-        count = x.numel() // x.shape[1]
+        local = x.numel() // x.shape[1]  # values per channel on this rank: equal pieces on every rank
+        count = local
         for axis in axes:
             count *= comm.shape[axis]
-        stats = torch.cat([x.sum(dims), (x * x).sum(dims)])
-        _all_reduce_axes(stats, comm, axes, "fwd")
-        mean, sq = stats.chunk(2)
-        mean = mean / count
-        var = sq / count - mean * mean
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        own_mean = _channel_sums(x, dims) / local
+        own_var = _channel_sums((x - own_mean.view(shape)).square(), dims) / local
+        # sent in x's dtype: each rank's mean rounded at the mean's magnitude, as one device's is
+        mean, var = combined_moments(own_mean.to(x.dtype), own_var.to(x.dtype), comm, axes)
+        centred = x - mean.view(shape)
         if running_mean is not None:
             with torch.no_grad():
                 running_mean.mul_(1 - momentum).add_(mean * momentum)
                 running_var.mul_(1 - momentum).add_(var * count / max(count - 1, 1) * momentum)
-        shape = [1, -1] + [1] * (x.dim() - 2)
         inv_std = torch.rsqrt(var + eps)
-        xhat = (x - mean.view(shape)) * inv_std.view(shape)
+        xhat = centred * inv_std.view(shape)
         ctx.save_for_backward(xhat, inv_std, weight)
         ctx.count, ctx.comm, ctx.axes, ctx.dims, ctx.shape = count, comm, axes, dims, shape
         out = xhat
@@ -254,7 +282,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
     def backward(ctx, g):
         xhat, inv_std, weight = ctx.saved_tensors
         shape, dims = ctx.shape, ctx.dims
-        sums = torch.cat([g.sum(dims), (g * xhat).sum(dims)])
+        sums = torch.cat([_channel_sums(g, dims), _channel_sums(g * xhat, dims)]).to(g.dtype)
         grad_w = sums[xhat.shape[1] :].clone() if weight is not None else None
         grad_b = sums[: xhat.shape[1]].clone()
         _all_reduce_axes(sums, ctx.comm, ctx.axes, "bwd")

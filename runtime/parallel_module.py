@@ -440,13 +440,14 @@ class ParallelModule(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
         return out
 
     def full_grads(self) -> dict:
-        """Every parameter's gradient, whole, on every rank (a collective)."""
+        """Every parameter's gradient, whole, on every rank (a collective). A parameter no gradient
+        reached (frozen, or read by nothing the loss depends on) has no entry, as its ``.grad`` is
+        None on one device: every rank runs the same program, so every rank leaves out the same."""
         out = {}
         for fqn in self._param_fqns:
             grad = self._get(fqn).grad
-            if grad is None:
-                grad = torch.zeros_like(self._get(fqn))
-            out[fqn] = gather_tensor(grad, self._specs[fqn], self.comm, self._strided.get(fqn))
+            if grad is not None:
+                out[fqn] = gather_tensor(grad, self._specs[fqn], self.comm, self._strided.get(fqn))
         return out
 
     def load_full_state_dict(self, state: dict, *, strict: bool = True) -> None:

@@ -72,6 +72,7 @@ from runtime.pretrained_io import PretrainedIO
 from runtime.reshard import Reshard
 from runtime.sharded_io import ShardedCheckpointIO
 from runtime.tensor_shards import gather_tensor, shard_tensor
+from runtime.unstaged_state import UnstagedState
 
 if TYPE_CHECKING:
     from partitioner.sharding_plan import ShardingPlan
@@ -177,10 +178,24 @@ class StageProgram(torch.nn.Module):
                 yield placeholder, p
 
     def gathered(self, grads: bool) -> dict:
-        """Whole parameters (or their gradients) of this stage, gathered over its sub-mesh."""
-        out = {}
-        for placeholder, fqn, p in self._distinct_params():
-            value = (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p.detach()
+        """Whole parameters (every name of a tied one) and buffers, or the parameters' gradients
+        (once per Parameter, under its first name), of this stage, gathered over its sub-mesh;
+        with ``grads``, a parameter no gradient reached has no entry (its ``.grad`` is None)."""
+        out, whole = {}, {}
+        for placeholder, (fqn, _) in self._param_names.items():
+            key = self._keys[placeholder]
+            if grads and key in whole:
+                continue
+            if key not in whole:  # one gather per Parameter
+                p = self.weights[key]
+                value = p.grad if grads else p.detach()
+                # the same on every rank of the stage: they run one program
+                spec, strided = self.input_specs[placeholder], self.strided.get(fqn)
+                whole[key] = None if value is None else gather_tensor(value, spec, self.comm, strided)
+            if whole[key] is not None:
+                out[fqn] = whole[key]
+        for placeholder, (fqn, _) in self._buffer_names.items() if not grads else ():
+            value = getattr(self, self._keys[placeholder]).detach()
             out[fqn] = gather_tensor(value, self.input_specs[placeholder], self.comm, self.strided.get(fqn))
         return out
 
@@ -368,6 +383,8 @@ class _Step:
 class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
     """Runs a schedule's actions for this rank; ``train_step(batch)`` -> the batch loss."""
 
+    unstaged: UnstagedState
+
     def __init__(
         self,
         *,
@@ -383,6 +400,7 @@ class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
         carried_meta: dict,
         plan,
         tied=(),
+        unstaged: UnstagedState | None = None,
         specialize=None,
     ):
         super().__init__()
@@ -402,6 +420,8 @@ class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
         # meta): the plan lowered at other shapes (partitioner.pipeline_shapes); None: refused
         self.specialize = specialize
         self.tied = list(tied)  # (group of the ranks holding a tied weight, its placeholder names)
+        # the model's names no stage holds: tied aliases, and unread state on the first pipeline rank
+        object.__setattr__(self, "unstaged", unstaged or UnstagedState())
         self.trace = []
         self._split_backward = any(a.kind == "W" for acts in schedule.actions for a in acts)
         self._register_parameters()
@@ -696,19 +716,27 @@ class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
         mine = {}
         for stage in self.stages.values():
             mine.update(cast(StageProgram, stage).gathered(grads))
+        if not grads:  # unread state: no gradient ever reaches it
+            mine.update({name: t.detach() for name, t in self.unstaged.tensors.items()})
         parts: list = [None] * self.comm_pp[2]  # filled by all_gather_object
         dist.all_gather_object(parts, mine, group=self.comm_pp[0])
         out = {}
         for part in parts:
             out.update(part)
-        return out
+        if grads:  # each Parameter's once, as the stages hold them
+            return out
+        out = self.unstaged.with_aliases(out)
+        return self.unstaged.in_model_order(out) if self.unstaged.names else out
 
     def full_state_dict(self) -> dict:
-        """Every parameter, whole, on every rank (collective over stages and sub-meshes)."""
+        """Every parameter and persistent buffer, whole, on every rank (collective over stages and
+        sub-meshes): the keys of the model's own ``state_dict()``, tied names and state no stage
+        reads included, so ``model.load_state_dict(runner.full_state_dict())`` loads strictly."""
         return self._everywhere(grads=False)
 
     def full_grads(self) -> dict:
-        """Every parameter's gradient, whole, on every rank."""
+        """Every parameter's gradient, whole, on every rank: a tied weight's once, under the name
+        a stage reads it by; a parameter no gradient reached has no entry."""
         return self._everywhere(grads=True)
 
     def _pipeline_position(self) -> tuple:
@@ -736,7 +764,8 @@ class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
         for stage in self._own_stages():
             for fqn, entry in stage.state_layouts().items():
                 out.setdefault(fqn, entry)
-        return out
+        out.update(self.unstaged.layouts())
+        return self.unstaged.with_aliases(out)
 
     def sharded_state_dict(self) -> dict:
         """This rank's stages' parameters and buffers, FQN -> DTensor over the stage mesh (whole
@@ -751,3 +780,4 @@ class PipelineRunner(ShardedCheckpointIO, PretrainedIO, torch.nn.Module):
                 for fqn, (tensor, layout) in stage.state_layouts().items():
                     if fqn in state:
                         tensor.copy_(layout.to_local(state[fqn], fqn))
+        self.unstaged.load(state)

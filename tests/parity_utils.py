@@ -213,17 +213,37 @@ def call(model, inputs):
     return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
 
 
+def grad_label(name: str) -> str:
+    """What a gradient's comparison is called (:func:`check_grads_by_alias`; the float64 judge
+    finds its truth under the same label)."""
+    return f"grad of {name}"
+
+
+def step_loss_label(step: int) -> str:
+    """What the loss before AdamW step ``step`` (> 0) is called (:func:`adam_in_lockstep`)."""
+    return f"loss at step {step}"
+
+
+def param_label(name: str, steps: int) -> str:
+    """What a parameter's comparison after ``steps`` AdamW steps is called."""
+    return f"parameter {name} after {steps} AdamW steps"
+
+
 class Checks:
-    """Collects comparison failures (text) instead of stopping at the first."""
+    """Collects comparison failures (text) instead of stopping at the first; those of value
+    comparisons also as ``close_failures[what]`` (what the float64 judge may judge,
+    ``float64_judge``)."""
 
     def __init__(self, rank):
         self.rank, self.failures = rank, []
+        self.close_failures: dict = {}
 
     def close(self, what, actual, expected, **kw):
         try:
             torch.testing.assert_close(actual, expected, **kw)
         except AssertionError as e:
             self.failures.append(f"rank {self.rank}: {what}: {e}")
+            self.close_failures[what] = self.failures[-1]
 
     def true(self, what, cond):
         if not cond:
@@ -279,14 +299,14 @@ def parity_worker(rank, world, cfg):
     checks.close("loss", loss.detach(), ref_loss.detach())
     grads = pm.full_grads()
     # every name of every parameter: tied weights (GPT-2, BERT) are one tensor under two names
-    ref_grads = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
+    # (a parameter no gradient reaches: None on one device, no entry in parallel)
+    ref_grads = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False) if p.grad is not None}
     checks.true(f"gradient names differ: {sorted(set(grads) ^ set(ref_grads))}", set(grads) == set(ref_grads))
     result["grad_maxdiff"] = max(((grads[n] - g).abs().max().item() for n, g in ref_grads.items()
-                                  if n in grads and g is not None), default=0.0)
+                                  if n in grads), default=0.0)
     for name, g in ref_grads.items():
         if name in grads:
-            expected = g if g is not None else torch.zeros_like(grads[name])
-            checks.close(f"grad of {name} ({pm.placement_of(name)})", grads[name], expected)
+            checks.close(f"grad of {name} ({pm.placement_of(name)})", grads[name], g)
 
     # 2. optional extra checks on the same plan
     if cfg.get("check_local_inputs"):
@@ -301,20 +321,75 @@ def parity_worker(rank, world, cfg):
     return result
 
 
-def train_like_one_device(pm, ref, inputs, steps, checks, label=""):
+def train_like_one_device(pm, ref, inputs, steps, checks, label="", *, losses=None, parallel_step=None):
     """``steps`` AdamW steps on ``pm`` and the single-device ``ref`` in lockstep (both start from
     the gradients they hold; see :func:`adam_in_lockstep`), then every parameter of ``ref``
-    compared with ``pm``'s full state dict."""
-    def parallel_step():
+    compared with ``pm``'s full state dict. ``parallel_step``: the parallel forward + backward of
+    each later step (default: ``pm`` on ``inputs``). With ``losses`` (the two runs' losses at the
+    gradients they hold) also returns both runs' :class:`Trajectory` (parallel, one device), for
+    ``float64_judge``; else None."""
+
+    def default_step():
         step_loss = loss_of(call(pm, inputs))
         step_loss.backward()
         return step_loss
 
-    adam_in_lockstep(pm.parameters(), ref, inputs, steps, parallel_step, checks)
+    runs = None if losses is None else (Trajectory(), Trajectory())
+
+    def record(loss, ref_loss):  # both runs where they are, before their next AdamW step
+        runs[0].point(pm.full_state_dict(), pm.full_grads(), loss)
+        runs[1].point(dict(ref.named_parameters(remove_duplicate=False)), named_grads(ref), ref_loss)
+
+    if runs is not None:
+        record(*losses)
+    adam_in_lockstep(pm.parameters(), ref, inputs, steps, parallel_step or default_step, checks,
+                     on_step=None if runs is None else record)
     state = pm.full_state_dict()
-    prefix = f"{label}: " if label else ""
-    for name, p in ref.named_parameters(remove_duplicate=False):
-        checks.close(f"{prefix}parameter {name} after {steps} AdamW steps", state[name], p.detach())
+    check_params_after_steps(state, ref, steps, checks, prefix=f"{label}: " if label else "")
+    if runs is not None:
+        runs[0].final = state
+        runs[1].final = {n: p.detach().clone() for n, p in ref.named_parameters(remove_duplicate=False)}
+    return runs
+
+
+class Trajectory:
+    """One run's points along :func:`train_like_one_device`: ``params[k]`` and ``grads[k]`` (name ->
+    whole tensor, every name of a tied weight the run returns) and ``losses[k]`` at AdamW step
+    ``k``, and ``final``: the parameters after the last step."""
+
+    def __init__(self):
+        self.params: list = []
+        self.grads: list = []
+        self.losses: list = []
+        self.final: dict = {}
+
+    def point(self, params: dict, grads: dict, loss) -> None:
+        """The run at its next step: its parameters, their gradients (before the step) and loss."""
+        self.params.append({n: t.detach().clone() for n, t in params.items()})
+        self.grads.append({n: g.detach().clone() for n, g in grads.items() if g is not None})
+        self.losses.append(loss.detach().clone())
+
+
+def check_params_after_steps(state: dict, ref, steps: int, checks, *, prefix: str = "", key_of=None) -> None:
+    """Every parameter of ``ref`` (every name; with ``key_of``, ref name -> the name the parallel
+    model holds it under, those names only) after ``steps`` AdamW steps against the parallel
+    model's full state dict. A parameter the parallel model does not hold (one its captured
+    program never reads) must be one that no gradient reached on one device either: AdamW left
+    it as it was there, and a gradient the parallel model has nowhere to put is a failure."""
+    names = ref.named_parameters(remove_duplicate=False) if key_of is None else (
+        (n, p) for n, p in ref.named_parameters() if n in key_of)
+    for name, p in names:
+        key = name if key_of is None else key_of[name]
+        if key not in state:
+            checks.true(f"{prefix}parameter {name}: one device trains it, the parallel model does not hold it",
+                        p.grad is None)
+            continue
+        checks.close(f"{prefix}{param_label(name, steps)}", state[key], p.detach())
+
+
+def named_grads(model) -> dict:
+    """Every name of every parameter of ``model`` -> its gradient (None where none reached it)."""
+    return {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 def check_grads_by_alias(grads: dict, ref, checks, *, one_name: bool = False) -> dict:
@@ -330,22 +405,27 @@ def check_grads_by_alias(grads: dict, ref, checks, *, one_name: bool = False) ->
     key_of = {}
     for name, p in ref.named_parameters():
         present = [a for a in aliases[id(p)] if a in grads]
+        if p.grad is None:  # no gradient reached it on one device: none may come back in parallel
+            checks.true(f"{name} has no gradient on one device, but the parallel model returns one under "
+                        f"{present}", not present)
+            key_of[name] = name
+            continue
         checks.true(f"{len(present)} gradients for {name} (names {aliases[id(p)]})",
                     len(present) == 1 if one_name else len(present) >= 1)
         if not present:
             continue
         key_of[name] = present[0]
-        expected = p.grad if p.grad is not None else torch.zeros_like(p)
         for alias in present:
-            checks.close(f"grad of {alias}", grads[alias], expected)
+            checks.close(grad_label(alias), grads[alias], p.grad)
     return key_of
 
 
-def adam_in_lockstep(params, ref, inputs, steps, parallel_step, checks):
+def adam_in_lockstep(params, ref, inputs, steps, parallel_step, checks, on_step=None):
     """``steps`` AdamW steps on the parallel ``params`` and the single-device ``ref`` side by side.
     The first step uses the gradients both already hold; before each later one, gradients are
     cleared and recomputed (``parallel_step()`` runs forward + backward and returns the loss) and
-    the two losses compared. Returns the parallel side's optimizer."""
+    the two losses compared, then ``on_step(parallel loss, reference loss)`` is called if given.
+    Returns the parallel side's optimizer."""
     opt = torch.optim.AdamW(params, lr=LR, eps=ADAM_EPS)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=ADAM_EPS)
     for step in range(steps):
@@ -355,7 +435,9 @@ def adam_in_lockstep(params, ref, inputs, steps, parallel_step, checks):
             step_loss = parallel_step()
             step_ref = loss_of(call(ref, inputs))
             step_ref.backward()
-            checks.close(f"loss at step {step}", step_loss.detach(), step_ref.detach())
+            checks.close(step_loss_label(step), step_loss.detach(), step_ref.detach())
+            if on_step is not None:
+                on_step(step_loss, step_ref)
         opt.step()
         ref_opt.step()
     return opt
@@ -382,10 +464,7 @@ def pipeline_like_one_device(runner, ref, inputs, loss, checks, *, steps, one_na
         return step_loss
 
     opt = adam_in_lockstep(runner.parameters(), ref, inputs, steps, counted_step, checks)
-    state = runner.full_state_dict()
-    for name, p in ref.named_parameters():
-        if name in key_of:
-            checks.close(f"{prefix}parameter {name} after {steps} AdamW steps", state[key_of[name]], p.detach())
+    check_params_after_steps(runner.full_state_dict(), ref, steps, checks, prefix=prefix, key_of=key_of)
     return opt, counters[-1] if counters else None
 
 

@@ -65,7 +65,7 @@ def test_cnn_large_batch_is_data_parallel_with_sync_batch_norm():
     for r in (r for r in layers if r["target"] == "aten.batch_norm"):
         # SyncBatchNorm: the op's own all-reduce of per-channel statistics, forward and backward
         own = [(c["kind"], c["phase"]) for c in r["comm"] if c["input"] is None]
-        assert ("all_reduce", "fwd") in own and ("all_reduce", "bwd") in own, r["comm"]
+        assert ("all_gather", "fwd") in own and ("all_reduce", "bwd") in own, r["comm"]
     convs = [r for r in layers if r["target"] == "aten.conv2d"]
     for r in convs:
         # data-parallel gradient synchronisation of the replicated weight and bias

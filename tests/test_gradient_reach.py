@@ -58,3 +58,29 @@ def test_a_write_into_a_tensor_the_loss_reads_keeps_its_gradient():
     assert not write.users  # its effect reaches the loss through the tensor it writes
     (linear,) = [n for n in nodes.values() if str(n.target) == "aten.linear.default"]
     assert info(linear).requires_grad and all(grad_flows(linear, u) for u in linear.users)
+
+
+class CastMask(torch.nn.Module):
+    """Funnel's attention bias: a mask cast ``type_as`` the hidden states (its dtype only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        h = self.lin(x)
+        return (h + (1.0 - mask.type_as(h)) * -1e4).softmax(-1).sum()
+
+
+def test_a_value_read_for_its_dtype_passes_no_gradient_on():
+    """``type_as(mask, h)`` needs no gradient though ``h`` does: autograd records none, so none of
+    the mask's moves has a backward to price (Funnel counted 256 B under its estimate)."""
+    model = CastMask()
+    cap = capture(model, (torch.randn(4, 8), torch.ones(4, 8, dtype=torch.long)))
+    analyze(cap)
+    by_target = {str(n.target): n for n in cap.graph.nodes if n.op == "call_function"}
+    cast, linear = by_target["aten.type_as.default"], by_target["aten.linear.default"]
+    assert info(linear).requires_grad and not info(cast).requires_grad
+    assert not any(info(u).requires_grad for u in cast.users)
+    (add,) = [u for u in linear.users if str(u.target) == "aten.add.Tensor"]
+    assert grad_flows(linear, add) and not any(grad_flows(p, add) for p in add.all_input_nodes if p is not linear)

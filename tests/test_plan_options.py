@@ -193,3 +193,14 @@ def test_pipeline_stages_are_planned_with_the_options_given():
         assert {k: stage.data[k] for k in opts} == opts
         assert stage.data["recompute"] == "none"
         assert stage.estimate().memory.optimizer_state < other.estimate().memory.optimizer_state
+
+
+def test_a_pin_that_shards_a_dim_its_tensor_lacks_is_refused_naming_both():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8))
+    x = torch.randn(4, 3, 8, 8)
+    # "1.*" matches the norm's weight and bias (1-d) and its 0-d step counter as well
+    refused = r"pin '1\.\*' .* shards dim 0 of '1\.num_batches_tracked', whose shape is \(\)"
+    with pytest.raises(ValueError, match=refused):
+        partitioner.plan(model, x, mesh=(2,), pins={"1.*": ["S(0)"]})

@@ -188,7 +188,8 @@ def test_batch_norm_sync_and_channel_sharding():
     by_in = {s.ins[0]: s for s in strategies_of(node)}
     batch = by_in[Shard(0)]
     assert batch.out == (Shard(0),) and all(p == R for p in batch.ins[1:])
-    assert {k for k, _, _, _ in batch.extra} == {"all_reduce"}, "SyncBatchNorm statistics"
+    # SyncBatchNorm: every rank's (mean, variance) gathered forward, the gradient sums all-reduced backward
+    assert {(k, phase) for k, phase, _, _ in batch.extra} == {("all_gather", "fwd"), ("all_reduce", "bwd")}
     channel = by_in[Shard(1)]
     assert channel.out == (Shard(1),) and all(p == Shard(0) for p in channel.ins[1:])
     assert channel.extra == ()

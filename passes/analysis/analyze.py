@@ -106,10 +106,16 @@ def _floating(dtype) -> bool:
 
 
 def _gets_grad(node: fx.Node, dtype) -> bool:
-    """Autograd records ``node``: an input needs a gradient, its output is floating point, its rule
+    """Autograd records ``node``: an input it reads data from needs a gradient (not one it reads
+    only the metadata of, ``OpRule.metadata_inputs``), its output is floating point, its rule
     passes one back."""
-    grads = any(isinstance(a, fx.Node) and info(a).requires_grad for a in node.all_input_nodes)
-    return grads and _floating(dtype) and rule_for(node).differentiable
+    rule = rule_for(node)
+    if rule.metadata_inputs:
+        data = [a for k, a in enumerate(tensor_input_nodes(node)) if k not in rule.metadata_inputs]
+    else:
+        data = [a for a in node.all_input_nodes if isinstance(a, fx.Node)]
+    grads = any(info(a).requires_grad for a in data)
+    return grads and _floating(dtype) and rule.differentiable
 
 
 def _grads_through_writes(graph: fx.Graph) -> None:

@@ -396,7 +396,11 @@ def allocation_time(nbytes: float, cluster) -> float:
 def extra_payload(elements, scaling, itemsize, n_axis, split) -> float:
     """Payload of a collective inside an op (see ``AxisStrategy.extra``). Besides ``"work"`` and
     ``"none"``: ``"local"``, the local share of ``elements`` (an all-to-all of an input's buffer);
-    ``"ring"``, that share ``n_axis - 1`` times (ring attention's transfers of its k/v blocks)."""
+    ``"ring"``, that share ``n_axis - 1`` times (ring attention's transfers of its k/v blocks);
+    ``"gathered"``, a ``"work"`` buffer all-gathered: every rank's, ``n_axis`` times its bytes
+    (the synchronised batch norm's per-rank moments)."""
+    if scaling == "gathered":
+        return elements * itemsize * n_axis * n_axis / split
     if scaling == "local":
         return elements * itemsize / split
     if scaling == "ring":
@@ -433,7 +437,7 @@ def own_collectives(axes, itemsize, mesh_shape, cluster, split, forward_s, backw
     for ax, a in enumerate(axes):
         for kind, phase, elements, scaling in a.extra:
             # row statistics: the axes cutting the same reduced dim do not shrink the rows
-            same = _same_cut_degree(axes, ax, mesh_shape) if scaling == "work" else 1
+            same = _same_cut_degree(axes, ax, mesh_shape) if scaling in ("work", "gathered") else 1
             c = Collective(kind, ax, extra_payload(elements, scaling, itemsize, mesh_shape[ax], split) * same)
             out.append([c, phase, scaling == "ring", collective_time(c, mesh_shape, cluster)])
     for phase, compute in (("fwd", forward_s), ("bwd", backward_s)):

@@ -154,7 +154,7 @@ class AxisStrategy:
     """Collectives inside the op: ``(kind, phase, elements, scaling)``; phase ``fwd``/``bwd``;
     ``scaling="work"``: the buffer shrinks with the op's work split on the other axes (row
     statistics), so its payload is ``elements * itemsize * n_axis / split``; ``"none"``: the
-    payload is ``elements * itemsize`` (a count, per-channel sums)."""
+    payload is ``elements * itemsize`` (a count); the others: ``passes.plan.cost_model.extra_payload``."""
     note: str = ""
     """Lowering hint, e.g. ``"strided"`` for a split of a sharded dim."""
 
@@ -223,6 +223,11 @@ class OpRule(abc.ABC):
     differentiable: bool = True
     """Its output passes gradients back to its inputs (False: ``zeros_like`` and the other
     factories, whose inputs lend only a shape: no gradient leaves them, none is priced)."""
+    metadata_inputs: tuple = ()
+    """Positions (among ``tensor_input_nodes``) of inputs the op reads only the metadata of
+    (``type_as``'s ``other``: its dtype): whether they need a gradient does not make the output
+    need one, as autograd records it (Funnel's attention mask cast ``type_as`` the hidden states
+    needs none, and no gradient move on its edges is priced)."""
     unpacks_in_turn: bool = False
     """Its backward is several autograd nodes, each unpacking one saved weight and freeing it
     before the next (the experts op's products): ZeRO-3 copies gathered again one at a time."""

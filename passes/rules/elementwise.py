@@ -82,6 +82,8 @@ class TypeAs(Elementwise):
     """``x.type_as(other)``: a cast of ``x``; ``other`` gives only its dtype, so no data moves
     on its edge and no gradient comes back on it (its placement is ``None``)."""
 
+    metadata_inputs = (1,)
+
     def __init__(self):
         super().__init__("unary")
 

@@ -10,8 +10,11 @@ their own collectives:
 * layer_norm / rms_norm over a sharded last dim (the hidden split of 2D / 2.5D / 3D tensor
   parallelism): all-reduce the row statistics forward and the gradient row sums backward,
   weight and bias sharded like the hidden dim;
-* batch_norm with the batch dim sharded: all-reduce the per-channel sum and sum of squares
-  forward and the two gradient sums backward (SyncBatchNorm), so results match one device.
+* batch_norm with the batch dim sharded: all-gather each rank's per-channel (mean, variance)
+  pair forward (the ranks' gathered pairs: ``"gathered"``) and all-reduce the two gradient sums
+  backward (SyncBatchNorm), so results match one device. These per-channel buffers shrink with
+  the channels other mesh axes cut, not with the batch they cut (the ``"work"`` scalings' rule
+  for axes cutting the same dim).
 """
 
 from __future__ import annotations
@@ -145,7 +148,8 @@ class BatchNormRule(OpRule):
             strategies.append(AxisStrategy(out=(Shard(1),) + (Shard(0),) * (n_out - 1), ins=(Shard(1),) + sharded))
         if x[0] > 1 and n_out == 1 and op.arg(5, "training", False):
             c = x[1]
-            extra = (("all_reduce", "fwd", 2 * c, "none"), ("all_reduce", "bwd", 2 * c, "none"))
+            # every rank's (mean, variance) pair (forward); the two gradient sums (backward)
+            extra = (("all_gather", "fwd", 2 * c, "gathered"), ("all_reduce", "bwd", 2 * c, "work"))
             strategies.append(AxisStrategy(out=(Shard(0),), ins=(Shard(0),) + channel_inputs, extra=extra))
         if x[0] > 1 and n_out == 1 and not op.arg(5, "training", False):
             strategies.append(AxisStrategy(out=(Shard(0),), ins=(Shard(0),) + channel_inputs))  # eval: per sample
