@@ -84,12 +84,11 @@ def test_a_binding_budget_falls_through_to_branch_and_bound_at_the_same_optimum(
     costs, memories, edges = gpt_space
     free = solve_ilp(costs, memories, edges)
     least = solve_ilp(costs, memories, edges, objective="memory")
-    row = lambda r: (
-        sum(m[i] for m, i in zip(memories, r.choice))
-        + sum(  # noqa: E731
-            e[5][e[2][r.choice[e[0]]], e[3][r.choice[e[1]]]] for e in edges if e[5] is not None
-        )
-    )
+
+    def row(r):
+        edge_bytes = sum(e[5][e[2][r.choice[e[0]]], e[3][r.choice[e[1]]]] for e in edges if e[5] is not None)
+        return sum(m[i] for m, i in zip(memories, r.choice)) + edge_bytes
+
     budget = (row(free) + row(least)) / 2  # between the fastest plan's row and the least one's: it binds
     assert row(least) < budget < row(free)
     seen = _settled(monkeypatch)
