@@ -54,11 +54,13 @@ logs it when the search stopped early.
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-__all__ = ["IlpResult", "solve_ilp", "min_memory", "NODE_LIMIT", "TIME_LIMIT_S", "PRESOLVE_ABOVE"]
+__all__ = ["IlpResult", "solve_ilp", "problem_key", "min_memory", "NODE_LIMIT", "TIME_LIMIT_S", "PRESOLVE_ABOVE"]
 
 
 NODE_LIMIT = 1000
@@ -168,6 +170,28 @@ def solve_ilp(
         total += float(m[cls_g[choice[g]], cls_h[choice[h]]])
     proven = getattr(res, "mip_gap", None)
     return IlpResult(choice, total, res.status, res.message, 0.0 if res.status == 0 else proven)
+
+
+def problem_key(node_costs: list, memories: list, edges: list, **options) -> bytes:
+    """A digest of everything :func:`solve_ilp` reads (its arguments, arrays by their bytes and
+    shapes): two calls with the same key pose the same problem, which HiGHS solves to the same
+    plan, so a caller may keep one result per key."""
+    digest = hashlib.blake2b(digest_size=20)
+
+    def feed(value) -> None:
+        if isinstance(value, np.ndarray):
+            digest.update(f"a{value.dtype}{value.shape}".encode())
+            digest.update(np.ascontiguousarray(value).tobytes())
+        elif isinstance(value, (list, tuple)):
+            digest.update(f"[{len(value)}".encode())
+            for item in value:
+                feed(item)
+            digest.update(b"]")
+        else:
+            digest.update(f"{type(value).__name__}:{value!r};".encode())
+
+    feed([node_costs, memories, edges, sorted(options.items())])
+    return digest.digest()
 
 
 PRESOLVE_ABOVE = 10_000

@@ -43,7 +43,7 @@ from passes.plan.cost_model import (
     own_collectives,
 )
 from passes.plan.edge_costs import edge_collectives
-from passes.plan.ilp_solver import NODE_LIMIT, TIME_LIMIT_S, min_memory, solve_ilp
+from passes.plan.ilp_solver import NODE_LIMIT, TIME_LIMIT_S, min_memory, problem_key, solve_ilp
 from passes.plan.memory_accounting import memory_fields
 from passes.plan.memory_peak import memory_breakdown
 from passes.plan.output_placement import required_output_spec
@@ -331,6 +331,7 @@ def plan_intra_op(
     stats = _stats(space, result, (t0, t1, t2, t3), n_opts, (overlap, hidden), records, least, least_kept)
     if floor is not None:
         stats["peak_floor"] = floor.total
+    stats["ilp_solves"], stats["ilp_asked"] = len(solve.known), solve.asked  # distinct problems solved, and asked
     typed = [NodeRecord.from_dict(r) for r in records]
     latencies = step_latencies(typed, mesh_shape, axis_names, cluster)
     return IntraOpResult(
@@ -479,14 +480,20 @@ class _Solves:
             ]
         )
         self.forced3 = 3 in (zero.values() if isinstance(zero, dict) else [zero])  # some weight must regather
+        # each distinct problem is solved once (HiGHS is deterministic: the same problem, the same plan); the
+        # budget fitting asks some again (a tightening whose next limit is one it has solved)
+        self.known: dict = {}
+        self.asked = 0
 
     def __call__(self, limit, redo, objective=None, zero3=True, nodes=NODE_LIMIT, zero1=True, time_cap=None):
         space, host_budget = self.space, self.host_budget
         forbidden = ([] if zero3 else self.twins) + ([] if zero1 else self.shards)
-        result = solve_ilp(
+        problem = (
             [g.cost for g in space.groups],
             [g.memory for g in space.groups],
             [(e.src, e.dst, e.src_class, e.dst_class, e.matrix, e.memory) for e in space.edges],
+        )
+        options = dict(
             budget=limit,
             links=redo.rows(),
             objective=objective or self.objective,
@@ -496,8 +503,14 @@ class _Solves:
             host=([g.host_memory for g in space.groups], host_budget) if host_budget is not None else None,
             time_cap=time_cap,
         )
+        self.asked += 1
+        key = problem_key(*problem, **options)
+        if key in self.known:
+            return self.known[key]
+        result = solve_ilp(*problem, **options)
         if result.choice is not None:  # the memory row's value (the budget fitting tightens below it)
             result.row = _row_of(space, result.choice)
+        self.known[key] = result
         return result
 
 
@@ -721,11 +734,24 @@ def _infeasible(budget, mesh_shape, least_kept, least, recompute, blocks) -> str
 
 
 def _peak_of(space, cap, optimizer, activation_copies, redo, holds_gradient_sums=False):
-    """choice -> (the plan's peak per device, the part of it no ILP row sees: transients)."""
+    """choice -> (the plan's peak per device, the part of it no ILP row sees: transients). Each
+    choice is walked once per recompute choice (a walk of Llama 3 70B's whole model costs seconds;
+    the budget fitting asks again for plans it has met, and the least plans with and without ZeRO-1
+    on offer are often one)."""
     graph, represent = cap.graph, space.blocks.represent
     tied = tied_placeholders(cap)
+    walked: dict = {}  # tuple(choice) -> (peak, transient), under the recompute choice walked["of"]
 
     def peak(choice):
+        if walked.get("of") is not redo():  # a new recompute choice names the space's options anew (it adds them)
+            walked.clear()
+            walked["of"] = redo()
+        key = tuple(choice)
+        if key not in walked:
+            walked[key] = walk(choice)
+        return walked[key]
+
+    def walk(choice):
         picked = {m: g.options[i][m] for g, i in zip(space.groups, choice) for m in g.members}
         choices = {n: picked[represent(n)] for n in graph.nodes if represent(n) in picked}
         fields = memory_fields(
