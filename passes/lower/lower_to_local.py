@@ -42,6 +42,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from passes.analysis.analyze import info
+from passes.analysis.dim_blocks import dim_blocks
 from passes.analysis.shape_check import uneven_dims
 from passes.core.node_info import grad_flows
 from passes.core.placements import (
@@ -150,19 +151,19 @@ class LowerCall:
 class _UnevenPieces:
     """Which dims of which values are cut into unequal pieces at these shapes.
 
-    A dim of a value computed from the inputs (or of an input) is uneven where its size does not
-    divide by its pieces, as it is produced or as an op reads it (a batch kept whole, cut later);
-    the mesh axes cutting such a dim are the *uneven axes*. Pieces of a value computed from the inputs may then differ
-    in size along every dim those axes cut (a flattened batch x sequence dim divides while its
-    pieces, whole samples, do not), so every such dim counts as uneven, as does any dim whose
-    size does not divide. Values computed from weights alone (their gathers and gradient syncs)
-    are never uneven."""
+    Every dim is cut between its blocks (:mod:`passes.analysis.dim_blocks`: a flattened batch x
+    sequence dim between samples), like ``torch.tensor_split`` of its block count, so its pieces
+    are unequal where that count does not divide by its pieces, as it is produced or as an op
+    reads it (a batch kept whole, cut later): ``[6 * 24, H]`` over 4 ranks is, ``[6, 4, 24, 24]``
+    cut on its last two dims is not. The mesh axes cutting such a dim are the *uneven axes*; a dim
+    whose blocks the walk could not follow, in a value computed from the inputs, counts as uneven
+    wherever one of them cuts it."""
 
     def __init__(self, graph: fx.Graph, records: dict[str, NodeRecord], comm: MeshComm):
         self.mesh = comm.shape
+        self.blocks = dim_blocks(graph)
         self.from_inputs: set = set()
         self.axes: set = set()
-        self.samples: set = set()  # the sizes of the dims cut unevenly (the batch)
         for node in graph.nodes:
             if node.op == "placeholder":
                 if info(node).kind == "input":
@@ -181,44 +182,41 @@ class _UnevenPieces:
 
     def _cut_unevenly(self, node: fx.Node, text, ndim: int) -> None:
         """Add the mesh axes that cut a dim of ``node``'s output placed ``text`` unevenly."""
-        shape = info(node).out_shapes[0] if info(node).out_shapes else None
-        if text is None or shape is None:
+        if text is None:
             return
         spec = parse_spec(text, ndim)
-        for d in uneven_dims(shape, spec, self.mesh):
+        for d in self._unequal(node, spec):
             self.axes.update(a for a, p in enumerate(spec) if getattr(p, "dim", None) == d)
-            self.samples.add(int(shape[d]))
+
+    def _unequal(self, node: fx.Node, spec) -> set:
+        """The dims whose block counts ``spec`` cuts into unequal pieces (unknown ones aside)."""
+        dims = (self.blocks.get(node) or [None])[0]
+        shape = info(node).out_shapes[0] if info(node).out_shapes else None
+        if dims is None or shape is None or len(dims) != len(shape):
+            return uneven_dims(shape, spec, self.mesh)
+        counts = [shape[d] if b is None else b[0] for d, b in enumerate(dims)]
+        return uneven_dims(counts, spec, self.mesh)
 
     def sample_sizes(self, node: fx.Node, dims) -> dict:
-        """Per dim of ``dims``, the elements of one sample along it: where ``node`` flattens a
-        batch cut unevenly with the dims after it (``[B, S, H] -> [B * S, H]``), ``S`` for its dim
-        0, so that a cut of the flat dim keeps whole samples together as the batch's own cut
-        does; 1 elsewhere (cut like ``torch.tensor_split``)."""
-        out = {d: 1 for d in dims}
-        if node.target not in _SIZED_VIEWS or 0 not in out or not info(node).out_shapes:
-            return out
-        source = tensor_input_nodes(node)[0] if tensor_input_nodes(node) else None
-        before = info(source).out_shapes[0] if source is not None and info(source).out_shapes else None
-        flat = int(info(node).out_shapes[0][0])
-        if before is None or len(before) < 2 or int(before[0]) not in self.samples:
-            return out
-        merged = 1
-        for size in before:
-            merged *= int(size)
-            if merged == flat:
-                out[0] = flat // int(before[0])
-                break
-        return out
+        """Per dim of ``dims``, the elements of one block along it (a split keeps them together,
+        as the cut that made the pieces did): ``S`` for a flattened batch x sequence dim."""
+        held = (self.blocks.get(node) or [None])[0] or []
+        return {d: held[d][1] if d < len(held) and held[d] is not None else 1 for d in dims}
 
     def of(self, node: fx.Node, spec=None) -> set:
         """The uneven dims of ``node``'s (first) output, placed ``spec`` (default: as produced)."""
         spec = spec if spec is not None else self.specs.get(node)
-        shape = info(node).out_shapes[0] if info(node).out_shapes else None
-        if spec is None or shape is None:
+        if spec is None or not info(node).out_shapes or info(node).out_shapes[0] is None:
             return set()
-        dims = uneven_dims(shape, spec, self.mesh)
+        dims = self._unequal(node, spec)
         if node in self.from_inputs:
-            dims |= {p.dim for a, p in enumerate(spec) if a in self.axes and getattr(p, "dim", None) is not None}
+            held = (self.blocks.get(node) or [None])[0]
+            unknown = {d for d, b in enumerate(held or ()) if b is None} if held is not None else None
+            dims |= {
+                p.dim
+                for a, p in enumerate(spec)
+                if a in self.axes and getattr(p, "dim", None) is not None and (unknown is None or p.dim in unknown)
+            }
         return dims
 
 
