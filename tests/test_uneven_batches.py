@@ -270,6 +270,15 @@ def test_dims_hold_the_blocks_a_flattened_batch_was_made_of():
     assert blocks["view_1"][:2] == [(6, 1), (24, 1)]  # unflattened back: plain dims
     assert blocks["reshape"][2] == (4, 16)  # heads x head size: the hidden dim follows whole heads
     assert blocks["softmax"] == [(6, 1), (4, 1), (24, 1), (24, 1)]
+    # grouped-query attention: the repeated key/value heads are 2 groups of 2 heads, the query's 4
+    # heads; attention holds the finer (where both are cut evenly their pieces are the same), and
+    # its output heads x head size after are cut between heads, not between key/value groups
+    model, _ = FACTORIES["llama"]()
+    cap = captured(model, _batch(6, 24), layers="auto", autocast_dtype=None, sequence_parallel=None, routing=False)
+    blocks = {node.name: outs[0] for node, outs in dim_blocks(cap.graph).items() if outs and outs[0] is not None}
+    assert blocks["reshape"][1] == (2, 2), blocks["reshape"]
+    assert blocks["scaled_dot_product_attention"][1] == (4, 1)
+    assert blocks["reshape_3"][2] == (4, 16)
 
 
 def test_a_reshape_of_pieces_unequal_on_two_dims_takes_each_size_from_its_run_of_dims():

@@ -23,7 +23,9 @@ dim's pieces as unknown). The walk:
   batch and row dims, reductions' kept dims; where inputs hold it in nested blocks (``(2, 2)`` and
   ``(4, 1)``), the finest (where all are cut evenly, their pieces are the same; where one is not,
   its own input is marked uneven as the op reads it), where they do not nest, unknown; an output
-  dim no strategy maps an input dim to is made anew (blocks of 1).
+  dim no strategy maps an input dim to is made anew (blocks of 1); an op with no rule (it runs
+  replicated, and how a later cut of its output meets its input's blocks is not known) makes
+  every dim unknown.
 
 A dim is cut evenly over ``n`` pieces iff its block count divides by ``n``.
 """
@@ -36,7 +38,7 @@ import torch
 import torch.fx as fx
 
 from passes.core.placements import Shard
-from passes.rules import op_view, rule_for, tensor_input_nodes
+from passes.rules import IGNORED_OPS, has_rule, op_view, rule_for, tensor_input_nodes
 from passes.rules.views import view_groups
 
 __all__ = ["dim_blocks", "Blocks", "RESHAPES"]
@@ -82,6 +84,10 @@ def _passed_on(node: fx.Node, blocks: dict, made: list) -> list:
     if node.target is operator.getitem:
         outs, index = blocks.get(node.args[0]) or [], int(node.args[1])  # type: ignore[arg-type]
         return [outs[index]] if index < len(outs) else made
+    if node.target in IGNORED_OPS:
+        return made
+    if not has_rule(node):  # it runs replicated; how a later cut meets its input's blocks is unknown
+        return [None if dims is None else [None] * len(dims) for dims in made]
     ins = [_first(blocks.get(u)) for u in tensor_input_nodes(node)]
     view = op_view(node)
     if node.target in RESHAPES and ins[0] is not None and made[0] is not None:
