@@ -125,6 +125,16 @@ def _uneven_edges(pm, *, flat: bool = False) -> int:
     )
 
 
+def _runs_sharded_softmax(pm) -> bool:
+    """Does a program lowered for other shapes run a softmax on a dim cut over mesh axes?"""
+    from runtime.local_ops import ShardedSoftmax
+
+    return any(
+        isinstance(m, ShardedSoftmax) for variant in getattr(pm, "_variants", {}).values()
+        for m in variant.program.modules()
+    )
+
+
 def uneven_worker(rank, world, cfg):
     checks = Checks(rank)
     model, _ = prebuilt("uneven") or FACTORIES[cfg["model"]]()
@@ -170,7 +180,8 @@ def uneven_worker(rank, world, cfg):
             errors.append(f"{type(e).__name__}: {e}")
     return {"rank": rank, "failures": checks.failures, "errors": errors, "regathered": regathered,
             "uneven_edges": 0 if piped else _uneven_edges(pm),
-            "flat_uneven_edges": 0 if piped else _uneven_edges(pm, flat=True)}
+            "flat_uneven_edges": 0 if piped else _uneven_edges(pm, flat=True),
+            "sharded_softmax": _runs_sharded_softmax(pm)}
 
 
 def _check(cfg, refusal=("input 'input_ids'", "dim 0", "no element")):
@@ -255,6 +266,16 @@ def test_a_flattened_batch_x_sequence_dim_is_cut_between_samples():
            "pins": {"up": "[S(0), S(0)]"}}
     results = _check(cfg)
     assert all(r["flat_uneven_edges"] > 0 for r in results), [r["flat_uneven_edges"] for r in results]
+
+
+def test_a_softmax_cut_on_its_reduced_dim_serves_rows_cut_unevenly_on_another_axis():
+    # the scores' softmax pinned to the batch over one axis and its reduced (key) dim over the
+    # other: batch 5 gives the data axis pieces of 3 and 2 samples, and the ranks that reduce the
+    # row statistics together hold the same samples, so the sharded softmax runs (it was refused)
+    cfg = {"model": "flat_rows", "kind": "memory", "mesh": (2, 2), "planned": (8, 16), "shapes": [(5, 24)],
+           "pins": {"softmax": "[S(0), S(3)]"}}
+    results = _check(cfg)
+    assert all(r["sharded_softmax"] for r in results), results
 
 
 def test_dims_hold_the_blocks_a_flattened_batch_was_made_of():
