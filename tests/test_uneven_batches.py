@@ -25,6 +25,7 @@ from parity_utils import (
     capture_served,
     check_grads_by_alias,
     loss_of,
+    nested_approx_equal,
     pins_for,
     prebuilt,
     run_checked,
@@ -33,6 +34,7 @@ from parity_utils import (
 
 from partitioner import hf_families, models
 from passes.core.placements import Shard, rank_local_shape, split_size
+from runtime.collectives import CommCounter
 
 TIMEOUT_S = 240
 # a LLaMA-sized Starcoder2 (grouped-query attention, biased projections, LayerNorm), built from its config
@@ -151,9 +153,13 @@ def uneven_worker(rank, world, cfg):
         if piped:
             loss = pm.train_step(inputs)
         else:
-            out = call(pm, inputs)
-            loss = loss_of(out)
-            loss.backward()
+            with CommCounter() as counter:
+                out = call(pm, inputs)
+                loss = loss_of(out)
+                loss.backward()
+            if (batch, seq) == cfg.get("planned"):  # the plan's own shapes: it sends what it priced
+                for diff in nested_approx_equal(counter.as_dict(), pm.plan.estimate().comm_bytes):
+                    checks.true(f"communication at batch {batch}, seq {seq}: {diff}", False)
         ref_out = call(ref, inputs)
         loss_of(ref_out).backward()
         checks.close(f"loss at batch {batch}, seq {seq}", loss.detach(), loss_of(ref_out).detach())
@@ -278,28 +284,41 @@ def test_a_softmax_cut_on_its_reduced_dim_serves_rows_cut_unevenly_on_another_ax
     assert all(r["sharded_softmax"] for r in results), results
 
 
+def test_a_flattened_dim_the_plan_cut_across_samples_is_cut_by_elements():
+    # planned at batch 2: the pinned rows (2 samples x 16) over 4 ranks are half samples each, so
+    # the plan's pieces straddle samples; at batch 2 and at batch 6, seq 24 (144 rows: 36 each)
+    # they are cut by elements as the plan cut them, not between samples (2 samples over 4 ranks
+    # would leave two ranks none); at batch 2 it sends what the plan priced
+    cfg = {"model": "flat_rows", "kind": "memory", "mesh": (2, 2), "planned": (2, 16), "shapes": [(2, 16), (6, 24)],
+           "pins": {"up": "[S(0), S(0)]"}}
+    results = _check(cfg)
+    assert all(r["flat_uneven_edges"] == 0 for r in results), [r["flat_uneven_edges"] for r in results]
+
+
 def test_dims_hold_the_blocks_a_flattened_batch_was_made_of():
     from partitioner.captures import captured
     from passes.analysis.dim_blocks import dim_blocks
 
-    model = FlatRowsLM()
-    cap = captured(model, _batch(6, 24), layers="auto", autocast_dtype=None, sequence_parallel=None, routing=False)
-    blocks = {node.name: outs[0] for node, outs in dim_blocks(cap.graph).items() if outs and outs[0] is not None}
-    rows = [name for name, dims in blocks.items() if dims and dims[0] == (6, 24)]
-    # the rows from the flatten to the head, and the flattened labels, are 6 samples of 24 rows
-    assert {"reshape_1", "linear_2", "gelu", "linear_3", "add_1", "linear_4", "reshape_2"} <= set(rows), rows
-    assert blocks["view_1"][:2] == [(6, 1), (24, 1)]  # unflattened back: plain dims
-    assert blocks["reshape"][2] == (4, 16)  # heads x head size: the hidden dim follows whole heads
-    assert blocks["softmax"] == [(6, 1), (4, 1), (24, 1), (24, 1)]
-    # grouped-query attention: the repeated key/value heads are 2 groups of 2 heads, the query's 4
-    # heads; attention holds the finer (where both are cut evenly their pieces are the same), and
-    # its output heads x head size after are cut between heads, not between key/value groups
-    model, _ = FACTORIES["llama"]()
-    cap = captured(model, _batch(6, 24), layers="auto", autocast_dtype=None, sequence_parallel=None, routing=False)
-    blocks = {node.name: outs[0] for node, outs in dim_blocks(cap.graph).items() if outs and outs[0] is not None}
-    assert blocks["reshape"][1] == (2, 2), blocks["reshape"]
-    assert blocks["scaled_dot_product_attention"][1] == (4, 1)
-    assert blocks["reshape_3"][2] == (4, 16)
+    def blocks_of(model):
+        cap = captured(model, _batch(6, 24), layers="auto", autocast_dtype=None, sequence_parallel=None,
+                       routing=False)
+        return {node.name: outs[0] for node, outs in dim_blocks(cap.graph).items() if outs and outs[0] is not None}
+
+    blocks = blocks_of(FlatRowsLM())
+    batch = ("input_ids", 0)
+    rows = [name for name, dims in blocks.items() if dims and dims[0] == (6, 24, batch)]
+    # the rows from the flatten to the head are 6 samples of 24 rows (the flattened labels too,
+    # from their own input)
+    assert {"reshape_1", "linear_2", "gelu", "linear_3", "add_1", "linear_4"} <= set(rows), rows
+    assert blocks["reshape_2"][0] == (6, 24, ("labels", 0))
+    assert blocks["view_1"][:2] == [(6, 1, batch), (24, 1, None)]  # unflattened back: the samples again
+    assert blocks["softmax"][:2] == [(6, 1, batch), (4, 1, None)]  # heads: no input sizes them
+    assert blocks["reshape"][2] == (64, 1, None)  # heads x head size: cut by elements
+    # grouped-query attention: [B, kv, rep, S, D] -> [B, kv * rep, S, D] makes 4 heads of one (no
+    # input sizes the key/value heads), so the repeated keys are cut as the query's heads are
+    blocks = blocks_of(FACTORIES["llama"]()[0])
+    assert blocks["reshape"][1] == (4, 1, None), blocks["reshape"]
+    assert blocks["scaled_dot_product_attention"][:2] == [(6, 1, batch), (4, 1, None)]
 
 
 def test_a_reshape_of_pieces_unequal_on_two_dims_takes_each_size_from_its_run_of_dims():

@@ -7,27 +7,33 @@ flat dim is its whole samples, ``S`` elements each. Whether such a dim's pieces 
 question about ``B``, not about ``B * S`` (144 = 6 x 24 divides by 4; 6 samples do not).
 
 :func:`dim_blocks` walks a captured graph once and gives every value, per dim, its *blocks*
-``(count, size)``: the dim holds ``count`` blocks of ``size`` elements that every cut keeps whole
-(``size`` 1 for a dim as made), or ``None`` where the walk cannot tell (then a caller treats the
-dim's pieces as unknown). The walk:
+``(count, size, source)``: the dim holds ``count`` blocks of ``size`` elements, ``count`` being the
+size of ``source``, an input placeholder's dim (``("input_ids", 0)``: the batch), or None for a dim no input's
+dim sizes (a weight's heads); the whole value is None where the walk cannot tell. The walk:
 
-* a placeholder, and an op other than a reshape all of whose inputs hold dims of blocks of 1,
-  makes dims of blocks of 1;
+* an input makes each dim one block per element, its own source; another placeholder, and an op
+  other than a reshape all of whose inputs hold dims of blocks of 1, make dims of blocks of 1
+  with no source;
 * a reshape follows its runs of dims with equal products (:func:`passes.rules.views.view_groups`):
   the outermost output dim of a run whose size is a multiple of the count of the run's
-  outermost input dim keeps that count (its blocks ``size / count`` elements: ``[6, 24, 64] ->
-  [144, 64]`` makes ``(6, 24)``, and back ``(6, 1)``); one coarser than blocks of several
-  elements is unknown (a row would hold parts of two blocks); another output dim is made anew;
+  outermost input dim, where that dim has a source, keeps its count and source (its blocks ``size
+  / count`` elements: ``[6, 24, 64] -> [144, 64]`` makes ``(6, 24, batch)``, and back ``(6, 1,
+  batch)``); one coarser than blocks of several elements is unknown (a row would hold parts of
+  two blocks); another output dim is made anew (grouped-query attention's ``[B, kv, rep, S, D] ->
+  [B, kv * rep, S, D]`` makes 4 heads of one: no input sizes ``kv``);
 * any other op passes a dim's blocks to the output dim its rule's strategies map it to
   (``Shard(d)`` in, ``Shard(e)`` out, equal sizes): transposes, elementwise ops, matmuls'
-  batch and row dims, reductions' kept dims; where inputs hold it in nested blocks (``(2, 2)`` and
-  ``(4, 1)``), the finest (where all are cut evenly, their pieces are the same; where one is not,
-  its own input is marked uneven as the op reads it), where they do not nest, unknown; an output
-  dim no strategy maps an input dim to is made anew (blocks of 1); an op with no rule (it runs
-  replicated, and how a later cut of its output meets its input's blocks is not known) makes
-  every dim unknown.
+  batch and row dims, reductions' kept dims; where inputs hold it in nested blocks, the finest
+  (where all are cut evenly, their pieces are the same; where one is not, its own input is marked
+  uneven as the op reads it), where they do not nest, unknown; an output dim no strategy maps an
+  input dim to is made anew; an op with no rule (it runs replicated, and how a later cut of its
+  output meets its input's blocks is not known) makes every dim unknown.
 
-A dim is cut evenly over ``n`` pieces iff its block count divides by ``n``.
+Where a plan cut whole blocks (its own count of the source divides the dim's pieces: lowering
+checks it, :class:`passes.lower.lower_to_local._UnevenPieces`), the dim's pieces are whole blocks
+at any size, and its pieces are equal iff its block count divides by their number; a dim the
+plan cut across blocks (a flattened batch of 2 over 4 ranks) is cut by elements.
+
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from passes.analysis.analyze import info
 from passes.core.placements import Shard
 from passes.rules import IGNORED_OPS, has_rule, op_view, rule_for, tensor_input_nodes
 from passes.rules.views import view_groups
@@ -47,16 +54,20 @@ aten = torch.ops.aten
 
 RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int)
 
-Blocks = tuple[int, int]
-"""``(count, size)``: ``count`` blocks of ``size`` elements, cut only between blocks."""
+Blocks = tuple
+"""``(count, size, source)``: ``count`` blocks of ``size`` elements, cut only between blocks;
+``source``: the input placeholder's ``(node name, dim)`` whose size ``count`` is, or None."""
 
 
 def dim_blocks(graph: fx.Graph) -> dict:
-    """Node -> per output, per dim: ``(count, size)`` or ``None`` (unknown); shapes from ``meta``."""
+    """Node -> per output, per dim: ``(count, size, source)`` or ``None`` (unknown); shapes from
+    ``meta``."""
     blocks: dict = {}
     for node in graph.nodes:
         shapes = op_view(node).out_shapes if node.op == "call_function" else _shapes_of(node)
-        made = [None if s is None else [(int(n), 1) for n in s] for s in shapes]
+        made: list = [None if s is None else [(int(n), 1, None) for n in s] for s in shapes]
+        if node.op == "placeholder" and info(node).kind == "input" and made and made[0] is not None:
+            made[0] = [(n, 1, (node.name, d)) for d, (n, _, _) in enumerate(made[0])]
         inputs = tensor_input_nodes(node) if node.op == "call_function" else []
         if node.target in RESHAPES or any(not _made_here(_first(blocks.get(u))) for u in inputs):
             made = _passed_on(node, blocks, made)
@@ -75,8 +86,8 @@ def _first(outs):
 
 
 def _made_here(dims) -> bool:
-    """Does every dim of a value hold blocks of one element (or is the value no tensor)?"""
-    return dims is None or all(b is not None and b[1] == 1 for b in dims)
+    """Does every dim of a value hold blocks of one element with no source (or is the value no tensor)?"""
+    return dims is None or all(b is not None and b[1] == 1 and b[2] is None for b in dims)
 
 
 def _passed_on(node: fx.Node, blocks: dict, made: list) -> list:
@@ -98,7 +109,11 @@ def _passed_on(node: fx.Node, blocks: dict, made: list) -> list:
             if not isinstance(out, Shard) or j >= len(made) or made[j] is None:
                 continue
             for k, p in enumerate(strategy.ins[: len(ins)]):
-                if isinstance(p, Shard) and ins[k] is not None and view.in_shapes[k][p.dim] == made[j][out.dim][0]:
+                if (
+                    isinstance(p, Shard)
+                    and ins[k] is not None
+                    and view.in_shapes[k][p.dim] == made[j][out.dim][0] * made[j][out.dim][1]
+                ):
                     found.setdefault((j, out.dim), set()).add(ins[k][p.dim])
     for (j, e), seen in found.items():
         made[j][e] = _finest(seen)
@@ -112,15 +127,15 @@ def _finest(seen: set) -> Blocks | None:
     nest (or one is unknown)."""
     if None in seen:
         return None
-    fine = max(seen)
-    if all(fine[0] % count == 0 and size % fine[1] == 0 for count, size in seen):
+    fine = max(seen, key=lambda b: (b[0], b[2] is not None))
+    if all(fine[0] % count == 0 and size % fine[1] == 0 for count, size, _ in seen):
         return fine
     return None
 
 
 def _reshaped(ins: list, in_shape, out_shape) -> list:
     """The blocks of a reshape's output dims from its input's, run by run."""
-    out: list[Blocks | None] = [(int(n), 1) for n in out_shape]
+    out: list[Blocks | None] = [(int(n), 1, None) for n in out_shape]
     for in_dims, out_dims in view_groups(in_shape, out_shape):
         outer_in = next((d for d in in_dims if in_shape[d] > 1), None)
         outer_out = next((d for d in out_dims if out_shape[d] > 1), None)
@@ -129,8 +144,8 @@ def _reshaped(ins: list, in_shape, out_shape) -> list:
         held = ins[outer_in]
         if held is None:  # pieces of unknown arrangement stay unknown
             out[outer_out] = None
-        elif out_shape[outer_out] % held[0] == 0:  # whole blocks, each split finer (or kept)
-            out[outer_out] = (held[0], out_shape[outer_out] // held[0])
+        elif held[2] is not None and out_shape[outer_out] % held[0] == 0:  # whole blocks, split finer (or kept)
+            out[outer_out] = (held[0], out_shape[outer_out] // held[0], held[2])
         elif held[1] > 1:  # blocks of several elements straddling the output's rows
             out[outer_out] = None
     return out

@@ -43,7 +43,7 @@ from torch.utils import _pytree as pytree
 
 from passes.analysis.analyze import info
 from passes.analysis.dim_blocks import dim_blocks
-from passes.analysis.shape_check import uneven_dims
+from passes.analysis.shape_check import cut_pieces, uneven_dims
 from passes.core.node_info import grad_flows
 from passes.core.placements import (
     dual_spec,
@@ -151,17 +151,24 @@ class LowerCall:
 class _UnevenPieces:
     """Which dims of which values are cut into unequal pieces at these shapes.
 
-    Every dim is cut between its blocks (:mod:`passes.analysis.dim_blocks`: a flattened batch x
-    sequence dim between samples), like ``torch.tensor_split`` of its block count, so its pieces
-    are unequal where that count does not divide by its pieces, as it is produced or as an op
-    reads it (a batch kept whole, cut later): ``[6 * 24, H]`` over 4 ranks is, ``[6, 4, 24, 24]``
-    cut on its last two dims is not. The mesh axes cutting such a dim are the *uneven axes*; a dim
-    whose blocks the walk could not follow, in a value computed from the inputs, counts as uneven
+    A dim holding blocks that the plan cut whole (:mod:`passes.analysis.dim_blocks`: a flattened
+    batch x sequence dim whose samples the plan's own batch divided among its pieces) is cut
+    between blocks at any size, like ``torch.tensor_split`` of its block count; any other dim like
+    ``tensor_split`` of its elements. Its pieces are unequal where that count does not divide by
+    their number, as it is produced or as an op reads it (a batch kept whole, cut later): the
+    144 rows of batch 6, seq 24 over 4 ranks are, attention scores ``[6, 4, 24, 24]`` cut on their
+    two sequence dims are not. The mesh axes cutting such a dim are the *uneven axes*; a dim whose
+    blocks the walk could not follow, in a value computed from the inputs, counts as uneven
     wherever one of them cuts it."""
 
     def __init__(self, graph: fx.Graph, records: dict[str, NodeRecord], comm: MeshComm):
         self.mesh = comm.shape
         self.blocks = dim_blocks(graph)
+        self.planned = {  # an input's sizes at the shapes the plan was made for
+            node.name: records[node.name].shapes[0]
+            for node in graph.nodes
+            if node.op == "placeholder" and node.name in records and records[node.name].shapes
+        }
         self.from_inputs: set = set()
         self.axes: set = set()
         for node in graph.nodes:
@@ -188,20 +195,42 @@ class _UnevenPieces:
         for d in self._unequal(node, spec):
             self.axes.update(a for a, p in enumerate(spec) if getattr(p, "dim", None) == d)
 
+    def _whole_blocks(self, node: fx.Node, spec) -> dict:
+        """Dim -> its blocks, for the dims of ``node`` that ``spec`` cuts between blocks (the plan's
+        own count of their source divides their pieces)."""
+        held = (self.blocks.get(node) or [None])[0] or []
+        out = {}
+        for d, b in enumerate(held):
+            if b is None or b[1] == 1 or b[2] is None:
+                continue
+            name, dim = b[2]
+            planned = self.planned.get(name)
+            pieces = cut_pieces(spec, d, self.mesh)[1]
+            if planned is not None and dim < len(planned) and pieces > 1 and planned[dim] % pieces == 0:
+                out[d] = b
+        return out
+
     def _unequal(self, node: fx.Node, spec) -> set:
-        """The dims whose block counts ``spec`` cuts into unequal pieces (unknown ones aside)."""
-        dims = (self.blocks.get(node) or [None])[0]
+        """The dims ``spec`` cuts into unequal pieces (unknown ones aside)."""
         shape = info(node).out_shapes[0] if info(node).out_shapes else None
-        if dims is None or shape is None or len(dims) != len(shape):
-            return uneven_dims(shape, spec, self.mesh)
-        counts = [shape[d] if b is None else b[0] for d, b in enumerate(dims)]
+        if shape is None:
+            return set()
+        counts = list(shape)
+        for d, b in self._whole_blocks(node, spec).items():
+            counts[d] = b[0]
         return uneven_dims(counts, spec, self.mesh)
 
-    def sample_sizes(self, node: fx.Node, dims) -> dict:
-        """Per dim of ``dims``, the elements of one block along it (a split keeps them together,
-        as the cut that made the pieces did): ``S`` for a flattened batch x sequence dim."""
-        held = (self.blocks.get(node) or [None])[0] or []
-        return {d: held[d][1] if d < len(held) and held[d] is not None else 1 for d in dims}
+    def sample_sizes(self, node: fx.Node, dims, specs) -> dict:
+        """Per dim of ``dims``, the elements of one block along it where one of ``specs`` (the
+        edge's placements) cuts it between blocks (a split keeps them together, as the cut that
+        made the pieces did: ``S`` for a flattened batch x sequence dim); 1 elsewhere."""
+        out = {d: 1 for d in dims}
+        for spec in specs:
+            if spec is not None:
+                for d, b in self._whole_blocks(node, spec).items():
+                    if d in out:
+                        out[d] = b[1]
+        return out
 
     def of(self, node: fx.Node, spec=None) -> set:
         """The uneven dims of ``node``'s (first) output, placed ``spec`` (default: as produced)."""
@@ -532,7 +561,7 @@ class _Lowering:
             edge = self.b.root.get_submodule(str(made.target))
             assert isinstance(edge, Reshard), edge
             edge.uneven = uneven
-            edge.uneven_units = self.b.uneven.sample_sizes(u, uneven)
+            edge.uneven_units = self.b.uneven.sample_sizes(u, uneven, (src, dst, grad))
         if made is not value and k in (self.record(node).regather_inputs or ()):
             # an activation kept as its shard, gathered again in backward (passes/plan/activation_regather.py)
             edge = self.b.root.get_submodule(str(made.target))
