@@ -320,6 +320,21 @@ def test_dims_hold_the_blocks_a_flattened_batch_was_made_of():
     assert blocks["reshape"][1] == (4, 1, None), blocks["reshape"]
     assert blocks["scaled_dot_product_attention"][:2] == [(6, 1, batch), (4, 1, None)]
 
+    class ScaledInPlace(torch.nn.Module):  # CTRL's embedding scale: an in-place op with no rule
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(128, 16), torch.nn.Linear(16, 128)
+
+        def forward(self, input_ids, labels):
+            x = self.embed(input_ids)
+            x.mul_(4.0)
+            logits = self.head(x.reshape(-1, 16))
+            return torch.nn.functional.cross_entropy(logits, labels.reshape(-1))
+
+    blocks = blocks_of(ScaledInPlace())
+    assert blocks["mul_"] == [(6, 1, batch), (24, 1, ("input_ids", 1)), (16, 1, None)]
+    assert blocks["linear"][0] == (6, 24, batch)  # the logits' rows line up with the labels'
+
 
 def test_a_reshape_of_pieces_unequal_on_two_dims_takes_each_size_from_its_run_of_dims():
     from passes.rules.views import view_groups
