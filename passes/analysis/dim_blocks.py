@@ -26,8 +26,8 @@ dim sizes (a weight's heads); the whole value is None where the walk cannot tell
   batch and row dims, reductions' kept dims; where inputs hold it in nested blocks, the finest
   (where all are cut evenly, their pieces are the same; where one is not, its own input is marked
   uneven as the op reads it), where they do not nest, unknown; an output dim no strategy maps an
-  input dim to is made anew; an op with no rule (it runs replicated) passes the blocks of an input
-  shaped like its output (an in-place update), dim by dim, and makes every other dim unknown.
+  input dim to is made anew; an op with no rule (it runs replicated) passes, dim by dim, the blocks
+  of the first input of its output's rank where the sizes agree, and makes every other dim unknown.
 
 Where a plan cut whole blocks (its own count of the source divides the dim's pieces: lowering
 checks it, :class:`passes.lower.lower_to_local._UnevenPieces`), the dim's pieces are whole blocks
@@ -100,11 +100,16 @@ def _passed_on(node: fx.Node, blocks: dict, made: list) -> list:
     ins = [_first(blocks.get(u)) for u in tensor_input_nodes(node)]
     view = op_view(node)
     if not has_rule(node):
-        # it runs replicated: an output shaped like an input (an in-place update: CTRL's embedding
-        # scale ``mul_``) holds that input's blocks, where its later cut keeps them; others unknown
-        like = next((b for b, shape in zip(ins, view.in_shapes) if b is not None and shape == view.out_shapes[0]), None)
-        unknown = [None if dims is None else [None] * len(dims) for dims in made]
-        return [list(like)] + unknown[1:] if like is not None else unknown
+        # it runs replicated: an output dim of the size of the same dim of an input of its rank
+        # holds that dim's blocks (an in-place update, CTRL's embedding scale; Mamba-2's conv1d keeps
+        # [B, C] of [B, C, S]), so a later cut keeps them as its neighbours' cuts do; others unknown
+        like = next(
+            (b for b, shape in zip(ins, view.in_shapes) if b is not None and len(b) == len(made[0] or ())), None
+        )
+        if like is None or made[0] is None:
+            return [None if dims is None else [None] * len(dims) for dims in made]
+        kept = [b if b is not None and b[0] * b[1] == n else None for b, (n, _, _) in zip(like, made[0])]
+        return [kept] + [None if dims is None else [None] * len(dims) for dims in made[1:]]
     if node.target in RESHAPES and ins[0] is not None and made[0] is not None:
         return [_reshaped(ins[0], view.in_shapes[0], view.out_shapes[0])] + made[1:]
     found: dict = {}
