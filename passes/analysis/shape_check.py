@@ -24,7 +24,15 @@ from __future__ import annotations
 from passes.analysis.analyze import info
 from passes.core.placements import parse_spec, rank_local_shape, split_size
 
-__all__ = ["ShapeMismatchError", "check_divisible", "check_servable", "rank_local_shape", "split_size", "uneven_dims"]
+__all__ = [
+    "ShapeMismatchError",
+    "check_divisible",
+    "cut_pieces",
+    "check_servable",
+    "rank_local_shape",
+    "split_size",
+    "uneven_dims",
+]
 
 
 class ShapeMismatchError(ValueError):
@@ -32,7 +40,8 @@ class ShapeMismatchError(ValueError):
     :func:`check_divisible`, does not divide)."""
 
 
-def _pieces(spec, dim: int, mesh_shape) -> tuple[list, int]:
+def cut_pieces(spec, dim: int, mesh_shape) -> tuple[list, int]:
+    """The mesh axes (of more than one device) that ``spec`` cuts ``dim`` over, and into how many pieces."""
     axes = [axis for axis, p in enumerate(spec) if getattr(p, "dim", None) == dim and mesh_shape[axis] > 1]
     pieces = 1
     for axis in axes:
@@ -44,7 +53,7 @@ def uneven_dims(shape, spec, mesh_shape) -> set:
     """The dims of ``shape`` that ``spec`` cuts into pieces of unequal sizes."""
     if shape is None or spec is None:
         return set()
-    return {d for d, size in enumerate(shape) if size % _pieces(spec, d, mesh_shape)[1]}
+    return {d for d, size in enumerate(shape) if size % cut_pieces(spec, d, mesh_shape)[1]}
 
 
 def _walk(cap, records: dict, mesh_shape, axis_names, refuse) -> None:
@@ -58,7 +67,7 @@ def _walk(cap, records: dict, mesh_shape, axis_names, refuse) -> None:
                 continue
             spec = parse_spec(text, ndim)
             for dim, size in enumerate(shape):
-                axes, pieces = _pieces(spec, dim, mesh_shape)
+                axes, pieces = cut_pieces(spec, dim, mesh_shape)
                 if pieces > 1 and refuse(size, pieces):
                     raise ShapeMismatchError(_message(node, dim, size, axes, pieces, mesh_shape, axis_names, refuse))
 

@@ -42,7 +42,8 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from passes.analysis.analyze import info
-from passes.analysis.shape_check import uneven_dims
+from passes.analysis.dim_blocks import dim_blocks
+from passes.analysis.shape_check import cut_pieces, uneven_dims
 from passes.core.node_info import grad_flows
 from passes.core.placements import (
     dual_spec,
@@ -150,19 +151,26 @@ class LowerCall:
 class _UnevenPieces:
     """Which dims of which values are cut into unequal pieces at these shapes.
 
-    A dim of a value computed from the inputs (or of an input) is uneven where its size does not
-    divide by its pieces, as it is produced or as an op reads it (a batch kept whole, cut later);
-    the mesh axes cutting such a dim are the *uneven axes*. Pieces of a value computed from the inputs may then differ
-    in size along every dim those axes cut (a flattened batch x sequence dim divides while its
-    pieces, whole samples, do not), so every such dim counts as uneven, as does any dim whose
-    size does not divide. Values computed from weights alone (their gathers and gradient syncs)
-    are never uneven."""
+    A dim holding blocks that the plan cut whole (:mod:`passes.analysis.dim_blocks`: a flattened
+    batch x sequence dim whose samples the plan's own batch divided among its pieces) is cut
+    between blocks at any size, like ``torch.tensor_split`` of its block count; any other dim like
+    ``tensor_split`` of its elements. Its pieces are unequal where that count does not divide by
+    their number, as it is produced or as an op reads it (a batch kept whole, cut later): the
+    144 rows of batch 6, seq 24 over 4 ranks are, attention scores ``[6, 4, 24, 24]`` cut on their
+    two sequence dims are not. The mesh axes cutting such a dim are the *uneven axes*; a dim whose
+    blocks the walk could not follow, in a value computed from the inputs, counts as uneven
+    wherever one of them cuts it."""
 
     def __init__(self, graph: fx.Graph, records: dict[str, NodeRecord], comm: MeshComm):
         self.mesh = comm.shape
+        self.blocks = dim_blocks(graph)
+        self.planned = {  # an input's sizes at the shapes the plan was made for
+            node.name: records[node.name].shapes[0]
+            for node in graph.nodes
+            if node.op == "placeholder" and node.name in records and records[node.name].shapes
+        }
         self.from_inputs: set = set()
         self.axes: set = set()
-        self.samples: set = set()  # the sizes of the dims cut unevenly (the batch)
         for node in graph.nodes:
             if node.op == "placeholder":
                 if info(node).kind == "input":
@@ -181,44 +189,63 @@ class _UnevenPieces:
 
     def _cut_unevenly(self, node: fx.Node, text, ndim: int) -> None:
         """Add the mesh axes that cut a dim of ``node``'s output placed ``text`` unevenly."""
-        shape = info(node).out_shapes[0] if info(node).out_shapes else None
-        if text is None or shape is None:
+        if text is None:
             return
         spec = parse_spec(text, ndim)
-        for d in uneven_dims(shape, spec, self.mesh):
+        for d in self._unequal(node, spec):
             self.axes.update(a for a, p in enumerate(spec) if getattr(p, "dim", None) == d)
-            self.samples.add(int(shape[d]))
 
-    def sample_sizes(self, node: fx.Node, dims) -> dict:
-        """Per dim of ``dims``, the elements of one sample along it: where ``node`` flattens a
-        batch cut unevenly with the dims after it (``[B, S, H] -> [B * S, H]``), ``S`` for its dim
-        0, so that a cut of the flat dim keeps whole samples together as the batch's own cut
-        does; 1 elsewhere (cut like ``torch.tensor_split``)."""
+    def _whole_blocks(self, node: fx.Node, spec) -> dict:
+        """Dim -> its blocks, for the dims of ``node`` that ``spec`` cuts between blocks (the plan's
+        own count of their source divides their pieces)."""
+        held = (self.blocks.get(node) or [None])[0] or []
+        out = {}
+        for d, b in enumerate(held):
+            if b is None or b[1] == 1 or b[2] is None:
+                continue
+            name, dim = b[2]
+            planned = self.planned.get(name)
+            pieces = cut_pieces(spec, d, self.mesh)[1]
+            if planned is not None and dim < len(planned) and pieces > 1 and planned[dim] % pieces == 0:
+                out[d] = b
+        return out
+
+    def _unequal(self, node: fx.Node, spec) -> set:
+        """The dims ``spec`` cuts into unequal pieces (unknown ones aside)."""
+        shape = info(node).out_shapes[0] if info(node).out_shapes else None
+        if shape is None:
+            return set()
+        counts = list(shape)
+        for d, b in self._whole_blocks(node, spec).items():
+            counts[d] = b[0]
+        return uneven_dims(counts, spec, self.mesh)
+
+    def sample_sizes(self, node: fx.Node, dims, specs) -> dict:
+        """Per dim of ``dims``, the elements of one block along it where one of ``specs`` (the
+        edge's placements) cuts it between blocks (a split keeps them together, as the cut that
+        made the pieces did: ``S`` for a flattened batch x sequence dim); 1 elsewhere."""
         out = {d: 1 for d in dims}
-        if node.target not in _SIZED_VIEWS or 0 not in out or not info(node).out_shapes:
-            return out
-        source = tensor_input_nodes(node)[0] if tensor_input_nodes(node) else None
-        before = info(source).out_shapes[0] if source is not None and info(source).out_shapes else None
-        flat = int(info(node).out_shapes[0][0])
-        if before is None or len(before) < 2 or int(before[0]) not in self.samples:
-            return out
-        merged = 1
-        for size in before:
-            merged *= int(size)
-            if merged == flat:
-                out[0] = flat // int(before[0])
-                break
+        for spec in specs:
+            if spec is not None:
+                for d, b in self._whole_blocks(node, spec).items():
+                    if d in out:
+                        out[d] = b[1]
         return out
 
     def of(self, node: fx.Node, spec=None) -> set:
         """The uneven dims of ``node``'s (first) output, placed ``spec`` (default: as produced)."""
         spec = spec if spec is not None else self.specs.get(node)
-        shape = info(node).out_shapes[0] if info(node).out_shapes else None
-        if spec is None or shape is None:
+        if spec is None or not info(node).out_shapes or info(node).out_shapes[0] is None:
             return set()
-        dims = uneven_dims(shape, spec, self.mesh)
+        dims = self._unequal(node, spec)
         if node in self.from_inputs:
-            dims |= {p.dim for a, p in enumerate(spec) if a in self.axes and getattr(p, "dim", None) is not None}
+            held = (self.blocks.get(node) or [None])[0]
+            unknown = {d for d, b in enumerate(held or ()) if b is None} if held is not None else None
+            dims |= {
+                p.dim
+                for a, p in enumerate(spec)
+                if a in self.axes and getattr(p, "dim", None) is not None and (unknown is None or p.dim in unknown)
+            }
         return dims
 
 
@@ -534,7 +561,7 @@ class _Lowering:
             edge = self.b.root.get_submodule(str(made.target))
             assert isinstance(edge, Reshard), edge
             edge.uneven = uneven
-            edge.uneven_units = self.b.uneven.sample_sizes(u, uneven)
+            edge.uneven_units = self.b.uneven.sample_sizes(u, uneven, (src, dst, grad))
         if made is not value and k in (self.record(node).regather_inputs or ()):
             # an activation kept as its shard, gathered again in backward (passes/plan/activation_regather.py)
             edge = self.b.root.get_submodule(str(made.target))

@@ -126,7 +126,12 @@ class SoftmaxRule(OpRule):
         from runtime.local_ops import ShardedSoftmax
 
         log = call.node.target in (aten.log_softmax.int, aten._log_softmax.default)
-        return call.call_module(ShardedSoftmax(call.comm, dim, axes, log), (call.args[0],))
+        module = ShardedSoftmax(call.comm, dim, axes, log)
+        # the ranks of ``axes`` differ only in their coordinates there, which cut ``dim``: they hold
+        # the same rows however unequal the rows' pieces are (a batch cut unevenly on another axis);
+        # the reduced dim itself must be cut evenly
+        module.uneven_pieces_ok = dim not in call.uneven_in(0)
+        return call.call_module(module, (call.args[0],))
 
     def flops(self, op: OpView) -> float:
         return 5.0 * math.prod(op.out_shape)
