@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 import torch.fx.config  # noqa: F401  (fx.config.do_not_emit_stack_traces)
 
+from passes.capture.autocast_regions import inline_autocast_regions
 from passes.capture.experts_op import check_droppable, experts_as_ops
 
 __all__ = [
@@ -249,6 +250,7 @@ def capture(
         for log, level in zip(torch_logs, saved_levels):
             log.setLevel(level)
 
+    inline_autocast_regions(exported.graph_module)  # a region under another autocast state: plain nodes
     signature = exported.graph_signature
     params = dict(signature.inputs_to_parameters)
     buffers = dict(signature.inputs_to_buffers)

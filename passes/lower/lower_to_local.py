@@ -43,6 +43,7 @@ from torch.utils import _pytree as pytree
 
 from passes.analysis.analyze import info
 from passes.analysis.shape_check import uneven_dims
+from passes.capture.autocast_regions import AUTOCAST_KEY
 from passes.core.node_info import grad_flows
 from passes.core.placements import (
     dual_spec,
@@ -61,6 +62,7 @@ from passes.lower.strided_layout import edge_strided, strided_chains
 from passes.plan.output_placement import required_output_spec
 from passes.rules import op_view, rule_for, tensor_input_nodes
 from passes.rules.views import view_groups
+from runtime.autocast_state import enter_autocast, exit_autocast
 from runtime.collectives import MeshComm
 from runtime.optimizer_shards import ZERO1_KEY
 from runtime.recompute import CheckpointRegion
@@ -407,11 +409,18 @@ class _Lowering:
         b.graph.output(pytree.tree_map(lambda a: out_value(a) if isinstance(a, fx.Node) else a, node.args[0]))
 
     def op(self, node) -> None:
-        b, env, ndim = self.b, self.env, self.comm.ndim
         rec = self.record(node)
         if rec.recompute:  # a whole layer, or an attention core (selective recomputation)
             self.open_layer = rec.region or f"{rec.block}[{rec.block_index}]"
-            self.layers.setdefault(self.open_layer, [_last(b.graph), None])
+            self.layers.setdefault(self.open_layer, [_last(self.b.graph), None])
+        state = node.meta.get(AUTOCAST_KEY)  # a node the model runs under another autocast state
+        context = self.b.graph.call_function(enter_autocast, tuple(state)) if state is not None else None
+        self.op_body(node, rec)
+        if context is not None:
+            self.b.graph.call_function(exit_autocast, (context,))
+
+    def op_body(self, node, rec: NodeRecord) -> None:
+        b, env, ndim = self.b, self.env, self.comm.ndim
         ins = _specs(rec.ins, ndim)
         grads = _specs(rec.grads if rec.grads is not None else [None] * len(ins), ndim)
         outs = _specs(rec.out, ndim)
