@@ -336,7 +336,8 @@ def build(
             if isinstance(value, float):
                 overrides[key] = dropout
             elif isinstance(value, (list, tuple)) and value and all(isinstance(v, float) for v in value):
-                overrides[key] = [dropout] * len(overrides.get(key, value))  # one per stage (CvT's lists)
+                given = overrides.get(key, value)  # one per stage (CvT's lists), as many as the sizes give
+                overrides[key] = [dropout] * (len(given) if isinstance(given, (list, tuple)) else len(value))
     config = config_cls(**overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config)
