@@ -16,9 +16,11 @@ back from the split (:func:`strided_chains`):
   member from a value that is not one cuts and gathers in the strided layout
   (:func:`edge_strided`), and a value held in contiguous blocks cannot enter (refused, naming it).
 
-A member read by an op outside every chain of the same layout would hand that op strided blocks
-it takes for contiguous ones, so such a plan is refused, naming both nodes; several splits of one
-value (RoFormer's layers each split the one position table) share its chain.
+Several splits of one value (RoFormer's layers each split the one position table) share its
+members. A member read by an op outside them (RoFormer's ``reshape_as`` of the table, a graph
+output) is gathered or moved from its strided blocks (the edge's ``src_strided``); one that op
+would read sharded as it is would take strided blocks for contiguous ones, so that plan is
+refused, naming both nodes.
 """
 
 from __future__ import annotations
