@@ -17,7 +17,7 @@ back from the split (:func:`strided_chains`):
   (:func:`edge_strided`), and a value held in contiguous blocks cannot enter (refused, naming it).
 
 Several splits of one value (RoFormer's layers each split the one position table) share its
-members. A member read by an op outside them (RoFormer's ``reshape_as`` of the table, a graph
+members. A member read by an op outside them (a sum with the whole table, a graph
 output) is gathered or moved from its strided blocks (the edge's ``src_strided``); one that op
 would read sharded as it is would take strided blocks for contiguous ones, so that plan is
 refused, naming both nodes.
