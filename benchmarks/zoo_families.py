@@ -255,7 +255,8 @@ VISION = {
     "resnet": (
         "ResNetConfig",
         "ResNetForImageClassification",
-        dict(IMAGE, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1]),
+        # GroupNorm's groups must divide every width (the bottlenecks' are a quarter: 4 and 8)
+        dict(IMAGE, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_groups=4),
         "image",
     ),
     "regnet": (
@@ -279,7 +280,8 @@ VISION = {
     "bit": (
         "BitConfig",
         "BitForImageClassification",
-        dict(IMAGE, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1]),
+        # GroupNorm's groups must divide every width (the bottlenecks' are a quarter: 4 and 8)
+        dict(IMAGE, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_groups=4),
         "image",
     ),
     "poolformer": (
@@ -330,7 +332,8 @@ VISION = {
     "cvt": (
         "CvtConfig",
         "CvtForImageClassification",
-        dict(IMAGE, embed_dim=[16, 32, 48], num_heads=[1, 2, 2], depth=[1, 1, 1]),
+        # stage i reads its layers' drop-path list at index i (HF's CvtStage), so stage i needs i + 1 layers
+        dict(IMAGE, embed_dim=[16, 32, 48], num_heads=[1, 2, 2], depth=[1, 2, 3]),
         "image",
     ),
     "focalnet": (

@@ -55,7 +55,7 @@ _DROPOUT_KEYS = (
 )
 
 # any other config key ending so is a dropout probability too (SeedOss's ``residual_dropout``)
-_DROPOUT_ENDINGS = ("dropout", "_pdrop", "dropout_prob", "dropout_rate")
+_DROPOUT_ENDINGS = ("dropout", "_pdrop", "dropout_prob", "dropout_rate", "drop_rate")
 
 _VISION_SIZES = dict(
     num_hidden_layers=2,
@@ -331,7 +331,13 @@ def build(
     defaults = config_cls()
     if dropout is not None:
         keys = set(_DROPOUT_KEYS) | {key for key in vars(defaults) if key.endswith(_DROPOUT_ENDINGS)}
-        overrides.update({key: dropout for key in sorted(keys) if isinstance(getattr(defaults, key, None), float)})
+        for key in sorted(keys):
+            value = getattr(defaults, key, None)
+            if isinstance(value, float):
+                overrides[key] = dropout
+            elif isinstance(value, (list, tuple)) and value and all(isinstance(v, float) for v in value):
+                given = overrides.get(key, value)  # one per stage (CvT's lists), as many as the sizes give
+                overrides[key] = [dropout] * (len(given) if isinstance(given, (list, tuple)) else len(value))
     config = config_cls(**overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config)
@@ -340,7 +346,8 @@ def build(
     model.train()
     g = torch.Generator().manual_seed(seed)
     if kind in ("image", "image_distillation"):
-        pixels = torch.randn(batch, 3, config.image_size, config.image_size, generator=g)
+        side = config.image_size  # a number, or (height, width) (PVTv2's config keeps a pair)
+        pixels = torch.randn(batch, 3, *(side if isinstance(side, (list, tuple)) else (side, side)), generator=g)
         inputs = {"pixel_values": pixels, "labels": torch.randint(0, config.num_labels, (batch,), generator=g)}
         if kind == "image":
             return model, inputs

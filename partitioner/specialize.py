@@ -36,7 +36,8 @@ from passes.analysis.analyze import info
 from passes.analysis.shape_check import check_servable
 from passes.capture.capture import graph_fingerprint
 from passes.core.placements import format_spec, parse_spec
-from passes.lower.lower_to_local import lower_to_local, strided_parameters
+from passes.lower.lower_to_local import lower_to_local
+from passes.lower.strided_layout import strided_parameters
 from passes.rules import op_name
 from runtime.collectives import on_rank0
 from runtime.parallel_module import Variant

@@ -34,7 +34,7 @@ from partitioner.safetensors_source import SafetensorsCheckpoint, is_safetensors
 from partitioner.state_names import checkpoint_names, tied_names
 from passes.core.placements import format_spec, parse_spec
 from passes.core.plan_records import typed_by_name
-from passes.lower.lower_to_local import strided_parameters
+from passes.lower.strided_layout import strided_parameters
 from runtime.tensor_shards import shard_tensor
 
 __all__ = ["WeightSource", "LocalWeights", "load_local_weights", "shard_weights", "tie_weights"]
@@ -138,7 +138,7 @@ def shard_weights(cap, specs: dict, comm, strided: dict, source: WeightSource, d
     """Cut every parameter and buffer placeholder of ``cap`` to this rank's piece.
 
     ``specs``: placeholder name -> planned placement; ``strided``: FQN -> {axis: pieces}
-    (:func:`passes.lower.lower_to_local.strided_parameters`); ``exported``: where lifted constants live.
+    (:func:`passes.lower.strided_layout.strided_parameters`); ``exported``: where lifted constants live.
     """
     out = LocalWeights()
     dtypes = {n.name: n.meta["val"].dtype for n in cap.graph.nodes if n.op == "placeholder" and "val" in n.meta}

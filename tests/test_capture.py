@@ -81,13 +81,32 @@ class ItemAsShape(nn.Module):
         return torch.zeros(int(x.max().item())) + 1
 
 
-@pytest.mark.parametrize("model_cls,x", [(BranchOnValue, torch.randn(2, 4)),
-                                         (ItemAsShape, torch.tensor([3.0, 1.0]))])
-def test_export_failure_is_a_clear_capture_error(model_cls, x):
+class BranchOnItem(nn.Module):
+    """Longformer's and LED's ``is_global_attn = mask.any().item(); if is_global_attn:``."""
+
+    def forward(self, x):
+        anything = (x > 0).any().item()
+        if anything:
+            return x * 2
+        return x
+
+
+@pytest.mark.parametrize(
+    "model_cls,x,code",
+    [
+        (BranchOnValue, torch.randn(2, 4), "if x.sum() > 0:"),
+        (ItemAsShape, torch.tensor([3.0, 1.0]), "return torch.zeros(int(x.max().item())) + 1"),
+        (BranchOnItem, torch.randn(2, 4), "if anything:"),
+    ],
+)
+def test_export_failure_is_a_clear_capture_error(model_cls, x, code):
+    """The error names the model, the line of its code export stopped at (file, line and the
+    code itself, also where torch's message names none) and what to do."""
     with pytest.raises(partitioner.CaptureError) as err:
         capture(model_cls(), (x,))
     message = str(err.value)
     assert model_cls.__name__ in message
+    assert "test_capture.py:" in message and f"`{code}`" in message, message
     assert "What to do" in message
     assert "torch.where" in message or "torch.cond" in message, message
 

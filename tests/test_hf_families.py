@@ -162,6 +162,23 @@ def test_unknown_output_type_gets_a_hint_in_our_words():
         capture(ReturnsObject(), (torch.ones(2),))
 
 
+def test_the_builder_zeroes_per_stage_dropout_lists_and_reads_an_image_size_pair():
+    """CvT keeps its dropout probabilities as one list per stage (stochastic depth 0.1 in its last
+    stage by default): the builder sets each entry, so two forward passes in train mode agree;
+    PVTv2's config keeps its image size as (height, width): the pixels take both."""
+    image = dict(image_size=32, num_labels=10)
+    cvt = ("CvtConfig", "CvtForImageClassification", dict(image, embed_dim=[8, 8, 8], num_heads=[1, 1, 1]), "image")
+    model, inputs = hf_families.build("cvt", spec=(*cvt[:2], dict(cvt[2], depth=[1, 2, 3]), "image"))
+    assert list(model.config.drop_path_rate) == [0.0, 0.0, 0.0] and list(model.config.drop_rate) == [0.0] * 3
+    torch.testing.assert_close(model(**inputs).logits, model(**inputs).logits, rtol=0, atol=0)
+    pvt = dict(image, num_encoder_blocks=1, depths=[1], sr_ratios=[1], hidden_sizes=[8], num_attention_heads=[1])
+    model, inputs = hf_families.build(
+        "pvt_v2", spec=("PvtV2Config", "PvtV2ForImageClassification", dict(pvt, patch_sizes=[7], strides=[4]), "image")
+    )
+    assert tuple(inputs["pixel_values"].shape) == (4, 3, 32, 32)
+    model(**inputs).loss.backward()
+
+
 def _grads(model, inputs, halves: int) -> dict:
     """One device: the gradients of the batch's mean loss, the batch summed in ``halves`` pieces."""
     model.zero_grad()

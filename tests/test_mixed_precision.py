@@ -83,20 +83,26 @@ def precision_worker(rank, world, cfg):
         g32 = fp32_grads[name].grad
         noise = ((p.grad - g32).norm() / g32.norm().clamp_min(1e-30)).item()
         _normwise(checks, f"grad of {name} (reference noise {noise:.1e})", grads[name], p.grad, max(4 * u, 2 * noise))
+    masters_after_adamw(pm, ref, lambda: pm(*inputs), ref_loss, checks)
+    return {"rank": rank, "failures": checks.failures, "bytes": counter.as_dict()}
+
+
+def masters_after_adamw(pm, ref, parallel_loss, ref_loss, checks, steps=3):
+    """``steps`` AdamW steps of ``pm`` and ``ref`` in lockstep (the first from the gradients they
+    hold), then every fp32 master against the reference's parameter."""
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=ADAM_EPS)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=ADAM_EPS)
-    for step in range(3):
+    for step in range(steps):
         if step:
             opt.zero_grad()
             ref_opt.zero_grad()
-            pm(*inputs).backward()
+            parallel_loss().backward()
             ref_loss().backward()
         opt.step()
         ref_opt.step()
     state = pm.full_state_dict()
     for name, p in ref.named_parameters():
-        checks.close(f"fp32 master {name} after 3 AdamW steps", state[name], p.detach(), atol=2e-3, rtol=0.0)
-    return {"rank": rank, "failures": checks.failures, "bytes": counter.as_dict()}
+        checks.close(f"fp32 master {name} after {steps} AdamW steps", state[name], p.detach(), atol=2e-3, rtol=0.0)
 
 
 @pytest.mark.parametrize("prec", ["bf16", "fp16"])
@@ -306,3 +312,68 @@ def test_gradients_reduce_in_the_policys_dtype():
     fp32, bf16 = results[0]["counted"]["torch.float32"], results[0]["counted"]["torch.bfloat16"]
     assert fp32["all_reduce"]["a0"] > 0
     assert bf16["all_reduce"]["a0"] == fp32["all_reduce"]["a0"] / 2
+
+
+class FullPrecisionRegion(torch.nn.Module):
+    """A region run with autocast off, as Nemotron's ``LayerNorm1P`` is: its matmul adds numbers
+    bf16 cannot hold apart (1000 + h: bf16's spacing there is 4), so computed in bf16 the region
+    would lose ``h`` altogether, far beyond any rounding tolerance."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Parameter(torch.randn(8, 4))
+
+    def forward(self, x, target):
+        h = torch.tanh(self.proj(x))
+        with torch.autocast("cpu", enabled=False):
+            y = (h.float() + 1000.0) @ self.head - 1000.0 * self.head.sum(0)
+        return torch.nn.functional.mse_loss(y, target)
+
+
+def _region_model():
+    torch.manual_seed(0)
+    return FullPrecisionRegion(), {"x": torch.randn(8, 6, 8), "target": torch.randn(8, 6, 4)}
+
+
+def test_an_autocast_region_is_captured_as_plain_marked_nodes():
+    from passes.capture.autocast_regions import AUTOCAST_KEY
+    from passes.capture.capture import capture
+
+    model, inputs = _region_model()
+    cap = capture(model, inputs, autocast_dtype=torch.bfloat16)
+    ops = [n for n in cap.graph.nodes if n.op == "call_function"]
+    assert not [n for n in ops if "wrap_with_autocast" in str(n.target)]
+    assert not [n for n in cap.graph.nodes if n.op == "get_attr"]
+    # (device type, dtype, enabled, cache): the region's matmul runs with autocast off, the linear before it on
+    off = {str(n.target) for n in ops if n.meta.get(AUTOCAST_KEY, (None, None, True))[:3:2] == ("cpu", False)}
+    assert "aten.matmul.default" in off and "aten.linear.default" not in off, off
+
+
+def region_worker(rank, world, cfg):
+    checks = Checks(rank)
+    model, inputs = _region_model()
+    ref = copy.deepcopy(model)
+    pm = partitioner.auto_parallelize(model, inputs, mesh=(2,), cluster="h100", precision="bf16")
+    with CommCounter() as counter:
+        loss = pm(**inputs)
+        loss.backward()
+    for diff in nested_approx_equal(counter.as_dict(), pm.plan.estimate().comm_bytes):
+        checks.true(f"communication: {diff}", False)
+
+    def ref_loss():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return ref(**inputs)
+
+    expected = ref_loss()
+    expected.backward()
+    checks.close("loss", loss.detach(), expected.detach(), rtol=4 * U["bf16"], atol=0.0)
+    grads = pm.full_grads()
+    for name, p in ref.named_parameters():
+        _normwise(checks, f"grad of {name}", grads[name], p.grad, 4 * U["bf16"])
+    masters_after_adamw(pm, ref, lambda: pm(**inputs), ref_loss, checks)
+    return {"rank": rank, "failures": checks.failures}
+
+
+def test_a_region_the_model_runs_with_autocast_off_runs_so_in_parallel():
+    run_checked(region_worker, {"mesh": (2,)}, TIMEOUT_S)

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import io
+import linecache
 import logging
+import os
 import re
+import traceback
 import warnings
 from dataclasses import dataclass
 
@@ -22,6 +25,7 @@ import torch
 import torch.fx as fx
 import torch.fx.config  # noqa: F401  (fx.config.do_not_emit_stack_traces)
 
+from passes.capture.autocast_regions import inline_autocast_regions
 from passes.capture.experts_op import check_droppable, experts_as_ops
 
 __all__ = [
@@ -121,6 +125,36 @@ def training_configs(model: torch.nn.Module):
     finally:
         for config in configs.values():
             config.use_cache = True
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # passes/
+
+
+def _site_of(message: str, exc: BaseException) -> str:
+    """Where the model's code met the construct: the last call the message names, else the
+    deepest frame of the failure (and of its causes) outside torch and Partita, with its line."""
+    named = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', message)
+    if named:
+        path, line, func = named[-1]
+    else:
+        frames: list = []
+        seen: set = set()
+        failure: BaseException | None = exc
+        while failure is not None and id(failure) not in seen:
+            seen.add(id(failure))
+            frames = traceback.extract_tb(failure.__traceback__) + frames
+            failure = failure.__cause__ or failure.__context__
+        model = [
+            f
+            for f in frames
+            if not f.filename.startswith((_TORCH_DIR, _OWN_DIR, "<")) and "contextlib" not in f.filename
+        ]
+        if not model:
+            return ""
+        path, line, func = model[-1].filename, str(model[-1].lineno), model[-1].name
+    code = linecache.getline(path, int(line)).strip()
+    return f" (at {path}:{line} in {func}" + (f": `{code}`)" if code else ")")
 
 
 def _hint_for(message: str) -> str:
@@ -236,8 +270,7 @@ def capture(
     except Exception as exc:  # export raises many types; all become one clear error
         message = str(exc).strip()
         first = next((line for line in message.splitlines() if line.strip()), type(exc).__name__)
-        where = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', message)
-        site = f" (at {where[-1][0]}:{where[-1][1]} in {where[-1][2]})" if where else ""
+        site = _site_of(message, exc)
         error = CaptureError(
             f"could not capture {type(model).__name__} with torch.export: {type(exc).__name__}: "
             f"{first[:400]}{site}. What to do: {_hint_for(message)}."
@@ -249,6 +282,7 @@ def capture(
         for log, level in zip(torch_logs, saved_levels):
             log.setLevel(level)
 
+    inline_autocast_regions(exported.graph_module)  # a region under another autocast state: plain nodes
     signature = exported.graph_signature
     params = dict(signature.inputs_to_parameters)
     buffers = dict(signature.inputs_to_buffers)

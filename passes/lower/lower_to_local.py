@@ -44,6 +44,7 @@ from torch.utils import _pytree as pytree
 from passes.analysis.analyze import info
 from passes.analysis.dim_blocks import dim_blocks
 from passes.analysis.shape_check import cut_pieces, uneven_dims
+from passes.capture.autocast_regions import AUTOCAST_KEY
 from passes.core.node_info import grad_flows
 from passes.core.placements import (
     dual_spec,
@@ -56,21 +57,20 @@ from passes.core.placements import (
     zero1_grad_spec,
 )
 from passes.core.plan_records import NodeRecord, typed_by_name
+from passes.lower.errors import LoweringError
 from passes.lower.prefetch_gathers import prefetch_gathers
+from passes.lower.strided_layout import edge_strided, strided_chains
 from passes.plan.output_placement import required_output_spec
 from passes.rules import op_view, rule_for, tensor_input_nodes
 from passes.rules.views import view_groups
+from runtime.autocast_state import enter_autocast, exit_autocast
 from runtime.collectives import MeshComm
 from runtime.optimizer_shards import ZERO1_KEY
 from runtime.recompute import CheckpointRegion
 from runtime.regather import REGATHER_KEY
 from runtime.reshard import Reshard
 
-__all__ = ["LowerCall", "lower_to_local", "LoweringError", "outline_recomputed", "strided_parameters"]
-
-
-class LoweringError(ValueError):
-    """The plan does not fit the graph being lowered."""
+__all__ = ["LowerCall", "lower_to_local", "LoweringError", "outline_recomputed"]
 
 
 def _specs(values, ndim):
@@ -345,80 +345,6 @@ def _fill_nodes(obj, values: list):
     return pytree.tree_map(lambda a: next(it) if isinstance(a, fx.Node) else a, obj)
 
 
-def _strided_chains(graph: fx.Graph, records: dict[str, NodeRecord], comm: MeshComm) -> dict:
-    """Nodes whose sharded values are strided: chain node -> {axis: pieces}.
-
-    A split of a sharded dim (rule note ``strided``) needs each rank to hold its block of every
-    piece. The values from the matmul that makes the dim to the split (through single-input
-    ops) are laid out that way, and so are the matmul's parameters (loaded strided by
-    ``auto_parallelize``). Edges into the chain that reshard on those axes must cut and gather
-    in that layout too (e.g. a replicated bias sliced for a column-parallel fused QKV).
-    """
-    chains = {}
-    for node in graph.nodes:
-        record = records.get(node.name)
-        notes = (record.notes if record is not None else None) or {}
-        axes = [comm.axis_names.index(a) for a, note in notes.items() if note == "strided"]
-        axes = [a for a in axes if comm.shape[a] > 1]
-        if not axes:
-            continue
-        pieces = len(info(node).out_shapes)
-        chain, cur = [node], node.args[0]
-        while cur.op == "call_function" and not rule_for(cur).contraction:
-            data = [a for a in tensor_input_nodes(cur) if info(a).kind != "param"]
-            if len(data) != 1:
-                break
-            chain.append(cur)
-            cur = data[0]
-        if cur.op != "call_function" or not rule_for(cur).contraction:
-            raise LoweringError(
-                f"node {node.name} splits a sharded dim, but no matmul produces it; this plan cannot "
-                f"be lowered (pin {node.name}'s input to Replicate on that axis)"
-            )
-        chain.append(cur)
-        for n in chain:
-            chains.setdefault(n, {}).update({a: pieces for a in axes})
-        members = set(chain)
-        for n in chain[1:]:
-            spec = _specs(records[n.name].out, comm.ndim)[0]
-            outside = [u for u in n.users if u not in members]
-            if outside and any(getattr(spec[a], "dim", None) is not None for a in axes):
-                raise LoweringError(
-                    f"{n.name} holds a strided shard (for the split {node.name}) and is also used by "
-                    f"{outside[0].name}; this plan cannot be lowered (pin {n.name} to Replicate on "
-                    f"mesh axes {[comm.axis_names[a] for a in axes]})"
-                )
-    return chains
-
-
-def strided_parameters(graph: fx.Graph, records: Mapping[str, NodeRecord | dict], comm: MeshComm) -> dict:
-    """Parameters to load in the strided layout (the matmuls ending :func:`_strided_chains`):
-    FQN -> {axis: pieces}. ``records``: the plan's records by node name, typed or as the JSON holds them."""
-    records = typed_by_name(records)
-    out = {}
-    for node, axes in _strided_chains(graph, records, comm).items():
-        if node.op == "call_function" and rule_for(node).contraction:
-            reads = _specs(records[node.name].ins, comm.ndim)
-            for param, read in zip(tensor_input_nodes(node), reads):
-                if info(param).kind == "param":
-                    rec = records[param.name]
-                    held = parse_spec(rec.stored or rec.out[0], comm.ndim)
-                    out.setdefault(info(param).name, {}).update(_strided_where_read(held, read, axes))
-    return out
-
-
-def _strided_where_read(held, read, axes: dict) -> dict:
-    """The axes of ``axes`` (axis -> pieces) on which a parameter placed ``held`` is stored in
-    the strided layout: those where it shards the dim its consumer reads strided (``read``). On
-    an axis where it shards another dim (a ZeRO-3 weight cut for storage along its other dim)
-    its blocks are contiguous: the edge gathers them and cuts the strided shard."""
-    return {
-        a: f
-        for a, f in axes.items()
-        if getattr(read[a], "dim", None) is not None and getattr(held[a], "dim", None) == read[a].dim
-    }
-
-
 def lower_to_local(
     graph: fx.Graph,
     records: Mapping[str, NodeRecord | dict],
@@ -451,7 +377,7 @@ class _Lowering:
         self.out_specs: dict = {}
         self.output_specs: list = []  # the placement of each value the program returns
         self.output_shapes: list = []  # and its whole shape (to gather pieces that may be unequal)
-        self.chains = _strided_chains(graph, records, comm)
+        self.chains = strided_chains(graph, records, comm)
         self.zero1: dict = {}  # ZeRO-1 / offloaded parameter -> (compute copy's placement, the stepped one's, on host)
         self.grad_dst: dict = {}  # ZeRO-1 parameter -> where its edges leave the gradient
         self.layers: dict = {}  # recomputed layer -> [node before its first emitted node, its last emitted node]
@@ -496,11 +422,13 @@ class _Lowering:
         b, env, out_specs = self.b, self.env, self.out_specs
 
         def out_value(n, counter=counter):
-            v = env[n]
-            wanted = required_output_spec(self.graph, next(counter), out_specs[n][0])
+            v, src = env[n], out_specs[n][0]
+            wanted = required_output_spec(self.graph, next(counter), src)
+            # a value laid out strided for a later split is gathered from its strided blocks
+            _, held = edge_strided(node, n, src, wanted or src, self.chains, self.comm)
             if wanted is not None:
                 # the caller's gradient arrives in the placement returned (a loss: replicated)
-                v = b.reshard(v, out_specs[n][0], wanted, wanted, "output")
+                v = b.reshard(v, src, wanted, wanted, "output", src_strided=held)
             self.output_specs.append(wanted or out_specs[n][0])
             self.output_shapes.append(info(n).out_shapes[0])
             return v
@@ -508,11 +436,18 @@ class _Lowering:
         b.graph.output(pytree.tree_map(lambda a: out_value(a) if isinstance(a, fx.Node) else a, node.args[0]))
 
     def op(self, node) -> None:
-        b, env, ndim = self.b, self.env, self.comm.ndim
         rec = self.record(node)
         if rec.recompute:  # a whole layer, or an attention core (selective recomputation)
             self.open_layer = rec.region or f"{rec.block}[{rec.block_index}]"
-            self.layers.setdefault(self.open_layer, [_last(b.graph), None])
+            self.layers.setdefault(self.open_layer, [_last(self.b.graph), None])
+        state = node.meta.get(AUTOCAST_KEY)  # a node the model runs under another autocast state
+        context = self.b.graph.call_function(enter_autocast, tuple(state)) if state is not None else None
+        self.op_body(node, rec)
+        if context is not None:
+            self.b.graph.call_function(exit_autocast, (context,))
+
+    def op_body(self, node, rec: NodeRecord) -> None:
+        b, env, ndim = self.b, self.env, self.comm.ndim
         ins = _specs(rec.ins, ndim)
         grads = _specs(rec.grads if rec.grads is not None else [None] * len(ins), ndim)
         outs = _specs(rec.out, ndim)
@@ -544,7 +479,7 @@ class _Lowering:
         if dst is None or src is None:
             return value
         grad = grad if grad_flows(u, node) else None
-        strided, src_strided = _edge_strided(node, u, src, dst, self.chains, self.comm)
+        strided, src_strided = edge_strided(node, u, src, dst, self.chains, self.comm)
         uneven = _uneven_edge_dims(node, u, src, dst, grad, strided, src_strided, self.b.uneven)
         made = self.b.reshard(
             value,
@@ -681,28 +616,3 @@ def _bucketable(graph, b) -> dict:
         if len(moving) == 1 and moving[0][1].sync_moves is not None:
             out[moving[0][0]] = node.name
     return out
-
-
-def _edge_strided(node, u, src, dst, chains, comm):
-    """The strided layouts on the edge ``u -> node`` (see :func:`_strided_chains`)."""
-    on = {a: f for a, f in chains.get(node, {}).items() if getattr(dst[a], "dim", None) is not None}
-    if not on:
-        return None, None
-    if u in chains:  # inside the chain: both ends strided, nothing may move
-        moved = [a for a in on if src[a] != dst[a]]
-        if moved:
-            raise LoweringError(
-                f"the edge {u.name} -> {node.name} reshards a strided shard on mesh axes "
-                f"{[comm.axis_names[a] for a in moved]}; this plan cannot be lowered"
-            )
-        return None, None
-    if info(u).kind == "param" and rule_for(node).contraction:  # loaded strided where it is sharded
-        return on, _strided_where_read(src, dst, on)
-    contiguous = [a for a in on if getattr(src[a], "dim", None) is not None]
-    if contiguous:
-        raise LoweringError(
-            f"{u.name} arrives at {node.name} sharded on mesh axes "
-            f"{[comm.axis_names[a] for a in contiguous]} in contiguous blocks, but {node.name} needs "
-            f"the strided layout of a later split; this plan cannot be lowered"
-        )
-    return on, None

@@ -158,16 +158,12 @@ def _form_groups(graph: fx.Graph, blocks: Blocks, b: SpaceBuilder) -> tuple:
                 leader_here = gi
         if leader_here is not None:
             g = groups[leader_here]
-            for opt in g.options:
+            for opt in g.options:  # an input is keyed by its representative (a tied weight's other name)
                 if _is_getitem(node):
-                    src = opt[node.args[0]]
+                    src = opt[rep(node.args[0])]
                     opt[node] = NodeChoice(strategy=None, out=(src.out[node.args[1]],), ins=(None,))
                 else:
-                    given = []
-                    for a in tensor_input_nodes(node):
-                        c = opt[a]
-                        given.append(c.out[0])
-                    opt[node] = b.follow(node, given)
+                    opt[node] = b.follow(node, [opt[rep(a)].out[0] for a in tensor_input_nodes(node)])
             g.members.append(node)
             group_of[node] = leader_here
             continue

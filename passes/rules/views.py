@@ -10,7 +10,8 @@ non-trivial dim can carry a shard, because a contiguous block of the flattened g
 block of its first dim on either side (``[b, s, h] -> [b, s, nh, hd]`` maps ``h`` to ``nh``).
 ``split``/``chunk`` of a sharded dim into equal pieces is offered with the note ``strided``:
 each rank then holds its slice of every piece, and lowering lays the producer's weight out
-to match (Megatron's fused QKV).
+to match (Megatron's fused QKV; :mod:`passes.lower.strided_layout`). ``view_as`` /
+``reshape_as`` / ``expand_as`` lower to ``reshape`` / ``expand`` to the rank's own output piece.
 """
 
 from __future__ import annotations
@@ -86,6 +87,14 @@ def _norm(dim, rank):
     return dim + rank if dim < 0 else dim
 
 
+# ops that take their output's shape from another tensor -> the op taking it as sizes
+_SHAPED_AS = {
+    aten.view_as.default: aten.reshape.default,
+    aten.reshape_as.default: aten.reshape.default,
+    aten.expand_as.default: aten.expand.default,
+}
+
+
 class DimMapRule(OpRule):
     """A view-like op described by ``dim_map(op) -> {in_dim: out_dim}``."""
 
@@ -103,6 +112,10 @@ class DimMapRule(OpRule):
     def lower(self, call):
         """Rewrite size arguments to this rank's local sizes."""
         target, args = call.node.target, list(call.args)
+        if target in _SHAPED_AS:
+            # the shape comes from the rank's own output piece, not from the other tensor's, which
+            # may be placed otherwise (RoFormer reshapes to a value cut on other mesh axes)
+            target, args = _SHAPED_AS[target], [args[0], None]
         if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default):
             args[1] = list(call.local_out_shape)
             if target is not aten.expand.default and args[1].count(-1) > 1:
@@ -114,6 +127,7 @@ class DimMapRule(OpRule):
                 # redundant there); a rank's local input may come from a collective or a kernel
                 # laid out otherwise, so reshape (a view whenever the strides allow one)
                 return call.emit(target=aten.reshape.default, args=args)
+            return call.emit(target=target, args=args)
         elif target is aten.unflatten.int:
             dim = _norm(args[1], len(call.view.in_shapes[0]))
             args[2] = list(call.local_out_shape[dim : dim + len(args[2])])
