@@ -25,8 +25,8 @@
   (``partitioner.demo``). A test that only hands ``run_on_ranks`` bad arguments is counted too.
 * **The longest tests start first.** The ``multiproc`` tests (a few CPU-seconds each, the two-host
   job and the composition matrix a minute or more) are moved ahead of the single-process ones,
-  each tier in its own order. Under ``pytest -n 2`` a worker that draws a long test late leaves
-  the other core idle at the end of the run; with the long ones first, the many short tests
+  each tier in its own order. Under ``pytest -n 3`` a worker that draws a long test late leaves
+  the other cores idle at the end of the run; with the long ones first, the many short tests
   fill the gaps at the end instead. Only the order changes: every test runs, alone, as before.
 * **A process group in this process.** ``fake_process_group(n)`` starts torch's ``fake``
   backend as rank 0 of ``n`` (collectives do nothing) and destroys it after the test: for

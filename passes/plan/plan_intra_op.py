@@ -328,9 +328,7 @@ def plan_intra_op(
 
     alternatives = _alternatives(space, result.choice, axis_names, redo)
     t3 = time.perf_counter()
-    stats = _stats(space, result, (t0, t1, t2, t3), n_opts, (overlap, hidden), records, least, least_kept)
-    if floor is not None:
-        stats["peak_floor"] = floor.total
+    stats = _stats(space, result, (t0, t1, t2, t3), n_opts, (overlap, hidden), records, (least, least_kept, floor))
     stats["ilp_solves"], stats["ilp_asked"] = len(solve.known), solve.asked  # distinct problems solved, and asked
     typed = [NodeRecord.from_dict(r) for r in records]
     latencies = step_latencies(typed, mesh_shape, axis_names, cluster)
@@ -417,12 +415,14 @@ def _no_plan(result, space, budget, host_budget, redo, time_limit, least) -> NoR
     )
 
 
-def _stats(space, result, times, n_opts, credits, records, least, least_kept) -> dict:
+def _stats(space, result, times, n_opts, credits, records, floors) -> dict:
     """The plan's ``stats``: phase times (``times``: start, space built, solved, decoded), the
     space's size, the solver's objective and gap, the overlap credits (``credits``: prefetched
-    gathers, gradient reductions) and the memory floors."""
+    gathers, gradient reductions) and the memory floors (``floors``: the least-memory plans'
+    peaks with and without recomputation, and the peak floor or None)."""
     t0, t1, t2, t3 = times
     overlap, hidden = credits
+    least, least_kept, floor = floors
     stats = {
         "build_s": t1 - t0,
         "solve_s": t2 - t1,
@@ -439,6 +439,8 @@ def _stats(space, result, times, n_opts, credits, records, least, least_kept) ->
         "least_memory": least,
         "least_memory_without_recompute": least_kept,
     }
+    if floor is not None:
+        stats["peak_floor"] = floor.total
     return stats
 
 
