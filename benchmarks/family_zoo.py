@@ -22,7 +22,7 @@ one forked group of gloo ranks:
 * ``--serve`` (token models): a plan made at batch 8, sequence 16 serves batch 6, sequence 24
   (pieces of unequal size), with the default call, mesh (2, 2), (4,) with the memory objective
   and (2, 2) with the memory objective; loss and every gradient at parity;
-* ``--grid`` (decoders, 8 ranks): forced 2.5D and 3D tensor parallelism on (2, 2, 2) at batch 2.
+* ``--grid`` (decoders): forced 2D tensor parallelism on (2, 2) and 2.5D and 3D on (2, 2, 2), at batch 2.
 
 One line per family and layout: ``OK``, ``FAIL`` with the first mismatches, or ``ERROR`` with the
 message; with ``--out PREFIX`` also ``PREFIX.json`` (every row) and ``PREFIX.md`` (the table). The
@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import sys
 import time
@@ -67,7 +68,9 @@ SERVE_LAYOUTS = {
     "b8->b6 s24 (4,) memory": dict(mesh=(4,), cluster="h100", objective="memory"),
     "b8->b6 s24 (2, 2) memory": dict(mesh=(2, 2), cluster="h100", objective="memory"),
 }
-GRID_LAYOUTS = {f"{tp} (2, 2, 2) b2": tp for tp in ("2.5d", "3d")}
+GRID_MESHES = {"2d": (2, 2), "2.5d": (2, 2, 2), "3d": (2, 2, 2)}
+"""The mesh each forced grid runs on (``--grid``): 2D on 4 ranks, 2.5D and 3D on 8."""
+GRID_LAYOUTS = {f"{tp} {mesh} b2": tp for tp, mesh in GRID_MESHES.items()}
 
 
 def bf16_worker(rank, world, cfg):
@@ -115,7 +118,8 @@ def grid_worker(rank, world, cfg):
     checks = Checks(rank)
     model, inputs = hf_families.build(cfg["family"], spec=cfg["spec"], batch=2)
     ref = copy.deepcopy(model)
-    pm = partitioner.auto_parallelize(model, inputs, mesh=(2, 2, 2), cluster="h100", tensor_parallel=cfg["options"])
+    mesh = GRID_MESHES[cfg["options"]]
+    pm = partitioner.auto_parallelize(model, inputs, mesh=mesh, cluster="h100", tensor_parallel=cfg["options"])
     _step_matches(pm, ref, inputs, checks, "loss")
     grids = sorted({r["tensor_parallel"] for r in pm.plan.records if r.get("tp_roles")})
     checks.true(f"no {cfg['options']} matmul in the plan (grids {grids})", cfg["options"] in grids)
@@ -169,7 +173,10 @@ def runs(args) -> list:
         if args.serve and kind in ("causal", "masked"):
             todo += [(family, k, lambda f=family, o=o: _other(serve_worker, 4, f, o)) for k, o in SERVE_LAYOUTS.items()]
         if args.grid and kind == "causal":
-            todo += [(family, k, lambda f=family, o=o: _other(grid_worker, 8, f, o)) for k, o in GRID_LAYOUTS.items()]
+            todo += [
+                (family, k, lambda f=family, o=o: _other(grid_worker, math.prod(GRID_MESHES[o]), f, o))
+                for k, o in GRID_LAYOUTS.items()
+            ]
     return todo
 
 
