@@ -96,7 +96,7 @@ def _check_pin_fits(key: str, value, spec, node) -> None:
     ndim = len(shape) if shape is not None else 0
     for p in spec:
         dim = getattr(p, "dim", None)
-        if dim is not None and not 0 <= dim < ndim:
+        if dim is not None and not -ndim <= dim < ndim:
             raise ValueError(
                 f"pin {key!r} = {value!r} shards dim {dim} of {info(node).name or node.name!r}, whose shape is "
                 f"{tuple(shape or ())}: it has no dim {dim}; narrow the pattern (e.g. '*.weight') or pin that "

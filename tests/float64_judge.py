@@ -54,6 +54,7 @@ failure (communication, names, output types, a pipelined copy's comparisons) sta
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 from parity_utils import ADAM_EPS, LR, Trajectory, call, grad_label, loss_of, param_label, step_loss_label
@@ -133,11 +134,18 @@ def error_ratios(model, inputs, parallel: Trajectory, one_device: Trajectory) ->
     }
 
 
-def _judged_label(what: str, steps: int, names) -> bool:
-    """Whether ``what`` labels one of the protocol's value comparisons."""
-    protocol = {"loss", *(step_loss_label(k) for k in range(1, steps))}
-    protocol |= {grad_label(n) for n in names} | {param_label(n, steps) for n in names}
-    return what in protocol
+def _ratio_labels(steps: int, names) -> dict:
+    """The protocol's value comparisons: each fp32 comparison's label -> the label of its ratio
+    (a gradient is judged at the first step, where the fp32 comparison looked at it)."""
+    out = {"loss": "loss", **{step_loss_label(k): step_loss_label(k) for k in range(1, steps)}}
+    out.update({grad_label(n): f"{grad_label(n)} at step 0" for n in names})
+    out.update({param_label(n, steps): param_label(n, steps) for n in names})
+    return out
+
+
+def _unordered(r: float) -> float:
+    """A ratio for ordering, NaN (a NaN value in a run) as the worst."""
+    return math.inf if math.isnan(r) else r
 
 
 def judge(checks, model, inputs, parallel: Trajectory, one_device: Trajectory) -> str:
@@ -148,14 +156,17 @@ def judge(checks, model, inputs, parallel: Trajectory, one_device: Trajectory) -
     (accepted) or ``"float64 judge rejected: ..."``; leaves every ratio in ``checks.ratios``."""
     steps = len(one_device.grads)
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    judged = {w: f for w, f in checks.close_failures.items() if _judged_label(w, steps, names)}
+    labels = _ratio_labels(steps, names)
+    judged = {w: f for w, f in checks.close_failures.items() if w in labels}
     if not judged:
         return "fp32 parity"
     ratios = error_ratios(model, inputs, parallel, one_device)
     checks.ratios = ratios
-    worst = max(ratios, key=ratios.__getitem__)
-    rejected = sorted((w for w, r in ratios.items() if r > FACTOR), key=lambda w: -ratios[w])
-    replaced = set(judged.values())
+    worst = max(ratios, key=lambda w: _unordered(ratios[w]))
+    # NaN is no ratio at all: `not r <= FACTOR` rejects it with the ratios over the factor
+    rejected = sorted((w for w, r in ratios.items() if not r <= FACTOR), key=lambda w: -_unordered(ratios[w]))
+    # a failure is replaced only where the judge has a ratio for it; the others stand as they failed
+    replaced = {f for w, f in judged.items() if labels[w] in ratios}
     checks.failures = [f for f in checks.failures if f not in replaced]
     for what in rejected:
         checks.failures.append(

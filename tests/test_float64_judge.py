@@ -19,7 +19,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from float64_judge import FACTOR, error_ratios, judge
-from parity_utils import Checks, call, check_grads_by_alias, loss_of, run_checked, train_like_one_device
+from parity_utils import (
+    ADAM_EPS,
+    LR,
+    Checks,
+    Trajectory,
+    call,
+    check_grads_by_alias,
+    loss_of,
+    run_checked,
+    train_like_one_device,
+)
 
 STEPS = 2
 DEFECT = "blocks.9.0.weight"  # a 1x1 convolution's weight, deep in the stack
@@ -134,3 +144,52 @@ def test_no_gradient_compares_only_with_no_gradient():
     missing = Checks(0)  # no gradient where one device has one
     check_grads_by_alias({"layer.weight": grads["layer.weight"]}, ref, missing)
     assert any("0 gradients for layer.bias" in f for f in missing.failures), missing.failures
+
+
+def _one_step(model, x, *, grad_fault=None) -> Trajectory:
+    """One AdamW step of ``model`` on ``x`` recorded as a run; ``grad_fault(name, grad)``: what
+    the recorded gradient becomes (a defect injected into a "parallel" run)."""
+    run = Trajectory()
+    loss = loss_of(call(model, (x,)))
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    if grad_fault is not None:
+        grads = {n: grad_fault(n, g) for n, g in grads.items()}
+    run.point(dict(model.named_parameters()), grads, loss)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS)
+    opt.step()
+    run.final = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return run
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))).square().mean()
+
+
+def _nan_in(name):
+    return lambda n, g: torch.full_like(g, float("nan")) if n == name else g
+
+
+def test_a_nan_is_rejected_and_a_failure_without_a_ratio_stands():
+    torch.manual_seed(0)
+    model, x = _Tiny(), torch.randn(8, 4)
+    one = _one_step(copy.deepcopy(model), x)
+    nan = _one_step(copy.deepcopy(model), x, grad_fault=_nan_in("a.bias"))
+    checks = Checks(0)
+    checks.close("grad of a.bias", nan.grads[0]["a.bias"], one.grads[0]["a.bias"])
+    verdict = judge(checks, model, (x,), nan, one)
+    assert verdict.startswith("float64 judge rejected ("), verdict
+    assert any("float64 judge: grad of a.bias at step 0" in f for f in checks.failures), checks.failures
+
+    # a failed gradient whose name the judge holds no ratio for (the run left it out) is not judged away
+    missing = _one_step(copy.deepcopy(model), x)
+    del missing.grads[0]["b.weight"]
+    checks = Checks(0)
+    checks.close("grad of b.weight", torch.zeros(1, 4), one.grads[0]["b.weight"])
+    judge(checks, model, (x,), missing, one)
+    assert any(f.startswith("rank 0: grad of b.weight:") for f in checks.failures), checks.failures

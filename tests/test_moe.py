@@ -11,7 +11,7 @@
   device (loss, aux loss, gradients, AdamW parameters; counted communication = estimate, the
   all-to-all as the mean over the ranks);
 * 4 gloo ranks, one forked group per mesh, two families each (Mixtral and OLMoE on (4,),
-  Qwen3-MoE and DeepSeek-V3 on (2, 2), in the slow tier; Mixtral's auxiliary-loss ``histc`` pinned to partial counts
+  Qwen3-MoE and DeepSeek-V3 on (2, 2); Mixtral's auxiliary-loss ``histc`` pinned to partial counts
   of a split input), ``expert_parallel="on"``: the loss (with the router's
   auxiliary loss), every gradient and the parameters after 2 AdamW steps equal one device's;
   where the experts run by all-to-all, the bytes each rank's all-to-alls send equal the formula
@@ -270,12 +270,8 @@ def _experts_name(model) -> str:
     [
         # the router's auxiliary loss counts tokens per expert with histc: pinned partial (split input)
         pytest.param((4,), [("mixtral", dict(_dispatch_pins(1), histc=["P"])), ("olmoe", None)], id="4"),
-        # more families, in the slow tier: Qwen3-MoE's experts split on (2, 2) with all-to-all
-        # dispatch train like one device in the everyday tier (test_moe_hidden_split.py), and the
-        # solver's own expert-parallel choice with the all-to-all formula runs on (4,) above
-        pytest.param(
-            (2, 2), [("qwen3_moe", _dispatch_pins(2)), ("deepseek_v3", None)], id="2x2", marks=pytest.mark.slow
-        ),
+        # DeepSeek-V3 (shared experts, grouped routing) runs nowhere else in the suite: everyday tier
+        pytest.param((2, 2), [("qwen3_moe", _dispatch_pins(2)), ("deepseek_v3", None)], id="2x2"),
     ],
 )
 def test_moe_families_expert_parallel_match_one_device(mesh, runs):

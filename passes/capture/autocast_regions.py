@@ -7,8 +7,8 @@ knows, whose body is a module attribute lowering cannot place. :func:`inline_aut
 copies each body into the graph in place of its call (bodies inside bodies first), and marks every
 copied node with the region's state (``node.meta[AUTOCAST_KEY]``: device type, dtype, enabled,
 cache), so the planner sees plain aten ops, with the dtypes export computed them in, and lowering
-runs each run of marked nodes inside that state (:mod:`runtime.autocast_state` around it,
-:mod:`passes.lower.lower_to_local`). An inner region's mark wins over an outer one's.
+runs each marked node inside that state (:mod:`runtime.autocast_state` entered before it and left
+after it, :mod:`passes.lower.lower_to_local`). An inner region's mark wins over an outer one's.
 """
 
 from __future__ import annotations

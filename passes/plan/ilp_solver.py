@@ -187,8 +187,10 @@ def problem_key(node_costs: list, memories: list, edges: list, **options) -> byt
             for item in value:
                 feed(item)
             digest.update(b"]")
-        else:
+        elif value is None or isinstance(value, (bool, int, float, str, np.number)):
             digest.update(f"{type(value).__name__}:{value!r};".encode())
+        else:  # a repr may summarise (a tensor's, a sparse matrix's): two problems could share it
+            raise TypeError(f"problem_key: no digest for {type(value).__name__}; pass numpy arrays or numbers")
 
     feed([node_costs, memories, edges, sorted(options.items())])
     return digest.digest()
