@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from passes.capture.errors import CaptureError
+
 __all__ = ["AUTOCAST_KEY", "inline_autocast_regions"]
 
 AUTOCAST_KEY = "partita.autocast"
@@ -59,15 +61,21 @@ def _inline(gm: fx.GraphModule, call: fx.Node) -> None:
                     copy.meta.setdefault("nn_module_stack", stack)
                 env[n] = copy
             else:
-                raise NotImplementedError(
-                    f"the autocast region {call.name} holds a {n.op} node ({n.name}); only ops are inlined"
+                raise CaptureError(
+                    f"the autocast region {call.name} (a `with torch.autocast(...)` block in the model) holds a "
+                    f"{n.op} node ({n.name}); only ops are inlined: capture without autocast (precision='fp32') "
+                    "or move that module call out of the block"
                 )
     for user in list(call.users):
         if user.op == "call_function" and user.target is operator.getitem:
             user.replace_all_uses_with(outputs[user.args[1]])
             gm.graph.erase_node(user)
     if call.users:
-        raise NotImplementedError(f"the autocast region {call.name} is read other than by its outputs' getitems")
+        raise CaptureError(
+            f"the autocast region {call.name} (a `with torch.autocast(...)` block in the model) is read other "
+            f"than by its outputs' getitems ({[u.name for u in call.users]}); capture without autocast "
+            "(precision='fp32')"
+        )
     gm.graph.erase_node(call)
     if not body_node.users:
         gm.graph.erase_node(body_node)

@@ -26,6 +26,7 @@ import torch.fx as fx
 import torch.fx.config  # noqa: F401  (fx.config.do_not_emit_stack_traces)
 
 from passes.capture.autocast_regions import inline_autocast_regions
+from passes.capture.errors import CaptureError
 from passes.capture.experts_op import check_droppable, experts_as_ops
 
 __all__ = [
@@ -37,12 +38,6 @@ __all__ = [
     "tied_placeholders",
     "training_configs",
 ]
-
-
-class CaptureError(RuntimeError):
-    """The model could not be captured as a graph (``partial_graph``: what export got to)."""
-
-    partial_graph: str = ""
 
 
 @dataclass
